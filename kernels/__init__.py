@@ -1,0 +1,6 @@
+"""Triton kernels (and their plain-PyTorch twins) for per-token-head quantized paged KV caches."""
+
+from layouts import (KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache,  # noqa: F401
+                     kv_cache_uses_per_token_head_scales)
+
+from .reference import pack_int4_nibbles, single_rht, unpack_int4_nibbles  # noqa: F401

@@ -1,0 +1,223 @@
+"""Plain-PyTorch oracle of every kernel: rotation, packing, quantization, cache writes.
+
+Nothing here is fast; everything here is the definition the Triton kernels are tested
+against (SPEC §3). Math runs in float32 on whatever device the inputs are on.
+
+Non-finite rows (any NaN/Inf in a row of K or V; for INT4 the rotation spreads one bad
+element over the whole row): every quantized mode stores codes 0 and the scale
+``NAN_SCALE_BITS`` (a quiet NaN, zero point 0), so the row dequantizes to all-NaN and
+never to plausible finite numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from layouts import RHT_SIGN_SEED, KVQuantMode, check_head_size
+
+from .reference_attention import dequantize_cache, reference_unified_attention  # noqa: F401
+
+INT8_QMAX = 127.0
+FP8_QMAX = 448.0
+INT4_LEVELS = 15.0
+MIN_SCALE = 1e-6
+NAN_SCALE_BITS = 0x7FC00000
+ZP_MASK = 0xF
+
+
+@functools.lru_cache(maxsize=None)
+def _rht_signs_cpu(head_size: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(RHT_SIGN_SEED)
+    b = torch.bernoulli(torch.full((head_size,), 0.5), generator=g)
+    return 2.0 * b - 1.0
+
+
+def rht_signs(head_size: int, device="cpu") -> torch.Tensor:
+    """The ±1 float32 vector ``s`` of length ``head_size`` (vLLM's seed and generator)."""
+    return _rht_signs_cpu(head_size).to(device)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh–Hadamard transform ``H·x`` over the last dim (float32 butterflies)."""
+    d = x.shape[-1]
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+def single_rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Signed Hadamard rotation of the last dim, computed in float32, returned in ``x.dtype``.
+
+    forward: ``H·(s ⊙ x)``; inverse: ``s ⊙ (H·y)``; ``inverse(forward(x)) == d·x``.
+
+    Parameters
+    ----------
+    x : [..., head_size] float tensor, head_size a power of two >= 16.
+    """
+    d = x.shape[-1]
+    check_head_size(KVQuantMode.INT4_PER_TOKEN_HEAD, d)
+    s = rht_signs(d, x.device)
+    y = fwht(x.float() * s) if not inverse else fwht(x.float()) * s
+    return y.to(x.dtype)
+
+
+def pack_int4_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2k] codes in 0..15 -> [..., k] uint8, byte i = q[2i] | q[2i+1] << 4."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4_nibbles needs an even last dim, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """[..., k] uint8 -> [..., 2k] uint8 codes (inverse of :func:`pack_int4_nibbles`)."""
+    p = p.view(torch.uint8)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def nan_scale_like(scale: torch.Tensor) -> torch.Tensor:
+    """float32 tensor like ``scale`` filled with the quiet NaN ``NAN_SCALE_BITS`` (zero point 0)."""
+    return torch.full(scale.shape, NAN_SCALE_BITS, dtype=torch.int32, device=scale.device).view(torch.float32)
+
+
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def quantize_int4_rows(x: torch.Tensor, shrink: tuple[float, ...] = (1.0,)):
+    """INT4 per-row quantization of ``x`` (SPEC §3), rotation included.
+
+    Parameters
+    ----------
+    x : [..., head_size] bf16/fp16
+    shrink : factors applied to the zero-inclusive range; the one with the least squared
+        error in the rotated domain wins per row. ``(1.0,)`` is the SPEC / vLLM encoder.
+
+    Returns
+    -------
+    packed : [..., head_size // 2] uint8
+    scale : [...] float32 whose bits carry the zero point in the low 4 bits
+    """
+    r = single_rht(x).float()
+    lo0 = r.amin(-1).clamp(max=0.0)
+    hi0 = r.amax(-1).clamp(min=0.0)
+    best = None
+    for f in shrink:
+        lo, hi = lo0 * f, hi0 * f
+        scale = ((hi - lo) / INT4_LEVELS).clamp(min=MIN_SCALE)
+        zp = round_half_away(-lo / scale).clamp(0, INT4_LEVELS)
+        q = round_half_away(r / scale[..., None] + zp[..., None]).clamp(0, INT4_LEVELS)
+        err = ((q - zp[..., None]) * scale[..., None] - r).square().sum(-1)
+        if best is None:
+            best = [err, q, scale, zp]
+        else:
+            take = err < best[0]
+            best[0] = torch.where(take, err, best[0])
+            best[1] = torch.where(take[..., None], q, best[1])
+            best[2] = torch.where(take, scale, best[2])
+            best[3] = torch.where(take, zp, best[3])
+    _, q, scale, zp = best
+    bits = (_bits(scale) & ~ZP_MASK) | zp.to(torch.int32)
+    bad = ~torch.isfinite(r).all(-1)
+    bits = torch.where(bad, _bits(nan_scale_like(scale)), bits)
+    q = torch.where(bad[..., None], torch.zeros_like(q), q)
+    return pack_int4_nibbles(q), bits.view(torch.float32)
+
+
+def decode_int4_scale(scale: torch.Tensor):
+    """Stored float32 -> (scale with the low 4 bits cleared, zero point 0..15 as float32)."""
+    bits = _bits(scale)
+    return (bits & ~ZP_MASK).view(torch.float32), (bits & ZP_MASK).float()
+
+
+def dequantize_int4_rows(packed: torch.Tensor, scale: torch.Tensor, rotated: bool = False,
+                         out_dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_int4_rows`: ``[..., d/2]`` codes + ``[...]`` scales -> ``[..., d]``.
+
+    With ``rotated=True`` the result stays in the rotated domain (what attention reads).
+    """
+    s, zp = decode_int4_scale(scale)
+    r = (unpack_int4_nibbles(packed).float() - zp[..., None]) * s[..., None]
+    if rotated:
+        return r.to(out_dtype)
+    return (single_rht(r, inverse=True) / r.shape[-1]).to(out_dtype)
+
+
+def quantize_symmetric_rows(x: torch.Tensor, mode: KVQuantMode):
+    """INT8 (round half to even) or FP8 e4m3fn (clamp ±448, cast) per-row quantization.
+
+    Returns ``(codes [..., head_size] int8 | float8_e4m3fn, scale [...] float32)``.
+    """
+    xf = x.float()
+    qmax = INT8_QMAX if mode == KVQuantMode.INT8_PER_TOKEN_HEAD else FP8_QMAX
+    scale = (xf.abs().amax(-1) / qmax).clamp(min=MIN_SCALE)
+    v = xf / scale[..., None]
+    bad = ~torch.isfinite(xf).all(-1)
+    v = torch.where(bad[..., None], torch.zeros_like(v), v)
+    scale = torch.where(bad, nan_scale_like(scale), scale)
+    if mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
+        q = torch.round(v).clamp(-128, 127).to(torch.int8)  # torch.round: half to even
+    elif mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
+        q = v.clamp(-FP8_QMAX, FP8_QMAX).to(torch.float8_e4m3fn)
+    else:
+        raise ValueError(f"quantize_symmetric_rows: not a symmetric per-token-head mode: {mode!r}")
+    return q, scale
+
+
+def dequantize_symmetric_rows(q: torch.Tensor, scale: torch.Tensor, out_dtype=torch.float32):
+    return (q.float() * scale[..., None]).to(out_dtype)
+
+
+def quantize_rows(x: torch.Tensor, mode: KVQuantMode):
+    """Dispatch: ``x [..., d]`` -> ``(data [..., data_head_size], scale [...] float32 | None)``."""
+    mode = KVQuantMode(mode)
+    if mode == KVQuantMode.NONE:
+        return x, None
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return quantize_int4_rows(x)
+    return quantize_symmetric_rows(x, mode)
+
+
+def dequantize_rows(data: torch.Tensor, scale, mode: KVQuantMode, rotated: bool = False,
+                    out_dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows` (INT4 optionally left in the rotated domain)."""
+    mode = KVQuantMode(mode)
+    if mode == KVQuantMode.NONE:
+        return data.to(out_dtype)
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return dequantize_int4_rows(data, scale, rotated=rotated, out_dtype=out_dtype)
+    return dequantize_symmetric_rows(data, scale, out_dtype)
+
+
+def reference_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None):
+    """Oracle of the write kernels: quantize ``key``/``value`` rows into the cache by slot.
+
+    Parameters
+    ----------
+    key, value : [num_tokens, num_kv_heads, head_size] bf16/fp16
+    key_cache, value_cache : [num_blocks, block_size, num_kv_heads, data_head_size], written in place
+    slot_mapping : [num_tokens] int; slot = block_idx * block_size + offset; negative = skip
+    k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, written in place
+    """
+    mode = KVQuantMode(kv_quant_mode)
+    block_size = key_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blk, off = slots // block_size, slots % block_size
+    for x, cache, scales in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
+        data, scale = quantize_rows(x[keep], mode)
+        cache[blk, off] = data.to(cache.dtype)
+        if scale is not None:
+            scales[blk, off] = scale
