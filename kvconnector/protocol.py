@@ -1,0 +1,279 @@
+"""Wire protocol of the connector: message types, the msgpack header frame, payload checksums.
+
+Pure encode/decode, no sockets (``transport`` and the endpoints send what this module
+builds; the dump tools write the same messages to a file).
+
+A **message** is a list of frames::
+
+    frame 0      header: a msgpack map, at most MAX_HEADER_BYTES bytes
+    frame 1..n   raw payload frames (only BLOCKS carries any): whole cache rows, scale
+                 tails included, exactly ``header.nbytes[i]`` bytes each, checksummed by
+                 ``header.checksums[i]`` = xxh3_64(frame bytes)
+
+Header keys (short on purpose: every BLOCKS message carries one):
+
+========  =========================  ====================================================
+key       type                       meaning
+========  =========================  ====================================================
+``v``     int                        protocol version (== PROTOCOL_VERSION)
+``t``     int                        :class:`MsgType`
+``seq``   int >= 0                   sender's message counter (per transfer for BLOCKS)
+``tid``   str (<= 256 chars)         transfer id ("" when not about a transfer)
+``layer`` int >= 0                   BLOCKS: layer index
+``first`` int >= 0                   BLOCKS: position of the first block in the transfer
+``nblk``  int >= 0                   BLOCKS: number of blocks; PULL: blocks expected
+``heads`` [int, int]                 global KV head range [lo, hi) of the rows carried
+``nbytes`` [int, ...]                byte count of each payload frame
+``xxh``   [int, ...]                 xxh3_64 of each payload frame
+``last``  bool                       BLOCKS: final message of the transfer
+``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor
+``ok``    bool                       HELLO_ACK / ACK: accepted / succeeded
+``code``  str                        ERROR / ABORT: machine-readable reason
+``msg``   str                        ERROR / ABORT / HELLO_ACK: human-readable detail
+``diffs`` [[str, any, any], ...]     HELLO_ACK: differing descriptor fields
+========  =========================  ====================================================
+
+Version history
+---------------
+1. (kvconnector 0.1.0) First version: HELLO/HELLO_ACK handshake with layout descriptors,
+   PULL, BLOCKS (one layer x a run of consecutive transfer positions per message, whole
+   rows of a head range), ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame.
+
+Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
+(no negotiation in version 1). Unknown header keys are ignored so that a later version may
+add optional keys without a bump; any change to an existing key's meaning bumps the version.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgpack
+import xxhash
+
+from layouts import CorruptFrameError, ProtocolVersionError
+
+PROTOCOL_VERSION = 1
+PROTOCOL_HISTORY = {
+    1: "HELLO/HELLO_ACK, PULL, BLOCKS, ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame",
+}
+
+MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to parse more
+MAX_TID_CHARS = 256
+MAX_LIST_LEN = 1 << 16           # bound on block / frame lists inside one header
+MAX_PAYLOAD_BYTES = 1 << 31      # one payload frame (also zmq MAXMSGSIZE on the sockets)
+CHECKSUM = "xxh3_64"
+
+
+class MsgType(enum.IntEnum):
+    """Message types. Direction: D = decode side, P = prefill side."""
+
+    HELLO = 1       # D -> P: version + descriptor
+    HELLO_ACK = 2   # P -> D: version + descriptor + ok/diffs
+    PULL = 3        # D -> P: send me transfer ``tid`` (rows of ``heads``)
+    BLOCKS = 4      # P -> D: header + payload frames for one layer
+    ACK = 5         # D -> P: transfer landed; release the lease
+    ABORT = 6       # D -> P: give up on the transfer; release the lease
+    ERROR = 7       # either way: ``code`` + ``msg`` about ``tid``
+    PING = 8        # either way: liveness
+    PONG = 9
+
+
+class ErrorCode(str, enum.Enum):
+    """Values of the ``code`` key in ERROR messages."""
+
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    HANDSHAKE_REQUIRED = "handshake_required"
+    BLOCK_COUNT = "block_count"
+    BAD_HEADS = "bad_heads"
+    BAD_MESSAGE = "bad_message"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Header:
+    """Decoded header frame; every field validated by :func:`decode_header`."""
+
+    type: MsgType
+    seq: int = 0
+    tid: str = ""
+    layer: int = 0
+    first: int = 0
+    nblk: int = 0
+    heads: tuple = (0, 0)
+    nbytes: list = field(default_factory=list)
+    checksums: list = field(default_factory=list)
+    last: bool = False
+    desc: dict | None = None
+    ok: bool = True
+    code: str = ""
+    msg: str = ""
+    diffs: list = field(default_factory=list)
+    version: int = PROTOCOL_VERSION
+
+
+# header key -> (Header attribute, expected python type(s))
+_KEYS = {
+    "seq": ("seq", int), "tid": ("tid", str), "layer": ("layer", int), "first": ("first", int),
+    "nblk": ("nblk", int), "heads": ("heads", list), "nbytes": ("nbytes", list),
+    "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
+    "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
+}
+# keys each message type must carry
+_REQUIRED = {
+    MsgType.HELLO: ("desc",),
+    MsgType.HELLO_ACK: ("desc", "ok"),
+    MsgType.PULL: ("tid", "nblk", "heads"),
+    MsgType.BLOCKS: ("tid", "layer", "first", "nblk", "heads", "nbytes", "xxh", "last"),
+    MsgType.ACK: ("tid", "ok"),
+    MsgType.ABORT: ("tid",),
+    MsgType.ERROR: ("code",),
+    MsgType.PING: (),
+    MsgType.PONG: (),
+}
+_DEFAULTS = Header(MsgType.PING)
+
+
+def checksum(buf) -> int:
+    """xxh3_64 of a buffer (bytes, memoryview, numpy array, zmq Frame buffer)."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def encode_header(h: Header) -> bytes:
+    """Encode a header to its msgpack frame (only the keys its type uses, plus ``v, t, seq``)."""
+    out = {"v": h.version, "t": int(h.type), "seq": h.seq}
+    for key in _REQUIRED[MsgType(h.type)] + (("msg",) if h.msg else ()) + (("diffs",) if h.diffs else ()):
+        attr = _KEYS[key][0]
+        val = getattr(h, attr)
+        out[key] = list(val) if key == "heads" else val
+    if h.type == MsgType.ERROR and h.tid:
+        out["tid"] = h.tid
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def _fail(name: str, expected: str, got) -> CorruptFrameError:
+    shown = repr(got)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return CorruptFrameError(f"header field {name!r}: expected {expected}, got {shown}")
+
+
+def _check_int(name: str, v, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _fail(name, f"int in [{lo}, {hi}]", v)
+    return v
+
+
+def decode_header(buf) -> Header:
+    """Decode and validate one header frame.
+
+    Raises
+    ------
+    CorruptFrameError
+        Oversized frame, undecodable msgpack, a missing key, or a field of the wrong
+        type or range (the message names the field, expected vs got).
+    ProtocolVersionError
+        The header's ``v`` is not :data:`PROTOCOL_VERSION`.
+    """
+    n = len(buf)
+    if n > MAX_HEADER_BYTES:
+        raise CorruptFrameError(f"header frame: expected <= {MAX_HEADER_BYTES} bytes, got {n}")
+    try:
+        raw = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True,
+                              max_str_len=1 << 16, max_bin_len=1 << 16, max_array_len=MAX_LIST_LEN,
+                              max_map_len=256)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise CorruptFrameError(f"header frame: not valid msgpack ({type(e).__name__}: {e})") from e
+    if not isinstance(raw, dict):
+        raise _fail("<header>", "a map", raw)
+    version = raw.get("v")
+    if version != PROTOCOL_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise _fail("v", "int protocol version", version)
+        raise ProtocolVersionError(
+            f"header field 'v': expected protocol version {PROTOCOL_VERSION}, got {version}")
+    t = raw.get("t")
+    try:
+        mtype = MsgType(_check_int("t", t, 1, max(MsgType)))
+    except ValueError as e:
+        raise _fail("t", f"a MsgType in {[int(m) for m in MsgType]}", t) from e
+    h = Header(mtype, version=version)
+    missing = [k for k in _REQUIRED[mtype] + ("seq",) if k not in raw]
+    if missing:
+        raise CorruptFrameError(f"{mtype.name} header: missing field(s) {missing}")
+    for key, (attr, typ) in _KEYS.items():
+        if key not in raw:
+            continue
+        v = raw[key]
+        if typ is int:
+            v = _check_int(key, v)
+        elif not isinstance(v, typ):
+            raise _fail(key, typ.__name__, v)
+        setattr(h, attr, v)
+    if len(h.tid) > MAX_TID_CHARS:
+        raise _fail("tid", f"<= {MAX_TID_CHARS} chars", f"{len(h.tid)} chars")
+    if "heads" in raw:
+        hd = raw["heads"]
+        if len(hd) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in hd) \
+                or not 0 <= hd[0] <= hd[1] < (1 << 31):
+            raise _fail("heads", "[lo, hi] ints with 0 <= lo <= hi", hd)
+        h.heads = (hd[0], hd[1])
+    if mtype == MsgType.BLOCKS:
+        if len(h.nbytes) != len(h.checksums):
+            raise _fail("xxh", f"{len(h.nbytes)} checksums (one per nbytes entry)", len(h.checksums))
+        for i, v in enumerate(h.nbytes):
+            _check_int(f"nbytes[{i}]", v, 0, MAX_PAYLOAD_BYTES)
+        for i, v in enumerate(h.checksums):
+            _check_int(f"xxh[{i}]", v, 0, (1 << 64) - 1)
+    return h
+
+
+def encode_message(h: Header, payloads=()) -> list:
+    """Frames of one message: the header, then each payload buffer as is (zero copy).
+
+    For BLOCKS, ``nbytes`` and ``checksums`` are filled from ``payloads`` here, so a sender
+    cannot announce a count or checksum that differs from what it sends.
+    """
+    payloads = list(payloads)
+    if payloads:
+        h.nbytes = [memoryview(p).nbytes for p in payloads]
+        h.checksums = [checksum(p) for p in payloads]
+    return [encode_header(h), *payloads]
+
+
+def verify_payloads(h: Header, payloads, expected_nbytes: list[int] | None = None) -> None:
+    """Check payload frames against their header before a byte is used.
+
+    Parameters
+    ----------
+    h : Header
+        A decoded BLOCKS header.
+    payloads : sequence of buffers
+        The frames that followed the header.
+    expected_nbytes : list of int, optional
+        Byte counts the receiver derived from its own layout; each must equal the
+        header's, so a header cannot make the receiver accept more or fewer bytes.
+
+    Raises
+    ------
+    CorruptFrameError
+        Naming the frame: wrong number of frames, truncated/oversized frame, bad checksum.
+    """
+    if len(payloads) != len(h.nbytes):
+        raise CorruptFrameError(
+            f"BLOCKS {h.tid!r} layer {h.layer}: expected {len(h.nbytes)} payload frames, got {len(payloads)}")
+    if expected_nbytes is not None and list(expected_nbytes) != list(h.nbytes):
+        raise CorruptFrameError(
+            f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected {list(expected_nbytes)} "
+            f"(from the layout), got {h.nbytes}")
+    for i, (p, n, x) in enumerate(zip(payloads, h.nbytes, h.checksums)):
+        got = memoryview(p).nbytes
+        if got != n:
+            kind = "truncated" if got < n else "oversized"
+            raise CorruptFrameError(
+                f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} {kind}: expected {n} bytes, got {got}")
+        c = checksum(p)
+        if c != x:
+            raise CorruptFrameError(
+                f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({CHECKSUM}): "
+                f"expected {x:#018x}, got {c:#018x}")
