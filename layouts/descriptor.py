@@ -94,8 +94,10 @@ class LayoutDescriptor:
         """Raise :class:`LayoutError` when the descriptor is internally inconsistent."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, (int, str)) or isinstance(v, bool):
-                raise LayoutError(f"descriptor field {f.name}: expected int or str, got {type(v).__name__}")
+            want = str if f.type in ("str", str) else int  # annotations are strings here
+            if not isinstance(v, want) or isinstance(v, bool):
+                raise LayoutError(f"descriptor field {f.name}: expected int or str "
+                                  f"({want.__name__} here), got {type(v).__name__}")
         if self.format_version != FORMAT_VERSION:
             raise LayoutError(f"descriptor format_version: expected {FORMAT_VERSION}, got {self.format_version}")
         try:
