@@ -1,0 +1,206 @@
+"""``PagedKVCache``: per-layer packed caches, their layout, block allocation, write and attend.
+
+A friendly object on top of the stable low-level functions (SPEC §5): it owns one packed
+tensor per layer (``layouts.CacheGeometry.new_cache``), the four kernel views of each
+(``layouts.split_kv_cache``), the layout descriptor a connector exchanges, and a free list of
+block ids. ``write`` and ``attend`` call the project's Triton kernels (``backend="triton"``) or
+their plain-PyTorch oracles (``backend="reference"``) with the same arguments, so the two
+back ends are interchangeable in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from layouts import (CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, get_kv_quant_mode,
+                     split_kv_cache)
+
+BACKENDS = ("triton", "reference")
+
+
+def triton_available() -> bool:
+    """True when the project's Triton write and attention kernels can be imported."""
+    try:
+        from . import attention, write  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """``"auto"`` -> ``"triton"`` when the kernels exist, else ``"reference"``."""
+    if backend == "auto":
+        return "triton" if triton_available() else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    return backend
+
+
+class PagedKVCache:
+    """Paged KV cache of a whole model, one packed tensor per layer.
+
+    Parameters
+    ----------
+    kv_cache_dtype : str or KVQuantMode
+        vLLM ``--kv-cache-dtype`` string (``"auto"``, ``"int4_per_token_head"``, ...) or a mode.
+    num_layers, num_kv_heads, head_size, num_blocks, block_size : int
+    model_dtype : torch.dtype
+        bf16 or fp16: dtype of the K/V/Q given to ``write``/``attend`` (cast on entry).
+    device : torch.device or str
+        CPU tensors run the Triton kernels through Triton's interpreter.
+    backend : "auto", "triton" or "reference"
+    int4_shrink : tuple of float, optional
+        MSE-optimal INT4 encoder (``kernels.reference.quantize_int4_rows(shrink=...)``): same
+        stored format, each row keeps the range shrink factor with the least squared error.
+        Written through the oracle encoder (the Triton write kernel implements ``(1.0,)``).
+    """
+
+    def __init__(self, kv_cache_dtype, num_layers: int, num_kv_heads: int, head_size: int,
+                 num_blocks: int, block_size: int = 16, model_dtype: torch.dtype = torch.bfloat16,
+                 device="cpu", backend: str = "auto", int4_shrink: Optional[Sequence[float]] = None):
+        self.mode = (KVQuantMode(kv_cache_dtype) if isinstance(kv_cache_dtype, (int, KVQuantMode))
+                     else get_kv_quant_mode(kv_cache_dtype))
+        if self.mode == KVQuantMode.FP8_PER_TENSOR:
+            raise LayoutError("PagedKVCache: fp8 per-tensor caches are not supported by the kernels")
+        if int4_shrink is not None and self.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+            raise ValueError(f"int4_shrink needs int4_per_token_head, got {self.mode.name}")
+        self.geometry = CacheGeometry(self.mode, head_size, num_kv_heads, block_size, model_dtype)
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend)
+        self.int4_shrink = tuple(int4_shrink) if int4_shrink is not None else None
+        self.caches = [self.geometry.new_cache(num_blocks, self.device).zero_() for _ in range(num_layers)]
+        self.views = [split_kv_cache(c, self.mode, head_size) for c in self.caches]
+        self.descriptor = LayoutDescriptor.from_geometry(self.geometry, num_layers=num_layers,
+                                                         num_blocks=num_blocks)
+        self._free = list(range(num_blocks))
+        self._write, self._attend = _kernels(self.backend)
+
+    # ---------------------------------------------------------------- blocks
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (K and V halves, scales included)."""
+        return self.geometry.block_bytes
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Take enough free blocks for ``num_tokens`` tokens; raises ``LayoutError`` when full."""
+        need = -(-num_tokens // self.block_size)
+        if need > len(self._free):
+            raise LayoutError(f"PagedKVCache: need {need} free blocks, have {len(self._free)}")
+        ids, self._free = self._free[:need], self._free[need:]
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self._free.extend(int(b) for b in block_ids)
+
+    def slot_mapping(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]`` int64 slots of token positions ``start .. start+num_tokens-1``."""
+        pos = torch.arange(start, start + num_tokens)
+        table = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if start + num_tokens > len(table) * self.block_size:
+            raise LayoutError(f"positions up to {start + num_tokens} exceed {len(table)} blocks "
+                              f"of {self.block_size} tokens")
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``[1, len(block_ids)]`` int32 block table of one sequence."""
+        return torch.as_tensor([list(block_ids)], dtype=torch.int32, device=self.device)
+
+    # ---------------------------------------------------------------- kernels
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize and store K/V rows of one layer.
+
+        Parameters
+        ----------
+        key, value : [num_tokens, num_kv_heads, head_size], any float dtype (cast to model dtype)
+        slot_mapping : [num_tokens] int, ``block_id * block_size + offset``; negative = skip
+        """
+        v = self.views[layer_idx]
+        dt = self.geometry.model_dtype
+        key, value = key.to(dt).contiguous(), value.to(dt).contiguous()
+        if self.int4_shrink is not None:
+            _write_int4_shrink(key, value, v, slot_mapping, self.int4_shrink)
+            return
+        self._write(key, value, v, slot_mapping, self.mode)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+               block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: Optional[float] = None) -> torch.Tensor:
+        """Causal paged attention of ``q`` over this layer's cache.
+
+        Parameters
+        ----------
+        q : [num_tokens, num_q_heads, head_size]; cast to the model dtype
+        cu_seqlens_q : [num_seqs + 1] int32; seqused_k : [num_seqs] int32 (queries included)
+        block_table : [num_seqs, max_blocks_per_seq] int32
+
+        Returns
+        -------
+        [num_tokens, num_q_heads, head_size] in the model dtype
+        """
+        scale = self.geometry.head_size ** -0.5 if softmax_scale is None else softmax_scale
+        q = q.to(self.geometry.model_dtype).contiguous()
+        return self._attend(q, self.views[layer_idx], cu_seqlens_q, seqused_k, block_table,
+                            max_seqlen_q, max_seqlen_k, scale, self.mode)
+
+    # ---------------------------------------------------------------- bytes
+    def block_payload(self, layer_idx: int, block_id: int) -> torch.Tensor:
+        """The ``2·N·H·P`` bytes of one block of one layer, as a uint8 view (no copy)."""
+        return self.caches[layer_idx][block_id].view(torch.uint8).reshape(-1)
+
+
+def _write_int4_shrink(key, value, views, slot_mapping, shrink):
+    from .reference import quantize_int4_rows
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    bs = views.key_cache.shape[1]
+    blk, off = slots // bs, slots % bs
+    for x, cache, scales in ((key, views.key_cache, views.k_scale_cache),
+                             (value, views.value_cache, views.v_scale_cache)):
+        packed, scale = quantize_int4_rows(x[keep], shrink=shrink)
+        cache[blk, off] = packed
+        scales[blk, off] = scale
+
+
+def _kernels(backend: str):
+    """(write, attend) callables with one signature for both back ends."""
+    if backend == "reference":
+        from .reference import reference_reshape_and_cache
+        from .reference_attention import reference_unified_attention
+
+        def write(key, value, v, slot_mapping, mode):
+            reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
+                                        v.k_scale_cache, v.v_scale_cache)
+
+        def attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
+            out = reference_unified_attention(q, v.key_cache, v.value_cache, cu, seqused, table, scale,
+                                              True, (-1, -1), 0.0, mode, v.k_scale_cache, v.v_scale_cache)
+            return out.to(q.dtype)
+        return write, attend
+
+    from .attention import unified_attention
+    from .write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
+
+    def write(key, value, v, slot_mapping, mode):
+        if mode == KVQuantMode.NONE:
+            reshape_and_cache_flash(key, value, v.key_cache, v.value_cache, slot_mapping)
+        else:
+            triton_reshape_and_cache_flash_per_token_head_quant(
+                key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache,
+                slot_mapping, kv_quant_mode=mode)
+
+    def attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
+        out = torch.empty_like(q)
+        unified_attention(q, v.key_cache, v.value_cache, out, cu, seqused, max_q, max_k, scale,
+                          True, (-1, -1), table, 0.0, None, None, None,
+                          kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
+        return out
+    return write, attend
