@@ -1,0 +1,156 @@
+"""Write chosen layers and blocks of a KV cache (a saved cache file) to a dump file.
+
+Also home of the **cache file** the dump tools read and write: ``torch.save`` of a plain
+dict (no pickled classes; read back with ``torch.load(weights_only=True)``)::
+
+    {"format": "kvconnector-cache", "version": 1,
+     "desc": LayoutDescriptor.to_dict(),          # plain ints and strs
+     "layers": [layer index, ...],                # which layers the list holds
+     "caches": [packed cache tensor, ...]}        # [num_blocks, 2, N, H, P] per layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from layouts import CorruptFrameError, KVCacheError, LayoutDescriptor, LayoutError
+
+from .dumpfile import DumpInfo, write_dump
+
+CACHE_FILE_FORMAT = "kvconnector-cache"
+CACHE_FILE_VERSION = 1
+
+
+def save_cache_file(path, caches, desc: LayoutDescriptor, layers=None) -> None:
+    """Save per-layer packed caches and their descriptor.
+
+    Parameters
+    ----------
+    caches : sequence of [num_blocks, 2, block_size, num_kv_heads, P] storage-dtype tensors
+        One per entry of ``layers`` (moved to the CPU, made contiguous).
+    layers : sequence of int, optional
+        Layer index of each cache; ``range(len(caches))`` when None.
+    """
+    layers = list(range(len(caches))) if layers is None else [int(i) for i in layers]
+    if len(layers) != len(caches):
+        raise LayoutError(f"cache file: expected one layer index per cache, got {len(layers)} for {len(caches)}")
+    torch.save({"format": CACHE_FILE_FORMAT, "version": CACHE_FILE_VERSION, "desc": desc.to_dict(),
+                "layers": layers, "caches": [c.detach().cpu().contiguous() for c in caches]}, path)
+
+
+def load_cache_file(path) -> tuple[LayoutDescriptor, dict[int, torch.Tensor]]:
+    """Read a cache file written by :func:`save_cache_file`.
+
+    Returns
+    -------
+    desc : LayoutDescriptor
+    caches : dict layer index -> [num_blocks, 2, block_size, num_kv_heads, P] CPU tensor
+
+    Raises
+    ------
+    CorruptFrameError
+        Not a cache file (unreadable, or not the expected dict).
+    LayoutError
+        A cache whose shape or dtype disagrees with the descriptor.
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # torch.load raises many unrelated types on a foreign file
+        raise CorruptFrameError(f"{path}: not a readable cache file ({type(e).__name__})") from e
+    if not isinstance(obj, dict) or obj.get("format") != CACHE_FILE_FORMAT:
+        raise CorruptFrameError(f"{path}: expected a dict with format {CACHE_FILE_FORMAT!r}")
+    if obj.get("version") != CACHE_FILE_VERSION:
+        raise CorruptFrameError(f"{path}: cache file version: expected {CACHE_FILE_VERSION}, got {obj.get('version')!r}")
+    desc = LayoutDescriptor.from_dict(obj.get("desc"))
+    layers, caches = obj.get("layers"), obj.get("caches")
+    if not isinstance(layers, list) or not isinstance(caches, list) or len(layers) != len(caches):
+        raise CorruptFrameError(f"{path}: expected equal-length lists 'layers' and 'caches'")
+    geo = desc.geometry()
+    out = {}
+    for i, c in zip(layers, caches):
+        want = geo.shape(desc.num_blocks)
+        if not isinstance(i, int) or not 0 <= i < desc.num_layers or i in out:
+            raise LayoutError(f"{path}: layer index {i!r} outside [0, {desc.num_layers}) or repeated")
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != want or c.dtype != geo.storage_dtype:
+            got = (tuple(c.shape), c.dtype) if isinstance(c, torch.Tensor) else type(c).__name__
+            raise LayoutError(f"{path}: layer {i}: expected {want} {geo.storage_dtype}, got {got}")
+        out[i] = c
+    return desc, out
+
+
+def parse_ids(spec: str | None, n: int, what: str) -> list[int]:
+    """``"all"``/None -> ``range(n)``; ``"0,3-5"`` -> ``[0, 3, 4, 5]``, each checked in ``[0, n)``."""
+    if spec is None or spec == "all":
+        return list(range(n))
+    ids = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            ids += range(int(lo), int(hi or lo) + 1)
+    except ValueError as e:
+        raise LayoutError(f"{what}: expected 'all' or a list like '0,3-5', got {spec!r}") from e
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad or len(set(ids)) != len(ids):
+        raise LayoutError(f"{what}: expected distinct ids in [0, {n}), got {spec!r}")
+    return ids
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (multi-line messages such as layout mismatches joined by '; ')."""
+    return "; ".join(s.strip() for s in str(e).splitlines() if s.strip()) or type(e).__name__
+
+
+def cli_guard(command: str, fn, args) -> int:
+    """Run ``fn(args)``; a library or file error becomes one line on stderr and exit code 1."""
+    try:
+        return int(fn(args) or 0)
+    except (KVCacheError, OSError, ValueError, EOFError) as e:
+        print(f"kvconnector {command}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def dump_cache_file(cache_path, out_path, layers="all", block_ids="all", tid: str = "dump",
+                    progress: bool | None = None) -> DumpInfo:
+    """Dump chosen layers/blocks of a saved cache file.
+
+    ``layers`` / ``block_ids``: lists of ints or :func:`parse_ids` specs (``"all"`` = every layer
+    the file holds / every block). ``progress=None`` shows a bar for dumps of 256+ blocks.
+    """
+    desc, caches = load_cache_file(cache_path)
+    if isinstance(layers, str):
+        layers = sorted(caches) if layers == "all" else parse_ids(layers, desc.num_layers, "layers")
+    if isinstance(block_ids, str):
+        block_ids = parse_ids(block_ids, desc.num_blocks, "blocks")
+    missing = [i for i in layers if i not in caches]
+    if missing:
+        raise LayoutError(f"{cache_path}: holds layers {sorted(caches)}, asked for {missing}")
+    if progress is None:
+        progress = len(layers) * len(block_ids) >= 256
+    return write_dump(out_path, caches, desc, layers, block_ids, tid=tid,
+                      meta={"source": str(cache_path)}, progress=progress)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cache", help="cache file (torch.save'd dict, see `tools/dump.py`)")
+    p.add_argument("-o", "--output", required=True, help="dump file to write")
+    p.add_argument("--layers", default="all", help="layers to dump: 'all' or e.g. '0,3-5'")
+    p.add_argument("--blocks", default="all", help="block ids to dump: 'all' or e.g. '0-7,12'")
+    p.add_argument("--tid", default="dump", help="transfer id recorded in every BLOCKS header")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run(args) -> int:
+    info = dump_cache_file(args.cache, args.output, args.layers, args.blocks, tid=args.tid,
+                           progress=False if args.no_progress else None)
+    print(f"wrote {args.output}: {len(info.layers)} layers x {len(info.block_ids)} blocks "
+          f"({info.num_messages * info.desc.block_bytes} payload bytes), fingerprint {info.fingerprint}")
+    return 0
+
+
+def run(args) -> int:
+    return cli_guard("dump", _run, args)

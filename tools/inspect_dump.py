@@ -1,0 +1,217 @@
+"""Show a dump's layout and per layer/block/head statistics (table, --json, --plot PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from layouts import KVQuantMode, LayoutDescriptor, LayoutMismatchError
+
+from .cache_stats import KV_NAMES, CacheStats
+from .dump import cli_guard, load_cache_file
+from .dumpfile import MAGIC, DumpReader
+
+
+class BlockSource:
+    """Blocks of a dump file or of a cache file, addressed by (layer, block id).
+
+    ``blocks()`` yields ``(layer, block_id, block [2, N, H, P] storage dtype, CPU)`` in
+    order; ``block(layer, block_id)`` reads one (a dump seeks through its footer index).
+    """
+
+    def __init__(self, path):
+        self.path = str(path)
+        with open(self.path, "rb") as f:
+            is_dump = f.read(len(MAGIC)) == MAGIC
+        self.reader = DumpReader(self.path) if is_dump else None
+        if is_dump:
+            self.desc, self.layers, self.block_ids = (self.reader.info.desc, self.reader.info.layers,
+                                                      self.reader.info.block_ids)
+            self.kind = f"dump (tid {self.reader.info.tid!r})"
+        else:
+            self.desc, self.caches = load_cache_file(self.path)
+            self.layers, self.block_ids = sorted(self.caches), list(range(self.desc.num_blocks))
+            self.kind = "cache file"
+
+    def blocks(self):
+        if self.reader is not None:
+            for rec in self.reader:
+                yield rec.layer, rec.block_id, rec.block(self.desc)
+        else:
+            for layer in self.layers:
+                for b in self.block_ids:
+                    yield layer, b, self.caches[layer][b]
+
+    def block(self, layer: int, block_id: int) -> torch.Tensor:
+        if self.reader is not None:
+            return self.reader.read_block(layer, block_id).block(self.desc)
+        if layer not in self.caches or not 0 <= block_id < self.desc.num_blocks:
+            raise LayoutMismatchError([("block", (layer, block_id), "absent")], f"{self.path}")
+        return self.caches[layer][block_id]
+
+    def close(self):
+        if self.reader is not None:
+            self.reader.close()
+
+
+def check_reference(desc: LayoutDescriptor, ref: LayoutDescriptor) -> None:
+    """A reference must be an unquantized cache of the same rows (mode may differ, nothing else)."""
+    names = ("head_size", "block_size", "head_start", "num_kv_heads", "total_num_kv_heads")
+    diffs = [(n, getattr(desc, n), getattr(ref, n)) for n in names if getattr(desc, n) != getattr(ref, n)]
+    if ref.quant_mode != KVQuantMode.NONE:
+        diffs.append(("quant_mode (reference must be unquantized)", desc.quant_mode, ref.quant_mode))
+    if diffs:
+        raise LayoutMismatchError(diffs, "dump vs reference")
+
+
+def collect(src: BlockSource, ref: BlockSource | None = None, progress: bool = False) -> CacheStats:
+    """Statistics of every block of ``src`` (with the matching ``ref`` block when given)."""
+    st = CacheStats(src.desc.geometry(), src.desc.head_start)
+    if ref is not None:
+        check_reference(src.desc, ref.desc)
+    it = src.blocks()
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, total=len(src.layers) * len(src.block_ids), desc="inspect", unit="block", file=sys.stderr)
+    for layer, b, blk in it:
+        r = ref.block(layer, b).float() if ref is not None else None
+        st.add_block(layer, b, blk, r)
+    return st
+
+
+def _fmt(x, spec=".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _row(layer, block, h: dict, mode: KVQuantMode) -> str:
+    ncodes = sum(h["code_hist"])
+    zps = [i for i, c in enumerate(h["zp_hist"]) if c]
+    absmax = None if h["min"] is None else max(abs(h["min"]), abs(h["max"]))
+    cells = [
+        f"{layer:>5}", f"{block:>5}", f"{h['kv']:>2}", f"{h['head']:>4}",
+        f"{_fmt(h['scale_min'], '.3e')}..{_fmt(h['scale_max'], '.3e')}".rjust(21),
+        (f"{zps[0]}..{zps[-1]}" if zps else "-").rjust(6),
+        (f"{100 * h['saturated'] / ncodes:.2f}%" if ncodes else "-").rjust(7),
+        f"{h['scale_nan'] + h['code_nan']:>5}", f"{h['scale_inf']:>4}",
+        f"{_fmt(h['mean']):>9}", f"{_fmt(h['std']):>9}", f"{_fmt(absmax):>9}", f"{_fmt(h['rel_l2_err']):>9}",
+    ]
+    return " ".join(cells)
+
+
+def format_table(src: BlockSource, st: CacheStats, per_block: bool = False) -> str:
+    d = src.desc
+    geo = d.geometry()
+    mode = KVQuantMode(d.quant_mode)
+    lines = [
+        f"file: {src.path}  ({src.kind})",
+        f"layout: {mode.name}  model {d.model_dtype}  storage {d.storage_dtype}  head_size {d.head_size}  "
+        f"heads [{d.head_start}, {d.head_start + d.num_kv_heads}) of {d.total_num_kv_heads}  "
+        f"block_size {d.block_size}  row {geo.row_bytes} B  block {geo.block_bytes} B",
+        f"fingerprint: {d.fingerprint()}  layers {d.num_layers}  blocks {d.num_blocks}",
+        f"holds: layers {src.layers}  blocks {src.block_ids[:32]}{'...' if len(src.block_ids) > 32 else ''}",
+        "",
+        "layer block kv head        scale min..max     zp    sat%   nan  inf      mean       std    absmax    rel L2",
+    ]
+    data = st.to_dict()
+    for layer in data["layers"]:
+        for h in layer["heads"]:
+            lines.append(_row(layer["layer"], "all", h, mode))
+        if per_block:
+            for blk in layer["blocks"]:
+                for h in blk["heads"]:
+                    lines.append(_row(layer["layer"], blk["block"], h, mode))
+    lines.append("(nan = NaN scales + NaN codes/values; sat = codes at the range ends; "
+                 "rel L2 = error vs --reference)")
+    return "\n".join(lines)
+
+
+def to_json(src: BlockSource, st: CacheStats) -> dict:
+    return {"file": src.path, "kind": src.kind, "layout": src.desc.to_dict(),
+            "mode": KVQuantMode(src.desc.quant_mode).name, "fingerprint": src.desc.fingerprint(),
+            "layers": src.layers, "block_ids": src.block_ids, "stats": st.to_dict()}
+
+
+def plot(st: CacheStats, path, title: str = "") -> None:
+    """PNG: code and zero-point histograms (all layers), scale ranges by layer, and a
+    layer x head heat map of the reconstruction error (or, without a reference, of the
+    saturated-code fraction)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(st.layers)
+    total = st.layers[layers[0]]
+    for layer in layers[1:]:
+        total = total.merge(st.layers[layer])
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    hist = total.code_hist.sum(1)                       # [2, bins]
+    for kv in (0, 1):
+        if hist.shape[-1]:
+            ax[0, 0].bar(torch.arange(hist.shape[-1]) + 0.4 * kv, hist[kv], width=0.4, label=KV_NAMES[kv])
+        zp = total.zp_hist.sum(1)
+        if zp.shape[-1]:
+            ax[0, 1].bar(torch.arange(16) + 0.4 * kv, zp[kv], width=0.4, label=KV_NAMES[kv])
+    ax[0, 0].set_title("code histogram" if hist.shape[-1] else "code histogram (unquantized: none)")
+    ax[0, 1].set_title("INT4 zero-point histogram" if total.zp_hist.shape[-1] else "zero points (INT4 only)")
+    for kv in (0, 1):
+        lo = [st.layers[l].scale_min[kv].min().item() for l in layers]
+        hi = [st.layers[l].scale_max[kv].max().item() for l in layers]
+        if all(math.isfinite(x) for x in lo + hi):
+            ax[1, 0].fill_between(layers, lo, hi, alpha=0.4, label=f"{KV_NAMES[kv]} scale min..max")
+    ax[1, 0].set_title("scale range by layer")
+    ax[1, 0].set_xlabel("layer")
+    if st.has_reference:
+        grid, what = st.error_grid(), "relative L2 error vs reference"
+    else:
+        grid = torch.stack([st.layers[l].saturated / st.layers[l].code_hist.sum(-1).clamp(min=1) for l in layers])
+        what = "saturated-code fraction"
+    grid = grid.permute(0, 2, 1).reshape(len(layers), -1).float()   # [layer, head * (K, V)]
+    im = ax[1, 1].imshow(grid.numpy(), aspect="auto", cmap="viridis")
+    h = st.geo.num_kv_heads
+    ax[1, 1].set_xticks(range(2 * h), [f"{st.head_start + i // 2}{KV_NAMES[i % 2]}" for i in range(2 * h)],
+                        fontsize=7)
+    ax[1, 1].set_yticks(range(len(layers)), layers)
+    ax[1, 1].set_xlabel("head (K/V)")
+    ax[1, 1].set_ylabel("layer")
+    ax[1, 1].set_title(what)
+    fig.colorbar(im, ax=ax[1, 1])
+    for a in ax.flat:
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dump", help="dump file (or cache file) to inspect")
+    p.add_argument("--reference", help="unquantized dump or cache file of the same blocks: error per head")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="OUT.png", help="write histograms and a layer x head heat map")
+    p.add_argument("--per-block", action="store_true", help="table rows per block too (JSON always has them)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run(args) -> int:
+    src = BlockSource(args.dump)
+    ref = BlockSource(args.reference) if args.reference else None
+    try:
+        n = len(src.layers) * len(src.block_ids)
+        st = collect(src, ref, progress=not args.no_progress and n >= 256)
+        if args.plot and st.layers:
+            plot(st, args.plot, f"{src.path}: {KVQuantMode(src.desc.quant_mode).name}")
+        print(json.dumps(to_json(src, st)) if args.json else format_table(src, st, args.per_block))
+    finally:
+        src.close()
+        if ref is not None:
+            ref.close()
+    return 0
+
+
+def run(args) -> int:
+    return cli_guard("inspect", _run, args)
