@@ -1,0 +1,306 @@
+"""Decode side: owns the caches blocks land in; DEALER socket; pulls with deadlines.
+
+Every BLOCKS message is checked before one byte reaches a cache: its transfer must be
+pending (else it is *late* and ignored), its layer / positions / head range must fit the
+pull, positions already received are *duplicates* and ignored, the payload byte count must
+equal what the local layout says (``2·N·h·P`` per block) and the xxh3_64 checksum must
+match. A failed check fails the pull with a typed error, reports the destination blocks
+that did not land, and sends ABORT so the prefill side releases its lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+import zmq
+
+from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
+                     ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
+from .blocks import scatter_blocks, slice_bytes
+from .handle import PullHandle
+from .metrics import Metrics
+from .prefill import check_caches
+from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
+from .transport import CurveKeys, IOLoop, make_socket
+
+
+class DecodeEndpoint:
+    """Pull published blocks from one prefill endpoint into local caches.
+
+    Parameters
+    ----------
+    caches : list of [num_blocks, 2, block_size, num_kv_heads, P] tensors, CPU or CUDA
+        One packed cache per layer, written in place by pulls; matching ``descriptor``.
+    descriptor : LayoutDescriptor
+    heartbeat_s, peer_timeout_s : float
+        PING period; a peer silent for ``peer_timeout_s`` fails every pending pull with
+        :class:`TransferTimeoutError`.
+    max_frame_bytes : int
+        Largest frame accepted from the peer (ZeroMQ drops the connection beyond it).
+    """
+
+    def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
+                 peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
+                 curve: CurveKeys | None = None) -> None:
+        check_caches(caches, descriptor)
+        self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
+        self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
+        self.max_frame_bytes, self.curve = max_frame_bytes, curve
+        self.metrics = Metrics()
+        self.errors: list[Exception] = []
+        self.remote: LayoutDescriptor | None = None
+        self.shared_heads: range | None = None
+        self._pending: dict[str, PullHandle] = {}
+        self._gpu_writes: list = []          # (event, handle, layer, first, count, staging)
+        self._hs_done = threading.Event()
+        self._hs_error: Exception | None = None
+        self._last_seen = self._last_ping = 0.0
+        self._loop: IOLoop | None = None
+        self.cuda = caches[0].is_cuda
+        self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
+
+    # ---- application API --------------------------------------------------------------
+    def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
+        """Connect and handshake; return the global KV heads both sides hold.
+
+        Raises
+        ------
+        LayoutMismatchError
+            Listing every differing field (this side's check, or the peer's diffs).
+        ProtocolVersionError
+            The peer speaks another protocol version.
+        TransferTimeoutError
+            No HELLO_ACK within ``timeout_s``.
+        """
+        if self._loop is not None:
+            raise TransferError("already connected; use a new DecodeEndpoint per prefill peer")
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes, curve=self.curve)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            ctx.term()
+            raise TransferError(f"cannot connect to {endpoint}: {e}") from e
+        self.peer_endpoint = endpoint
+        self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
+                            on_tick=self._on_tick, on_error=self._on_error)
+        self._loop.start()
+        self._loop.call_soon(self._send_hello)
+        if not self._hs_done.wait(timeout_s):
+            self.metrics.fail("handshake_timeout")
+            raise TransferTimeoutError(f"handshake with {endpoint}: no HELLO_ACK within {timeout_s} s")
+        if self._hs_error is not None:
+            raise self._hs_error
+        return self.shared_heads
+
+    def pull(self, transfer_id: str, dst_block_ids, *, deadline_s: float = 30.0, heads: range | None = None,
+             on_layer: Callable | None = None) -> PullHandle:
+        """Start pulling ``transfer_id`` into ``dst_block_ids`` (one per published block).
+
+        Parameters
+        ----------
+        heads : range, optional
+            Global KV heads to fetch; default: every head both sides hold.
+        on_layer : callable(transfer_id, layer), optional
+            Called on the I/O thread as each layer has fully landed.
+        """
+        if self.shared_heads is None:
+            raise PeerError("pull before a successful connect()")
+        ids = [int(b) for b in dst_block_ids]
+        nb = self.descriptor.num_blocks
+        if not ids or min(ids) < 0 or max(ids) >= nb or len(set(ids)) != len(ids):
+            raise LayoutError(f"dst_block_ids: expected distinct ids in [0, {nb}), got {ids[:8]}...")
+        heads = self.shared_heads if heads is None else heads
+        if not (self.shared_heads.start <= heads.start < heads.stop <= self.shared_heads.stop):
+            raise LayoutError(f"heads: expected a range inside {self.shared_heads}, got {heads}")
+        h = PullHandle(transfer_id, ids, self.descriptor.num_layers, (heads.start, heads.stop),
+                       time.monotonic() + deadline_s, on_layer)
+        self._loop.call_soon(self._start_pull, h)
+        return h
+
+    def abort(self, transfer_id: str) -> None:
+        """Give up on a transfer: its pull fails with PeerError and the prefill lease is released."""
+        self._loop.call_soon(self._abort, transfer_id)
+
+    def stats(self) -> dict:
+        s = self.metrics.snapshot()
+        s["pending"] = len(self._pending)
+        return s
+
+    def close(self) -> None:
+        if self._loop is not None:
+            for h in list(self._pending.values()):
+                h.fail(PeerError(f"pull {h.transfer_id!r}: endpoint closed"))
+            self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- I/O thread --------------------------------------------------------------------
+    def _send(self, h: Header) -> None:
+        try:
+            self._loop.sock.send(encode_header(h), zmq.NOBLOCK)
+            self.metrics.add("messages_sent")
+        except zmq.ZMQError as e:
+            self.errors.append(TransferError(f"send {h.type.name}: {e}"))
+
+    def _send_hello(self) -> None:
+        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict()))
+
+    def _on_error(self, e: Exception) -> None:
+        self.errors.append(e)
+        self.metrics.ignore(f"error:{type(e).__name__}")
+
+    def _start_pull(self, h: PullHandle) -> None:
+        if h.transfer_id in self._pending:
+            return h.fail(PeerError(f"pull {h.transfer_id!r} is already in flight"))
+        self._pending[h.transfer_id] = h
+        self.metrics.add("transfers_started")
+        self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads))
+
+    def _fail(self, h: PullHandle, err: Exception, reason: str, tell_peer: bool = True) -> None:
+        if self._pending.pop(h.transfer_id, None) is None:
+            return
+        self.metrics.fail(reason)
+        if tell_peer:
+            self._send(Header(MsgType.ABORT, tid=h.transfer_id, code=reason, msg=str(err)[:200]))
+        h.fail(err)
+
+    def _abort(self, tid: str) -> None:
+        h = self._pending.get(tid)
+        if h is not None:
+            self._fail(h, PeerError(f"pull {tid!r} aborted by the caller"), "aborted")
+        else:
+            self._send(Header(MsgType.ABORT, tid=tid, code="aborted"))
+
+    def _on_message(self, frames) -> None:
+        self._last_seen = time.monotonic()
+        self.metrics.add("messages_received")
+        try:
+            h = decode_header(frames[0].buffer)
+        except (ProtocolVersionError, CorruptFrameError) as e:
+            self.errors.append(e)
+            self.metrics.ignore("corrupt_header")
+            if not self._hs_done.is_set():
+                self._hs_error = e
+                self._hs_done.set()
+            return
+        if h.type == MsgType.BLOCKS:
+            return self._blocks(h, frames[1:])
+        if h.type == MsgType.HELLO_ACK:
+            return self._hello_ack(h)
+        if h.type == MsgType.PING:
+            return self._send(Header(MsgType.PONG))
+        if h.type == MsgType.ERROR:
+            return self._peer_error(h)
+        if h.type != MsgType.PONG:
+            self.metrics.ignore(f"unexpected_{h.type.name}")
+
+    def _hello_ack(self, h: Header) -> None:
+        err = None
+        try:
+            self.remote = LayoutDescriptor.from_dict(h.desc)
+            self.shared_heads = check_compatible(self.descriptor, self.remote, context="decode side")
+        except LayoutError as e:
+            err = e
+        if err is None and not h.ok:   # the peer refused although this side agrees
+            err = LayoutMismatchError([tuple(d) for d in h.diffs] or [("descriptor", "?", h.msg)],
+                                      context="refused by the prefill side")
+        if err is not None:
+            self.shared_heads = None
+            self.errors.append(err)
+            self.metrics.fail("layout_mismatch")
+        first = not self._hs_done.is_set()
+        self._hs_error = err
+        self._hs_done.set()
+        if err is None and not first:     # re-handshake after the peer restarted: resume pulls
+            for p in self._pending.values():
+                self._send(Header(MsgType.PULL, tid=p.transfer_id, nblk=len(p.dst_block_ids), heads=p.heads))
+
+    def _peer_error(self, h: Header) -> None:
+        if h.code == ErrorCode.HANDSHAKE_REQUIRED:
+            return self._send_hello()
+        p = self._pending.get(h.tid)
+        if p is None:
+            return self.metrics.ignore(f"peer_error:{h.code}")
+        self._fail(p, PeerError(f"pull {h.tid!r}: peer says {h.code}: {h.msg}"), h.code, tell_peer=False)
+
+    def _blocks(self, h: Header, payloads) -> None:
+        p = self._pending.get(h.tid)
+        if p is None:
+            return self.metrics.ignore("late")
+        n = len(p.dst_block_ids)
+        problem = None
+        if h.layer >= p.num_layers:
+            problem = f"field 'layer': expected < {p.num_layers}, got {h.layer}"
+        elif h.heads != p.heads:
+            problem = f"field 'heads': expected {list(p.heads)}, got {list(h.heads)}"
+        elif h.nblk == 0 or h.first + h.nblk > n:
+            problem = f"fields 'first'/'nblk': expected a run inside [0, {n}), got {h.first}+{h.nblk}"
+        if problem:
+            return self._fail(p, CorruptFrameError(f"BLOCKS {h.tid!r} {problem}"), "corrupt_frame")
+        got = p.received[h.layer][h.first:h.first + h.nblk]
+        if all(got):
+            return self.metrics.ignore("duplicate")
+        if any(got):
+            return self._fail(p, CorruptFrameError(
+                f"BLOCKS {h.tid!r} layer {h.layer}: positions {h.first}+{h.nblk} overlap a run already received"),
+                "corrupt_frame")
+        local = range(h.heads[0] - self.descriptor.head_start, h.heads[1] - self.descriptor.head_start)
+        try:
+            verify_payloads(h, payloads, [slice_bytes(self.geometry, h.nblk, local)])
+        except CorruptFrameError as e:
+            return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
+        p.received[h.layer][h.first:h.first + h.nblk] = b"\x01" * h.nblk
+        dst = p.dst_block_ids[h.first:h.first + h.nblk]
+        src = torch.frombuffer(payloads[0].buffer, dtype=torch.uint8)
+        self.metrics.add("bytes_received", src.numel())
+        p.nbytes += src.numel()
+        cache = self.caches[h.layer]
+        if not self.cuda:
+            scatter_blocks(cache, self.geometry, dst, src, local)
+            return self._landed(p, h.layer, h.first, h.nblk)
+        staging = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+        staging.copy_(src)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
+        with torch.cuda.stream(self._copy_stream):
+            dev = staging.to(cache.device, non_blocking=True)
+            scatter_blocks(cache, self.geometry, dst, dev, local)
+            ev = torch.cuda.Event()
+            ev.record(self._copy_stream)
+        self._gpu_writes.append((ev, p, h.layer, h.first, h.nblk, staging))
+
+    def _landed(self, p: PullHandle, layer: int, first: int, count: int) -> None:
+        if self._pending.get(p.transfer_id) is not p:
+            return
+        if p.land(layer, first, count):
+            del self._pending[p.transfer_id]
+            self._send(Header(MsgType.ACK, tid=p.transfer_id, ok=True))
+            r = p.finish()
+            self.metrics.completed(r.nbytes, r.elapsed_s)
+
+    def _on_tick(self, now: float) -> float:
+        while self._gpu_writes and self._gpu_writes[0][0].query():
+            _, p, layer, first, count, _ = self._gpu_writes.pop(0)
+            self._landed(p, layer, first, count)
+        if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            self._send(Header(MsgType.PING))
+        silent = now - self._last_seen > self.peer_timeout_s
+        for p in list(self._pending.values()):
+            if now >= p.deadline_at:
+                self._fail(p, TransferTimeoutError(
+                    f"pull {p.transfer_id!r}: deadline passed after {now - p.t0:.2f} s"), "deadline")
+            elif silent:
+                self._fail(p, TransferTimeoutError(
+                    f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
+        nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
+        wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
+        return 0.0005 if self._gpu_writes else max(0.0, wait)

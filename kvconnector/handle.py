@@ -1,0 +1,107 @@
+"""The future-like handle a decode-side pull returns, with per-layer completion."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What a completed pull moved."""
+
+    transfer_id: str
+    dst_block_ids: tuple
+    nbytes: int
+    elapsed_s: float
+
+
+class PullHandle:
+    """Progress and outcome of one pull (returned by :meth:`DecodeEndpoint.pull`).
+
+    Thread-safe to read from any thread; updated by the endpoint's I/O thread.
+    Blocks land layer by layer: :meth:`wait_layer` / ``on_layer(transfer_id, layer)`` let
+    compute on layer ``l`` start while later layers are still in flight.
+    """
+
+    def __init__(self, transfer_id: str, dst_block_ids: list, num_layers: int, heads: tuple,
+                 deadline_at: float, on_layer: Callable | None) -> None:
+        self.transfer_id, self.dst_block_ids = transfer_id, tuple(dst_block_ids)
+        self.num_layers, self.heads, self.deadline_at = num_layers, tuple(heads), deadline_at
+        self.on_layer = on_layer
+        n = len(dst_block_ids)
+        self.received = [bytearray(n) for _ in range(num_layers)]   # accepted, maybe in flight
+        self.landed = [bytearray(n) for _ in range(num_layers)]     # written into the cache
+        self._layer_left = [n] * num_layers
+        self._layer_events = [threading.Event() for _ in range(num_layers)]
+        self._done = threading.Event()
+        self.t0 = time.monotonic()
+        self.nbytes = 0
+        self.error: Exception | None = None
+        self.failed_block_ids: list[int] = []
+        self._result: PullResult | None = None
+
+    # ---- I/O thread ---------------------------------------------------------------
+    def land(self, layer: int, first: int, count: int) -> bool:
+        """Mark positions written; return True when the whole transfer has landed."""
+        marks = self.landed[layer]
+        new = count - sum(marks[first:first + count])
+        marks[first:first + count] = b"\x01" * count
+        self._layer_left[layer] -= new
+        if self._layer_left[layer] == 0 and not self._layer_events[layer].is_set():
+            self._layer_events[layer].set()
+            if self.on_layer is not None:
+                self.on_layer(self.transfer_id, layer)
+        return all(left == 0 for left in self._layer_left)
+
+    def finish(self) -> PullResult:
+        self._result = PullResult(self.transfer_id, self.dst_block_ids, self.nbytes, time.monotonic() - self.t0)
+        self._done.set()
+        return self._result
+
+    def fail(self, error: Exception) -> None:
+        if self._done.is_set():
+            return
+        self.failed_block_ids = [b for i, b in enumerate(self.dst_block_ids)
+                                 if not all(marks[i] for marks in self.landed)]
+        error.failed_block_ids = self.failed_block_ids
+        self.error = error
+        self._done.set()
+
+    # ---- any thread ---------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self, timeout: float | None = None) -> Exception | None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"pull {self.transfer_id!r} still running after {timeout} s")
+        return self.error
+
+    def result(self, timeout: float | None = None) -> PullResult:
+        """Wait for the pull (bounded by its own deadline) and return its :class:`PullResult`.
+
+        Raises the transfer's typed error (``TransferTimeoutError``, ``CorruptFrameError``,
+        ``PeerError``, ...), whose ``failed_block_ids`` lists the destination blocks that
+        did not fully land; ``TimeoutError`` if ``timeout`` passes first.
+        """
+        err = self.exception(timeout)
+        if err is not None:
+            raise err
+        return self._result
+
+    def layer_done(self, layer: int) -> bool:
+        return self._layer_events[layer].is_set()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until ``layer`` has landed (True) or the pull ended / timeout passed (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._layer_events[layer].is_set():
+            if self._done.is_set():
+                return self._layer_events[layer].is_set()
+            left = 0.05 if end is None else min(0.05, end - time.monotonic())
+            if left <= 0:
+                return False
+            self._layer_events[layer].wait(left)
+        return True

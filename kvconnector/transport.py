@@ -1,0 +1,184 @@
+"""ZeroMQ plumbing: socket setup in one place, and the I/O thread each endpoint runs.
+
+ZeroMQ sockets are not thread-safe, so each endpoint's socket lives on one background
+thread (:class:`IOLoop`). Callers hand it work with :meth:`IOLoop.call_soon`, which wakes
+the thread through an inproc pipe, so a request costs no polling delay. Every wait is
+bounded: the loop polls with the handler's next deadline (heartbeat, lease, pull), never
+forever.
+
+Socket options (:func:`make_socket`): ``LINGER=0`` (close never blocks), ``MAXMSGSIZE``
+(a peer cannot make us allocate more than ``max_frame_bytes`` for one frame, whatever a
+header says), reconnect interval with capped exponential back-off, TCP keepalive, and on
+ROUTER ``ROUTER_MANDATORY`` so a message to a vanished peer is an error instead of a
+silent drop. CURVE keys, when given, are applied here and only here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from layouts import TransferError
+
+DEFAULT_HOST = "127.0.0.1"
+RECONNECT_IVL_MS = 50
+RECONNECT_IVL_MAX_MS = 2000     # cap of the exponential back-off between reconnects
+HWM = 64                        # messages queued per peer before send would block
+_loop_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """ZeroMQ CURVE key material (z85 bytes). Servers need ``secret_key``/``public_key``;
+    clients also need ``server_key``. Authentication of client keys (ZAP) is applied by the
+    caller that owns the policy; this only configures the socket."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes | None = None
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, max_frame_bytes: int,
+                curve: CurveKeys | None = None, server: bool = False) -> zmq.Socket:
+    """Create a socket with the connector's options (the only place they are set)."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
+    s.setsockopt(zmq.SNDHWM, HWM)
+    s.setsockopt(zmq.RCVHWM, HWM)
+    s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    s.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if kind == zmq.ROUTER:
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve is not None:
+        s.curve_publickey = curve.public_key
+        s.curve_secretkey = curve.secret_key
+        if server:
+            s.curve_server = True
+        else:
+            if curve.server_key is None:
+                raise TransferError("CURVE client needs the server's public key (server_key)")
+            s.curve_serverkey = curve.server_key
+    return s
+
+
+def bind(sock: zmq.Socket, host: str = DEFAULT_HOST, port: int = 0) -> tuple[str, int]:
+    """Bind ``tcp://host:port`` (port 0: a random free port); return (endpoint, port)."""
+    try:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}", min_port=20000, max_port=65000, max_tries=200)
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        raise TransferError(f"cannot bind tcp://{host}:{port}: {e}") from e
+    return f"tcp://{host}:{port}", port
+
+
+class IOLoop:
+    """One background thread that owns one socket.
+
+    Parameters
+    ----------
+    sock : zmq.Socket
+        The endpoint's socket (ROUTER or DEALER), created by :func:`make_socket`.
+    on_message : callable(frames: list[zmq.Frame]) -> None
+        Called on the loop thread for every message received.
+    on_tick : callable(now: float) -> float
+        Called after every wake-up; returns seconds until it needs to run again.
+    on_error : callable(exc) -> None
+        Called with any exception a handler raised; the loop keeps running.
+    """
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, *, name: str,
+                 on_message: Callable, on_tick: Callable, on_error: Callable) -> None:
+        self.ctx, self.sock = ctx, sock
+        self._on_message, self._on_tick, self._on_error = on_message, on_tick, on_error
+        addr = f"inproc://kvc-wake-{next(_loop_ids)}"
+        self._wake_rx = ctx.socket(zmq.PULL)
+        self._wake_rx.setsockopt(zmq.LINGER, 0)
+        self._wake_rx.bind(addr)
+        self._wake_tx = ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(addr)
+        self._wake_lock = threading.Lock()
+        self._calls: deque = deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the loop thread (from any thread)."""
+        self._calls.append((fn, args))
+        if not self.on_thread:
+            with self._wake_lock:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # pipe full or closing: the loop is awake anyway
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        timeout_s = 0.0
+        while not self._stop:
+            try:
+                events = dict(poller.poll(max(0, int(timeout_s * 1000))))
+                if self._wake_rx in events:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                while self._calls:
+                    fn, args = self._calls.popleft()
+                    self._guard(fn, *args)
+                # drain a bounded batch so ticks (deadlines, sends) keep running under load
+                for _ in range(256):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._guard(self._on_message, frames)
+                timeout_s = self._guard(self._on_tick, time.monotonic())
+                timeout_s = 0.05 if timeout_s is None else min(timeout_s, 0.25)
+            except zmq.ZMQError as e:
+                if self._stop or e.errno == zmq.ETERM:
+                    break
+                self._guard(self._on_error, TransferError(f"socket error: {e}"))
+                timeout_s = 0.01
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # a handler bug or hostile input must not kill the thread
+            try:
+                self._on_error(e)
+            except Exception:
+                traceback.print_exc()
+            return None
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread (bounded wait), then close sockets and the context."""
+        self._stop = True
+        if self._thread.is_alive():
+            with self._wake_lock:
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            self._thread.join(timeout_s)
+        for s in (self.sock, self._wake_rx, self._wake_tx):
+            s.close(linger=0)
+        self.ctx.term()
