@@ -105,13 +105,13 @@ def one_line(e: BaseException) -> str:
     return "; ".join(s.strip() for s in str(e).splitlines() if s.strip()) or type(e).__name__
 
 
-def cli_guard(command: str, fn, args) -> int:
-    """Run ``fn(args)``; a library or file error becomes one line on stderr and exit code 1."""
+def cli_guard(command: str, fn, args, error_code: int = 1) -> int:
+    """Run ``fn(args)``; a library or file error becomes one line on stderr and ``error_code``."""
     try:
         return int(fn(args) or 0)
     except (KVCacheError, OSError, ValueError, EOFError) as e:
         print(f"kvconnector {command}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
-        return 1
+        return error_code
 
 
 def dump_cache_file(cache_path, out_path, layers="all", block_ids="all", tid: str = "dump",
