@@ -24,6 +24,7 @@ block, frame and byte offset.
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 from dataclasses import dataclass, field
@@ -87,7 +88,10 @@ class DumpRecord:
 
 
 def _check_selection(desc: LayoutDescriptor, layers, block_ids) -> tuple[list[int], list[int]]:
-    layers, block_ids = [int(x) for x in layers], [int(x) for x in block_ids]
+    try:  # operator.index: ints (numpy/torch ints too), never floats, strs or lists
+        layers, block_ids = [operator.index(x) for x in layers], [operator.index(x) for x in block_ids]
+    except TypeError as e:
+        raise LayoutError(f"dump layers/block_ids: expected lists of ints ({e})") from e
     for name, ids, n in (("layers", layers, desc.num_layers), ("block_ids", block_ids, desc.num_blocks)):
         if len(set(ids)) != len(ids) or any(not 0 <= i < n for i in ids):
             raise LayoutError(f"dump {name}: expected distinct ids in [0, {n}), got {ids[:16]}"
@@ -257,6 +261,10 @@ class DumpReader:
         if not isinstance(h["tid"], str) or not all(isinstance(x, list) for x in (h["layers"], h["block_ids"])):
             raise CorruptFrameError("file header: tid must be a str, layers and block_ids lists")
         layers, block_ids = _check_selection(desc, h["layers"], h["block_ids"])
+        n_msg, left = len(layers) * len(block_ids), self.size - self._f.tell()
+        if n_msg * (16 + desc.block_bytes) > left:  # bound index()/footer sizes by the file's
+            raise CorruptFrameError(f"file header lists {n_msg} messages of >= {16 + desc.block_bytes} "
+                                    f"bytes each, file has {left} bytes left")
         meta = h.get("meta") if isinstance(h.get("meta"), dict) else {}
         return DumpInfo(desc, layers, block_ids, h["tid"], meta, h["protocol"])
 
