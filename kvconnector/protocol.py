@@ -187,7 +187,7 @@ def decode_header(buf) -> Header:
     if not isinstance(raw, dict):
         raise _fail("<header>", "a map", raw)
     version = raw.get("v")
-    if version != PROTOCOL_VERSION:
+    if version != PROTOCOL_VERSION or type(version) is not int:  # 1.0 and True == 1 too
         if not isinstance(version, int) or isinstance(version, bool):
             raise _fail("v", "int protocol version", version)
         raise ProtocolVersionError(
