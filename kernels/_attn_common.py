@@ -1,0 +1,120 @@
+"""Device helpers shared by the paged attention kernels (plain ``@triton.jit`` functions).
+
+Dot operand kinds (constexpr ``DOT``): ``DOT_FP16`` / ``DOT_BF16`` feed the tensor cores with
+16-bit operands and fp32 accumulation; ``DOT_FP32`` is the interpreter's choice, because
+Triton 3.9's interpreter gets bf16 dots (and bf16 bit casts) wrong.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+DOT_FP16 = 0
+DOT_BF16 = 1
+DOT_FP32 = 2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def find_seq_idx(cu_seqlens_q_ptr, q_block_global_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning q block ``q_block_global_idx``; sequence ``i`` owns the blocks from
+    ``cu_seqlens_q[i] // BLOCK_Q + i`` on (a bound that never needs a host sync)."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        mid_start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= q_block_global_idx:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL: tl.constexpr):
+    """Half-open range ``[k_lo, k_hi)`` of keys any query in ``[q_pos_lo, q_pos_hi]`` may see."""
+    k_hi = seq_len
+    if CAUSAL:
+        k_hi = tl.minimum(k_hi, q_pos_hi + 1)
+    if window_right >= 0:
+        k_hi = tl.minimum(k_hi, q_pos_hi + window_right + 1)
+    k_lo = 0
+    if window_left >= 0:
+        k_lo = tl.maximum(q_pos_lo - window_left, 0)
+    return k_lo, k_hi
+
+
+@triton.jit
+def visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL: tl.constexpr):
+    """[BLOCK_M, TILE] mask of the (query, key) pairs that attend (q_pos [M], k_pos [TILE])."""
+    ok = (k_pos[None, :] < k_hi) & (k_pos[None, :] >= 0)
+    if CAUSAL:
+        ok &= k_pos[None, :] <= q_pos[:, None]
+    ok &= (window_left < 0) | (q_pos[:, None] - k_pos[None, :] <= window_left)
+    ok &= (window_right < 0) | (k_pos[None, :] - q_pos[:, None] <= window_right)
+    return ok
+
+
+@triton.jit
+def apply_softcap(s, softcap):
+    """``softcap * tanh(s / softcap)`` via exp (tanh is not in every Triton build's core)."""
+    x = s / softcap
+    t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)  # exp overflow -> inf -> t = 1, as tanh
+    return softcap * t
+
+
+@triton.jit
+def hadamard_sign(r, c):
+    """Entry ``(r, c)`` of the Sylvester Walsh-Hadamard matrix, ``(-1)^popcount(r & c)``, fp32."""
+    x = r & c
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    return 1.0 - 2.0 * (x & 1).to(tl.float32)
+
+
+@triton.jit
+def nibble_to_dot(n, DOT: tl.constexpr):
+    """Codes 0..15 (any int dtype) -> exact floats for ``tl.dot``, by bit tricks, no I2F:
+    ``n | 0x6400`` read as fp16 is ``1024 + n``; ``n | 0x4300`` read as bf16 is ``128 + n``."""
+    n16 = n.to(tl.int16)
+    if DOT == DOT_BF16:
+        return (n16 | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+    x = (n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    if DOT == DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def int8_to_dot(c, DOT: tl.constexpr):
+    """int8 codes -> exact fp16 (``c + 0x6480`` read as fp16 is ``1152 + c``), fp32 if DOT_FP32."""
+    x = (c.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    if DOT == DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def to_dot(x, DOT: tl.constexpr):
+    if DOT == DOT_FP16:
+        return x.to(tl.float16)
+    elif DOT == DOT_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def segment_tiles(k_lo, k_hi, seg_idx, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """Tiles ``[t0, t1)`` of key range ``[k_lo, k_hi)`` handled by segment ``seg_idx``."""
+    tile_lo = k_lo // TILE
+    tile_hi = (k_hi + TILE - 1) // TILE
+    per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    t0 = tile_lo + seg_idx * per_seg
+    t1 = tl.minimum(t0 + per_seg, tile_hi)
+    return t0, t1

@@ -1,0 +1,152 @@
+"""Paged attention kernel that reads INT4 per-token-head caches directly from nibble codes.
+
+The cache holds codes ``c`` of the *rotated* rows ``r = H(s*x)``, with ``r ~ (c - zp) * scale``
+and ``x = s*(H r) / d``. Attention is invariant under that orthogonal-up-to-``d`` map, so:
+
+- the query is rotated once in-kernel (``q_rot = H(s*q)``, an fp32 dot against Hadamard signs
+  generated from bit parity, no table in memory), and ``1/d`` is folded into the softmax scale;
+- score of key ``n``: ``(q_rot . c_n - zp_n * sum(q_rot)) * scale_n`` -- one dot on raw codes,
+  then one multiply-add per score column;
+- the value accumulator stays rotated: ``acc = sum_n p_n scale_n (c_n - zp_n)``, the zero point
+  folded in through the row sums of the scaled probability tile;
+- the output is inverse-rotated once per query row (here for the 2D path, in the reduction
+  kernel for the split path).
+
+Codes are never interleaved in registers: even and odd dimensions are the low and high nibbles,
+so the query and the accumulator are kept as even/odd halves and each dot is split in two.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from ._attn_common import (LOG2E, apply_softcap, find_seq_idx, hadamard_sign, key_range,
+                           nibble_to_dot, segment_tiles, to_dot, visible)
+from ._jit import dual_jit
+
+
+# Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS), as _attn_kernel.
+@dual_jit
+def _attn_int4_kernel(
+    q_ptr, k_ptr, v_ptr,            # q [T, Hq, D]; k, v [num_blocks, block_size, Hkv, D // 2] uint8
+    k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] int32 bits (scale | zp)
+    signs_ptr,                      # [D] fp32 rotation signs s
+    out_ptr,                        # out [T, Hq, D] or segm_output [T, Hq, NUM_SEGMENTS, D] (rotated)
+    segm_max_ptr, segm_sum_ptr,     # [T, Hq, NUM_SEGMENTS] fp32 (SPLIT only)
+    block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    softmax_scale, softcap, window_left, window_right, num_seqs,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_bt_s,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD // 2
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg_idx = tl.program_id(2)
+
+    seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    ctx_before = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD)
+    offs_h = tl.arange(0, HALF)
+    offs_t = tl.arange(0, TILE)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = ctx_before + q_local
+    q_pos_lo = ctx_before + q_block * BLOCK_Q
+    q_pos_hi = ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    k_lo, k_hi = key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+
+    # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
+    tok = (q_start + q_local).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
+    h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
+    h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
+    q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+    q_odd = to_dot(tl.dot(q, h_odd), DOT)
+    q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
+    if USE_SOFTCAP:
+        qk_scale = softmax_scale / HEAD
+    else:
+        qk_scale = softmax_scale / HEAD * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_even = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_odd = tl.zeros([BLOCK_M, HALF], tl.float32)
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    for t in range(t0, t1):
+        k_pos = t * TILE + offs_t
+        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        # k: [HALF, TILE] bytes (transposed gather); v: [TILE, HALF] bytes
+        kb = tl.load(k_ptr + blk[None, :] * stride_k_b + slot[None, :] * stride_k_s + kv_head * stride_k_h
+                     + offs_h[:, None] * stride_k_d, mask=n_ok[None, :], other=0)
+        vb = tl.load(v_ptr + blk[:, None] * stride_v_b + slot[:, None] * stride_v_s + kv_head * stride_v_h
+                     + offs_h[None, :] * stride_v_d, mask=n_ok[:, None], other=0)
+        kbits = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
+                        mask=n_ok, other=0)
+        vbits = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
+                        mask=n_ok, other=0)
+        k_zp = (kbits & 0xF).to(tl.float32)
+        k_sc = (kbits & -16).to(tl.float32, bitcast=True)
+        v_zp = (vbits & 0xF).to(tl.float32)
+        v_sc = (vbits & -16).to(tl.float32, bitcast=True)
+
+        s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
+        s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
+        s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
+        if USE_SOFTCAP:
+            s = apply_softcap(s, softcap) * LOG2E
+        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                     s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
+        pv = to_dot(p * (v_sc / vs_max)[None, :], DOT)
+        zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
+        acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT)) - zp_term[:, None]) * vs_max
+        acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT)) - zp_term[:, None]) * vs_max
+        m_i = m_new
+
+    if SPLIT:
+        # rotated accumulator, dimension 2i <- even half, 2i + 1 <- odd half
+        row = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx
+        base = out_ptr + row[:, None] * HEAD + 2 * offs_h[None, :]
+        tl.store(base, acc_even, mask=row_ok[:, None])
+        tl.store(base + 1, acc_odd, mask=row_ok[:, None])
+        tl.store(segm_max_ptr + row, m_i, mask=row_ok)
+        tl.store(segm_sum_ptr + row, l_i, mask=row_ok)
+    else:
+        # inverse rotation: o[j] = s[j] / d * sum_k H[j, k] acc[k], k = 2i (even) or 2i + 1 (odd)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        signs = tl.load(signs_ptr + offs_d) / HEAD
+        g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
+        g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
+        o = tl.dot(acc_even * inv_l[:, None], g_even)
+        o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
+        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -1,0 +1,137 @@
+"""Paged attention kernel for unquantized, INT8 and FP8 per-token-head caches.
+
+One kernel serves the 2D path (prefill, mixed batches) and the split-KV path (decode): a
+program owns a tile of ``BLOCK_M`` query rows = ``BLOCK_Q`` tokens x the ``GROUP`` query heads
+sharing one KV head, so every K/V byte it loads feeds all heads of the group (GQA/MQA).
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from ._attn_common import (LOG2E, apply_softcap, find_seq_idx, int8_to_dot, key_range,
+                           segment_tiles, to_dot, visible)
+from ._jit import dual_jit
+
+
+# Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS). One program: one q
+# tile of one sequence x one KV head x one segment of the visible keys, streamed TILE keys at a
+# time with an online softmax. Scores: S = (q . codes) * k_scale[column] (the per-token scale
+# scales score columns, never elements); P is multiplied by v_scale / max(v_scale) per column
+# before the P.V dot and the dot's result by max(v_scale), so fp16 operands never underflow.
+# SPLIT: write the unnormalised accumulator, running max (log2 units) and sum per segment;
+# a reduction kernel combines them. Otherwise normalise and write ``out``.
+@dual_jit
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr,            # q [T, Hq, D]; k, v [num_blocks, block_size, Hkv, D]
+    k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] fp32 (unused for NONE)
+    out_ptr,                        # out [T, Hq, D] or segm_output [T, Hq, NUM_SEGMENTS, HEAD_PAD]
+    segm_max_ptr, segm_sum_ptr,     # [T, Hq, NUM_SEGMENTS] fp32 (SPLIT only)
+    block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    softmax_scale, softcap, window_left, window_right, num_seqs,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_bt_s,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    SCALED: tl.constexpr,           # per-token-head scales present (INT8 / FP8)
+    IS_INT8: tl.constexpr, DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg_idx = tl.program_id(2)
+
+    seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    ctx_before = seq_len - q_len  # queries are the last q_len tokens of the sequence
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_t = tl.arange(0, TILE)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    d_ok = offs_d < HEAD
+    q_pos = ctx_before + q_local
+    q_pos_lo = ctx_before + q_block * BLOCK_Q
+    q_pos_hi = ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    k_lo, k_hi = key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+
+    tok = (q_start + q_local).to(tl.int64)
+    # q: [BLOCK_M, HEAD_PAD]
+    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = to_dot(q, DOT)
+    if USE_SOFTCAP:
+        qk_scale = softmax_scale
+    else:
+        qk_scale = softmax_scale * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    for t in range(t0, t1):
+        k_pos = t * TILE + offs_t
+        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        # k: [HEAD_PAD, TILE] (transposed gather of TILE rows); v: [TILE, HEAD_PAD]
+        k = tl.load(k_ptr + blk[None, :] * stride_k_b + slot[None, :] * stride_k_s + kv_head * stride_k_h
+                    + offs_d[:, None] * stride_k_d, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + blk[:, None] * stride_v_b + slot[:, None] * stride_v_s + kv_head * stride_v_h
+                    + offs_d[None, :] * stride_v_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if IS_INT8:
+            k = int8_to_dot(k, DOT)
+            v = int8_to_dot(v, DOT)
+        else:
+            k = to_dot(k, DOT)
+            v = to_dot(v, DOT)
+        s = tl.dot(q, k)  # [BLOCK_M, TILE] fp32
+        if SCALED:
+            ks = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
+                         mask=n_ok, other=0.0)
+            s = s * (ks * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        if USE_SOFTCAP:
+            s = apply_softcap(s, softcap) * LOG2E
+        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                     s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if SCALED:
+            vs = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
+                         mask=n_ok, other=0.0)
+            vs_max = tl.maximum(tl.max(vs, 0), 1e-30)
+            p = p * (vs / vs_max)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v) * vs_max
+        else:
+            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v)
+        m_i = m_new
+
+    if SPLIT:
+        row = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx
+        tl.store(out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(segm_max_ptr + row, m_i, mask=row_ok)
+        tl.store(segm_sum_ptr + row, l_i, mask=row_ok)
+    else:
+        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # no visible key -> 0 (as the oracle)
+        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -1,0 +1,225 @@
+"""Shared launcher logic of the paged attention kernels: validation, tiling heuristics, launch.
+
+``unified_attention`` (kernels/attention.py) and ``unified_attention_int4``
+(kernels/attention_int4.py) both go through :func:`launch_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from layouts import KVQuantMode, LayoutError
+
+from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
+from ._attn_int4_kernel import _attn_int4_kernel
+from ._attn_kernel import _attn_kernel
+from ._attn_reduce import _attn_reduce_kernel
+from ._jit import interpreting
+
+_CODE_DTYPES = {
+    KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: torch.float8_e4m3fn,
+    KVQuantMode.INT4_PER_TOKEN_HEAD: torch.uint8,
+}
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tiling of one launch (``num_segments`` 1 = 2D path, > 1 = split-KV path)."""
+
+    block_m: int        # query rows per program (tokens x heads of one KV group), power of two >= 16
+    tile: int           # keys per inner iteration, power of two >= 16
+    num_segments: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Decode defaults (tuned on the H200, see docs/bench/attention.md); prefill defaults.
+DECODE_TILE = {KVQuantMode.NONE: 64, KVQuantMode.INT8_PER_TOKEN_HEAD: 64,
+               KVQuantMode.FP8_PER_TOKEN_HEAD: 64, KVQuantMode.INT4_PER_TOKEN_HEAD: 64}
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+PREFILL_BLOCK_M = 64
+PREFILL_TILE = 64
+TARGET_PROGRAMS_PER_SM = 4   # split decode until the grid holds about this many programs per SM
+MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: keep the split small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fail(msg: str):
+    raise LayoutError(f"unified_attention: {msg}")
+
+
+def validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode, k_scale_cache, v_scale_cache,
+             window_size, softcap, max_seqlen_q):
+    """Check every input; return ``(head_size, num_kv_heads, group)``. Raises LayoutError."""
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        raise LayoutError("unified_attention: fp8 per-tensor caches (FP8_PER_TENSOR) are not implemented; "
+                          "use fp8_per_token_head")
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16):
+        _fail(f"q must be [num_tokens, num_q_heads, head_size] bf16/fp16, got {tuple(q.shape)} {q.dtype}")
+    num_tokens, num_q_heads, head_size = q.shape
+    for name, t in (("k", k), ("v", v), ("out", out), ("cu_seqlens_q", cu_seqlens_q),
+                    ("seqused_k", seqused_k), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device}, expected q's device {q.device}")
+    if k.dim() != 4 or k.shape != v.shape:
+        _fail(f"k, v must both be [num_blocks, block_size, num_kv_heads, data_head_size], "
+              f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    expected = q.dtype if mode == KVQuantMode.NONE else _CODE_DTYPES[mode]
+    if k.dtype != expected or v.dtype != expected:
+        _fail(f"{mode.name} cache dtype: expected {expected}, got k {k.dtype}, v {v.dtype}")
+    num_kv_heads = k.shape[2]
+    data_head = head_size // 2 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else head_size
+    if k.shape[3] != data_head:
+        _fail(f"cache last dim: expected {data_head} for {mode.name} head_size {head_size}, got {k.shape[3]}")
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD and (head_size < 32 or head_size & (head_size - 1)):
+        _fail(f"INT4 attention needs head_size a power of two >= 32, got {head_size}")
+    if num_q_heads % num_kv_heads:
+        _fail(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if out.shape != q.shape or out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        _fail(f"out must be {tuple(q.shape)} bf16/fp16/fp32, got {tuple(out.shape)} {out.dtype}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype not in _INDEX_DTYPES or cu_seqlens_q.numel() < 2:
+        _fail(f"cu_seqlens_q must be [num_seqs + 1] int32/int64, got {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    num_seqs = cu_seqlens_q.numel() - 1
+    if seqused_k.shape != (num_seqs,) or seqused_k.dtype not in _INDEX_DTYPES:
+        _fail(f"seqused_k must be [{num_seqs}] int32/int64, got {tuple(seqused_k.shape)} {seqused_k.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] < num_seqs or block_table.dtype not in _INDEX_DTYPES:
+        _fail(f"block_table must be [num_seqs={num_seqs}, max_blocks] int32/int64, "
+              f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if mode.per_token_head:
+        for name, t in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+            if t is None:
+                _fail(f"{mode.name} needs {name} [num_blocks, block_size, num_kv_heads] float32, got None")
+            if t.shape != k.shape[:3] or t.dtype != torch.float32 or t.device != q.device:
+                _fail(f"{name} must be {tuple(k.shape[:3])} float32 on {q.device}, "
+                      f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if len(tuple(window_size)) != 2 or not all(isinstance(w, int) for w in window_size):
+        _fail(f"window_size must be (left, right) ints (-1 = unbounded), got {window_size!r}")
+    if softcap is not None and softcap < 0:
+        _fail(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if max_seqlen_q < 0:
+        _fail(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    return head_size, num_kv_heads, num_q_heads // num_kv_heads
+
+
+def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_output, num_segments,
+                seq_threshold_3d) -> AttnConfig:
+    """2D tiles for prefill / mixed batches; split-KV for decode when it fills the GPU better."""
+    block_m = max(16, triton.next_power_of_2(group))
+    decode = max_seqlen_q == 1
+    if decode and seq_threshold_3d is not None and num_seqs > seq_threshold_3d:
+        decode = False
+    if not decode:
+        return AttnConfig(block_m=max(PREFILL_BLOCK_M, block_m), tile=PREFILL_TILE)
+    tile = DECODE_TILE[mode]
+    if segm_output is not None:
+        segs = segm_output.shape[2]
+    elif num_segments is not None:
+        segs = num_segments
+    else:
+        num_kv_heads = q.shape[1] // group
+        want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // max(1, num_seqs * num_kv_heads)
+        cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
+        segs = triton.next_power_of_2(max(1, min(want, cap)))
+    return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
+                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+
+
+def _segment_buffers(q, head_pad, segs, segm_output, segm_max, segm_expsum):
+    num_tokens, num_q_heads = q.shape[:2]
+    if segm_output is None:
+        segm_output = torch.empty(num_tokens, num_q_heads, segs, head_pad, dtype=torch.float32, device=q.device)
+        segm_max = torch.empty(num_tokens, num_q_heads, segs, dtype=torch.float32, device=q.device)
+        segm_expsum = torch.empty_like(segm_max)
+        return segm_output, segm_max, segm_expsum
+    for name, t, tail in (("softmax_segm_output", segm_output, (num_q_heads, segs, head_pad)),
+                          ("softmax_segm_max", segm_max, (num_q_heads, segs)),
+                          ("softmax_segm_expsum", segm_expsum, (num_q_heads, segs))):
+        if (t is None or t.dtype != torch.float32 or t.device != q.device or not t.is_contiguous()
+                or tuple(t.shape[1:]) != tail or t.shape[0] < num_tokens):
+            got = None if t is None else (tuple(t.shape), t.dtype, str(t.device))
+            _fail(f"{name} must be a contiguous float32 [>= {num_tokens}, {', '.join(map(str, tail))}] "
+                  f"tensor on {q.device}, got {got}")
+    return segm_output, segm_max, segm_expsum
+
+
+def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
+                     window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
+                     head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
+    """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
+    num_tokens, num_q_heads = q.shape[:2]
+    num_seqs = cu_seqlens_q.numel() - 1
+    if num_tokens == 0:
+        return out
+    is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    if interpreting(q):
+        dot = DOT_FP32
+    elif mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+        dot = DOT_FP16  # int8 / e4m3 codes convert exactly and cheaply to fp16
+    else:
+        dot = DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16
+    split = cfg.num_segments > 1
+    if split:
+        segm_output, segm_max, segm_expsum = _segment_buffers(q, head_pad, cfg.num_segments,
+                                                              segm_output, segm_max, segm_expsum)
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    if is_int4:  # the kernel reads the scale words as int32 bits (scale | zero point)
+        ks, vs = k_scale_cache.view(torch.int32), v_scale_cache.view(torch.int32)
+    elif mode.per_token_head:
+        ks, vs = k_scale_cache, v_scale_cache
+    else:
+        ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    block_q = cfg.block_m // group
+    grid = (num_tokens // block_q + num_seqs, k.shape[2], cfg.num_segments)
+    target = segm_output if split else out
+    common = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, out_ptr=target,
+        segm_max_ptr=segm_max if split else out, segm_sum_ptr=segm_expsum if split else out,
+        block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
+        seqused_k_ptr=seqused_k.contiguous(),
+        softmax_scale=float(softmax_scale), softcap=float(softcap or 0.0),
+        window_left=int(window_size[0]), window_right=int(window_size[1]), num_seqs=num_seqs,
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_b=k.stride(0), stride_k_s=k.stride(1), stride_k_h=k.stride(2), stride_k_d=k.stride(3),
+        stride_v_b=v.stride(0), stride_v_s=v.stride(1), stride_v_h=v.stride(2), stride_v_d=v.stride(3),
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_bt_s=block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD=head_size, BLOCK_SIZE=k.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE=cfg.tile, DOT=dot,
+        CAUSAL=bool(causal), USE_SOFTCAP=bool(softcap and softcap > 0),
+        SPLIT=split, NUM_SEGMENTS=cfg.num_segments,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if is_int4:
+        _attn_int4_kernel[grid](signs_ptr=signs, **common)
+    else:
+        _attn_kernel[grid](HEAD_PAD=head_pad, SCALED=mode.per_token_head,
+                           IS_INT8=mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
+    if split:
+        _attn_reduce_kernel[(num_tokens, num_q_heads)](
+            out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
+            signs_ptr=signs if is_int4 else segm_max,
+            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+            NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
+            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=triton.next_power_of_2(cfg.num_segments),
+            ROTATE=is_int4, num_warps=8 if is_int4 else 4,
+        )
+    return out

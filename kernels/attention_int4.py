@@ -1,0 +1,65 @@
+"""Paged attention straight on INT4 per-token-head caches (rotated nibble codes, SPEC §3, §5).
+
+The query is rotated with the cache's signed Hadamard (``single_rht`` semantics, fp32, in the
+kernel), ``1/head_size`` is folded into the softmax scale, scores and values are computed on
+raw nibble codes with the per-token scale and zero point applied to the score and probability
+tiles, and the output is inverse-rotated once per query row. Causal and non-causal.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from layouts import KVQuantMode
+
+from ._attn_launch import AttnConfig, launch_attention, pick_config, validate
+from .reference import rht_signs
+
+
+@functools.lru_cache(maxsize=None)
+def _signs(head_size: int, device: torch.device) -> torch.Tensor:
+    return rht_signs(head_size, device).contiguous()
+
+
+def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, block_table, softcap,
+                           k_scale_cache, v_scale_cache, seq_threshold_3D=None,
+                           num_par_softmax_segments=None, softmax_segm_output=None,
+                           softmax_segm_max=None, softmax_segm_expsum=None,
+                           config: Optional[AttnConfig] = None):
+    """Varlen paged attention over an INT4 per-token-head cache; writes ``out`` in place.
+
+    Parameters
+    ----------
+    q : [num_tokens, num_q_heads, head_size] bf16/fp16, un-rotated queries (any strides).
+    k, v : [num_blocks, block_size, num_kv_heads, head_size // 2] uint8 nibble codes of the
+        rotated rows, even element in the low nibble; may be strided views of one packed cache
+        (``layouts.split_kv_cache``).
+    out : [num_tokens, num_q_heads, head_size] bf16/fp16/fp32, written in place (un-rotated).
+    cu_seqlens_q : [num_seqs + 1] int32/int64; seqused_k : [num_seqs] int32/int64 context lengths.
+    max_seqlen_q, max_seqlen_k : int, host-side bounds (``max_seqlen_q == 1`` is decode).
+    softmax_scale : float, applied to ``q . k`` of the *un-rotated* vectors.
+    causal : bool; window_size : (left, right), -1 = unbounded; softcap : float, 0 = off.
+    block_table : [num_seqs, max_blocks_per_seq] int32/int64.
+    k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32 words whose
+        low 4 bits are the zero point.
+    seq_threshold_3D, num_par_softmax_segments, softmax_segm_* : split-KV controls and buffers,
+        as :func:`kernels.unified_attention`.
+    config : AttnConfig, optional; tiling override (benchmarks).
+
+    Returns
+    -------
+    out
+    """
+    mode = KVQuantMode.INT4_PER_TOKEN_HEAD
+    head_size, _, group = validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode,
+                                   k_scale_cache, v_scale_cache, window_size, softcap, max_seqlen_q)
+    cfg = config or pick_config(mode, q, group, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
+                                softmax_segm_output, num_par_softmax_segments, seq_threshold_3D)
+    return launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
+                            window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg, head_size,
+                            group, signs=_signs(head_size, q.device), segm_output=softmax_segm_output,
+                            segm_max=softmax_segm_max, segm_expsum=softmax_segm_expsum)
