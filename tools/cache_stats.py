@@ -261,7 +261,7 @@ class CacheStats:
         layers = []
         for layer_idx in sorted(self.layers):
             blocks = [{"block": b, "heads": self._heads(self.blocks[(l, b)])}
-                      for (l, b) in sorted(self.blocks) if l == layer_idx]
+                      for (l, b) in self.blocks if l == layer_idx]   # in the order added
             layers.append({"layer": layer_idx, "heads": self._heads(self.layers[layer_idx]), "blocks": blocks})
         return {"layers": layers}
 

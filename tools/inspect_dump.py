@@ -151,10 +151,11 @@ def plot(st: CacheStats, path, title: str = "") -> None:
     hist = total.code_hist.sum(1)                       # [2, bins]
     for kv in (0, 1):
         if hist.shape[-1]:
-            ax[0, 0].bar(torch.arange(hist.shape[-1]) + 0.4 * kv, hist[kv], width=0.4, label=KV_NAMES[kv])
+            ax[0, 0].bar((torch.arange(hist.shape[-1]) + 0.4 * kv).numpy(), hist[kv].numpy(), width=0.4,
+                         label=KV_NAMES[kv])
         zp = total.zp_hist.sum(1)
         if zp.shape[-1]:
-            ax[0, 1].bar(torch.arange(16) + 0.4 * kv, zp[kv], width=0.4, label=KV_NAMES[kv])
+            ax[0, 1].bar((torch.arange(16) + 0.4 * kv).numpy(), zp[kv].numpy(), width=0.4, label=KV_NAMES[kv])
     ax[0, 0].set_title("code histogram" if hist.shape[-1] else "code histogram (unquantized: none)")
     ax[0, 1].set_title("INT4 zero-point histogram" if total.zp_hist.shape[-1] else "zero points (INT4 only)")
     for kv in (0, 1):
@@ -205,7 +206,7 @@ def _run(args) -> int:
         st = collect(src, ref, progress=not args.no_progress and n >= 256)
         if args.plot and st.layers:
             plot(st, args.plot, f"{src.path}: {KVQuantMode(src.desc.quant_mode).name}")
-        print(json.dumps(to_json(src, st)) if args.json else format_table(src, st, args.per_block))
+        print(json.dumps(to_json(src, st), allow_nan=False) if args.json else format_table(src, st, args.per_block))
     finally:
         src.close()
         if ref is not None:
