@@ -71,6 +71,18 @@ def contiguous_run(block_ids) -> tuple[int, int] | None:
     return None
 
 
+def runs(block_ids) -> list[tuple[int, int, int]]:
+    """Split ``block_ids`` into maximal runs of consecutive ids: ``[(position, first_id, count)]``."""
+    out = []
+    for pos, b in enumerate(block_ids):
+        b = int(b)
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
 def gather_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids,
                   heads: range | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the rows of ``block_ids`` (optionally only local ``heads``) into one byte buffer.
@@ -97,13 +109,16 @@ def gather_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids,
     n = slice_bytes(geo, len(ids), heads)
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=view.device)
-    elif out.numel() != n or out.dtype != torch.uint8:
-        raise LayoutError(f"out: expected {n} uint8 bytes, got {out.numel()} {out.dtype}")
-    if len(heads) == geo.num_kv_heads:
-        torch.index_select(view.view(view.shape[0], -1), 0, ids, out=out.view(len(ids), -1))
-    else:
-        out.view(len(ids), 2, geo.block_size, len(heads), geo.row_bytes).copy_(
-            view[ids][:, :, :, heads.start:heads.stop])
+    elif out.numel() != n or out.dtype != torch.uint8 or out.device != view.device:
+        raise LayoutError(f"out: expected {n} uint8 bytes on {view.device}, got {out.numel()} {out.dtype} {out.device}")
+    dst = out.view(len(ids), 2, geo.block_size, len(heads), geo.row_bytes)
+    if view.is_cuda:
+        dst.copy_(view[ids][:, :, :, heads.start:heads.stop])
+        return out
+    # CPU: numpy slice copies per run of consecutive ids (much faster than index ops on wide rows)
+    src_np, dst_np = view.numpy(), dst.numpy()
+    for pos, b, k in runs(block_ids):
+        dst_np[pos:pos + k] = src_np[b:b + k, :, :, heads.start:heads.stop]
     return out
 
 
@@ -130,10 +145,9 @@ def scatter_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids, payloa
     if payload.device != view.device:
         raise LayoutError(f"payload device: expected {view.device}, got {payload.device}")
     src = payload.view(len(ids), 2, geo.block_size, len(heads), geo.row_bytes)
-    run = contiguous_run(block_ids)
-    if run is not None:
-        view[run[0]:run[0] + run[1], :, :, heads.start:heads.stop].copy_(src)
-    elif len(heads) == geo.num_kv_heads:
-        view.view(view.shape[0], -1).index_copy_(0, ids, src.reshape(len(ids), -1))
-    else:
+    if view.is_cuda:
         view[:, :, :, heads.start:heads.stop].index_copy_(0, ids, src)
+        return
+    src_np, dst_np = src.numpy(), view.numpy()
+    for pos, b, k in runs(block_ids):
+        dst_np[b:b + k, :, :, heads.start:heads.stop] = src_np[pos:pos + k]

@@ -254,19 +254,35 @@ class DecodeEndpoint:
                 f"BLOCKS {h.tid!r} layer {h.layer}: positions {h.first}+{h.nblk} overlap a run already received"),
                 "corrupt_frame")
         local = range(h.heads[0] - self.descriptor.head_start, h.heads[1] - self.descriptor.head_start)
+        per_block = slice_bytes(self.geometry, 1, local)
+        bad = [n for n in h.nbytes if n <= 0 or n % per_block]
+        if bad or sum(h.nbytes) != h.nblk * per_block:
+            return self._fail(p, CorruptFrameError(
+                f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected positive multiples of "
+                f"{per_block} (one block of the layout) summing to {h.nblk * per_block}, got {h.nbytes}"),
+                "corrupt_frame")
         try:
-            verify_payloads(h, payloads, [slice_bytes(self.geometry, h.nblk, local)])
+            verify_payloads(h, payloads)
         except CorruptFrameError as e:
             return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
         p.received[h.layer][h.first:h.first + h.nblk] = b"\x01" * h.nblk
-        dst = p.dst_block_ids[h.first:h.first + h.nblk]
-        src = torch.frombuffer(payloads[0].buffer, dtype=torch.uint8)
-        self.metrics.add("bytes_received", src.numel())
-        p.nbytes += src.numel()
-        cache = self.caches[h.layer]
+        self.metrics.add("bytes_received", sum(h.nbytes))
+        p.nbytes += sum(h.nbytes)
+        cache, pos = self.caches[h.layer], h.first
+        for frame, n in zip(payloads, h.nbytes):
+            k = n // per_block
+            dst = p.dst_block_ids[pos:pos + k]
+            src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+            if not self.cuda:
+                scatter_blocks(cache, self.geometry, dst, src, local)
+            else:
+                self._scatter_cuda(p, h.layer, pos, k, cache, dst, src, local)
+            pos += k
         if not self.cuda:
-            scatter_blocks(cache, self.geometry, dst, src, local)
-            return self._landed(p, h.layer, h.first, h.nblk)
+            self._landed(p, h.layer, h.first, h.nblk)
+
+    def _scatter_cuda(self, p, layer, first, count, cache, dst, src, local) -> None:
+        """Pinned staging -> device -> scatter on a side stream; lands when its event fires."""
         staging = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
         staging.copy_(src)
         self._copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
@@ -275,7 +291,7 @@ class DecodeEndpoint:
             scatter_blocks(cache, self.geometry, dst, dev, local)
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
-        self._gpu_writes.append((ev, p, h.layer, h.first, h.nblk, staging))
+        self._gpu_writes.append((ev, p, layer, first, count, staging))
 
     def _landed(self, p: PullHandle, layer: int, first: int, count: int) -> None:
         if self._pending.get(p.transfer_id) is not p:

@@ -25,7 +25,7 @@ from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, Protoco
 from .blocks import slice_bytes
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, encode_message
-from .sender import Stream
+from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
@@ -83,6 +83,7 @@ class PrefillEndpoint:
         self._streams: list[Stream] = []
         self._started: dict[str, tuple] = {}     # tid -> (pull time, payload bytes) for metrics
         self._blocked_until = 0.0
+        self._pool = BufferPool()
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         ctx = zmq.Context()
@@ -135,9 +136,10 @@ class PrefillEndpoint:
         self.close()
 
     # ---- I/O thread ------------------------------------------------------------------
-    def _send(self, ident: bytes, frames: list) -> None:
-        self._loop.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+    def _send(self, ident: bytes, frames: list, track: bool = False):
+        tracker = self._loop.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False, track=track)
         self.metrics.add("messages_sent")
+        return tracker
 
     def _reply(self, ident: bytes, h: Header) -> None:
         try:
@@ -238,7 +240,7 @@ class PrefillEndpoint:
         self._streams = [s for s in self._streams if s.tid != h.tid]   # a retried pull restarts
         local = range(h.heads[0] - d.head_start, h.heads[1] - d.head_start)
         self._streams.append(Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local,
-                                    h.heads, self.chunk_bytes, self._copy_stream))
+                                    h.heads, self.chunk_bytes, self._copy_stream, self._pool))
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
         self._started[h.tid] = (time.monotonic(), nbytes)
@@ -270,7 +272,7 @@ class PrefillEndpoint:
                     self._streams.remove(s)
                     continue
                 try:
-                    self._send(s.ident, frames)
+                    s.sent(self._send(s.ident, frames, track=s.last_buffer is not None))
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue

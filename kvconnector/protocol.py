@@ -143,7 +143,8 @@ def checksum(buf) -> int:
 def encode_header(h: Header) -> bytes:
     """Encode a header to its msgpack frame (only the keys its type uses, plus ``v, t, seq``)."""
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
-    for key in _REQUIRED[MsgType(h.type)] + (("msg",) if h.msg else ()) + (("diffs",) if h.diffs else ()):
+    optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code)) if on)
+    for key in dict.fromkeys(_REQUIRED[MsgType(h.type)] + optional):
         attr = _KEYS[key][0]
         val = getattr(h, attr)
         out[key] = list(val) if key == "heads" else val

@@ -1,8 +1,8 @@
 """One outgoing transfer: turns (layers x block runs) into BLOCKS messages, with GPU staging.
 
-CPU caches: a run of consecutive source blocks with all heads is sent straight from the
-cache (zero copy; the lease guarantees the blocks do not change); anything else is
-gathered into a fresh buffer. CUDA caches: each chunk is gathered on the GPU and copied
+CPU caches, all heads: each run of consecutive source blocks is one payload frame sent
+straight from the cache (zero copy; the lease guarantees the blocks do not change). A head
+slice is gathered into a fresh buffer (one frame). CUDA caches: each chunk is gathered on the GPU and copied
 into pinned host memory on a side stream; the copy of chunk ``i + 1`` is queued before
 chunk ``i`` is sent, so the device-to-host copy overlaps the socket.
 """
@@ -14,8 +14,39 @@ from collections import deque
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, contiguous_run, gather_blocks, slice_bytes
+from .blocks import as_bytes, gather_blocks, runs, slice_bytes
 from .protocol import Header, MsgType, encode_message
+
+
+MIN_FRAME_BYTES = 256 << 10   # below this mean run size, gathering beats per-run frames
+
+
+class BufferPool:
+    """Reusable host byte buffers for gathered payloads (fresh allocations page-fault).
+
+    A buffer handed to ZeroMQ with zero copy is reused only once its ``MessageTracker``
+    says the socket no longer reads it.
+    """
+
+    def __init__(self, max_buffers: int = 8) -> None:
+        self._free: list = []     # [tensor, tracker or None]
+        self.max_buffers = max_buffers
+
+    def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        for i, (buf, tracker) in enumerate(self._free):
+            if buf.numel() >= nbytes and (tracker is None or tracker.done):
+                del self._free[i]
+                return buf[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def release(self, buf: torch.Tensor, tracker) -> None:
+        base = buf._base if buf._base is not None else buf
+        self._free.append([base, tracker])
+        if len(self._free) > self.max_buffers:
+            for i, (_, t) in enumerate(self._free):
+                if t is None or t.done:
+                    del self._free[i]
+                    break
 
 
 class Stream:
@@ -41,13 +72,16 @@ class Stream:
     """
 
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
-                 local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None) -> None:
+                 local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
+                 pool: BufferPool | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
+        self.pool = pool or BufferPool()
+        self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         self._plan = deque((layer, first) for layer in range(len(caches))
                            for first in range(0, len(block_ids), self.chunk_blocks))
         self._total = len(self._plan)
@@ -60,21 +94,32 @@ class Stream:
         """Keep frames the socket refused; they go first next time."""
         self._retry = frames
 
-    def _cpu_payload(self, layer: int, ids: list):
-        run = contiguous_run(ids)
-        if run is not None and self.full_heads:
-            view = as_bytes(self.caches[layer], self.geo)
-            return view[run[0]:run[0] + run[1]].reshape(-1).numpy()   # zero copy out of the cache
-        return gather_blocks(self.caches[layer], self.geo, ids, self.local_heads).numpy()
+    def sent(self, tracker) -> None:
+        """The last frames were queued; their pooled buffer is free once ``tracker`` is done."""
+        if self.last_buffer is not None:
+            self.pool.release(self.last_buffer, tracker)
+            self.last_buffer = None
+
+    def _cpu_payload(self, layer: int, ids: list) -> tuple:
+        block_runs = runs(ids)
+        run_bytes = len(ids) * self.geo.block_bytes // len(block_runs)
+        if self.full_heads and run_bytes >= MIN_FRAME_BYTES:
+            # zero copy out of the cache: one frame per run of consecutive ids
+            view = as_bytes(self.caches[layer], self.geo).numpy()
+            return [view[b:b + k].reshape(-1) for _, b, k in block_runs], None
+        # small runs: one gathered frame costs less than many tiny frames
+        buf = self.pool.acquire(slice_bytes(self.geo, len(ids), self.local_heads))
+        return [gather_blocks(self.caches[layer], self.geo, ids, self.local_heads, out=buf).numpy()], buf
 
     def _stage(self) -> None:
         layer, first = self._plan.popleft()
         ids = self.block_ids[first:first + self.chunk_blocks]
         if self.copy_stream is None:
-            self._staged.append((layer, first, len(ids), self._cpu_payload(layer, ids), None))
+            frames, buf = self._cpu_payload(layer, ids)
+            self._staged.append((layer, first, len(ids), frames, buf, None))
             return
         n = slice_bytes(self.geo, len(ids), self.local_heads)
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host = self.pool.acquire(n, pin=True)
         cache = self.caches[layer]
         self.copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
         with torch.cuda.stream(self.copy_stream):
@@ -83,7 +128,7 @@ class Stream:
             dev.record_stream(self.copy_stream)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
-        self._staged.append((layer, first, len(ids), host, ev))
+        self._staged.append((layer, first, len(ids), [host], host, ev))
 
     def next_frames(self) -> list | None:
         """Frames of the next message, or None when the transfer is fully sent."""
@@ -94,12 +139,12 @@ class Stream:
             return None
         while len(self._staged) < 2 and self._plan:   # keep one chunk's copy in flight ahead
             self._stage()
-        layer, first, count, payload, ev = self._staged.popleft()
+        layer, first, count, payload, self.last_buffer, ev = self._staged.popleft()
         if ev is not None:
             ev.synchronize()
-            payload = payload.numpy()
+            payload = [payload[0].numpy()]
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, first=first, nblk=count,
                    heads=self.global_heads, last=self._seq == self._total)
-        self.last_payload_bytes = payload.nbytes
-        return encode_message(h, [payload])
+        self.last_payload_bytes = sum(p.nbytes for p in payload)
+        return encode_message(h, payload)

@@ -1,0 +1,162 @@
+"""Wire protocol codecs and block gather/scatter (no sockets).
+
+Covers header encode/decode round trips, every validation path (each error names the field,
+expected vs got), payload verification (truncated, oversized, checksum, frame count), and
+byte-exact gather/scatter of whole blocks and head slices for every cache mode.
+
+Run: python -m pytest tests/test_protocol.py -q
+"""
+
+import msgpack
+import pytest
+import torch
+
+from kvconnector.blocks import gather_blocks, runs, scatter_blocks, slice_bytes
+from kvconnector.protocol import (MAX_HEADER_BYTES, PROTOCOL_HISTORY, PROTOCOL_VERSION, ErrorCode, Header,
+                                  MsgType, checksum, decode_header, encode_header, encode_message,
+                                  verify_payloads)
+from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutError, ProtocolVersionError
+
+pytestmark = pytest.mark.timeout(60)
+
+MODES = [KVQuantMode.NONE, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD,
+         KVQuantMode.INT4_PER_TOKEN_HEAD]
+MODE_IDS = ["bf16", "int8", "fp8", "int4"]
+
+
+def test_version_has_history():
+    assert PROTOCOL_VERSION in PROTOCOL_HISTORY
+
+
+@pytest.mark.parametrize("h", [
+    Header(MsgType.HELLO, desc={"a": 1}),
+    Header(MsgType.HELLO_ACK, desc={"a": 1}, ok=False, msg="no", diffs=[["head_size", 64, 128]]),
+    Header(MsgType.PULL, seq=3, tid="req-1", nblk=5, heads=(2, 4)),
+    Header(MsgType.ACK, tid="t", ok=True),
+    Header(MsgType.ABORT, tid="t", code="deadline"),
+    Header(MsgType.ERROR, tid="t", code=ErrorCode.UNKNOWN_TRANSFER, msg="gone"),
+    Header(MsgType.PING), Header(MsgType.PONG),
+], ids=lambda h: h.type.name)
+def test_header_round_trip(h):
+    got = decode_header(encode_header(h))
+    for name in ("type", "seq", "tid", "nblk", "heads", "desc", "ok", "code", "msg", "diffs"):
+        assert getattr(got, name) == getattr(h, name), name
+
+
+def test_blocks_message_fills_counts_and_checksums():
+    payloads = [bytes(range(7)), bytearray(b"xyz")]
+    frames = encode_message(Header(MsgType.BLOCKS, tid="t", layer=2, first=4, nblk=2, heads=(0, 1), last=True),
+                            payloads)
+    h = decode_header(frames[0])
+    assert (h.layer, h.first, h.nblk, h.last, h.nbytes) == (2, 4, 2, True, [7, 3])
+    assert h.checksums == [checksum(p) for p in payloads]
+    verify_payloads(h, frames[1:])
+
+
+def _raw(**over):
+    d = {"v": PROTOCOL_VERSION, "t": int(MsgType.PULL), "seq": 0, "tid": "t", "nblk": 1, "heads": [0, 1]}
+    d.update(over)
+    return msgpack.packb({k: v for k, v in d.items() if v is not ...})
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"\xc1\x00", "not valid msgpack"),
+    (msgpack.packb([1, 2]), "expected a map"),
+    (_raw(t=99), "field 't'"),
+    (_raw(t="PULL"), "field 't'"),
+    (_raw(nblk=-1), "field 'nblk'.*expected int in"),
+    (_raw(nblk="3"), "field 'nblk'"),
+    (_raw(nblk=True), "field 'nblk'"),
+    (_raw(tid=5), "field 'tid'.*expected str"),
+    (_raw(tid="x" * 300), "field 'tid'"),
+    (_raw(heads=[3, 1]), "field 'heads'"),
+    (_raw(heads=[0, 1, 2]), "field 'heads'"),
+    (_raw(nblk=...), r"missing field\(s\) \['nblk'\]"),
+    (_raw(v="1"), "field 'v'"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4, 4], xxh=[1], last=True), "field 'xxh'"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[1 << 40], xxh=[1], last=True), r"nbytes\[0\]"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4], xxh=[-1], last=True), r"xxh\[0\]"),
+], ids=["garbage", "array", "bad-type", "type-str", "neg-nblk", "str-nblk", "bool-nblk", "int-tid",
+        "long-tid", "heads-reversed", "heads-3", "missing", "version-str", "xxh-count", "hostile-nbytes",
+        "neg-checksum"])
+def test_decode_rejects_bad_headers(raw, match):
+    with pytest.raises(CorruptFrameError, match=match):
+        decode_header(raw)
+
+
+def test_decode_rejects_other_version_and_oversized_header():
+    with pytest.raises(ProtocolVersionError, match=f"expected protocol version {PROTOCOL_VERSION}, got 2"):
+        decode_header(_raw(v=2))
+    with pytest.raises(CorruptFrameError, match="header frame: expected <="):
+        decode_header(b"\x00" * (MAX_HEADER_BYTES + 1))
+
+
+def test_verify_payloads_names_the_problem():
+    frames = encode_message(Header(MsgType.BLOCKS, tid="t", nblk=1, heads=(0, 1)), [b"abcdefgh"])
+    h = decode_header(frames[0])
+    with pytest.raises(CorruptFrameError, match="truncated: expected 8 bytes, got 7"):
+        verify_payloads(h, [b"abcdefg"])
+    with pytest.raises(CorruptFrameError, match="oversized: expected 8 bytes, got 9"):
+        verify_payloads(h, [b"abcdefghi"])
+    with pytest.raises(CorruptFrameError, match="checksum"):
+        verify_payloads(h, [b"abcdefgX"])
+    with pytest.raises(CorruptFrameError, match="expected 1 payload frames, got 2"):
+        verify_payloads(h, [b"abcdefgh", b""])
+    with pytest.raises(CorruptFrameError, match="from the layout"):
+        verify_payloads(h, [b"abcdefgh"], expected_nbytes=[16])
+
+
+def _filled(geo, num_blocks, seed):
+    c = geo.new_cache(num_blocks)
+    g = torch.Generator().manual_seed(seed)
+    c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    return c
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_gather_scatter_whole_blocks_byte_exact(mode):
+    geo = CacheGeometry(mode, 64, 3, 4)
+    src, dst = _filled(geo, 10, 0), _filled(geo, 10, 1)
+    before = dst.clone()
+    src_ids, dst_ids = [7, 2, 3, 4, 0], [1, 9, 5, 6, 8]
+    payload = gather_blocks(src, geo, src_ids)
+    # bytes per block come from the layout (2·N·H·P), scale tails included
+    assert payload.numel() == len(src_ids) * 2 * geo.block_size * geo.num_kv_heads * geo.row_bytes
+    scatter_blocks(dst, geo, dst_ids, payload)
+    db, sb, bb = dst.view(torch.uint8), src.view(torch.uint8), before.view(torch.uint8)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(db[d], sb[s])
+    for untouched in set(range(10)) - set(dst_ids):
+        assert torch.equal(db[untouched], bb[untouched])
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_head_slice_round_trip(mode):
+    geo_src = CacheGeometry(mode, 32, 4, 4)
+    geo_dst = CacheGeometry(mode, 32, 2, 4)
+    src, dst = _filled(geo_src, 6, 2), _filled(geo_dst, 6, 3)
+    before = dst.clone()
+    payload = gather_blocks(src, geo_src, [5, 1], heads=range(2, 4))
+    assert payload.numel() == slice_bytes(geo_src, 2, range(2, 4)) == 2 * geo_dst.block_bytes
+    scatter_blocks(dst, geo_dst, [0, 3], payload, heads=range(0, 2))
+    sb, db = src.view(torch.uint8), dst.view(torch.uint8)
+    assert torch.equal(db[0], sb[5][:, :, 2:4])
+    assert torch.equal(db[3], sb[1][:, :, 2:4])
+    assert torch.equal(db[1], before.view(torch.uint8)[1])
+
+
+def test_gather_scatter_refuse_bad_input():
+    geo = CacheGeometry(KVQuantMode.INT8_PER_TOKEN_HEAD, 16, 2, 4)
+    cache = _filled(geo, 4, 0)
+    with pytest.raises(LayoutError, match=r"block_ids: expected values in \[0, 4\)"):
+        gather_blocks(cache, geo, [0, 4])
+    with pytest.raises(LayoutError, match="payload: expected"):
+        scatter_blocks(cache, geo, [0], torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(LayoutError, match="kv_cache: expected shape"):
+        gather_blocks(cache[:, :, :, :, :8], geo, [0])
+    with pytest.raises(LayoutError, match="heads: expected a range"):
+        gather_blocks(cache, geo, [0], heads=range(1, 3))
+
+
+def test_runs_groups_consecutive_ids():
+    assert runs([4, 5, 6, 1, 2, 9]) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
