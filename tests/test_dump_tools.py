@@ -291,3 +291,29 @@ def test_stats_merge_matches_whole(files):
     assert torch.equal(total.code_hist, sum(st.blocks[(2, b)].code_hist for b in (4, 0, 5)))
     # block 5 is zero-filled: all its 2 * H * N rows carry zero point 0
     assert int(st.blocks[(2, 5)].zp_hist[..., 0].sum()) == 2 * NUM_KV_HEADS * BLOCK_SIZE
+
+
+def test_dump_from_prefill_endpoint(files, tmp_path, capsys):
+    """Pull a published transfer over the connector on loopback, dump it, compare bytes; a local
+    layout that fails the handshake is a one-line LayoutMismatchError."""
+    from kvconnector import PrefillEndpoint
+
+    f = files["int4"]
+    out = tmp_path / "pulled.kvd"
+    common = ["--transfer-id", "req-1", "--num-transfer-blocks", "3", "--head-size", HEAD_SIZE,
+              "--num-kv-heads", NUM_KV_HEADS, "--block-size", BLOCK_SIZE, "--num-layers", NUM_LAYERS,
+              "--timeout", "10", "--no-progress", "-o", out]
+    with PrefillEndpoint(f["caches"], f["desc"]) as pe:
+        pe.publish("req-1", [4, 1, 2])
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--kv-cache-dtype", "int8_per_token_head",
+                           *common)
+        assert rc == 1 and "LayoutMismatchError" in err and "quant_mode" in err and len(err.splitlines()) == 1
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--kv-cache-dtype", "int4_per_token_head",
+                           *common)
+        assert rc == 0, err
+    assert verify(out).startswith("OK")
+    with DumpReader(out) as r:
+        assert r.info.tid == "req-1" and r.info.block_ids == [0, 1, 2]
+        for rec in r:        # transfer position i holds source block [4, 1, 2][i]
+            src = [4, 1, 2][rec.block_id]
+            assert bytes(rec.payload) == _bytes(f["caches"][rec.layer][src]).numpy().tobytes()

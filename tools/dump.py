@@ -1,4 +1,4 @@
-"""Write chosen layers and blocks of a KV cache (a saved cache file) to a dump file.
+"""Write chosen layers and blocks of a KV cache (saved cache file or prefill endpoint) to a dump file.
 
 Also home of the **cache file** the dump tools read and write: ``torch.save`` of a plain
 dict (no pickled classes; read back with ``torch.load(weights_only=True)``)::
@@ -102,7 +102,8 @@ def parse_ids(spec: str | None, n: int, what: str) -> list[int]:
 
 def one_line(e: BaseException) -> str:
     """An exception as one line (multi-line messages such as layout mismatches joined by '; ')."""
-    return "; ".join(s.strip() for s in str(e).splitlines() if s.strip()) or type(e).__name__
+    parts = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return "; ".join(parts).replace(":; ", ": ") or type(e).__name__
 
 
 def cli_guard(command: str, fn, args, error_code: int = 1) -> int:
@@ -135,18 +136,86 @@ def dump_cache_file(cache_path, out_path, layers="all", block_ids="all", tid: st
                       meta={"source": str(cache_path)}, progress=progress)
 
 
+def dump_from_endpoint(endpoint: str, transfer_id: str, num_transfer_blocks: int, desc: LayoutDescriptor,
+                       out_path, layers=None, timeout_s: float = 30.0, curve=None,
+                       progress: bool = False) -> DumpInfo:
+    """Pull a published transfer from a running prefill endpoint, then dump it.
+
+    The pull is an ordinary decode-side pull (handshake, checksums, deadline) into fresh
+    zeroed CPU caches laid out as ``desc`` (its ``num_blocks`` is replaced by
+    ``num_transfer_blocks``; transfer position ``i`` lands in block ``i``). Like any
+    completed pull it ACKs, so the prefill side releases the transfer's lease.
+
+    Parameters
+    ----------
+    endpoint : "tcp://host:port" of the :class:`kvconnector.PrefillEndpoint`
+    transfer_id : the published transfer
+    num_transfer_blocks : how many blocks the transfer holds (the prefill side refuses others)
+    desc : LayoutDescriptor of the local side; must pass the handshake
+        (:func:`layouts.check_compatible`), else :class:`LayoutMismatchError`.
+    """
+    from kvconnector import DecodeEndpoint
+
+    desc = desc.with_(num_blocks=int(num_transfer_blocks))
+    desc.validate()
+    geo = desc.geometry()
+    caches = [torch.zeros(geo.shape(desc.num_blocks), dtype=geo.storage_dtype) for _ in range(desc.num_layers)]
+    with DecodeEndpoint(caches, desc, curve=curve) as ep:
+        ep.connect(endpoint, timeout_s=timeout_s)
+        ep.pull(transfer_id, range(desc.num_blocks), deadline_s=timeout_s).result(timeout_s + 5.0)
+    return write_dump(out_path, caches, desc, layers, None, tid=transfer_id,
+                      meta={"source": endpoint, "transfer_id": transfer_id}, progress=progress)
+
+
+def _endpoint_descriptor(args) -> LayoutDescriptor:
+    from layouts import CacheGeometry, get_kv_quant_mode
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("transfer_id", "num_transfer_blocks", "head_size",
+                                                     "num_kv_heads", "block_size", "num_layers")
+               if getattr(args, n) is None]
+    if missing:
+        raise LayoutError(f"--endpoint needs {', '.join(missing)}")
+    geo = CacheGeometry(get_kv_quant_mode(args.kv_cache_dtype), args.head_size, args.num_kv_heads,
+                        args.block_size, getattr(torch, args.model_dtype))
+    return LayoutDescriptor.from_geometry(geo, num_layers=args.num_layers, num_blocks=args.num_transfer_blocks,
+                                          head_start=args.head_start, total_num_kv_heads=args.total_kv_heads)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("cache", help="cache file (torch.save'd dict, see `tools/dump.py`)")
+    p.add_argument("cache", nargs="?", help="cache file (torch.save'd dict, see `tools/dump.py`); "
+                                            "or use --endpoint")
     p.add_argument("-o", "--output", required=True, help="dump file to write")
     p.add_argument("--layers", default="all", help="layers to dump: 'all' or e.g. '0,3-5'")
     p.add_argument("--blocks", default="all", help="block ids to dump: 'all' or e.g. '0-7,12'")
     p.add_argument("--tid", default="dump", help="transfer id recorded in every BLOCKS header")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("pull from a running prefill endpoint (instead of a cache file)")
+    g.add_argument("--endpoint", help="tcp://host:port of the prefill endpoint")
+    g.add_argument("--transfer-id", help="published transfer to pull")
+    g.add_argument("--num-transfer-blocks", type=int, help="number of blocks of that transfer")
+    g.add_argument("--timeout", type=float, default=30.0, help="handshake and pull deadline, seconds")
+    g.add_argument("--kv-cache-dtype", default="auto", help="local layout: vLLM cache dtype string")
+    g.add_argument("--model-dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    g.add_argument("--head-size", type=int)
+    g.add_argument("--num-kv-heads", type=int, help="KV heads held locally")
+    g.add_argument("--head-start", type=int, default=0, help="first global KV head held locally")
+    g.add_argument("--total-kv-heads", type=int, help="global KV heads (default: --num-kv-heads)")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--num-layers", type=int)
 
 
 def _run(args) -> int:
-    info = dump_cache_file(args.cache, args.output, args.layers, args.blocks, tid=args.tid,
-                           progress=False if args.no_progress else None)
+    if (args.cache is None) == (args.endpoint is None):
+        raise LayoutError("give either a cache file or --endpoint (not both)")
+    if args.endpoint:
+        desc = _endpoint_descriptor(args)
+        layers = None if args.layers == "all" else parse_ids(args.layers, desc.num_layers, "--layers")
+        info = dump_from_endpoint(args.endpoint, args.transfer_id, args.num_transfer_blocks, desc, args.output,
+                                  layers, timeout_s=args.timeout,
+                                  progress=not args.no_progress and desc.num_layers * desc.num_blocks >= 256)
+    else:
+        info = dump_cache_file(args.cache, args.output, args.layers, args.blocks, tid=args.tid,
+                               progress=False if args.no_progress else None)
     print(f"wrote {args.output}: {len(info.layers)} layers x {len(info.block_ids)} blocks "
           f"({info.num_messages * info.desc.block_bytes} payload bytes), fingerprint {info.fingerprint}")
     return 0
