@@ -1,0 +1,264 @@
+"""In-process connector tests: real ZeroMQ sockets on random loopback ports, hard timeouts.
+
+Covers byte-exact transfer for every cache mode (every byte of every block, scale tails
+included, other blocks untouched), head slices for heterogeneous tensor parallelism, the
+layout-mismatch matrix refused on both sides with no KV byte sent, protocol-version refusal,
+and a fault-injecting prefill peer (corrupted byte, truncated, oversized, duplicate, late,
+wrong-layer frames, silence) plus lease expiry, abort, duplicate ACK, unknown transfer and
+many concurrent transfers.
+
+Run: python -m pytest tests/test_connector.py -q
+"""
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from connector_fakes import FakePrefill, filled_caches, make_desc
+from kvconnector import DecodeEndpoint, PrefillEndpoint
+from kvconnector.protocol import Header, MsgType, decode_header, encode_header
+from layouts import (CorruptFrameError, KVQuantMode, LayoutMismatchError, PeerError, ProtocolVersionError,
+                     TransferTimeoutError)
+
+pytestmark = pytest.mark.timeout(30)
+
+MODES = [(KVQuantMode.NONE, 64), (KVQuantMode.INT8_PER_TOKEN_HEAD, 64), (KVQuantMode.FP8_PER_TOKEN_HEAD, 64),
+         (KVQuantMode.INT4_PER_TOKEN_HEAD, 64)]
+
+
+def _bytes(c):
+    return c.view(torch.uint8)
+
+
+@pytest.mark.parametrize("mode,head_size", MODES, ids=["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20], ids=["chunk-1block", "chunk-1MiB"])
+def test_byte_exact_every_mode(mode, head_size, chunk):
+    desc = make_desc(mode, head_size, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=12)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    released = []
+    src_ids, dst_ids = [9, 3, 4, 5, 0, 11], [2, 7, 1, 10, 3, 4]
+    with PrefillEndpoint(src, desc, chunk_bytes=chunk, on_release=lambda *a: released.append(a)) as pre, \
+            DecodeEndpoint(dst, desc) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("req-0", src_ids)
+        layers_seen = []
+        res = dec.pull("req-0", dst_ids, deadline_s=10, on_layer=lambda t, l: layers_seen.append(l)).result()
+        assert res.nbytes == desc.num_layers * len(src_ids) * desc.block_bytes
+        assert sorted(layers_seen) == [0, 1, 2]
+        for s, d, b in zip(src, dst, before):
+            for si, di in zip(src_ids, dst_ids):
+                assert torch.equal(_bytes(d)[di], _bytes(s)[si])
+            for other in set(range(12)) - set(dst_ids):
+                assert torch.equal(_bytes(d)[other], _bytes(b)[other])
+        deadline = time.monotonic() + 5
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert released == [("req-0", src_ids, "acked")]
+        assert pre.held() == []
+        assert dec.stats()["bytes_received"] == res.nbytes
+
+
+def test_head_slice_for_heterogeneous_tp():
+    full = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=4, num_blocks=6)
+    half = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=2, num_blocks=6, head_start=2,
+                     total_num_kv_heads=4)
+    src, dst = filled_caches(full, 0), filled_caches(half, 1)
+    with PrefillEndpoint(src, full) as pre, DecodeEndpoint(dst, half) as dec:
+        assert dec.connect(pre.endpoint) == range(2, 4)
+        pre.publish("t", [1, 4])
+        dec.pull("t", [5, 0], deadline_s=10).result()
+        for s, d in zip(src, dst):
+            assert torch.equal(_bytes(d)[5], _bytes(s)[1][:, :, 2:4])
+            assert torch.equal(_bytes(d)[0], _bytes(s)[4][:, :, 2:4])
+
+
+MISMATCHES = [
+    ("quant_mode", dict(mode=KVQuantMode.INT8_PER_TOKEN_HEAD)),
+    ("head_size", dict(head_size=64)),
+    ("block_size", dict(block_size=8)),
+    ("num_layers", dict(num_layers=3)),
+    ("total_num_kv_heads", dict(num_kv_heads=4)),
+]
+
+
+@pytest.mark.parametrize("field,change", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_mismatch_refused_on_both_sides(field, change):
+    local, remote = make_desc(), make_desc(**change)
+    with PrefillEndpoint(filled_caches(local, 0), local) as pre, \
+            DecodeEndpoint(filled_caches(remote, 1), remote) as dec:
+        with pytest.raises(LayoutMismatchError, match=field) as exc:
+            dec.connect(pre.endpoint, timeout_s=5)
+        assert field in exc.value.fields
+        assert any(isinstance(e, LayoutMismatchError) and field in e.fields for e in pre.errors)
+        with pytest.raises(PeerError, match="connect"):
+            dec.pull("t", [0])
+        pre.publish("t", [0])
+        time.sleep(0.1)
+        assert pre.stats()["bytes_sent"] == 0
+
+
+def test_protocol_version_refused():
+    desc = make_desc()
+    fake = FakePrefill(desc, filled_caches(desc, 0), lambda *a: None, version=PROTOCOL_VERSION_NEXT)
+    try:
+        with DecodeEndpoint(filled_caches(desc, 1), desc) as dec:
+            with pytest.raises(ProtocolVersionError, match="got 2"):
+                dec.connect(fake.endpoint, timeout_s=5)
+    finally:
+        fake.close()
+
+
+PROTOCOL_VERSION_NEXT = 2
+
+
+def _corrupt(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2)
+    bad = bytearray(fr[1])
+    bad[len(bad) // 2] ^= 0x10
+    send([fr[0], bytes(bad)])
+
+
+def _truncated(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2)
+    send([fr[0], fr[1][:-1]])
+
+
+def _oversized(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2)
+    send([fr[0], fr[1] + b"\x00"])
+
+
+def _wrong_layer(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2)
+    hh = decode_header(fr[0])
+    hh.layer = 7
+    send([encode_header(hh), fr[1]])
+
+
+def _silent(send, h, fake):
+    send(fake.blocks(h.tid, 0, 0, 2))   # layer 0 only, then nothing
+
+
+FAULTS = [(_corrupt, CorruptFrameError, "checksum"), (_truncated, CorruptFrameError, "truncated"),
+          (_oversized, CorruptFrameError, "oversized"), (_wrong_layer, CorruptFrameError, "field 'layer'"),
+          (_silent, TransferTimeoutError, "deadline")]
+
+
+@pytest.mark.parametrize("script,err,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized",
+                                                          "wrong-layer", "silent"])
+def test_faulty_peer_never_writes_bad_bytes(script, err, match):
+    desc = make_desc(num_layers=2, num_blocks=4)
+    fake = FakePrefill(desc, filled_caches(desc, 0), script)
+    dst = filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    try:
+        with DecodeEndpoint(dst, desc, peer_timeout_s=10) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            t0 = time.monotonic()
+            handle = dec.pull("t", [2, 3], deadline_s=1.0)
+            with pytest.raises(err, match=match) as exc:
+                handle.result(timeout=5)
+            assert time.monotonic() - t0 < 2.0
+            assert handle.failed_block_ids == [2, 3]
+            assert exc.value.failed_block_ids == [2, 3]
+            # layer 1 never arrived; layer 0 only if its frame was good
+            assert torch.equal(dst[1], before[1])
+            if script is not _silent:
+                assert torch.equal(_bytes(dst[0]), _bytes(before[0]))
+            deadline = time.monotonic() + 3
+            while MsgType.ABORT not in fake.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert MsgType.ABORT in fake.received   # the prefill side is told to release
+    finally:
+        fake.close()
+
+
+def test_duplicate_reordered_and_late_frames_are_ignored():
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src = filled_caches(desc, 0)
+
+    def script(send, h, fake):
+        send(fake.blocks(h.tid, 1, 1, 1, seq=3))       # reordered: layer 1 first
+        send(fake.blocks(h.tid, 0, 0, 2, seq=0))
+        send(fake.blocks(h.tid, 0, 0, 2, seq=0))       # duplicate
+        send(fake.blocks(h.tid, 1, 0, 1, seq=2, last=True))
+        send(fake.blocks(h.tid, 1, 0, 1, seq=2))       # late: transfer already complete
+    fake = FakePrefill(desc, src, script)
+    dst = filled_caches(desc, 1)
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [3, 1], deadline_s=5).result()
+            for s, d in zip(src, dst):
+                assert torch.equal(_bytes(d)[3], _bytes(s)[0]) and torch.equal(_bytes(d)[1], _bytes(s)[1])
+            time.sleep(0.2)
+            ignored = dec.stats()["ignored"]
+            assert ignored.get("duplicate") == 1 and ignored.get("late") == 1
+    finally:
+        fake.close()
+
+
+def test_lease_expiry_abort_duplicate_ack_and_unknown_transfer():
+    desc = make_desc()
+    released = []
+    with PrefillEndpoint(filled_caches(desc, 0), desc, on_release=lambda *a: released.append(a[::2])) as pre, \
+            DecodeEndpoint(filled_caches(desc, 1), desc) as dec:
+        dec.connect(pre.endpoint)
+        pre.publish("short", [0], lease_s=0.2)
+        pre.publish("ab", [1])
+        pre.publish("ok", [2])
+        dec.abort("ab")
+        dec.pull("ok", [5], deadline_s=5).result()
+        with pytest.raises(PeerError, match="unknown_transfer"):
+            dec.pull("nope", [0], deadline_s=5).result()
+        dec._loop.call_soon(dec._send, Header(MsgType.ACK, tid="ok", ok=True))   # duplicate ack
+        deadline = time.monotonic() + 5
+        while len(released) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+        assert sorted(released) == [("ab", "aborted"), ("ok", "acked"), ("short", "expired")]
+        assert pre.held() == []
+        assert pre.stats()["ignored"].get("duplicate_acked") == 1
+
+
+def test_many_concurrent_transfers():
+    desc = make_desc(num_layers=2, num_blocks=64)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=1) as pre, DecodeEndpoint(dst, desc) as dec:
+        dec.connect(pre.endpoint)
+        handles = []
+        for i in range(16):
+            pre.publish(f"t{i}", [63 - 2 * i, 62 - 2 * i])
+            handles.append(dec.pull(f"t{i}", [2 * i, 2 * i + 1], deadline_s=10))
+        for h in handles:
+            h.result(timeout=10)
+        for s, d in zip(src, dst):
+            for i in range(16):
+                assert torch.equal(_bytes(d)[2 * i], _bytes(s)[63 - 2 * i])
+        assert dec.stats()["transfers_completed"] == 16
+
+
+def test_hostile_header_does_not_kill_the_endpoint():
+    desc = make_desc()
+    with PrefillEndpoint(filled_caches(desc, 0), desc) as pre:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(pre.endpoint)
+        for junk in ([b"\xc1garbage"], [b"\x00" * (2 << 20)], []):
+            if junk:
+                s.send_multipart(junk)
+        s.send(encode_header(Header(MsgType.PING)))
+        assert s.poll(5000), "endpoint stopped answering after hostile input"
+        types = []
+        deadline = time.monotonic() + 5
+        while MsgType.PONG not in types and time.monotonic() < deadline:
+            if s.poll(200):
+                types.append(decode_header(s.recv_multipart()[0]).type)
+        s.close(0)
+        ctx.term()
+        assert MsgType.PONG in types   # the I/O thread survived and still answers
+        assert pre._loop._thread.is_alive()
