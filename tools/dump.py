@@ -12,6 +12,7 @@ dict (no pickled classes; read back with ``torch.load(weights_only=True)``)::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -110,6 +111,9 @@ def cli_guard(command: str, fn, args, error_code: int = 1) -> int:
     """Run ``fn(args)``; a library or file error becomes one line on stderr and ``error_code``."""
     try:
         return int(fn(args) or 0)
+    except BrokenPipeError:          # `kvconnector inspect ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (KVCacheError, OSError, ValueError, EOFError) as e:
         print(f"kvconnector {command}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return error_code
