@@ -192,7 +192,7 @@ def test_bad_files_give_one_line_errors(files, tmp_path, kind, capsys):
 
 @pytest.mark.parametrize("name", MODE_IDS, ids=MODE_IDS)
 def test_inspect_json_counts(files, name, capsys):
-    rc, out, err = _main(capsys, "inspect", files[name]["dump"], "--json")
+    rc, out, err = _main(capsys, "inspect", files[name]["dump"], "--json", "--per-block")
     assert rc == 0, err
     d = json.loads(out)
     assert d["fingerprint"] == files[name]["desc"].fingerprint() and d["layers"] == [0, 2]

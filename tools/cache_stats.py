@@ -230,16 +230,18 @@ def block_stats(block: torch.Tensor, geo: CacheGeometry, reference: torch.Tensor
 class CacheStats:
     """Statistics of a dump: per (layer, block) and per layer, merged as blocks are added."""
 
-    def __init__(self, geo: CacheGeometry, head_start: int = 0):
+    def __init__(self, geo: CacheGeometry, head_start: int = 0, keep_blocks: bool = True):
         self.geo = geo
         self.head_start = head_start
+        self.keep_blocks = keep_blocks    # per-block stats cost ~2·H·(bins + 20)·8 bytes per block
         self.blocks: dict[tuple[int, int], HeadStats] = {}
         self.layers: dict[int, HeadStats] = {}
 
     def add_block(self, layer_idx: int, block_id: int, block: torch.Tensor,
                   reference: torch.Tensor | None = None) -> HeadStats:
         st = block_stats(block, self.geo, reference)
-        self.blocks[(layer_idx, block_id)] = st
+        if self.keep_blocks:
+            self.blocks[(layer_idx, block_id)] = st
         self.layers[layer_idx] = st if layer_idx not in self.layers else self.layers[layer_idx].merge(st)
         return st
 
@@ -257,7 +259,8 @@ class CacheStats:
         return out
 
     def to_dict(self) -> dict:
-        """Nested plain dict: ``layers[i].heads`` totals and ``layers[i].blocks[j].heads``."""
+        """Nested plain dict: ``layers[i].heads`` totals and ``layers[i].blocks[j].heads``
+        (``blocks`` empty unless ``keep_blocks``)."""
         layers = []
         for layer_idx in sorted(self.layers):
             blocks = [{"block": b, "heads": self._heads(self.blocks[(l, b)])}

@@ -313,36 +313,19 @@ class DumpReader:
 
     def _check_footer(self, offsets: list[int]) -> None:
         footer_at = self._f.tell()
-        n_msg = self.info.num_messages
-        blob = self._frame(64 + 10 * n_msg, "footer")  # msgpack: <= 9 bytes per offset
-        try:
-            foot = msgpack.unpackb(bytes(blob), raw=False)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
-            raise CorruptFrameError(f"footer at byte {footer_at}: not valid msgpack ({e})") from e
-        if not isinstance(foot, dict) or foot.get("n") != n_msg or foot.get("offsets") != offsets:
+        if self._read_footer(footer_at) != offsets:
             raise CorruptFrameError(f"footer at byte {footer_at}: index does not match the messages "
-                                    f"(expected n={n_msg} and offsets {offsets[:4]}...)")
+                                    f"(expected offsets {offsets[:4]}...)")
         trailer = self._read(16, "trailer")
         if _U64.unpack(trailer[:8])[0] != footer_at or trailer[8:] != END_MAGIC:
-            raise CorruptFrameError(f"trailer at byte {footer_at + 8 + len(blob)}: expected footer offset "
-                                    f"{footer_at} and end magic, got {trailer!r}")
-        extra = self.size - self._f.tell()
-        if extra:
-            raise CorruptFrameError(f"{extra} unexpected bytes after the trailer at byte {self._f.tell()}")
+            raise CorruptFrameError(f"trailer: expected footer offset {footer_at} and end magic, got {trailer!r}")
+        if self.size != self._f.tell():
+            raise CorruptFrameError(f"{self.size - self._f.tell()} unexpected bytes after the trailer")
 
-    def index(self) -> dict[tuple[int, int], int]:
-        """(layer, block id) -> message index, from the header's order (no I/O)."""
-        return {self.info.where(i): i for i in range(self.info.num_messages)}
-
-    def _read_index(self) -> list[int]:
-        if self.size - self._body_at < 24:
-            raise CorruptFrameError(f"dump ends at byte {self.size}: truncated, no footer and trailer")
-        self._f.seek(self.size - 16)
-        footer_at = _U64.unpack(self._read(8, "trailer"))[0]
-        if self._read(8, "end magic") != END_MAGIC or not self._body_at <= footer_at < self.size:
-            raise CorruptFrameError(f"trailer: no end magic or footer offset outside the file (truncated?)")
+    def _read_footer(self, footer_at: int) -> list[int]:
+        """The footer's message offsets (checked to lie inside the message section)."""
         self._f.seek(footer_at)
-        blob = self._frame(64 + 10 * self.info.num_messages, "footer")
+        blob = self._frame(64 + 10 * self.info.num_messages, "footer")  # msgpack: <= 9 bytes per offset
         try:
             offsets = [int(x) for x in msgpack.unpackb(bytes(blob), raw=False)["offsets"]]
         except Exception as e:  # malformed footer: any decode/key/type failure
@@ -352,6 +335,10 @@ class DumpReader:
                                     f"inside the message section, got {len(offsets)}")
         return offsets
 
+    def index(self) -> dict[tuple[int, int], int]:
+        """(layer, block id) -> message index, from the header's order (no I/O)."""
+        return {self.info.where(i): i for i in range(self.info.num_messages)}
+
     def read_block(self, layer: int, block_id: int) -> DumpRecord:
         """Read and verify one (layer, block) by seeking to its message via the footer index."""
         if self._index is None:
@@ -360,6 +347,10 @@ class DumpReader:
         if i is None:
             raise LayoutError(f"dump holds no (layer {layer}, block {block_id})")
         if self._offsets is None:
-            self._offsets = self._read_index()
+            self._f.seek(max(self._body_at, self.size - 16))
+            footer_at = _U64.unpack(self._read(8, "trailer"))[0]
+            if self._read(8, "end magic") != END_MAGIC or not self._body_at <= footer_at < self.size:
+                raise CorruptFrameError("trailer: no end magic or footer offset outside the file (truncated?)")
+            self._offsets = self._read_footer(footer_at)
         self._f.seek(self._offsets[i])
         return self._message(i)

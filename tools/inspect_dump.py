@@ -68,9 +68,11 @@ def check_reference(desc: LayoutDescriptor, ref: LayoutDescriptor) -> None:
         raise LayoutMismatchError(diffs, "dump vs reference")
 
 
-def collect(src: BlockSource, ref: BlockSource | None = None, progress: bool = False) -> CacheStats:
-    """Statistics of every block of ``src`` (with the matching ``ref`` block when given)."""
-    st = CacheStats(src.desc.geometry(), src.desc.head_start)
+def collect(src: BlockSource, ref: BlockSource | None = None, progress: bool = False,
+            per_block: bool = True) -> CacheStats:
+    """Statistics of every block of ``src`` (with the matching ``ref`` block when given);
+    per-block statistics are kept only with ``per_block`` (layer totals always)."""
+    st = CacheStats(src.desc.geometry(), src.desc.head_start, keep_blocks=per_block)
     if ref is not None:
         check_reference(src.desc, ref.desc)
     it = src.blocks()
@@ -194,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", help="unquantized dump or cache file of the same blocks: error per head")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="OUT.png", help="write histograms and a layer x head heat map")
-    p.add_argument("--per-block", action="store_true", help="table rows per block too (JSON always has them)")
+    p.add_argument("--per-block", action="store_true", help="statistics per block too (table rows, JSON entries)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -203,7 +205,7 @@ def _run(args) -> int:
     ref = BlockSource(args.reference) if args.reference else None
     try:
         n = len(src.layers) * len(src.block_ids)
-        st = collect(src, ref, progress=not args.no_progress and n >= 256)
+        st = collect(src, ref, progress=not args.no_progress and n >= 256, per_block=args.per_block)
         if args.plot and st.layers:
             plot(st, args.plot, f"{src.path}: {KVQuantMode(src.desc.quant_mode).name}")
         print(json.dumps(to_json(src, st), allow_nan=False) if args.json else format_table(src, st, args.per_block))
