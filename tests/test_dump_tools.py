@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kernels.reference import reference_reshape_and_cache
-from layouts import (CacheGeometry, CorruptFrameError, KVQuantMode, LayoutDescriptor, LayoutMismatchError,
-                     split_kv_cache)
+from layouts import (CacheGeometry, CorruptFrameError, KVQuantMode, LayoutDescriptor, LayoutError,
+                     LayoutMismatchError, ProtocolVersionError, split_kv_cache)
 from tools.cache_stats import CacheStats
 from tools.cli import main
 from tools.diff_dump import diff_dumps
@@ -152,15 +152,21 @@ def test_flipped_byte_names_layer_block_frame(files, tmp_path):
     assert "checksum" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_flipped_byte_anywhere_is_caught(files, tmp_path):
-    """Every single-byte flip (sampled across the file) is a typed error, never silence."""
-    data = files["int8"]["dump"].read_bytes()
+def test_flipped_bit_anywhere_is_caught(files, tmp_path):
+    """A flipped bit at every byte of the file (magic, header, frames, footer, trailer) is a
+    typed error, never a silently accepted dump."""
+    geo = CacheGeometry(KVQuantMode.INT8_PER_TOKEN_HEAD, 16, 1, 2)    # tiny: every region, few bytes
+    cache = torch.randint(-127, 128, geo.shape(3), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    desc = LayoutDescriptor.from_geometry(geo, num_layers=2, num_blocks=3)
+    write_dump(tmp_path / "tiny.kvd", [cache, cache.flip(0).contiguous()], desc, block_ids=[2, 0])
+    data = (tmp_path / "tiny.kvd").read_bytes()
+    assert verify(tmp_path / "tiny.kvd").startswith("OK")
     bad = tmp_path / "x.kvd"
-    for pos in range(0, len(data), max(1, len(data) // 97)):
+    for pos in range(len(data)):
         d = bytearray(data)
-        d[pos] ^= 0x40
+        d[pos] ^= 1 << (pos % 8)
         bad.write_bytes(bytes(d))
-        with pytest.raises((CorruptFrameError, LayoutMismatchError, ValueError)):
+        with pytest.raises((CorruptFrameError, ProtocolVersionError, LayoutError)):
             verify(bad)
 
 

@@ -313,17 +313,18 @@ class DumpReader:
 
     def _check_footer(self, offsets: list[int]) -> None:
         footer_at = self._f.tell()
-        if self._read_footer(footer_at) != offsets:
+        want = msgpack.packb({"n": len(offsets), "offsets": offsets}, use_bin_type=True)
+        if self._read_footer(footer_at)[1] != want:   # byte-exact: every flipped byte is caught
             raise CorruptFrameError(f"footer at byte {footer_at}: index does not match the messages "
-                                    f"(expected offsets {offsets[:4]}...)")
+                                    f"(expected n={len(offsets)}, offsets {offsets[:4]}...)")
         trailer = self._read(16, "trailer")
         if _U64.unpack(trailer[:8])[0] != footer_at or trailer[8:] != END_MAGIC:
             raise CorruptFrameError(f"trailer: expected footer offset {footer_at} and end magic, got {trailer!r}")
         if self.size != self._f.tell():
             raise CorruptFrameError(f"{self.size - self._f.tell()} unexpected bytes after the trailer")
 
-    def _read_footer(self, footer_at: int) -> list[int]:
-        """The footer's message offsets (checked to lie inside the message section)."""
+    def _read_footer(self, footer_at: int) -> tuple[list[int], bytearray]:
+        """The footer's message offsets (checked to lie inside the message section) and bytes."""
         self._f.seek(footer_at)
         blob = self._frame(64 + 10 * self.info.num_messages, "footer")  # msgpack: <= 9 bytes per offset
         try:
@@ -333,7 +334,7 @@ class DumpReader:
         if len(offsets) != self.info.num_messages or any(not self._body_at <= o < footer_at for o in offsets):
             raise CorruptFrameError(f"footer at byte {footer_at}: expected {self.info.num_messages} offsets "
                                     f"inside the message section, got {len(offsets)}")
-        return offsets
+        return offsets, blob
 
     def index(self) -> dict[tuple[int, int], int]:
         """(layer, block id) -> message index, from the header's order (no I/O)."""
@@ -351,6 +352,6 @@ class DumpReader:
             footer_at = _U64.unpack(self._read(8, "trailer"))[0]
             if self._read(8, "end magic") != END_MAGIC or not self._body_at <= footer_at < self.size:
                 raise CorruptFrameError("trailer: no end magic or footer offset outside the file (truncated?)")
-            self._offsets = self._read_footer(footer_at)
+            self._offsets = self._read_footer(footer_at)[0]
         self._f.seek(self._offsets[i])
         return self._message(i)
