@@ -158,20 +158,34 @@ def plot(st: CacheStats, path, title: str = "") -> None:
         zp = total.zp_hist.sum(1)
         if zp.shape[-1]:
             ax[0, 1].bar((torch.arange(16) + 0.4 * kv).numpy(), zp[kv].numpy(), width=0.4, label=KV_NAMES[kv])
-    ax[0, 0].set_title("code histogram" if hist.shape[-1] else "code histogram (unquantized: none)")
-    ax[0, 1].set_title("INT4 zero-point histogram" if total.zp_hist.shape[-1] else "zero points (INT4 only)")
+    mode = st.geo.mode
+    ax[0, 0].set_title("code histogram")
+    if not hist.shape[-1]:
+        ax[0, 0].axis("off")
+        ax[0, 0].text(0.5, 0.5, "no codes (unquantized cache)", ha="center", va="center")
+    ax[0, 0].set_xlabel({KVQuantMode.INT4_PER_TOKEN_HEAD: "INT4 nibble", KVQuantMode.INT8_PER_TOKEN_HEAD: "INT8 code + 128",
+                         KVQuantMode.FP8_PER_TOKEN_HEAD: "FP8 e4m3fn bit pattern (sign bit 0x80)"}.get(mode, ""))
+    if total.zp_hist.shape[-1]:
+        ax[0, 1].set_title("INT4 zero-point histogram")
+    else:
+        ax[0, 1].axis("off")
+        ax[0, 1].text(0.5, 0.5, f"no zero points ({mode.name}: INT4 only)", ha="center", va="center")
     for kv in (0, 1):
         lo = [st.layers[l].scale_min[kv].min().item() for l in layers]
         hi = [st.layers[l].scale_max[kv].max().item() for l in layers]
         if all(math.isfinite(x) for x in lo + hi):
             ax[1, 0].fill_between(layers, lo, hi, alpha=0.4, label=f"{KV_NAMES[kv]} scale min..max")
-    ax[1, 0].set_title("scale range by layer")
+    ax[1, 0].set_title("scale range by layer" if mode.per_token_head else "no scales (unquantized)")
+    ax[1, 0].set_xticks(layers)
     ax[1, 0].set_xlabel("layer")
     if st.has_reference:
         grid, what = st.error_grid(), "relative L2 error vs reference"
-    else:
+    elif mode.per_token_head:
         grid = torch.stack([st.layers[l].saturated / st.layers[l].code_hist.sum(-1).clamp(min=1) for l in layers])
         what = "saturated-code fraction"
+    else:   # unquantized: no codes to saturate, show the largest magnitude instead
+        grid = torch.stack([torch.maximum(st.layers[l].value_max, -st.layers[l].value_min) for l in layers])
+        what = "max |value|"
     grid = grid.permute(0, 2, 1).reshape(len(layers), -1).float()   # [layer, head * (K, V)]
     im = ax[1, 1].imshow(grid.numpy(), aspect="auto", cmap="viridis")
     h = st.geo.num_kv_heads
