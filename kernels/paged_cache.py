@@ -20,22 +20,37 @@ from layouts import (CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, 
 BACKENDS = ("triton", "reference")
 
 
-def triton_available() -> bool:
-    """True when the project's Triton write and attention kernels can be imported."""
+def _importable(module: str) -> bool:
     try:
-        from . import attention, write  # noqa: F401
+        __import__(f"kernels.{module}")
     except ImportError:
         return False
     return True
 
 
+def triton_available() -> bool:
+    """True when the project's Triton write and attention kernels can both be imported."""
+    return _importable("write") and _importable("attention")
+
+
 def resolve_backend(backend: str = "auto") -> str:
-    """``"auto"`` -> ``"triton"`` when the kernels exist, else ``"reference"``."""
+    """``"auto"`` -> ``"triton"`` when both kernels exist, ``"mixed"`` when only one does
+    (that one is used, the oracle stands in for the other), else ``"reference"``."""
     if backend == "auto":
-        return "triton" if triton_available() else "reference"
-    if backend not in BACKENDS:
+        write, attend = _importable("write"), _importable("attention")
+        return "triton" if write and attend else "mixed" if write or attend else "reference"
+    if backend not in BACKENDS + ("mixed",):
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     return backend
+
+
+def describe_backend(backend: str) -> str:
+    """Human-readable name of what ``write`` and ``attend`` run."""
+    if backend == "mixed":
+        w = "Triton" if _importable("write") else "PyTorch oracle"
+        a = "Triton" if _importable("attention") else "PyTorch oracle"
+        return f"write: {w}, attention: {a}"
+    return {"triton": "Triton kernels", "reference": "PyTorch oracle"}[backend]
 
 
 class PagedKVCache:
@@ -51,6 +66,7 @@ class PagedKVCache:
     device : torch.device or str
         CPU tensors run the Triton kernels through Triton's interpreter.
     backend : "auto", "triton" or "reference"
+        ``"auto"`` uses each Triton kernel that exists (see :func:`resolve_backend`).
     int4_shrink : tuple of float, optional
         MSE-optimal INT4 encoder (``kernels.reference.quantize_int4_rows(shrink=...)``): same
         stored format, each row keeps the range shrink factor with the least squared error.
@@ -172,35 +188,43 @@ def _write_int4_shrink(key, value, views, slot_mapping, shrink):
 
 def _kernels(backend: str):
     """(write, attend) callables with one signature for both back ends."""
-    if backend == "reference":
-        from .reference import reference_reshape_and_cache
-        from .reference_attention import reference_unified_attention
+    use_write = backend == "triton" or (backend == "mixed" and _importable("write"))
+    use_attend = backend == "triton" or (backend == "mixed" and _importable("attention"))
+    return (_triton_write if use_write else _reference_write,
+            _triton_attend if use_attend else _reference_attend)
 
-        def write(key, value, v, slot_mapping, mode):
-            reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
-                                        v.k_scale_cache, v.v_scale_cache)
 
-        def attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
-            out = reference_unified_attention(q, v.key_cache, v.value_cache, cu, seqused, table, scale,
-                                              True, (-1, -1), 0.0, mode, v.k_scale_cache, v.v_scale_cache)
-            return out.to(q.dtype)
-        return write, attend
+def _reference_write(key, value, v, slot_mapping, mode):
+    from .reference import reference_reshape_and_cache
 
-    from .attention import unified_attention
+    reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
+                                v.k_scale_cache, v.v_scale_cache)
+
+
+def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
+    from .reference_attention import reference_unified_attention
+
+    out = reference_unified_attention(q, v.key_cache, v.value_cache, cu, seqused, table, scale,
+                                      True, (-1, -1), 0.0, mode, v.k_scale_cache, v.v_scale_cache)
+    return out.to(q.dtype)
+
+
+def _triton_write(key, value, v, slot_mapping, mode):
     from .write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
 
-    def write(key, value, v, slot_mapping, mode):
-        if mode == KVQuantMode.NONE:
-            reshape_and_cache_flash(key, value, v.key_cache, v.value_cache, slot_mapping)
-        else:
-            triton_reshape_and_cache_flash_per_token_head_quant(
-                key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache,
-                slot_mapping, kv_quant_mode=mode)
+    if mode == KVQuantMode.NONE:
+        reshape_and_cache_flash(key, value, v.key_cache, v.value_cache, slot_mapping)
+    else:
+        triton_reshape_and_cache_flash_per_token_head_quant(
+            key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache,
+            slot_mapping, kv_quant_mode=mode)
 
-    def attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
-        out = torch.empty_like(q)
-        unified_attention(q, v.key_cache, v.value_cache, out, cu, seqused, max_q, max_k, scale,
-                          True, (-1, -1), table, 0.0, None, None, None,
-                          kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
-        return out
-    return write, attend
+
+def _triton_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
+    from .attention import unified_attention
+
+    out = torch.empty_like(q)
+    unified_attention(q, v.key_cache, v.value_cache, out, cu, seqused, max_q, max_k, scale,
+                      True, (-1, -1), table, 0.0, None, None, None,
+                      kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
+    return out
