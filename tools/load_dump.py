@@ -54,6 +54,9 @@ def load_into(path, caches, desc: LayoutDescriptor, block_map: dict[int, int] | 
         src_heads = slice(shared.start - src.head_start, shared.stop - src.head_start)
         dst_heads = range(shared.start - desc.head_start, shared.stop - desc.head_start)
         block_map = {} if block_map is None else block_map
+        dst_ids = [block_map.get(b, b) for b in r.info.block_ids]
+        if len(set(dst_ids)) != len(dst_ids):
+            raise LayoutError(f"block map sends two dump blocks to one destination: {r.info.block_ids} -> {dst_ids}")
         for rec in r:
             if rec.layer not in want:
                 continue
