@@ -25,6 +25,7 @@ from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, Protoco
 from .blocks import slice_bytes
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, encode_message
+from .security import start_authenticator
 from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
@@ -87,6 +88,7 @@ class PrefillEndpoint:
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         ctx = zmq.Context()
+        self._zap = start_authenticator(ctx, curve)  # CURVE client allow-list (CurveServerKeys)
         sock = make_socket(ctx, zmq.ROUTER, max_frame_bytes=max_frame_bytes, curve=curve, server=True)
         self.endpoint, self.port = bind(sock, host, port)
         self._loop = IOLoop(ctx, sock, name=f"kvc-prefill-{self.port}", on_message=self._on_message,
@@ -127,6 +129,8 @@ class PrefillEndpoint:
         return s
 
     def close(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()  # its socket must close before the loop terminates the context
         self._loop.close()
 
     def __enter__(self):
