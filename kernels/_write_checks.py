@@ -1,0 +1,139 @@
+"""Argument checks shared by the cache-write launchers (``kernels.write``).
+
+Everything here runs before a kernel is launched, so a bad call raises a
+:class:`layouts.LayoutError` that says expected vs got and leaves every cache untouched.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from layouts import KVQuantMode, LayoutError, check_head_size
+from layouts.geometry import data_head_size
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+CACHE_DTYPES = {
+    KVQuantMode.INT8_PER_TOKEN_HEAD: (torch.int8,),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: (torch.float8_e4m3fn,),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: (torch.uint8,),
+    KVQuantMode.NONE: MODEL_DTYPES,
+}
+
+
+class WriteShape(NamedTuple):
+    """What the launchers need once the arguments are known to be consistent."""
+
+    num_tokens: int        # rows of slot_mapping: tokens actually written
+    num_kv_heads: int
+    head_size: int
+    num_blocks: int
+    block_size: int
+
+
+def _tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _same_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise LayoutError(f"{name}: expected device {device} (that of key), got {t.device}")
+
+
+def check_write_args(key, value, key_cache, value_cache, slot_mapping, mode: KVQuantMode,
+                     k_scale_cache=None, v_scale_cache=None, check_slots: bool = True) -> WriteShape:
+    """Validate one cache write; raise :class:`LayoutError` naming the tensor on any mismatch.
+
+    Parameters
+    ----------
+    key, value : [>= num_tokens, num_kv_heads, head_size] bf16/fp16, last dim contiguous
+    key_cache, value_cache : [num_blocks, block_size, num_kv_heads, data_head_size]
+        storage dtype of ``mode``, last dim contiguous, any other strides
+    slot_mapping : [num_tokens] int32/int64; negative slots are skipped
+    mode : KVQuantMode (not FP8_PER_TENSOR)
+    k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, or None
+        when ``mode`` is NONE
+    check_slots : bool
+        Also check ``max(slot_mapping) < num_blocks * block_size`` (one device sync).
+    """
+    mode = KVQuantMode(mode)
+    if mode not in CACHE_DTYPES:
+        raise LayoutError(f"kv_quant_mode: expected one of {[m.name for m in CACHE_DTYPES]}, got {mode.name}")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _tensor(name, t)
+    if key.dim() != 3:
+        raise LayoutError(f"key: expected [num_tokens, num_kv_heads, head_size], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        raise LayoutError(f"value: expected shape {tuple(key.shape)} (that of key), got {tuple(value.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype not in MODEL_DTYPES:
+            raise LayoutError(f"{name}: expected dtype bfloat16 or float16, got {t.dtype}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise LayoutError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+    if value.dtype != key.dtype:
+        raise LayoutError(f"value: expected dtype {key.dtype} (that of key), got {value.dtype}")
+    num_kv_heads, head_size = int(key.shape[1]), int(key.shape[2])
+    check_head_size(mode, head_size)
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise LayoutError(f"slot_mapping: expected a 1-D int32/int64 tensor, got {slot_mapping.dim()}-D "
+                          f"{slot_mapping.dtype}")
+    num_tokens = int(slot_mapping.shape[0])
+    if num_tokens > key.shape[0]:
+        raise LayoutError(f"slot_mapping: expected at most {key.shape[0]} entries (tokens in key), got {num_tokens}")
+
+    d = data_head_size(mode, head_size)
+    if key_cache.dim() != 4:
+        raise LayoutError(f"key_cache: expected [num_blocks, block_size, num_kv_heads, {d}], "
+                          f"got shape {tuple(key_cache.shape)}")
+    num_blocks, block_size = int(key_cache.shape[0]), int(key_cache.shape[1])
+    want = (num_blocks, block_size, num_kv_heads, d)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if tuple(t.shape) != want:
+            raise LayoutError(f"{name}: expected shape {want} ({mode.name}, head_size {head_size}, "
+                              f"{num_kv_heads} kv heads), got {tuple(t.shape)}")
+        if t.dtype not in CACHE_DTYPES[mode]:
+            raise LayoutError(f"{name}: expected dtype {' or '.join(map(str, CACHE_DTYPES[mode]))} "
+                              f"for {mode.name}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise LayoutError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+    if value_cache.dtype != key_cache.dtype:
+        raise LayoutError(f"value_cache: expected dtype {key_cache.dtype} (that of key_cache), got {value_cache.dtype}")
+    if mode.per_token_head:
+        for name, t in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+            if t is None:
+                raise LayoutError(f"{name}: expected a float32 [{num_blocks}, {block_size}, {num_kv_heads}] "
+                                  f"tensor for {mode.name}, got None")
+            _tensor(name, t)
+            if tuple(t.shape) != want[:3] or t.dtype != torch.float32:
+                raise LayoutError(f"{name}: expected float32 {want[:3]}, got {t.dtype} {tuple(t.shape)}")
+    _same_device(key.device, value=value, key_cache=key_cache, value_cache=value_cache,
+                 slot_mapping=slot_mapping, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+    if num_tokens * num_kv_heads >= 2**31 or num_blocks * block_size >= 2**31:
+        raise LayoutError(f"rows ({num_tokens} x {num_kv_heads}) and slots ({num_blocks} x {block_size}): "
+                          f"expected fewer than 2**31 each (kernels index them in int32)")
+    if check_slots and num_tokens:
+        top = int(slot_mapping.max())
+        if top >= num_blocks * block_size:
+            raise LayoutError(f"slot_mapping: expected slots < num_blocks * block_size = "
+                              f"{num_blocks * block_size}, got max slot {top}")
+    return WriteShape(num_tokens, num_kv_heads, head_size, num_blocks, block_size)
+
+
+def cache_alignment(*caches: torch.Tensor) -> int:
+    """4 when every block/slot/head stride of the caches is a multiple of 4 elements, else 1.
+
+    Packed rows are ``P = data_head_size + 4`` bytes, never a multiple of 16, so the compiler
+    would otherwise assume byte alignment and store codes one byte at a time. Launchers pass
+    ``stride // align`` and multiply by ``align`` in the kernel, which proves the alignment.
+    """
+    return 4 if all(st % 4 == 0 for c in caches for st in c.stride()[:3]) else 1
+
+
+def scale_bits_view(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The float32 scale tensor reinterpreted as int32 words (same storage, same strides)."""
+    return None if scale is None else scale.view(torch.int32)

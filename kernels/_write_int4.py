@@ -1,0 +1,260 @@
+"""INT4 cache write: rotation, range, codes, nibble packing and scale in one fused pass.
+
+vLLM rotates K/V in a separate Triton pass and then quantizes; here each row is read once
+(2·d bytes of bf16/fp16) and written once (d/2 bytes of codes + 4 bytes of scale), the
+fewest bytes the format allows. SPEC §3 gives the math; the oracle is
+``kernels.reference.quantize_int4_rows`` (``shrink`` included).
+
+Two ways to rotate, picked per launch (``rotation``):
+
+- ``"butterfly"``: a fast Walsh–Hadamard transform in fp32 registers, the oracle's stages
+  in the oracle's order, so the rotated row is bit-identical to it;
+- ``"dot"``: ``tl.dot`` of the bf16/fp16 tile against the ±1 matrix ``diag(s)·H``. The
+  products are exact and accumulate in fp32, only in another order, so a rotated value can
+  differ from the oracle's in the last fp32 bit and, rarely, round to a neighbouring bf16/fp16.
+
+Division ``r / scale`` is correctly rounded like the oracle's (``div="markstein"``: one
+multiply and two FMAs per element from a per-row reciprocal; ``"rn"``: ``div_rn`` per
+element); ``"fast"`` (Triton's approximate ``/``) exists only to measure what exactness costs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from layouts import KVQuantMode
+
+from ._jit import dual_jit, interpreting
+from ._write_checks import cache_alignment, check_write_args, scale_bits_view
+from ._write_math import (int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk,
+                          row_min_max, to_model_dtype)
+from .reference import rht_signs
+
+ROTATIONS = ("butterfly", "dot")
+DIVISIONS = {"rn": 0, "markstein": 1, "fast": 2}
+
+
+def chunk_size(head_size: int) -> int:
+    """Rotation chunk: the whole row up to 128, else half of it (joined by one last butterfly stage)."""
+    return head_size if head_size <= 128 else head_size // 2
+
+
+@functools.lru_cache(maxsize=None)
+def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``."""
+    ch = chunk_size(head_size)
+    h = torch.ones(1, 1)
+    while h.shape[0] < ch:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    s = rht_signs(head_size).view(-1, ch, 1)
+    return (s * h).to(dtype=dtype, device=device).contiguous()
+
+
+@triton.jit
+def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, rot_b, shrink_ptr, mask,
+                     ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
+                     DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr,
+                     NUM_SHRINK: tl.constexpr):
+    """Quantize ROWS rows of K (or V) and store codes and scales where ``mask`` holds.
+
+    A row is one chunk of CH values, or two (SPLIT) whose rotations are joined by the
+    oracle's last butterfly stage, so head_size 256 needs only 128x128 rotation tiles.
+    """
+    cols = tl.arange(0, CH)
+    x_row = x_ptr + x_off[:, None]
+    xa = tl.load(x_row + cols[None, :], mask=mask[:, None], other=0.0)  # xa: [ROWS, CH] model dtype
+    ra = rotate_chunk(xa, rot_a, ROWS, CH, LOG2_CH, DOT, INTERPRET)    # ra: [ROWS, CH] fp32
+    if SPLIT:
+        xb = tl.load(x_row + CH + cols[None, :], mask=mask[:, None], other=0.0)
+        rb = rotate_chunk(xb, rot_b, ROWS, CH, LOG2_CH, DOT, INTERPRET)
+        ra, rb = ra + rb, ra - rb
+        rb = to_model_dtype(rb, xa.dtype, INTERPRET).to(tl.float32)
+    ra = to_model_dtype(ra, xa.dtype, INTERPRET).to(tl.float32)  # SPEC §3: rounded to the model dtype
+
+    lo, hi = row_min_max(ra, INTERPRET)
+    if SPLIT:
+        lo_b, hi_b = row_min_max(rb, INTERPRET)
+        lo = tl.minimum(lo, lo_b, propagate_nan=tl.PropagateNan.ALL)
+        hi = tl.maximum(hi, hi_b, propagate_nan=tl.PropagateNan.ALL)
+    lo = tl.minimum(lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    # false for NaN/Inf rows: those store codes 0 and a quiet-NaN scale, never plausible numbers
+    ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
+    scale, zp = int4_scale_zp(lo, hi)
+    rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    zph = tl.where(ok, zp + 0.5, float("-inf"))
+    qa = int4_codes(ra, scale, zph, rcp, DIV)
+    if SPLIT:
+        qb = int4_codes(rb, scale, zph, rcp, DIV)
+    if NUM_SHRINK > 1:  # SPEC §8: per row, keep the shrunk range with the least squared error
+        err = int4_sq_err(qa, ra, scale, zp)
+        if SPLIT:
+            err += int4_sq_err(qb, rb, scale, zp)
+        for i in tl.static_range(1, NUM_SHRINK):
+            f = tl.load(shrink_ptr + i)
+            scale2, zp2 = int4_scale_zp(lo * f, hi * f)
+            rcp2 = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale2)
+            zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
+            qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV)
+            err2 = int4_sq_err(qa2, ra, scale2, zp2)
+            if SPLIT:
+                qb2 = int4_codes(rb, scale2, zph2, rcp2, DIV)
+                err2 += int4_sq_err(qb2, rb, scale2, zp2)
+            take = err2 < err
+            if SPLIT:
+                qb = tl.where(take[:, None], qb2, qb)
+            qa = tl.where(take[:, None], qa2, qa)
+            scale = tl.where(take, scale2, scale)
+            zp = tl.where(take, zp2, zp)
+            err = tl.where(take, err2, err)
+
+    bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
+    bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
+    half = tl.arange(0, CH // 2)
+    c_row = cache_ptr + c_off[:, None]
+    # codes: [ROWS, CH // 2] uint8 per chunk
+    tl.store(c_row + half[None, :], pack_nibbles(qa, ROWS, CH), mask=mask[:, None])
+    if SPLIT:
+        tl.store(c_row + CH // 2 + half[None, :], pack_nibbles(qb, ROWS, CH),
+                 mask=mask[:, None])
+    tl.store(scale_ptr + s_off, bits, mask=mask)
+
+
+@dual_jit
+def _reshape_and_cache_int4_kernel(
+    key_ptr, value_ptr,              # [num_tokens, num_kv_heads, head_size] bf16/fp16
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size // 2] uint8
+    k_scale_ptr, v_scale_ptr,        # [num_blocks, block_size, num_kv_heads] int32 (float32 bits)
+    slot_mapping_ptr,                # [num_tokens] int32/int64, negative = skip
+    rot_ptr,                         # DOT: [head_size // CH, CH, CH] diag(s)·H tiles; else [head_size] fp32 signs
+    shrink_ptr,                      # [NUM_SHRINK] fp32 range factors (entry 0 is 1.0)
+    num_rows, num_tiles, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
+    DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Grid ``(min(num_tiles, programs),)``: each program loads the rotation once, then loops
+    over tiles of ROWS (token, head) rows, quantizing the K rows and the same V rows. Rows are
+    flattened token-major so a tile is a contiguous stretch of ``key``; K and V share a
+    program so the slot loads and the rotation tiles serve both."""
+    cols = tl.arange(0, CH)
+    if DOT:
+        rot_a = tl.load(rot_ptr + cols[:, None] * CH + cols[None, :])  # [CH, CH] model dtype
+        rot_b = rot_a
+        if SPLIT:
+            rot_b = tl.load(rot_ptr + CH * CH + cols[:, None] * CH + cols[None, :])
+    else:
+        rot_a = tl.load(rot_ptr + cols)  # [CH] fp32 signs
+        rot_b = rot_a
+        if SPLIT:
+            rot_b = tl.load(rot_ptr + CH + cols)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)  # int32: the launcher keeps rows and slots < 2**31
+        valid = rows < num_rows
+        token = rows // NUM_KV_HEADS  # constexpr divisors: shifts or multiply-highs, not divisions
+        head = rows - token * NUM_KV_HEADS
+        slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
+        mask = valid & (slot >= 0) & (slot < num_slots)  # the launcher checks the range; never write outside
+        slot = tl.where(mask, slot, 0).to(tl.int32)
+        blk = (slot // BLOCK_SIZE).to(tl.int64)
+        off = slot % BLOCK_SIZE
+        token = token.to(tl.int64)
+        # cache strides arrive divided by CACHE_ALIGN so the compiler knows the rows' alignment
+        kc_off = (blk * stride_kc_block + off * stride_kc_slot + head * stride_kc_head) * CACHE_ALIGN
+        vc_off = (blk * stride_vc_block + off * stride_vc_slot + head * stride_vc_head) * CACHE_ALIGN
+        ks_off = blk * stride_ks_block + off * stride_ks_slot + head * stride_ks_head
+        vs_off = blk * stride_vs_block + off * stride_vs_slot + head * stride_vs_head
+        _int4_write_rows(key_ptr, token * stride_key_token + head * stride_key_head, key_cache_ptr, kc_off,
+                         k_scale_ptr, ks_off, rot_a, rot_b, shrink_ptr, mask,
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
+        _int4_write_rows(value_ptr, token * stride_value_token + head * stride_value_head, value_cache_ptr,
+                         vc_off, v_scale_ptr, vs_off, rot_a, rot_b, shrink_ptr, mask,
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
+
+
+def default_int4_config(head_size: int, on_cpu: bool) -> dict:
+    """Tile rows, warps, rotation, division and programs per SM used when the caller names none."""
+    if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
+        return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0)
+    return dict(rows=max(16, 4096 // head_size), num_warps=4, rotation="dot", div="markstein",
+                programs_per_sm=4)
+
+
+def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, *,
+                           shrink: Sequence[float] = (1.0,), check_slots: bool = True,
+                           **tuning) -> None:
+    """Rotate, quantize to INT4 and write K/V rows into a paged cache, one fused pass.
+
+    Parameters
+    ----------
+    key, value : [num_tokens, num_kv_heads, head_size] bf16/fp16, CUDA or CPU
+        head_size a power of two >= 16; last dim contiguous, other strides free.
+    key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_size // 2] uint8, written in place
+        Separate tensors or the views of one packed cache from ``layouts.split_kv_cache``.
+    slot_mapping : [num_tokens] int32/int64, same device; ``slot = block_idx * block_size + offset``;
+        negative slots are skipped and leave the cache as it was.
+    k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, written in place
+        Bits ``(bits(scale) & ~0xF) | zero_point``; a row with NaN/Inf after rotation stores codes 0
+        and ``NAN_SCALE_BITS`` (a quiet NaN), so it decodes to NaN, never to plausible numbers.
+    shrink : factors of the zero-inclusive range tried per row, least squared error wins (SPEC §8);
+        ``(1.0,)`` (default) is the SPEC/vLLM encoder. The first factor must be 1.0.
+    check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
+        The kernel never writes outside the cache either way: unchecked bad slots are skipped.
+    **tuning : ``rows``, ``num_warps``, ``rotation`` ("butterfly"/"dot"), ``div``
+        ("markstein"/"rn"/"fast"), ``programs_per_sm`` (0: one tile per program); benchmarks only.
+
+    Raises
+    ------
+    LayoutError
+        On any shape, dtype, device, stride, head-size or slot-range mismatch; nothing is written.
+    """
+    shape = check_write_args(key, value, key_cache, value_cache, slot_mapping,
+                             KVQuantMode.INT4_PER_TOKEN_HEAD, k_scale_cache, v_scale_cache, check_slots)
+    shrink = tuple(float(f) for f in shrink)
+    if not shrink or shrink[0] != 1.0 or not all(0.0 < f <= 1.0 for f in shrink):
+        raise ValueError(f"shrink: expected factors in (0, 1] starting with 1.0, got {shrink}")
+    cpu = interpreting(key)
+    cfg = default_int4_config(shape.head_size, cpu)
+    unknown = set(tuning) - set(cfg)
+    if unknown:
+        raise TypeError(f"reshape_and_cache_int4: unknown tuning keywords {sorted(unknown)}")
+    cfg.update({k: v for k, v in tuning.items() if v is not None})
+    if cfg["rotation"] not in ROTATIONS or cfg["div"] not in DIVISIONS:
+        raise ValueError(f"rotation/div: expected one of {ROTATIONS} / {tuple(DIVISIONS)}, got "
+                         f"{cfg['rotation']!r} / {cfg['div']!r}")
+    num_rows = shape.num_tokens * shape.num_kv_heads
+    if num_rows == 0:
+        return
+    d, rows = shape.head_size, cfg["rows"]
+    ch = chunk_size(d)
+    dot = cfg["rotation"] == "dot" and ch <= 128  # wider dot tiles would not fit shared memory
+    rot = signed_hadamard_chunks(d, key.dtype, str(key.device)) if dot else rht_signs(d, key.device)
+    shrink_t = torch.tensor(shrink, dtype=torch.float32, device=key.device)
+    ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
+    num_tiles = triton.cdiv(num_rows, rows)
+    align = cache_alignment(key_cache, value_cache)
+    programs = num_tiles
+    if not cpu and cfg["programs_per_sm"]:
+        sms = torch.cuda.get_device_properties(key.device).multi_processor_count
+        programs = min(num_tiles, sms * cfg["programs_per_sm"])
+    _reshape_and_cache_int4_kernel[(programs,)](
+        key, value, key_cache, value_cache, ks, vs, slot_mapping, rot, shrink_t,
+        num_rows, num_tiles, shape.num_blocks * shape.block_size,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
+        ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        ROWS=rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
+        DIV=DIVISIONS[cfg["div"]], INTERPRET=cpu, NUM_SHRINK=len(shrink), CACHE_ALIGN=align,
+        NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        num_warps=cfg["num_warps"], enable_fp_fusion=False,  # keep the oracle's separate roundings
+    )

@@ -1,0 +1,163 @@
+"""Device helpers of the write kernels: rounding, rotation and INT4 codes.
+
+Each helper gives the same bits on the GPU and in Triton's interpreter. On the GPU,
+``fp32 -> bf16`` and ``fp32 -> float8e4nv`` casts are the hardware's round-to-nearest-even
+conversions, like ``torch``'s; Triton 3.9's interpreter instead truncates ``fp32 -> bf16``
+and rounds fp8 half-up without carrying into the exponent, so under ``INTERPRET`` the value
+is first rounded in fp32 with exact integer or magic-number arithmetic and only then cast.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16_rne(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32; NaN/Inf stay non-finite."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_model_dtype(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Cast fp32 ``x`` to ``DTYPE`` (bf16/fp16), rounding to nearest even on both back ends."""
+    if INTERPRET and DTYPE == tl.bfloat16:
+        x = round_bf16_rne(x)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def round_half_even(v):
+    """fp32 round half to even for ``|v| < 2**22``: adding 1.5·2**23 leaves no fraction bits."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def to_fp8e4m3_bits(v, INTERPRET: tl.constexpr):
+    """fp32 in [-448, 448] -> float8_e4m3fn bits as uint8, round to nearest even (torch's cast)."""
+    if INTERPRET:
+        # e4m3's quantum at |v| is 2**(max(exponent, -6) - 3); adding 1.5·2**(23 + that) rounds to it
+        # (on |v|, then the sign put back, so a negative value that rounds to 0 stays -0 like torch's)
+        bits = v.to(tl.int32, bitcast=True)
+        q = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+        magic = (((q + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        a = (tl.abs(v) + magic) - magic
+        v = (a.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def fwht_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr):
+    """Unnormalised Walsh–Hadamard transform of each row of ``x: [ROWS, N]`` fp32.
+
+    Stage ``k`` pairs elements ``2**k`` apart, smallest first, exactly as the oracle's
+    ``fwht``; the same fp32 additions in the same order give the same bits.
+    """
+    for k in tl.static_range(LOG2_N):
+        # y: [ROWS, N // 2**(k+1), 2**k, 2]; the butterfly pair sits in the last axis
+        y = tl.permute(tl.reshape(x, (ROWS, N // (2 << k), 2, 1 << k)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        x = tl.reshape(y, (ROWS, N))
+    return x
+
+
+@triton.jit
+def rotate_chunk(x, rot, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
+                 DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``H·(s ⊙ x)`` per row of ``x: [ROWS, N]`` (model dtype) as fp32 [ROWS, N].
+
+    ``rot`` is ``diag(s)·H`` [N, N] in the model dtype for DOT, else the signs ``s`` [N] fp32.
+    """
+    if DOT:
+        if INTERPRET:  # Triton 3.9's interpreter gets bf16 dots wrong; fp32 "ieee" is exact here
+            r = tl.dot(x.to(tl.float32), rot.to(tl.float32), input_precision="ieee")
+        else:  # ±1 products are exact; only the fp32 accumulation order differs from fwht
+            r = tl.dot(x, rot)
+    else:
+        r = fwht_rows(x.to(tl.float32) * rot[None, :], ROWS, N, LOG2_N)
+    return r
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_min_max(r, INTERPRET: tl.constexpr):
+    """Per-row (min, max) of ``r: [ROWS, N]`` fp32; a NaN anywhere in a row makes both NaN.
+
+    The GPU reduces with NaN-propagating min/max (free). The interpreter runs such a custom
+    reduction element by element in Python, so there ``sum(r * 0)`` (NaN exactly when the row
+    holds a NaN or an Inf) is added to plain min/max instead.
+    """
+    if INTERPRET:
+        poison = tl.sum(r * 0.0, axis=1)
+        return tl.min(r, axis=1) + poison, tl.max(r, axis=1) + poison
+    else:
+        return tl.reduce(r, 1, _min_nan), tl.reduce(r, 1, _max_nan)
+
+
+@triton.jit
+def int4_scale_zp(lo, hi):
+    """SPEC §3 step 3 for one zero-inclusive range per row: ``scale`` and ``zp`` (fp32, [ROWS])."""
+    scale = tl.maximum(tl.div_rn(hi - lo, 15.0), 1e-6)
+    # rha(w) for w = -lo / scale >= 0 is floor(w + 0.5); fmax/fmin also map NaN to 0
+    zp = tl.floor(tl.minimum(tl.maximum(tl.div_rn(-lo, scale) + 0.5, 0.0), 15.0))
+    return scale, zp
+
+
+@triton.jit
+def divide_rows(x, scale, rcp, DIV: tl.constexpr):
+    """``x / scale[:, None]`` for ``x: [ROWS, N]`` fp32, correctly rounded unless DIV == 2.
+
+    DIV 0: ``div_rn`` per element. DIV 1: Markstein's correction of ``x·rcp`` with
+    ``rcp = RN(1/scale)`` per row, which yields ``RN(x / scale)`` exactly (no overflow or
+    underflow here) with one multiply and two FMAs per element. DIV 2: Triton's fast ``/``
+    (not correctly rounded), kept only to measure what exactness costs.
+    """
+    if DIV == 0:
+        t = tl.div_rn(x, scale[:, None])
+    elif DIV == 1:
+        t0 = x * rcp[:, None]
+        t = tl.fma(tl.fma(-t0, scale[:, None], x), rcp[:, None], t0)
+    else:
+        t = x / scale[:, None]
+    return t
+
+
+@triton.jit
+def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr):
+    """Codes ``clamp(rha(r / scale + zp), 0, 15)`` as int32 [ROWS, N], given ``zph = zp + 0.5``
+    per row (``-inf`` for a row that must store codes 0: every code then clamps to 0).
+
+    """
+    t = divide_rows(r, scale, rcp, DIV)
+    # rha(t + zp) on the clamped range is floor(t + zp + 0.5). One rounding of t + (zp + 0.5)
+    # floors like the oracle's two: t + zp and t + zp + 0.5 share a binade whose ulp divides
+    # 0.5, or straddle a power of two >= 1 that both reach; the one window where they differ
+    # (just below 0.5) holds no exact t + zp, a multiple of ulp(t) >= 2**-25 there.
+    # v < 0 and NaN clamp to code 0; truncation is floor for v >= 0.
+    v = t + zph[:, None]
+    return tl.minimum(tl.maximum(v, 0.0), 15.0).to(tl.int32)
+
+
+@triton.jit
+def int4_sq_err(q, r, scale, zp):
+    """Per-row squared error ``sum(((q - zp) * scale - r)**2)`` of codes ``q`` [ROWS, N]."""
+    d = (q.to(tl.float32) - zp[:, None]) * scale[:, None] - r
+    return tl.sum(d * d, axis=1)
+
+
+@triton.jit
+def pack_nibbles(q, ROWS: tl.constexpr, N: tl.constexpr):
+    """int32 codes [ROWS, N] -> uint8 [ROWS, N // 2], even element in the low nibble."""
+    even, odd = tl.split(tl.reshape(q, (ROWS, N // 2, 2)))
+    return (even | (odd << 4)).to(tl.uint8)
