@@ -5,3 +5,4 @@ from layouts import (KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache,  # n
 
 from .reference import pack_int4_nibbles, single_rht, unpack_int4_nibbles  # noqa: F401
 from .attention import unified_attention; from .attention_int4 import unified_attention_int4  # noqa: F401,E702
+from .write import reshape_and_cache_flash, reshape_and_cache_int4, triton_reshape_and_cache_flash_per_token_head_quant  # noqa: F401,E501
