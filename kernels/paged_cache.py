@@ -70,7 +70,7 @@ class PagedKVCache:
     int4_shrink : tuple of float, optional
         MSE-optimal INT4 encoder (``kernels.reference.quantize_int4_rows(shrink=...)``): same
         stored format, each row keeps the range shrink factor with the least squared error.
-        Written through the oracle encoder (the Triton write kernel implements ``(1.0,)``).
+        The Triton INT4 writer takes it as ``shrink=``; the oracle backend uses the same factors.
     """
 
     def __init__(self, kv_cache_dtype, num_layers: int, num_kv_heads: int, head_size: int,
@@ -141,10 +141,7 @@ class PagedKVCache:
         v = self.views[layer_idx]
         dt = self.geometry.model_dtype
         key, value = key.to(dt).contiguous(), value.to(dt).contiguous()
-        if self.int4_shrink is not None:
-            _write_int4_shrink(key, value, v, slot_mapping, self.int4_shrink)
-            return
-        self._write(key, value, v, slot_mapping, self.mode)
+        self._write(key, value, v, slot_mapping, self.mode, self.int4_shrink)
 
     def attend(self, layer_idx: int, q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
                block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -172,7 +169,7 @@ class PagedKVCache:
         return self.caches[layer_idx][block_id].view(torch.uint8).reshape(-1)
 
 
-def _write_int4_shrink(key, value, views, slot_mapping, shrink):
+def _reference_write_int4_shrink(key, value, views, slot_mapping, shrink):
     from .reference import quantize_int4_rows
 
     keep = slot_mapping >= 0
@@ -194,9 +191,11 @@ def _kernels(backend: str):
             _triton_attend if use_attend else _reference_attend)
 
 
-def _reference_write(key, value, v, slot_mapping, mode):
+def _reference_write(key, value, v, slot_mapping, mode, shrink=None):
     from .reference import reference_reshape_and_cache
 
+    if shrink is not None:
+        return _reference_write_int4_shrink(key, value, v, slot_mapping, shrink)
     reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
                                 v.k_scale_cache, v.v_scale_cache)
 
@@ -209,15 +208,16 @@ def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
     return out.to(q.dtype)
 
 
-def _triton_write(key, value, v, slot_mapping, mode):
+def _triton_write(key, value, v, slot_mapping, mode, shrink=None):
     from .write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
 
     if mode == KVQuantMode.NONE:
         reshape_and_cache_flash(key, value, v.key_cache, v.value_cache, slot_mapping)
     else:
+        extra = {"shrink": shrink} if shrink is not None else {}
         triton_reshape_and_cache_flash_per_token_head_quant(
             key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache,
-            slot_mapping, kv_quant_mode=mode)
+            slot_mapping, kv_quant_mode=mode, **extra)
 
 
 def _triton_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):

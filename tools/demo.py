@@ -12,9 +12,10 @@ import time
 import torch
 
 DEFAULT_PROMPT = (
-    "In three short sentences, explain what the key-value cache of a transformer language model "
-    "stores, why it grows with every token of the conversation, and how storing it with four bits "
-    "per value instead of sixteen lets one server keep many more conversations in memory."
+    "I am new to machine learning. In three short sentences, explain what the key-value cache of a "
+    "transformer language model stores, why it grows with every token of the conversation, and how "
+    "storing it with four bits per value instead of sixteen bits lets one server keep many more "
+    "conversations in memory at the same time. Please keep it simple."
 )
 
 
@@ -60,7 +61,11 @@ def run(args) -> int:
         print("--max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    spec = _spec(args, device)
+    try:
+        spec = _spec(args, device)
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     need = -(-(len(args.prompt.encode()) + 200 + args.max_new_tokens) // args.block_size)
     spec["num_blocks"] = max(spec["num_blocks"], need)  # bytes bound the token count of any tokenizer
     print(f"kvconnector demo: cache {args.mode}, device {device}, kernels: {describe_backend(spec['backend'])}"
