@@ -184,8 +184,8 @@ def default_int4_config(head_size: int, on_cpu: bool) -> dict:
     """Tile rows, warps, rotation, division and programs per SM used when the caller names none."""
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0)
-    return dict(rows=max(16, 4096 // head_size), num_warps=4, rotation="dot", div="markstein",
-                programs_per_sm=4)
+    return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
+                rotation="dot", div="markstein", programs_per_sm=4)
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

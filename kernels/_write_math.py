@@ -127,7 +127,8 @@ def divide_rows(x, scale, rcp, DIV: tl.constexpr):
         t = tl.div_rn(x, scale[:, None])
     elif DIV == 1:
         t0 = x * rcp[:, None]
-        t = tl.fma(tl.fma(-t0, scale[:, None], x), rcp[:, None], t0)
+        # residual x - t0·scale, exact; written as -(t0·scale - x) so that x = ±0 keeps its sign
+        t = tl.fma(-tl.fma(t0, scale[:, None], -x), rcp[:, None], t0)
     else:
         t = x / scale[:, None]
     return t

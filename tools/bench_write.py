@@ -1,0 +1,237 @@
+"""Benchmark the cache-write kernels against a device-to-device copy of the same bytes.
+
+For each shape (num_tokens x 8 kv heads x head_size) and mode (bf16, int8, fp8, int4, int4 with
+the MSE encoder) prints µs per call and GB/s counting bytes read (K, V, slot_mapping) plus bytes
+written (codes and scales), next to ``torch`` copying the same number of bytes (read + write)
+in the same run. ``--check`` first compares every mode with the PyTorch oracle on realistic
+shapes; ``--sweep`` times INT4 tile/rotation/division variants. Run:
+``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from kernels.reference import dequantize_rows, reference_reshape_and_cache
+from kernels.write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
+from layouts import CacheGeometry, KVQuantMode, split_kv_cache
+
+M = KVQuantMode
+MODES = {"bf16": M.NONE, "int8": M.INT8_PER_TOKEN_HEAD, "fp8": M.FP8_PER_TOKEN_HEAD,
+         "int4": M.INT4_PER_TOKEN_HEAD, "int4-mse": M.INT4_PER_TOKEN_HEAD}
+MSE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+NUM_KV_HEADS, BLOCK_SIZE = 8, 16
+L2_FLUSH_BYTES = 256 << 20  # rotate input sets until one pass touches several L2s (60 MB)
+
+
+def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_sets=1, offset_blocks=1):
+    """Input sets and a packed cache per set (views at a nonzero storage offset)."""
+    mode = MODES[mode_name]
+    geo = CacheGeometry(mode, head_size, NUM_KV_HEADS, BLOCK_SIZE, dtype)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    sets = []
+    for _ in range(num_sets):
+        key = torch.randn(num_tokens, NUM_KV_HEADS, head_size, dtype=dtype, device=device)
+        value = torch.randn_like(key)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:num_tokens]
+        whole = geo.new_cache(num_blocks + offset_blocks, device)
+        cache = whole[offset_blocks:]
+        sets.append((key, value, slots, cache, split_kv_cache(cache, mode, head_size)))
+    return geo, sets
+
+
+def _write(mode_name, key, value, slots, views, **kw):
+    mode = MODES[mode_name]
+    if mode == M.NONE:
+        return reshape_and_cache_flash(key, value, views.key_cache, views.value_cache, slots, check_slots=False, **kw)
+    if mode_name == "int4-mse":
+        kw["shrink"] = MSE_SHRINK
+    return triton_reshape_and_cache_flash_per_token_head_quant(
+        key, value, views.key_cache, views.value_cache, views.k_scale_cache, views.v_scale_cache, slots,
+        mode, check_slots=False, **kw)
+
+
+def _bytes(geo, num_tokens, dtype=torch.bfloat16) -> int:
+    """Bytes one write moves: K and V read, slot_mapping read, codes and scales written."""
+    rows = num_tokens * geo.num_kv_heads
+    return 2 * rows * geo.head_size * dtype.itemsize + 8 * num_tokens + 2 * rows * geo.row_bytes
+
+
+def _time_us(fn, device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def _rotating(sets, call):
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % len(sets)
+        call(*sets[state["i"]])
+    return fn
+
+
+def _num_sets(nbytes, device) -> int:
+    return 1 if device.type != "cuda" else max(1, min(16, -(-L2_FLUSH_BYTES // nbytes)))
+
+
+def time_write(mode_name, num_tokens, head_size, device, **kw):
+    geo, probe = _setup(num_tokens, head_size, mode_name, device)
+    nbytes = _bytes(geo, num_tokens)
+    del probe
+    _, sets = _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))
+    us = _time_us(_rotating(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device)
+    return us, nbytes
+
+
+def time_copy(nbytes, device):
+    """A device-to-device copy that reads nbytes/2 and writes nbytes/2."""
+    half = nbytes // 2
+    n = _num_sets(nbytes, device)
+    bufs = [(torch.empty(half, dtype=torch.uint8, device=device).random_(),
+             torch.empty(half, dtype=torch.uint8, device=device)) for _ in range(n)]
+    return _time_us(_rotating(bufs, lambda src, dst: dst.copy_(src)), device)
+
+
+def run_table(args, device):
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    print(f"\n## write kernels on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views; GB/s = (bytes read + written) / time\n")
+    print("| tokens | head_size | mode | µs | GB/s | copy µs | copy GB/s | % of copy |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    results = []
+    for num_tokens in args.tokens:
+        for head_size in args.head_sizes:
+            for mode_name in args.modes:
+                us, nbytes = time_write(mode_name, num_tokens, head_size, device)
+                cus = time_copy(nbytes, device)
+                gbs, cgbs = nbytes / us / 1e3, nbytes / cus / 1e3
+                results.append((num_tokens, head_size, mode_name, us, gbs, cus, cgbs))
+                print(f"| {num_tokens} | {head_size} | {mode_name} | {us:.1f} | {gbs:.0f} | {cus:.1f} | "
+                      f"{cgbs:.0f} | {100 * gbs / cgbs:.0f}% |", flush=True)
+    return results
+
+
+def run_sweep(args, device):
+    variants = {
+        64: [dict(rotation="dot", rows=r, num_warps=w) for r in (64, 128, 256) for w in (4, 8)]
+        + [dict(rotation="butterfly", rows=32, num_warps=4)],
+        128: [dict(rotation="dot", rows=r, num_warps=w) for r in (32, 64, 128) for w in (4, 8)]
+        + [dict(rotation="dot", rows=64, num_warps=4, programs_per_sm=p) for p in (0, 2, 8)]
+        + [dict(rotation="dot", rows=64, num_warps=4, div=d) for d in ("rn", "fast")]
+        + [dict(rotation="butterfly", rows=r, num_warps=w) for r in (16, 32) for w in (4, 8)],
+        256: [dict(rotation="dot", rows=r, num_warps=w) for r in (32, 64) for w in (4, 8)]
+        + [dict(rotation="butterfly", rows=16, num_warps=4)],
+    }
+    print("\n| head_size | variant | µs | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
+    for head_size in args.head_sizes:
+        copy_us = None
+        for kw in variants.get(head_size, []):
+            us, nbytes = time_write("int4", args.sweep_tokens, head_size, device, **kw)
+            copy_us = copy_us or time_copy(nbytes, device)
+            print(f"| {head_size} | {kw} | {us:.1f} | {nbytes / us / 1e3:.0f} | {100 * copy_us / us:.0f}% |",
+                  flush=True)
+
+
+def _compare(mode_name, geo, ref, out, n_rows):
+    """Row-level comparison of two packed caches: (rows differing, codes differing, max |Δdeq|/scale)."""
+    a, b = ref.view(torch.uint8).flatten(0, 3), out.view(torch.uint8).flatten(0, 3)
+    rows_diff = int((a != b).any(-1).sum())
+    if MODES[mode_name] == M.NONE or rows_diff == 0:
+        return rows_diff, int((a != b).sum()), 0.0
+    va, vb = split_kv_cache(ref, geo.mode, geo.head_size), split_kv_cache(out, geo.mode, geo.head_size)
+    deq = [dequantize_rows(v.key_cache, v.k_scale_cache, geo.mode, rotated=True) for v in (va, vb)]
+    scale = va.k_scale_cache.abs().clamp(min=1e-30)[..., None]
+    err = ((deq[0] - deq[1]).abs() / scale).nan_to_num(0.0).max().item()
+    if geo.mode == M.INT4_PER_TOKEN_HEAD:
+        from kernels.reference import unpack_int4_nibbles
+        codes = int((unpack_int4_nibbles(a[:, :geo.data_bytes]) != unpack_int4_nibbles(b[:, :geo.data_bytes])).sum())
+    else:
+        codes = int((a[:, :geo.data_bytes] != b[:, :geo.data_bytes]).sum())
+    return rows_diff, codes, err
+
+
+def run_check(args, device):
+    print("\n| mode | dtype | head_size | tokens | options | rows differing | codes differing | max Δ (scales) |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    cases = [(m, torch.bfloat16, d, {}) for d in args.head_sizes for m in args.modes]
+    cases += [("int4", torch.float16, 128, {}), ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
+              ("int8", torch.float16, 128, {}), ("fp8", torch.float16, 128, {})]
+    worst = 0
+    for mode_name, dtype, head_size, kw in cases:
+        num_tokens = args.check_tokens if head_size <= 128 else args.check_tokens // 2
+        geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype)
+        key[7, 3] = float("nan")
+        value[11, 0, 5] = float("inf")
+        key[13] = 0.0
+        slots[::97] = -1
+        for c in (cache,):
+            c.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows must stay 0xA5
+        ref = cache.clone()
+        rv = split_kv_cache(ref, geo.mode, head_size)
+        shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
+        if geo.mode == M.INT4_PER_TOKEN_HEAD:
+            from kernels.reference import quantize_int4_rows
+            keep = slots >= 0
+            blk, off = slots[keep] // BLOCK_SIZE, slots[keep] % BLOCK_SIZE
+            for x, kc, sc in ((key, rv.key_cache, rv.k_scale_cache), (value, rv.value_cache, rv.v_scale_cache)):
+                p, s = quantize_int4_rows(x[keep], shrink=shrink)
+                kc[blk, off], sc[blk, off] = p, s
+        else:
+            reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, geo.mode,
+                                        rv.k_scale_cache, rv.v_scale_cache)
+        _write(mode_name, key, value, slots, views, **kw)
+        rows_diff, codes_diff, err = _compare(mode_name, geo, ref, cache, num_tokens * NUM_KV_HEADS)
+        worst = max(worst, rows_diff / (2 * num_tokens * NUM_KV_HEADS))
+        print(f"| {mode_name} | {str(dtype)[6:]} | {head_size} | {num_tokens} | {kw or ''} | {rows_diff} | "
+              f"{codes_diff} | {err:.2f} |", flush=True)
+    return worst
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small shapes only (CI smoke test; runs on CPU)")
+    p.add_argument("--check", action="store_true", help="compare with the PyTorch oracle first")
+    p.add_argument("--sweep", action="store_true", help="time INT4 tile/rotation/division variants")
+    p.add_argument("--no-table", action="store_true", help="skip the main table")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 262144])
+    p.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--check-tokens", type=int, default=65536)
+    p.add_argument("--sweep-tokens", type=int, default=65536)
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    if args.quick:
+        args.tokens, args.head_sizes, args.check_tokens = [64], [64], 48
+    if args.check:
+        worst = run_check(args, device)
+        print(f"\nworst fraction of rows differing from the oracle: {worst:.2e}")
+    if args.sweep:
+        run_sweep(args, device)
+    if not args.no_table:
+        run_table(args, device)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
