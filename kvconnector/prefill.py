@@ -189,6 +189,9 @@ class PrefillEndpoint:
         if h.type == MsgType.HELLO:
             return self._hello(ident, peer, h)
         if h.type == MsgType.PING:
+            if not peer["ok"]:  # e.g. this process restarted under a live peer: make it re-handshake
+                self._reply(ident, Header(MsgType.ERROR, code=ErrorCode.HANDSHAKE_REQUIRED,
+                                          msg="send HELLO with a compatible descriptor first"))
             return self._reply(ident, Header(MsgType.PONG))
         if h.type == MsgType.PONG:
             return None
