@@ -267,6 +267,7 @@ class DecodeEndpoint:
             return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
         p.received[h.layer][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
+        self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
         cache, pos = self.caches[h.layer], h.first
         for frame, n in zip(payloads, h.nbytes):

@@ -1,8 +1,22 @@
-"""Benchmark connector block transfer against plain pyzmq zero-copy PUSH/PULL on loopback."""
+"""Benchmark connector block transfer against plain pyzmq zero-copy PUSH/PULL on loopback.
+
+Both columns move the same bytes in the same run, and by default the sending side of both
+runs in a separate (spawned) process, as in a deployment: the prefill endpoint for the
+connector, the PUSH socket for pyzmq; this process is the decode endpoint / the PULL socket.
+``--in-process`` runs the sender on a thread of this process instead (one GIL for both).
+
+Connector: one whole pull (PULL -> BLOCKS with xxh3_64 per frame -> verify -> scatter into the
+decode cache -> ACK -> result), source blocks a random permutation (``--contiguous``:
+consecutive), destination blocks a random permutation; the last pull of every row is checked
+byte for byte against the source (rebuilt here from the same seed). pyzmq: the same total bytes
+in messages of the connector's chunk size, sent ``copy=False`` from one pre-filled buffer,
+received ``copy=False``; timed from the "go" signal to the last byte received.
+"""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -10,7 +24,6 @@ import time
 import torch
 import zmq
 
-from kvconnector import DecodeEndpoint, PrefillEndpoint
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
@@ -28,76 +41,142 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contiguous", action="store_true", help="publish consecutive source blocks "
                    "(zero-copy send) instead of a random permutation (gather copy)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (caches on the GPU, pinned host staging)")
+    p.add_argument("--in-process", action="store_true", help="sender on a thread of this process "
+                   "(one GIL) instead of a spawned process")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
 
 
-def _caches(geo, desc, device, gen):
-    out = []
-    for _ in range(desc.num_layers):
-        c = geo.new_cache(desc.num_blocks)
-        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
-        out.append(c.to(device))
-    return out
+# ---- the sending side (a spawned process, or a thread with --in-process) ------------------
+def _sender(conn) -> None:
+    """Serve rows from ``conn`` until ("exit",): a prefill endpoint and a PUSH socket per row."""
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "exit":
+            return
+        _serve_row(conn, *cmd[1:])
 
 
-def bench_connector(geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen):
-    """Median seconds of one whole pull (publish -> result) and bytes moved; checks bytes once."""
-    desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
-    src, dst = _caches(geo, desc, device, gen), _caches(geo, desc, device, gen)
-    times, nbytes = [], 0
-    with PrefillEndpoint(src, desc, chunk_bytes=chunk_bytes) as pre, DecodeEndpoint(dst, desc) as dec:
-        dec.connect(pre.endpoint)
-        for r in range(repeats + 1):                   # first round is warm-up
-            ids = list(range(nblocks)) if contiguous else torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
-            dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
-            t0 = time.perf_counter()
-            pre.publish(f"t{r}", ids)
-            res = dec.pull(f"t{r}", dst_ids, deadline_s=60).result()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            if r:
-                times.append(time.perf_counter() - t0)
-            nbytes = res.nbytes
-            if r == repeats:
-                for s, d in zip(src, dst):
-                    if not torch.equal(s[ids].view(torch.uint8).cpu(), d[dst_ids].view(torch.uint8).cpu()):
-                        raise RuntimeError("transferred blocks differ from the source")
-        stats = dec.stats()
-    return statistics.median(times), nbytes, stats
-
-
-def bench_pyzmq(total_bytes, msg_bytes, repeats):
-    """Median seconds to move ``total_bytes`` in ``msg_bytes`` zero-copy messages, PUSH -> PULL."""
+def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes) -> None:
+    """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket; then answer
+    "cpu" with this process's CPU seconds and "go" with one burst of ``sizes`` messages."""
+    from kvconnector import PrefillEndpoint
+    from tools.serve import synthetic_caches
+    desc = LayoutDescriptor.from_dict(desc_dict)
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    for s in (pull, push):
-        s.setsockopt(zmq.LINGER, 0)
-    buf = torch.randint(0, 256, (msg_bytes,), dtype=torch.uint8).numpy()
-    sizes = [msg_bytes] * (total_bytes // msg_bytes) + ([total_bytes % msg_bytes] if total_bytes % msg_bytes else [])
-    times = []
-    try:
-        for r in range(repeats + 1):
-            def send():
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(push_endpoint)
+    buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()
+    with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600) as pre:
+        for tid, ids in transfers:
+            pre.publish(tid, ids)
+        conn.send(pre.endpoint)
+        while True:
+            cmd = conn.recv()
+            if cmd == "go":
                 for n in sizes:
                     push.send(buf[:n], copy=False)
-            th = threading.Thread(target=send)
-            t0 = time.perf_counter()
-            th.start()
-            got = 0
-            for _ in sizes:
-                got += len(pull.recv(copy=False))
-            th.join()
-            if r:
-                times.append(time.perf_counter() - t0)
-            assert got == total_bytes
+            elif cmd == "cpu":
+                conn.send(time.process_time())
+            else:                                    # "done"
+                break
+    push.close(0)
+    ctx.term()
+    conn.send("closed")
+
+
+class Sender:
+    """The sending side: a spawned process, or a thread when ``in_process``."""
+
+    def __init__(self, in_process: bool) -> None:
+        self.in_process = in_process
+        if in_process:
+            self.conn, child = mp.Pipe()
+            self._worker = threading.Thread(target=_sender, args=(child,), daemon=True)
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self._worker = ctx.Process(target=_sender, args=(child,), daemon=True)
+        self._worker.start()
+
+    def ask(self, *cmd, timeout_s: float = 300.0):
+        self.conn.send(cmd[0] if len(cmd) == 1 else cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"sender did not answer {cmd[0]!r} within {timeout_s} s")
+        return self.conn.recv()
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by both sides (one number when they share a process)."""
+        mine = time.process_time()
+        return mine if self.in_process else mine + self.ask("cpu")
+
+    def close(self) -> None:
+        self.conn.send(("exit",))
+        self._worker.join(30)
+
+
+# ---- the receiving side (this process) ----------------------------------------------------
+def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen) -> dict:
+    """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
+    machine load); medians of wall and CPU time; the last pull is checked byte for byte."""
+    from kvconnector import DecodeEndpoint
+    from tools.serve import synthetic_caches
+    desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
+    total = layers * nblocks * geo.block_bytes
+    msg = min(total, max(geo.block_bytes, chunk_bytes // geo.block_bytes * geo.block_bytes))
+    sizes = [msg] * (total // msg) + ([total % msg] if total % msg else [])
+    src_ids = [list(range(nblocks)) if contiguous else torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
+               for _ in range(repeats + 1)]
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = sender.ask(("row", desc.to_dict(), seed, device, chunk_bytes,
+                           [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes))
+    dst = synthetic_caches(desc, seed + 1, device)
+    t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(endpoint, timeout_s=30)
+            for r in range(repeats + 1):               # first round is warm-up
+                dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
+                c0 = sender.cpu_s()
+                t0 = time.perf_counter()
+                res = dec.pull(f"t{r}", dst_ids, deadline_s=120).result()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                c1 = sender.cpu_s()
+                if res.nbytes != total:
+                    raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
+                sender.conn.send("go")
+                got = 0
+                for _ in sizes:
+                    if not pull.poll(60000):
+                        raise TimeoutError("pyzmq baseline: no message within 60 s")
+                    got += len(pull.recv(copy=False))
+                t2 = time.perf_counter()
+                c2 = sender.cpu_s()
+                if got != total:
+                    raise RuntimeError(f"pyzmq baseline: expected {total} bytes, got {got}")
+                if r:
+                    t["conn"].append(t1 - t0)
+                    t["conn_cpu"].append(c1 - c0)
+                    t["zmq"].append(t2 - t1)
+                    t["zmq_cpu"].append(c2 - c1)
+            num_messages = dec.metrics.c["blocks_messages"]     # BLOCKS messages accepted
     finally:
-        push.close(0)
+        sender.ask("done")
         pull.close(0)
-        ctx.term()
-    return statistics.median(times)
+        zctx.term()
+    src = synthetic_caches(desc, seed, "cpu")
+    for s, d in zip(src, dst):
+        if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
+            raise RuntimeError("transferred blocks differ from the source")
+    out = {k: statistics.median(v) for k, v in t.items()}
+    out.update(nbytes=total, messages=num_messages / (repeats + 1))
+    return out
 
 
 def run(args) -> int:
@@ -111,22 +190,25 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     chunk = int(args.chunk_mb * (1 << 20))
     order = "contiguous" if args.contiguous else "scattered"
+    where = "sender on a thread (one process)" if args.in_process else "sender in a spawned process"
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
-          f"chunk={args.chunk_mb} MiB, median of {args.repeats}")
-    print("| mode | blocks | MiB | connector ms | connector GB/s | pyzmq ms | pyzmq GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}")
+    print("| mode | blocks | MiB | msgs | connector ms | GB/s | CPU ms | pyzmq ms | GB/s | CPU ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
-    for mode_str in args.modes.split(","):
-        geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
-        for nblocks in (int(b) for b in args.blocks.split(",")):
-            t_c, nbytes, _ = bench_connector(geo, args.layers, nblocks, args.repeats, chunk,
-                                             args.contiguous, device, gen)
-            per_layer = nbytes // args.layers
-            msg = min(per_layer, max(geo.block_bytes, chunk // geo.block_bytes * geo.block_bytes))
-            t_z = bench_pyzmq(nbytes, msg, args.repeats)
-            ratios.append(t_z / t_c)
-            print(f"| {mode_str} | {nblocks} | {nbytes / 2**20:.1f} | {t_c * 1e3:.2f} | {nbytes / t_c / 1e9:.2f} "
-                  f"| {t_z * 1e3:.2f} | {nbytes / t_z / 1e9:.2f} | {t_z / t_c:.2f} |", flush=True)
+    sender = Sender(args.in_process)
+    try:
+        for mode_str in args.modes.split(","):
+            geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
+            for nblocks in (int(b) for b in args.blocks.split(",")):
+                r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen)
+                ratios.append(r["zmq"] / r["conn"])
+                n = r["nbytes"]
+                print(f"| {mode_str} | {nblocks} | {n / 2**20:.1f} | {r['messages']:.0f} | {r['conn'] * 1e3:.2f} "
+                      f"| {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3:.1f} | {r['zmq'] * 1e3:.2f} "
+                      f"| {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3:.1f} | {ratios[-1]:.2f} |", flush=True)
+    finally:
+        sender.close()
     print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
     return 0
