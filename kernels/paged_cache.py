@@ -17,7 +17,9 @@ import torch
 from layouts import (CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, get_kv_quant_mode,
                      split_kv_cache)
 
-BACKENDS = ("triton", "reference")
+# "triton-write": the Triton write kernel with the oracle attention (dequantize, then fp32
+# attention): the quantization under test is the kernel's, the attention costs no interpreter time.
+BACKENDS = ("triton", "reference", "triton-write")
 
 
 def _importable(module: str) -> bool:
@@ -34,23 +36,19 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """``"auto"`` -> ``"triton"`` when both kernels exist, ``"mixed"`` when only one does
-    (that one is used, the oracle stands in for the other), else ``"reference"``."""
+    """``"auto"`` -> ``"triton"`` when the Triton kernels exist, else ``"reference"``."""
     if backend == "auto":
-        write, attend = _importable("write"), _importable("attention")
-        return "triton" if write and attend else "mixed" if write or attend else "reference"
-    if backend not in BACKENDS + ("mixed",):
+        return "triton" if triton_available() else "reference"
+    if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     return backend
 
 
 def describe_backend(backend: str) -> str:
     """Human-readable name of what ``write`` and ``attend`` run."""
-    if backend == "mixed":
-        w = "Triton" if _importable("write") else "PyTorch oracle"
-        a = "Triton" if _importable("attention") else "PyTorch oracle"
-        return f"write: {w}, attention: {a}"
-    return {"triton": "Triton kernels", "reference": "PyTorch oracle"}[backend]
+    return {"triton": "Triton write + Triton paged attention",
+            "reference": "PyTorch oracle write + oracle attention",
+            "triton-write": "Triton write + oracle attention (dequantized cache, fp32)"}[backend]
 
 
 class PagedKVCache:
@@ -65,8 +63,7 @@ class PagedKVCache:
         bf16 or fp16: dtype of the K/V/Q given to ``write``/``attend`` (cast on entry).
     device : torch.device or str
         CPU tensors run the Triton kernels through Triton's interpreter.
-    backend : "auto", "triton" or "reference"
-        ``"auto"`` uses each Triton kernel that exists (see :func:`resolve_backend`).
+    backend : "auto", "triton", "reference" or "triton-write" (see :data:`BACKENDS`)
     int4_shrink : tuple of float, optional
         MSE-optimal INT4 encoder (``kernels.reference.quantize_int4_rows(shrink=...)``): same
         stored format, each row keeps the range shrink factor with the least squared error.
@@ -184,11 +181,10 @@ def _reference_write_int4_shrink(key, value, views, slot_mapping, shrink):
 
 
 def _kernels(backend: str):
-    """(write, attend) callables with one signature for both back ends."""
-    use_write = backend == "triton" or (backend == "mixed" and _importable("write"))
-    use_attend = backend == "triton" or (backend == "mixed" and _importable("attention"))
-    return (_triton_write if use_write else _reference_write,
-            _triton_attend if use_attend else _reference_attend)
+    """(write, attend) callables with one signature for every back end."""
+    write = _reference_write if backend == "reference" else _triton_write
+    attend = _triton_attend if backend == "triton" else _reference_attend
+    return write, attend
 
 
 def _reference_write(key, value, v, slot_mapping, mode, shrink=None):

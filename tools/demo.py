@@ -28,10 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message (wrapped in the chat template)")
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=20)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"),
-                   help="Triton kernels (Triton's interpreter on CPU) or the PyTorch oracle")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
+                   help="triton (default when present): the project's Triton write and paged attention "
+                        "kernels (Triton's interpreter on CPU); triton-write: Triton write + PyTorch oracle "
+                        "attention (faster on CPU); reference: the PyTorch oracle only")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--host", default="127.0.0.1", help="address the prefill endpoint binds (loopback)")
     p.add_argument("--no-reference", action="store_true", help="skip the unquantized single-process comparison")
@@ -99,7 +101,7 @@ def run(args) -> int:
                                               seed=args.seed, device=device)
                     ref_tokens, ref_s = reference_generate(spec, LlamaRunner(weights), tok, torch.device(device))
                     ref = {"tokens": ref_tokens, "seconds": ref_s, "text": tok.decode(ref_tokens)}
-                    print(f"[reference] done in {ref_s:.1f} s", flush=True)
+                    print(f"\n[reference] done in {ref_s:.1f} s", flush=True)
         for p in procs.values():
             p.join(timeout=max(1.0, deadline - time.perf_counter()))
     finally:
@@ -156,7 +158,7 @@ def _summary(pre: dict, dec: dict, ref, args, total_s: float) -> dict:
         if first_div is None and len(a) != len(b):
             first_div = m
         print(f"unquantized reference: {ref['text']!r}")
-        print(f"token agreement        {same}/{max(len(a), len(b))} positions; first divergence: "
+        print(f"token agreement        same token at {same}/{max(len(a), len(b))} positions; first divergence: "
               f"{'none (identical)' if first_div is None else f'token {first_div}'}")
         out.update(reference_tokens=b, reference_text=ref["text"], agreement=same / max(len(a), len(b)),
                    first_divergence=first_div, reference_s=ref["seconds"])

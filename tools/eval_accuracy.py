@@ -26,8 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score (default 1024)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)}")
-    p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"),
-                   help="Triton kernels (interpreted on CPU) or the PyTorch oracle; auto = Triton when present")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
+                   help="triton: Triton write + paged attention kernels; triton-write: Triton write kernel + "
+                        "oracle attention over the dequantized cache; reference: PyTorch oracle only. auto: "
+                        "triton on CUDA, triton-write on CPU (the interpreted attention kernel needs minutes "
+                        "per layer at 1k tokens)")
     p.add_argument("--rope-style", default="interleaved", choices=("interleaved", "neox"),
                    help="head-dim order of Q/K: GGUF's interleaved order or Hugging Face's (neox)")
     p.add_argument("--block-size", type=int, default=16)
@@ -50,7 +53,7 @@ def find_text(path):
 def run(args) -> int:
     from tools.llama import LlamaRunner, load_model
     from tools.llama.accuracy import VARIANTS, compare, roundtrip_errors, run_variant
-    from kernels.paged_cache import resolve_backend
+    from kernels.paged_cache import describe_backend, resolve_backend
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS or n == "bf16"]
@@ -58,7 +61,12 @@ def run(args) -> int:
         print(f"unknown variant(s) {bad}; choose from {', '.join(DEFAULT_VARIANTS)}", file=sys.stderr)
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = resolve_backend(args.backend)
+    backend = args.backend
+    if backend == "auto":
+        backend = resolve_backend("auto")
+        if backend == "triton" and device.type == "cpu":
+            backend = "triton-write"
+    backend = resolve_backend(backend)
     t0 = time.perf_counter()
     weights, tok = load_model(args.model, rope_style=args.rope_style, device=device)
     text_path = find_text(args.text)
@@ -68,7 +76,7 @@ def run(args) -> int:
     print(f"model: {weights.source} ({weights.config.num_layers} layers), rope {args.rope_style}, "
           f"loaded in {time.perf_counter() - t0:.1f} s")
     print(f"text: {text_path}, {len(ids)} tokens teacher-forced in one prefill; device {device}; "
-          f"kernels: {'Triton (interpreter on CPU)' if backend == 'triton' and device.type == 'cpu' else backend}")
+          f"kernels: {describe_backend(backend)}{' (Triton interpreter)' if device.type == 'cpu' and backend != 'reference' else ''}")
     runner = LlamaRunner(weights)
     results = {}
     for name in ["bf16"] + names:
