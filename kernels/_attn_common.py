@@ -10,11 +10,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-DOT_FP16 = 0
-DOT_BF16 = 1
-DOT_FP32 = 2
+# Triton only lets jitted code read module globals that are ``tl.constexpr``.
+DOT_FP16 = tl.constexpr(0)
+DOT_BF16 = tl.constexpr(1)
+DOT_FP32 = tl.constexpr(2)
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -83,30 +84,33 @@ def nibble_to_dot(n, DOT: tl.constexpr):
     ``n | 0x6400`` read as fp16 is ``1024 + n``; ``n | 0x4300`` read as bf16 is ``128 + n``."""
     n16 = n.to(tl.int16)
     if DOT == DOT_BF16:
-        return (n16 | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
-    x = (n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    if DOT == DOT_FP32:
-        x = x.to(tl.float32)
+        x = (n16 | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+    elif DOT == DOT_FP32:
+        x = ((n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float32)
+    else:
+        x = (n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     return x
 
 
 @triton.jit
 def int8_to_dot(c, DOT: tl.constexpr):
     """int8 codes -> exact fp16 (``c + 0x6480`` read as fp16 is ``1152 + c``), fp32 if DOT_FP32."""
-    x = (c.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
     if DOT == DOT_FP32:
-        x = x.to(tl.float32)
+        x = ((c.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0).to(tl.float32)
+    else:
+        x = (c.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
     return x
 
 
 @triton.jit
 def to_dot(x, DOT: tl.constexpr):
     if DOT == DOT_FP16:
-        return x.to(tl.float16)
+        y = x.to(tl.float16)
     elif DOT == DOT_BF16:
-        return x.to(tl.bfloat16)
+        y = x.to(tl.bfloat16)
     else:
-        return x.to(tl.float32)
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit

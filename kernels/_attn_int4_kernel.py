@@ -46,6 +46,7 @@ def _attn_int4_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
     CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
 ):
     HALF: tl.constexpr = HEAD // 2
     q_block_global = tl.program_id(0)
@@ -100,9 +101,11 @@ def _attn_int4_kernel(
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         # k: [HALF, TILE] bytes (transposed gather); v: [TILE, HALF] bytes
-        kb = tl.load(k_ptr + blk[None, :] * stride_k_b + slot[None, :] * stride_k_s + kv_head * stride_k_h
+        kb = tl.load(k_ptr + blk[None, :] * (stride_k_b * KV_ALIGN) + slot[None, :] * (stride_k_s * KV_ALIGN)
+                    + kv_head * (stride_k_h * KV_ALIGN)
                      + offs_h[:, None] * stride_k_d, mask=n_ok[None, :], other=0)
-        vb = tl.load(v_ptr + blk[:, None] * stride_v_b + slot[:, None] * stride_v_s + kv_head * stride_v_h
+        vb = tl.load(v_ptr + blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN)
+                    + kv_head * (stride_v_h * KV_ALIGN)
                      + offs_h[None, :] * stride_v_d, mask=n_ok[:, None], other=0)
         kbits = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
                         mask=n_ok, other=0)

@@ -43,6 +43,7 @@ def _attn_kernel(
     IS_INT8: tl.constexpr, DOT: tl.constexpr,
     CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,9 +91,11 @@ def _attn_kernel(
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         # k: [HEAD_PAD, TILE] (transposed gather of TILE rows); v: [TILE, HEAD_PAD]
-        k = tl.load(k_ptr + blk[None, :] * stride_k_b + slot[None, :] * stride_k_s + kv_head * stride_k_h
+        k = tl.load(k_ptr + blk[None, :] * (stride_k_b * KV_ALIGN) + slot[None, :] * (stride_k_s * KV_ALIGN)
+                    + kv_head * (stride_k_h * KV_ALIGN)
                     + offs_d[:, None] * stride_k_d, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * stride_v_b + slot[:, None] * stride_v_s + kv_head * stride_v_h
+        v = tl.load(v_ptr + blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN)
+                    + kv_head * (stride_v_h * KV_ALIGN)
                     + offs_d[None, :] * stride_v_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if IS_INT8:
             k = int8_to_dot(k, DOT)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,14 +41,15 @@ class AttnConfig:
     num_stages: int = 2
 
 
-# Decode defaults (tuned on the H200, see docs/bench/attention.md); prefill defaults.
-DECODE_TILE = {KVQuantMode.NONE: 64, KVQuantMode.INT8_PER_TOKEN_HEAD: 64,
-               KVQuantMode.FP8_PER_TOKEN_HEAD: 64, KVQuantMode.INT4_PER_TOKEN_HEAD: 64}
+# Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
+# beat 64 by 15-25% at 32k context; bf16: 64); prefill defaults untuned.
+DECODE_TILE = {KVQuantMode.NONE: 64, KVQuantMode.INT8_PER_TOKEN_HEAD: 128,
+               KVQuantMode.FP8_PER_TOKEN_HEAD: 128, KVQuantMode.INT4_PER_TOKEN_HEAD: 128}
 DECODE_WARPS = 4
 DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
-TARGET_PROGRAMS_PER_SM = 4   # split decode until the grid holds about this many programs per SM
+TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
 
 
@@ -135,7 +137,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         num_kv_heads = q.shape[1] // group
         want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // max(1, num_seqs * num_kv_heads)
         cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
-        segs = triton.next_power_of_2(max(1, min(want, cap)))
+        segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
 
@@ -158,6 +160,24 @@ def _segment_buffers(q, head_pad, segs, segm_output, segm_max, segm_expsum):
     return segm_output, segm_max, segm_expsum
 
 
+def _kv_align(k, v) -> int:
+    """Largest element count (<= 16 bytes) dividing every K/V block/slot/head stride.
+
+    Packed rows are ``data + 4`` bytes (68 for INT4 d=128, 132 for INT8), a multiple of 4 but
+    not of 16, which Triton's argument specialisation cannot see: it would fall back to 1-byte
+    loads. Passing ``stride // align`` and multiplying by a constexpr restores word loads.
+    """
+    elem = k.element_size()
+    g = 0
+    for t in (k, v):
+        for s in t.stride()[:3]:
+            g = math.gcd(g, s)
+    align = 16 // elem
+    while align > 1 and g % align:
+        align //= 2
+    return align
+
+
 def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
                      window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
@@ -169,11 +189,11 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     head_pad = max(16, triton.next_power_of_2(head_size))
     if interpreting(q):
-        dot = DOT_FP32
+        dot = DOT_FP32.value
     elif mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
-        dot = DOT_FP16  # int8 / e4m3 codes convert exactly and cheaply to fp16
+        dot = DOT_FP16.value  # int8 / e4m3 codes convert exactly and cheaply to fp16
     else:
-        dot = DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16
+        dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
     split = cfg.num_segments > 1
     if split:
         segm_output, segm_max, segm_expsum = _segment_buffers(q, head_pad, cfg.num_segments,
@@ -186,6 +206,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     block_q = cfg.block_m // group
+    align = _kv_align(k, v)
     grid = (num_tokens // block_q + num_seqs, k.shape[2], cfg.num_segments)
     target = segm_output if split else out
     common = dict(
@@ -196,8 +217,10 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         softmax_scale=float(softmax_scale), softcap=float(softcap or 0.0),
         window_left=int(window_size[0]), window_right=int(window_size[1]), num_seqs=num_seqs,
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_k_b=k.stride(0), stride_k_s=k.stride(1), stride_k_h=k.stride(2), stride_k_d=k.stride(3),
-        stride_v_b=v.stride(0), stride_v_s=v.stride(1), stride_v_h=v.stride(2), stride_v_d=v.stride(3),
+        stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align,
+        stride_k_h=k.stride(2) // align, stride_k_d=k.stride(3),
+        stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align,
+        stride_v_h=v.stride(2) // align, stride_v_d=v.stride(3),
         stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
         stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
@@ -205,7 +228,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD=head_size, BLOCK_SIZE=k.shape[1],
         BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE=cfg.tile, DOT=dot,
         CAUSAL=bool(causal), USE_SOFTCAP=bool(softcap and softcap > 0),
-        SPLIT=split, NUM_SEGMENTS=cfg.num_segments,
+        SPLIT=split, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_int4:

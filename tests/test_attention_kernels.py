@@ -129,11 +129,11 @@ def test_separate_tensors_and_caller_buffers(mode, dtype):
 
 def test_two_paths_agree_and_heuristic():
     """Decode through 2D and through split-KV gives the same output; the launcher picks split."""
-    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.float16, q_lens=[1, 1], k_lens=[600, 520], seed=5)
-    cfg = pick_config(c["mode"], c["q"], 4, 2, 1, 600, None, None, None)
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.float16, q_lens=[1, 1], k_lens=[1100, 1030], seed=5)
+    cfg = pick_config(c["mode"], c["q"], 4, 2, 1, 1100, None, None, None)
     assert cfg.num_segments > 1, cfg
-    assert pick_config(c["mode"], c["q"], 4, 2, 7, 600, None, None, None).num_segments == 1
-    assert pick_config(c["mode"], c["q"], 4, 2, 1, 600, None, None, 1).num_segments == 1  # threshold
+    assert pick_config(c["mode"], c["q"], 4, 2, 7, 1100, None, None, None).num_segments == 1
+    assert pick_config(c["mode"], c["q"], 4, 2, 1, 1100, None, None, 1).num_segments == 1  # threshold
     auto = run_and_check(c)
     two_d = run_and_check(c, seq_threshold_3D=0)
     assert ((auto.float() - two_d.float()).norm() / two_d.float().norm()) < 5e-3  # fp16 rounding only

@@ -48,7 +48,7 @@ def fill_cache(mode, geo, num_blocks, device, gen):
     views = split_kv_cache(cache, mode, geo.head_size)
     if mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
         for t in (views.key_cache, views.value_cache):
-            t.copy_(torch.randn(t.shape, device=device, generator=gen).mul(100).to(t.dtype))
+            t.copy_(torch.randn(t.shape, device=device, generator=gen).mul(100).clamp(-448, 448).to(t.dtype))
     for t in (views.k_scale_cache, views.v_scale_cache):
         s = torch.rand(t.shape, device=device, generator=gen) * 0.05 + 0.01
         if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # zero point in the low 4 bits
@@ -136,20 +136,21 @@ def default_cfg(pb):
 
 
 def sweep_cfgs(base: AttnConfig):
+    """A few tile / warps / segment-count variants around the launcher's default."""
     if base.num_segments == 1:
         return [base]
     out = [base]
-    for tile, warps, stages, seg_mul in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)):
-        segs = max(2, int(base.num_segments * seg_mul))
-        c = AttnConfig(block_m=base.block_m, tile=tile, num_segments=segs, num_warps=warps, num_stages=stages)
-        if c not in out:
-            out.append(c)
-    return out
+    for tile, warps in ((128, 4), (64, 8)):
+        out.append(AttnConfig(base.block_m, tile, base.num_segments, warps, base.num_stages))
+    for mul in (0.5, 2):
+        out.append(AttnConfig(base.block_m, base.tile, max(2, int(base.num_segments * mul)),
+                              base.num_warps, base.num_stages))
+    return list(dict.fromkeys(out))
 
 
-def bench(p, device, modes, sweep, log):
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0):
     rows = []
-    shapes = [(b, c, 1) for c in p["contexts"] for b in p["batches"]]
+    shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
     shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
     for batch, ctx, q_len in shapes:
         base_us = None
@@ -157,7 +158,7 @@ def bench(p, device, modes, sweep, log):
             pb = make_problem(MODES[name], batch, ctx, q_len, p, device)
             base = default_cfg(pb)
             best = None
-            for cfg in (sweep_cfgs(base) if sweep else [base]):
+            for cfg in (sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]):
                 err = check(pb, cfg)
                 us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
                 log(f"{name} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
@@ -166,6 +167,7 @@ def bench(p, device, modes, sweep, log):
             if best is None:
                 raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
             us, cfg, err = best
+            log(f"BEST {name} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={pb['kv_bytes'] / us / 1e3:.0f}")
             if name == "bf16":
                 base_us = us
             rows.append(dict(mode=name, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg,
@@ -198,6 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default=None, help="override the decode contexts, e.g. 4096,32768")
     parser.add_argument("--batches", default=None, help="override the decode batches, e.g. 8,32")
     parser.add_argument("--sweep", action="store_true", help="time tile/warps/segment variants, keep the best")
+    parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
 
 
@@ -218,7 +221,8 @@ def run(args, argv=()) -> int:
             logf.write(msg + "\n")
             logf.flush()
     copy = copy_gbps(device)
-    rows = bench(p, device, modes, args.sweep, log)
+    log(f"copy {copy:.0f} GB/s")
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx)
     print(table(rows, copy, device, list(argv)))
     if logf:
         logf.close()
