@@ -14,6 +14,7 @@ is what lets a decode worker with another tensor-parallel split assemble its hea
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from layouts import CacheGeometry, LayoutError, check_packed_strides
@@ -83,6 +84,52 @@ def runs(block_ids) -> list[tuple[int, int, int]]:
     return out
 
 
+def copy_runs(dst: np.ndarray, dst_ids, src: np.ndarray, src_ids, heads: range | None = None,
+              head_side: str = "src") -> None:
+    """Copy whole blocks ``src[src_ids[i]] -> dst[dst_ids[i]]`` between numpy byte views.
+
+    The CPU fast path of gather and scatter: one slice copy per run of consecutive ids on
+    both sides (a memcpy each, no index tensors), or one fancy-index copy when the runs are
+    many and short.
+
+    Parameters
+    ----------
+    dst, src : [*, 2, N, H or h, P] uint8 numpy arrays (``dst`` written in place)
+    dst_ids, src_ids : sequences of int (same length), or None for ``0 .. n-1``
+    heads : range, optional
+        Head slice ``[lo, hi)`` taken on the side named by ``head_side`` (the cache side);
+        the other side holds exactly ``hi - lo`` heads. None: all heads on both sides.
+    """
+    n = len(dst_ids if dst_ids is not None else src_ids)
+    dst_ids = range(n) if dst_ids is None else dst_ids
+    src_ids = range(n) if src_ids is None else src_ids
+    hs = slice(None) if heads is None else slice(heads.start, heads.stop)
+    pairs = _paired_runs(dst_ids, src_ids)
+    if len(pairs) > 16 and heads is None and dst.flags.c_contiguous and src_ids == range(n):
+        # scatter of many short runs from a packed buffer: one fancy-index assignment
+        # (a C loop of block memcpys; fancy *reads* would build a temporary, so gathers
+        # stay on the slice loop)
+        dst.reshape(dst.shape[0], -1)[np.asarray(dst_ids, dtype=np.intp)] = src[:n].reshape(n, -1)
+        return
+    for d, s_, k in pairs:
+        if head_side == "src":
+            dst[d:d + k] = src[s_:s_ + k, :, :, hs]
+        else:
+            dst[d:d + k, :, :, hs] = src[s_:s_ + k]
+
+
+def _paired_runs(dst_ids, src_ids) -> list[tuple[int, int, int]]:
+    """Maximal runs where both id lists advance by one: ``[(dst_first, src_first, count)]``."""
+    out = []
+    for d, s in zip(dst_ids, src_ids):
+        d, s = int(d), int(s)
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
 def gather_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids,
                   heads: range | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the rows of ``block_ids`` (optionally only local ``heads``) into one byte buffer.
@@ -116,9 +163,7 @@ def gather_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids,
         dst.copy_(view[ids][:, :, :, heads.start:heads.stop])
         return out
     # CPU: numpy slice copies per run of consecutive ids (much faster than index ops on wide rows)
-    src_np, dst_np = view.numpy(), dst.numpy()
-    for pos, b, k in runs(block_ids):
-        dst_np[pos:pos + k] = src_np[b:b + k, :, :, heads.start:heads.stop]
+    copy_runs(dst.numpy(), None, view.numpy(), block_ids, heads, head_side="src")
     return out
 
 
@@ -148,6 +193,4 @@ def scatter_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids, payloa
     if view.is_cuda:
         view[:, :, :, heads.start:heads.stop].index_copy_(0, ids, src)
         return
-    src_np, dst_np = src.numpy(), view.numpy()
-    for pos, b, k in runs(block_ids):
-        dst_np[b:b + k, :, :, heads.start:heads.stop] = src_np[pos:pos + k]
+    copy_runs(view.numpy(), block_ids, src.numpy(), None, heads, head_side="dst")

@@ -10,21 +10,33 @@ that did not land, and sends ABORT so the prefill side releases its lease.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
+import numpy as np
 import torch
 import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import scatter_blocks, slice_bytes
+from .blocks import as_bytes, copy_runs, scatter_blocks, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .prefill import check_caches
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
 from .transport import CurveKeys, IOLoop, make_socket
+
+INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
+
+
+def default_copy_threads() -> int:
+    """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
+    only adds work when every core is busy), else one per four cores, at most four."""
+    cores = os.cpu_count() or 1
+    return 0 if cores <= 4 else min(4, cores // 4)
 
 
 class DecodeEndpoint:
@@ -40,11 +52,15 @@ class DecodeEndpoint:
         :class:`TransferTimeoutError`.
     max_frame_bytes : int
         Largest frame accepted from the peer (ZeroMQ drops the connection beyond it).
+    copy_threads : int, optional
+        CPU caches: threads that verify and write BLOCKS messages in parallel with the
+        I/O thread (each message is still verified before any of its bytes is written);
+        0 writes on the I/O thread. Default :func:`default_copy_threads`.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, copy_threads: int | None = None) -> None:
         check_caches(caches, descriptor)
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
@@ -61,6 +77,9 @@ class DecodeEndpoint:
         self._loop: IOLoop | None = None
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
+        self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
+        n = default_copy_threads() if copy_threads is None else copy_threads
+        self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n and not self.cuda else None
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
@@ -134,8 +153,11 @@ class DecodeEndpoint:
     def close(self) -> None:
         if self._loop is not None:
             for h in list(self._pending.values()):
+                wait(h.jobs, timeout=10)
                 h.fail(PeerError(f"pull {h.transfer_id!r}: endpoint closed"))
             self._loop.close()
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
 
     def __enter__(self):
         return self
@@ -171,6 +193,7 @@ class DecodeEndpoint:
         self.metrics.fail(reason)
         if tell_peer:
             self._send(Header(MsgType.ABORT, tid=h.transfer_id, code=reason, msg=str(err)[:200]))
+        wait(h.jobs, timeout=10)   # verified writes still running: let them end before blocks are reported failed
         h.fail(err)
 
     def _abort(self, tid: str) -> None:
@@ -261,26 +284,56 @@ class DecodeEndpoint:
                 f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected positive multiples of "
                 f"{per_block} (one block of the layout) summing to {h.nblk * per_block}, got {h.nbytes}"),
                 "corrupt_frame")
-        try:
-            verify_payloads(h, payloads)
-        except CorruptFrameError as e:
-            return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
         p.received[h.layer][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
-        cache, pos = self.caches[h.layer], h.first
+        if self.cuda:
+            try:
+                verify_payloads(h, payloads)
+            except CorruptFrameError as e:
+                return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
+            pos = h.first
+            for frame, n in zip(payloads, h.nbytes):
+                k = n // per_block
+                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+                self._scatter_cuda(p, h.layer, pos, k, self.caches[h.layer], p.dst_block_ids[pos:pos + k], src, local)
+                pos += k
+            return None
+        if self._workers is None or sum(h.nbytes) < INLINE_BYTES:
+            try:
+                self._write(p, h, payloads, local)
+            except CorruptFrameError as e:
+                return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
+            return self._landed(p, h.layer, h.first, h.nblk)
+        job = self._workers.submit(self._write, p, h, payloads, local)
+        p.jobs.add(job)
+        job.add_done_callback(lambda f: self._loop.call_soon(self._written, p, h, f))
+
+    def _write(self, p: PullHandle, h: Header, payloads, local: range) -> None:
+        """Verify every payload frame of one message, then copy it into the CPU cache.
+
+        Runs on the I/O thread or a copy worker (xxh3 and numpy copies release the GIL).
+        Raises CorruptFrameError before any byte is written.
+        """
+        verify_payloads(h, payloads)
+        view, pos = self._views[h.layer], h.first
         for frame, n in zip(payloads, h.nbytes):
-            k = n // per_block
-            dst = p.dst_block_ids[pos:pos + k]
-            src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-            if not self.cuda:
-                scatter_blocks(cache, self.geometry, dst, src, local)
-            else:
-                self._scatter_cuda(p, h.layer, pos, k, cache, dst, src, local)
+            src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(-1, *view.shape[1:3], len(local), view.shape[4])
+            k = src.shape[0]
+            copy_runs(view, p.dst_block_ids[pos:pos + k], src, None,
+                      None if len(local) == view.shape[3] else local, head_side="dst")
             pos += k
-        if not self.cuda:
-            self._landed(p, h.layer, h.first, h.nblk)
+
+    def _written(self, p: PullHandle, h: Header, job) -> None:
+        p.jobs.discard(job)
+        err = job.exception()
+        if err is None:
+            return self._landed(p, h.layer, h.first, h.nblk)
+        if isinstance(err, CorruptFrameError):
+            return self._fail(p, err, "checksum" if "checksum" in str(err) else "corrupt_frame")
+        self._on_error(err)
+        self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
 
     def _scatter_cuda(self, p, layer, first, count, cache, dst, src, local) -> None:
         """Pinned staging -> device -> scatter on a side stream; lands when its event fires."""

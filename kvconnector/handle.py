@@ -33,6 +33,7 @@ class PullHandle:
         self.on_layer = on_layer
         n = len(dst_block_ids)
         self.received = [bytearray(n) for _ in range(num_layers)]   # accepted, maybe in flight
+        self.jobs: set = set()        # copy-worker futures writing this pull's blocks
         self.landed = [bytearray(n) for _ in range(num_layers)]     # written into the cache
         self._layer_left = [n] * num_layers
         self._layer_events = [threading.Event() for _ in range(num_layers)]
