@@ -6,7 +6,9 @@ mutated valid headers), payload framing and checksum verification (``verify_payl
 reader (``tools.dumpfile.DumpReader``). Contract: a case decodes or raises a typed error
 (``CorruptFrameError``, ``ProtocolVersionError``, ``LayoutError``), never anything else; no
 case hangs (pytest-timeout and a per-case time bound); a hostile length field allocates
-nothing in proportion to the length it claims (tracemalloc).
+nothing in proportion to the length it claims (tracemalloc). Live endpoints get mutated
+messages over real sockets: they keep serving, write nothing they should not, and record
+only typed errors (their I/O threads catch everything, so an untyped one would hide there).
 
 Example counts are bounded so CI stays fast; ``python -m tools.fuzz --seconds 300`` runs the
 same targets for longer (numbers in docs/RELIABILITY.md).
@@ -19,6 +21,7 @@ import random
 import struct
 import time
 import tracemalloc
+from collections import Counter
 
 import msgpack
 import pytest
@@ -230,3 +233,93 @@ def test_hostile_length_field_allocates_nothing_big(make):
     # allocation sized by the claimed length (>= 2^31 bytes, or 10^8 index entries) shows
     assert peak < 16 << 20, f"peak {peak / 2**20:.1f} MiB"
     assert time.perf_counter() - t0 < 5.0
+
+
+# --------------------------------------------------------------- live endpoints
+def _typed_only(errors):
+    """Handlers' exceptions land in ``endpoint.errors``; a non-KVCacheError there is a bug."""
+    from layouts import KVCacheError
+    bad = [e for e in errors if not isinstance(e, KVCacheError)]
+    assert not bad, f"untyped errors inside the endpoint: {bad[:3]!r}"
+
+
+def test_live_decode_endpoint_under_mutated_blocks():
+    """A fake prefill sends one mutated BLOCKS message, then the valid ones, per pull: the pull
+    succeeds byte exact or fails typed; nothing outside its blocks is written; no untyped error."""
+    import torch
+    from connector_fakes import FakePrefill, filled_caches, make_desc
+    from kvconnector import DecodeEndpoint
+    from layouts import KVCacheError
+    desc = make_desc(num_layers=1, num_blocks=8)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    rng = random.Random(7)
+
+    def script(send, h, fake):
+        valid = [fake.blocks(h.tid, 0, i, 1, seq=i, last=i == h.nblk - 1) for i in range(h.nblk)]
+        original = [bytes(f) for f in valid[rng.randrange(h.nblk)]]
+        send(fuzz.mutate_case(rng, "blocks", original, rng.choice([1, 2])))
+        for fr in valid:
+            send(fr)
+
+    fake = FakePrefill(desc, src, script)
+    outcomes = Counter()
+    try:
+        with DecodeEndpoint(dst, desc, peer_timeout_s=5) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            for k in range(40):
+                before = dst[0].view(torch.uint8).clone()
+                h = dec.pull(f"t{k}", [3, 5], deadline_s=1.0)
+                err = h.exception(timeout=3)
+                outcomes[type(err).__name__ if err else "ok"] += 1
+                assert err is None or isinstance(err, KVCacheError), repr(err)
+                now, s8 = dst[0].view(torch.uint8), src[0].view(torch.uint8)
+                for pos, b in enumerate([3, 5]):
+                    assert torch.equal(now[b], s8[pos]) or (err is not None and torch.equal(now[b], before[b]))
+                others = [b for b in range(8) if b not in (3, 5)]
+                assert torch.equal(now[others], before[others])
+            _typed_only(dec.errors)
+    finally:
+        fake.close()
+    # both paths exercised: mutations that are harmless (or caught and ignored) and typed failures
+    assert outcomes["ok"] > 0 and len(outcomes) > 1 and sum(outcomes.values()) == 40, outcomes
+
+
+def test_live_prefill_endpoint_under_mutated_messages():
+    """A raw peer handshakes, then sends mutated HELLO/PULL/ACK/BLOCKS messages: the endpoint
+    keeps answering, records only typed errors, and still serves a real decode peer."""
+    import zmq
+    from connector_fakes import filled_caches, make_desc
+    from kvconnector import DecodeEndpoint, PrefillEndpoint
+    desc = make_desc(num_layers=1, num_blocks=8)
+    rng = random.Random(11)
+    with PrefillEndpoint(filled_caches(desc, 0), desc) as pre:
+        pre.publish("real", [1, 2])
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(pre.endpoint)
+            s.send(encode_header(Header(MsgType.HELLO, desc=desc.to_dict())))
+            assert s.poll(5000)
+            seeds = SEEDS["header"] + SEEDS["blocks"] + SEEDS["descriptor"]
+            for _ in range(300):
+                original = rng.choice(seeds)
+                target = "blocks" if len(original) > 1 else "header"
+                s.send_multipart(fuzz.mutate_case(rng, target, original, rng.choice([1, 2])))
+            s.send(encode_header(Header(MsgType.PING)))
+            end, alive = time.monotonic() + 10, False
+            while time.monotonic() < end and not alive:
+                if s.poll(100):
+                    try:
+                        alive = decode_header(s.recv_multipart()[0]).type == MsgType.PONG
+                    except WIRE:
+                        pass
+            assert alive, "prefill stopped answering"
+        finally:
+            s.close(0)
+            ctx.term()
+        dst = filled_caches(desc, 1)
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(pre.endpoint, timeout_s=5)
+            dec.pull("real", [4, 6], deadline_s=5).result(timeout=6)
+        _typed_only(pre.errors)
