@@ -163,7 +163,7 @@ def _reshape_and_cache_int4_kernel(
         head = rows - token * NUM_KV_HEADS
         slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
         mask = valid & (slot >= 0) & (slot < num_slots)  # the launcher checks the range; never write outside
-        slot = tl.where(mask, slot, 0).to(tl.int32)
+        slot = slot.to(tl.int32)  # rows outside the mask compute junk offsets that no access uses
         blk = (slot // BLOCK_SIZE).to(tl.int64)
         off = slot % BLOCK_SIZE
         token = token.to(tl.int64)

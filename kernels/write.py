@@ -41,7 +41,7 @@ def _tile_rows(tile, num_rows, slot_mapping_ptr, num_slots,
     head = rows - token * NUM_KV_HEADS
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
-    slot = tl.where(mask, slot, 0).to(tl.int32)
+    slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
     blk = (slot // BLOCK_SIZE).to(tl.int64)
     off = slot % BLOCK_SIZE
     return mask, token.to(tl.int64), head, blk, off
