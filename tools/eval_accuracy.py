@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="text file to score (default: a licence text under "
                    "/usr/share/common-licenses/)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score (default 1024)")
+    p.add_argument("--windows", type=int, default=1,
+                   help="score this many consecutive windows of --tokens tokens; report mean and std")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)}")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
@@ -52,8 +54,8 @@ def find_text(path):
 
 def run(args) -> int:
     from tools.llama import LlamaRunner, load_model
-    from tools.llama.accuracy import VARIANTS, compare, roundtrip_errors, run_variant
     from kernels.paged_cache import describe_backend, resolve_backend
+    from tools.llama.accuracy import VARIANTS
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS or n == "bf16"]
@@ -71,39 +73,71 @@ def run(args) -> int:
     weights, tok = load_model(args.model, rope_style=args.rope_style, device=device)
     text_path = find_text(args.text)
     with open(text_path, encoding="utf-8") as f:
-        ids = tok.encode(f.read())[: args.tokens]
-    token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        all_ids = tok.encode(f.read())
+    if args.windows < 1 or args.windows * args.tokens > len(all_ids):
+        print(f"--windows {args.windows} x --tokens {args.tokens} needs {args.windows * args.tokens} tokens; "
+              f"{text_path} has {len(all_ids)}", file=sys.stderr)
+        return 2
     print(f"model: {weights.source} ({weights.config.num_layers} layers), rope {args.rope_style}, "
           f"loaded in {time.perf_counter() - t0:.1f} s")
-    print(f"text: {text_path}, {len(ids)} tokens teacher-forced in one prefill; device {device}; "
-          f"kernels: {describe_backend(backend)}{' (Triton interpreter)' if device.type == 'cpu' and backend != 'reference' else ''}")
+    print(f"text: {text_path}, {args.windows} window(s) of {args.tokens} tokens, each teacher-forced in one "
+          f"prefill; device {device}; kernels: {describe_backend(backend)}"
+          f"{' (Triton interpreter)' if device.type == 'cpu' and backend != 'reference' else ''}")
     runner = LlamaRunner(weights)
-    results = {}
-    for name in ["bf16"] + names:
-        res = run_variant(runner, token_ids, VARIANTS[name], backend, args.block_size,
-                          keep_kv=(name == "bf16"), progress=_progress(name, weights.config.num_layers))
-        results[name] = res
-        print(f"  {name}: {res.seconds:.1f} s", file=sys.stderr)
-    base = results["bf16"]
-    nll = _nll(base.logprobs, token_ids)
-    rows = []
-    for name in names:
-        m = compare(base, results[name])
-        k_err, v_err = roundtrip_errors(base.kv, VARIANTS[name], backend, args.block_size)
-        rows.append({"variant": name, "top1": m["top1"], "kl": m["kl"],
-                     "nll": _nll(results[name].logprobs, token_ids),
-                     "key_err": k_err, "value_err": v_err})
-    _print_tables(rows, nll, len(ids))
+    windows = []
+    for w in range(args.windows):
+        ids = all_ids[w * args.tokens:(w + 1) * args.tokens]
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        windows.append(_evaluate_window(runner, token_ids, names, backend, args.block_size, w, args.windows))
+    rows, nll = _aggregate(windows, names)
+    _print_tables(rows, nll, args.tokens, args.windows)
     if args.plot:
         _plot(rows, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"text": text_path, "tokens": len(ids), "backend": backend, "device": str(device),
-                       "model": weights.source, "rope_style": args.rope_style, "bf16_nll": nll,
+            json.dump({"text": text_path, "tokens": args.tokens, "windows": args.windows, "backend": backend,
+                       "device": str(device), "model": weights.source, "rope_style": args.rope_style, "bf16_nll": nll,
                        "rows": rows}, f, indent=1)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _evaluate_window(runner, token_ids, names, backend, block_size, w, num_windows):
+    """All variants on one window: ``(rows, bf16 NLL)``, rows as in :func:`_print_tables`."""
+    from tools.llama.accuracy import VARIANTS, compare, roundtrip_errors, run_variant
+
+    results = {}
+    tag = f"[{w + 1}/{num_windows}] " if num_windows > 1 else ""
+    for name in ["bf16"] + names:
+        res = run_variant(runner, token_ids, VARIANTS[name], backend, block_size, keep_kv=(name == "bf16"),
+                          progress=_progress(tag + name, runner.config.num_layers))
+        results[name] = res
+    base = results["bf16"]
+    rows = []
+    for name in names:
+        m = compare(base, results[name])
+        k_err, v_err = roundtrip_errors(base.kv, VARIANTS[name], backend, block_size)
+        rows.append({"variant": name, "top1": m["top1"], "kl": m["kl"],
+                     "nll": _nll(results[name].logprobs, token_ids), "key_err": k_err, "value_err": v_err})
+    return rows, _nll(base.logprobs, token_ids)
+
+
+def _aggregate(windows, names):
+    """Mean over windows (per-layer errors averaged too); ``top1_std``/``kl_std`` across windows."""
+    rows = []
+    for i, name in enumerate(names):
+        per = [w[0][i] for w in windows]
+        row = {"variant": name}
+        for key in ("top1", "kl", "nll"):
+            vals = torch.tensor([r[key] for r in per], dtype=torch.float64)
+            row[key] = vals.mean().item()
+            row[key + "_std"] = vals.std().item() if len(per) > 1 else 0.0
+            row[key + "_windows"] = vals.tolist()
+        for key in ("key_err", "value_err"):
+            row[key] = torch.tensor([r[key] for r in per], dtype=torch.float64).mean(0).tolist()
+        rows.append(row)
+    return rows, sum(w[1] for w in windows) / len(windows)
 
 
 def _progress(name, num_layers):
@@ -122,12 +156,15 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def _print_tables(rows, base_nll, num_tokens):
-    print(f"\nteacher-forced over {num_tokens} tokens, vs the bf16 cache (bf16 NLL {base_nll:.4f} nats/token)\n")
+def _print_tables(rows, base_nll, num_tokens, num_windows):
+    over = f"{num_tokens} tokens" if num_windows == 1 else f"{num_windows} windows of {num_tokens} tokens (mean ± std)"
+    print(f"\nteacher-forced over {over}, vs the bf16 cache (bf16 NLL {base_nll:.4f} nats/token)\n")
     print("| variant | top-1 agreement | mean KL (nats) | NLL | mean K rel L2 | mean V rel L2 |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['variant']} | {r['top1']:.1f}% | {r['kl']:.4f} | {r['nll']:.4f} | "
+        pm = (lambda key, fmt: f"{r[key]:{fmt}} ± {r[key + '_std']:{fmt}}") if num_windows > 1 else \
+             (lambda key, fmt: f"{r[key]:{fmt}}")
+        print(f"| {r['variant']} | {pm('top1', '.1f')}% | {pm('kl', '.4f')} | {r['nll']:.4f} | "
               f"{_mean(r['key_err']):.4f} | {_mean(r['value_err']):.4f} |")
     by = {r["variant"]: r for r in rows}
     if "int4" in by and "int4-norot" in by:
@@ -161,8 +198,8 @@ def _plot(rows, path):
     for i, r in enumerate(rows):
         ax_kl.text(i, r["kl"], f"{r['top1']:.1f}%", ha="center", va="bottom", fontsize=8)
     ax_kl.set_yscale("log")
-    ax_kl.set_ylabel("mean KL vs bf16 cache (nats); labels: top-1 agreement")
-    ax_kl.set_title("next-token distribution shift")
+    ax_kl.set_ylabel("mean KL vs bf16 cache (nats)")
+    ax_kl.set_title("next-token shift (labels: top-1 agreement)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
