@@ -1,24 +1,54 @@
 """One outgoing transfer: turns (layers x block runs) into BLOCKS messages, with GPU staging.
 
-CPU caches, all heads: each run of consecutive source blocks is one payload frame sent
-straight from the cache (zero copy; the lease guarantees the blocks do not change). A head
-slice is gathered into a fresh buffer (one frame). CUDA caches: each chunk is gathered on the GPU and copied
-into pinned host memory on a side stream; the copy of chunk ``i + 1`` is queued before
-chunk ``i`` is sent, so the device-to-host copy overlaps the socket.
+CPU caches, all heads: when the runs of consecutive source blocks are long, each run is one
+payload frame sent straight from the cache (zero copy; the lease guarantees the blocks do not
+change); short runs and head slices are gathered into a pooled buffer (one frame). CUDA caches:
+each chunk is gathered on the GPU and copied into pinned host memory on a side stream.
+
+Staging (gather or device-to-host copy, then the xxh3_64 of every frame) runs ahead of the
+socket: up to ``ahead`` chunks are prepared while earlier ones are being sent. On hosts with
+spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
+(numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from layouts import CacheGeometry
 from .blocks import as_bytes, gather_blocks, runs, slice_bytes
-from .protocol import Header, MsgType, encode_message
+from .protocol import Header, MsgType, checksum, encode_header
 
 
-MIN_FRAME_BYTES = 256 << 10   # below this mean run size, gathering beats per-run frames
+MIN_FRAME_BYTES = 262144   # below this mean run size, gathering beats per-run frames
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def stage_threads() -> int:
+    """Staging threads per process: none on small hosts (every core is already busy with
+    the two I/O threads), else one per four cores, at most four."""
+    cores = os.cpu_count() or 1
+    return 0 if cores <= 4 else min(4, cores // 4)
+
+
+def _stage_executor() -> ThreadPoolExecutor | None:
+    global _executor
+    with _executor_lock:
+        if _executor is None and stage_threads():
+            _executor = ThreadPoolExecutor(stage_threads(), thread_name_prefix="kvc-stage")
+        return _executor
+
+
+def _done(value) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
 
 
 class BufferPool:
@@ -86,7 +116,10 @@ class Stream:
                            for first in range(0, len(block_ids), self.chunk_blocks))
         self._total = len(self._plan)
         self._seq = 0
-        self._staged: deque = deque()    # (layer, first, count, host tensor, cuda event)
+        self._staged: deque = deque()    # (layer, first, count, job, pooled buffer, job args)
+        self._executor = _stage_executor()
+        # chunks staged ahead: a device copy in flight (CUDA), or one per staging thread
+        self.ahead = 1 + (stage_threads() if self._executor else int(copy_stream is not None))
         self._retry = None
         self.last_payload_bytes = 0
 
@@ -101,6 +134,7 @@ class Stream:
             self.last_buffer = None
 
     def _cpu_payload(self, layer: int, ids: list) -> tuple:
+        """Payload frames of one chunk and the pooled buffer they use (None when zero copy)."""
         block_runs = runs(ids)
         run_bytes = len(ids) * self.geo.block_bytes // len(block_runs)
         if self.full_heads and run_bytes >= MIN_FRAME_BYTES:
@@ -109,26 +143,38 @@ class Stream:
             return [view[b:b + k].reshape(-1) for _, b, k in block_runs], None
         # small runs: one gathered frame costs less than many tiny frames
         buf = self.pool.acquire(slice_bytes(self.geo, len(ids), self.local_heads))
-        return [gather_blocks(self.caches[layer], self.geo, ids, self.local_heads, out=buf).numpy()], buf
+        return [buf.numpy()], (buf, layer, ids)
+
+    def _prepare(self, frames: list, gather, ev) -> tuple:
+        """Worker side of staging: gather / wait for the device copy, then hash every frame."""
+        if gather is not None:
+            buf, layer, ids = gather
+            gather_blocks(self.caches[layer], self.geo, ids, self.local_heads, out=buf)
+        if ev is not None:
+            ev.synchronize()
+        return frames, [checksum(f) for f in frames]
 
     def _stage(self) -> None:
         layer, first = self._plan.popleft()
         ids = self.block_ids[first:first + self.chunk_blocks]
         if self.copy_stream is None:
-            frames, buf = self._cpu_payload(layer, ids)
-            self._staged.append((layer, first, len(ids), frames, buf, None))
-            return
-        n = slice_bytes(self.geo, len(ids), self.local_heads)
-        host = self.pool.acquire(n, pin=True)
-        cache = self.caches[layer]
-        self.copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
-        with torch.cuda.stream(self.copy_stream):
-            dev = gather_blocks(cache, self.geo, ids, self.local_heads)
-            host.copy_(dev, non_blocking=True)
-            dev.record_stream(self.copy_stream)
-            ev = torch.cuda.Event()
-            ev.record(self.copy_stream)
-        self._staged.append((layer, first, len(ids), [host], host, ev))
+            frames, gather = self._cpu_payload(layer, ids)
+            buf, ev = (gather[0] if gather else None), None
+        else:
+            n = slice_bytes(self.geo, len(ids), self.local_heads)
+            buf = host = self.pool.acquire(n, pin=True)
+            cache = self.caches[layer]
+            self.copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
+            with torch.cuda.stream(self.copy_stream):
+                dev = gather_blocks(cache, self.geo, ids, self.local_heads)
+                host.copy_(dev, non_blocking=True)
+                dev.record_stream(self.copy_stream)
+                ev = torch.cuda.Event()
+                ev.record(self.copy_stream)
+            frames, gather = [host.numpy()], None
+        ex = self._executor
+        job = ex.submit(self._prepare, frames, gather, ev) if ex else _done(None)
+        self._staged.append((layer, first, len(ids), job, buf, (frames, gather, ev)))
 
     def next_frames(self) -> list | None:
         """Frames of the next message, or None when the transfer is fully sent."""
@@ -137,14 +183,13 @@ class Stream:
             return frames
         if not self._staged and not self._plan:
             return None
-        while len(self._staged) < 2 and self._plan:   # keep one chunk's copy in flight ahead
+        while len(self._staged) < self.ahead and self._plan:   # keep later chunks staging
             self._stage()
-        layer, first, count, payload, self.last_buffer, ev = self._staged.popleft()
-        if ev is not None:
-            ev.synchronize()
-            payload = [payload[0].numpy()]
+        layer, first, count, job, self.last_buffer, work = self._staged.popleft()
+        payload, sums = job.result() or self._prepare(*work)
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, first=first, nblk=count,
                    heads=self.global_heads, last=self._seq == self._total)
-        self.last_payload_bytes = sum(p.nbytes for p in payload)
-        return encode_message(h, payload)
+        h.nbytes, h.checksums = [p.nbytes for p in payload], sums   # from the frames sent, as encode_message
+        self.last_payload_bytes = sum(h.nbytes)
+        return [encode_header(h), *payload]
