@@ -17,6 +17,7 @@ import triton
 from layouts import KVQuantMode, LayoutError
 
 from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
+from ._attn_decode_kernel import _attn_decode_kernel, _prep_q_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
 from ._attn_reduce import _attn_reduce_kernel
@@ -39,6 +40,7 @@ class AttnConfig:
     num_segments: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    v2: bool = False    # quantized decode through _attn_decode_kernel (max_seqlen_q == 1 only)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -49,6 +51,9 @@ DECODE_WARPS = 4
 DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
+DECODE_V2 = True  # quantized decode: swapped-operand kernel (_attn_decode_kernel); False = old kernel
+DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
+DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
 
@@ -138,8 +143,9 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // max(1, num_seqs * num_kv_heads)
         cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
+    v2 = DECODE_V2 and mode != KVQuantMode.NONE and segs > 1 and q.shape[2] & (q.shape[2] - 1) == 0
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
-                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 
 
 def _segment_buffers(q, head_pad, segs, segm_output, segm_max, segm_expsum):
@@ -205,8 +211,76 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         ks, vs = k_scale_cache, v_scale_cache
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-    block_q = cfg.block_m // group
     align = _kv_align(k, v)
+    if split and cfg.v2 and mode != KVQuantMode.NONE:
+        _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+                   softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+                   align, dot == DOT_FP32.value)
+    else:
+        _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+                   softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+                   align, dot, head_pad, split)
+    if split:
+        _attn_reduce_kernel[(num_tokens, num_q_heads)](
+            out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
+            signs_ptr=signs if is_int4 else segm_max,
+            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+            NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
+            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=triton.next_power_of_2(cfg.num_segments),
+            ROTATE=is_int4, num_warps=8 if is_int4 else 4,
+        )
+    return out
+
+
+def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+               softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+               align, interp):
+    """Quantized decode (one query per sequence): _attn_decode_kernel, INT4 after _prep_q_kernel."""
+    num_tokens, num_q_heads = q.shape[:2]
+    is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    use_softcap = bool(softcap and softcap > 0)
+    col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
+    if is_int4:  # rotated, scaled query (fp32), [T, Hq, HEAD]: even output dims | odd output dims
+        qp = torch.empty(num_tokens, num_q_heads, head_size, dtype=torch.float32, device=q.device)
+        block_h = 16
+        _prep_q_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
+            q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
+            stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+            NUM_Q_HEADS=num_q_heads, HEAD=head_size, BLOCK_H=block_h, ROTATE=True, num_warps=4)
+        q_scale = 1.0
+    else:
+        qp, q_scale = q, float(softmax_scale)
+    code_dim = head_size // 2 if is_int4 else head_size
+    off = {KVQuantMode.INT4_PER_TOKEN_HEAD: 1024.0, KVQuantMode.INT8_PER_TOKEN_HEAD: 1152.0}.get(mode, 0.0)
+    mode_id = {KVQuantMode.INT8_PER_TOKEN_HEAD: 1, KVQuantMode.FP8_PER_TOKEN_HEAD: 2}.get(mode, 3)
+    grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
+    _attn_decode_kernel[grid](
+        q_ptr=qp, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, segm_out_ptr=segm_output,
+        segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum, block_table_ptr=block_table,
+        cu_seqlens_q_ptr=cu_seqlens_q.contiguous(), seqused_k_ptr=seqused_k.contiguous(),
+        q_scale=q_scale, col_scale=col_scale, softcap=float(softcap or 0.0),
+        window_left=int(window_size[0]), window_right=int(window_size[1]),
+        stride_q_t=qp.stride(0), stride_q_h=qp.stride(1), stride_q_d=qp.stride(2),
+        stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
+        stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align, stride_v_h=v.stride(2) // align,
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_bt_s=block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, GP=max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
+        HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
+        DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
+        CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+               softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+               align, dot, head_pad, split):
+    num_tokens, num_q_heads = q.shape[:2]
+    num_seqs = cu_seqlens_q.numel() - 1
+    block_q = cfg.block_m // group
+    is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     grid = (num_tokens // block_q + num_seqs, k.shape[2], cfg.num_segments)
     target = segm_output if split else out
     common = dict(
@@ -236,13 +310,3 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         _attn_kernel[grid](HEAD_PAD=head_pad, SCALED=mode.per_token_head,
                            IS_INT8=mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
-    if split:
-        _attn_reduce_kernel[(num_tokens, num_q_heads)](
-            out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
-            signs_ptr=signs if is_int4 else segm_max,
-            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
-            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=triton.next_power_of_2(cfg.num_segments),
-            ROTATE=is_int4, num_warps=8 if is_int4 else 4,
-        )
-    return out

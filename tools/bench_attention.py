@@ -35,6 +35,7 @@ FULL = dict(contexts=[1024, 4096, 32768], batches=[1, 8, 32], num_q_heads=32, nu
 QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, head_size=64,
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
+REP_MS = 100  # per timed configuration (do_bench_cudagraph)
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -116,7 +117,7 @@ def time_us(pb, cfg) -> float:
         for t in tables:
             call(pb, cfg, t)
     fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / len(tables)
+    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3 / len(tables)
 
 
 def copy_gbps(device) -> float:
@@ -148,25 +149,48 @@ def sweep_cfgs(base: AttnConfig):
     return list(dict.fromkeys(out))
 
 
-def bench(p, device, modes, sweep, log, sweep_min_ctx=0):
+def compare_cfgs(base: AttnConfig, mode):
+    """The old decode kernel (v1) and a few tilings of the swapped-operand kernel (v2)."""
+    if base.num_segments == 1 or mode == KVQuantMode.NONE:
+        return [base]
+    v1 = AttnConfig(base.block_m, base.tile, base.num_segments, base.num_warps, base.num_stages, False)
+    return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, True)
+                   for tile, warps, stages in ((128, 4, 3), (64, 4, 3), (128, 8, 3), (64, 4, 2))]
+
+
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
     rows = []
     shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
-    shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
+    if p["prefill"]:
+        shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
     for batch, ctx, q_len in shapes:
         base_us = None
         for name in modes:
             pb = make_problem(MODES[name], batch, ctx, q_len, p, device)
             base = default_cfg(pb)
             best = None
-            for cfg in (sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]):
+            cfgs = sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]
+            if compare:
+                cfgs = compare_cfgs(base, MODES[name])
+            for cfg in cfgs:
                 err = check(pb, cfg)
                 us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
                 log(f"{name} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
+                if compare:
+                    rows.append(dict(mode=name + ("" if MODES[name] == KVQuantMode.NONE else
+                                                  (" v2" if cfg.v2 else " v1")), batch=batch, ctx=ctx,
+                                     q_len=q_len, us=us, err=err, cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
+                                     vs_bf16=(base_us / us) if base_us else float("nan")))
+                    if name == "bf16":
+                        base_us = us
                 if err <= 1e-2 and (best is None or us < best[0]):
                     best = (us, cfg, err)
             if best is None:
                 raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
             us, cfg, err = best
+            if compare:
+                del pb
+                continue
             log(f"BEST {name} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={pb['kv_bytes'] / us / 1e3:.0f}")
             if name == "bf16":
                 base_us = us
@@ -182,14 +206,14 @@ def table(rows, copy, device, argv) -> str:
     name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
     lines = [f"GPU: {name}; device copy bandwidth {copy:.0f} GB/s (read + write)",
              f"command: `PYTHONPATH=. python3 tools/bench_attention.py {' '.join(argv)}`", "",
-             "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle | config (block_m, tile, segs, warps, stages) |",
+             "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle | config (block_m, tile, segs, warps, stages, v2) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         kind = "decode" if r["q_len"] == 1 else f"prefill {r['q_len']}"
         c = r["cfg"]
         lines.append(f"| {r['mode']} | {kind} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['gbps']:.0f} | "
                      f"{100 * r['gbps'] / copy:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | "
-                     f"{c.block_m}, {c.tile}, {c.num_segments}, {c.num_warps}, {c.num_stages} |")
+                     f"{c.block_m}, {c.tile}, {c.num_segments}, {c.num_warps}, {c.num_stages}, {int(c.v2)} |")
     return "\n".join(lines)
 
 
@@ -201,6 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default=None, help="override the decode batches, e.g. 8,32")
     parser.add_argument("--sweep", action="store_true", help="time tile/warps/segment variants, keep the best")
     parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
+    parser.add_argument("--compare", action="store_true",
+                        help="decode rows: time the old kernel (v1) and v2 tilings side by side, every one a row")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill length (0 = no prefill row)")
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
 
 
@@ -211,6 +238,8 @@ def run(args, argv=()) -> int:
         p["contexts"] = [int(x) for x in args.contexts.split(",")]
     if args.batches:
         p["batches"] = [int(x) for x in args.batches.split(",")]
+    if args.prefill is not None:
+        p["prefill"] = (1, args.prefill) if args.prefill else None
     modes = args.modes.split(",")
     if modes[0] != "bf16":
         modes = ["bf16"] + [m for m in modes if m != "bf16"]  # ratios need bf16 first
@@ -222,7 +251,7 @@ def run(args, argv=()) -> int:
             logf.flush()
     copy = copy_gbps(device)
     log(f"copy {copy:.0f} GB/s")
-    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx)
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare)
     print(table(rows, copy, device, list(argv)))
     if logf:
         logf.close()

@@ -1,0 +1,244 @@
+"""Split-KV decode kernel for the quantized caches (INT8, FP8, INT4 per-token-head), "v2".
+
+Decode has one query token per sequence and a small GQA group (4 query heads per KV head in
+the benchmark), so the old kernel's ``[BLOCK_M = 16, TILE]`` score tile wasted 3/4 of every
+MMA row and every softmax element, and its codes were the dots' B operand. Here the dots are
+swapped ("swap AB"): the converted codes are the A operand, the tiny query / probability
+tiles the B operand, and every tile is ``[keys, GP]`` with ``GP`` = the group padded to a
+power of two (>= 8):
+
+- scores ``s^T [TILE, GP] = codes_K [TILE, D] . q^T [D, GP]``;
+- values ``acc^T [D, GP] += codes_V^T [D, TILE] . p^T [TILE, GP]``;
+- softmax statistics are per column (one per query head).
+
+Codes become fp16 ``OFF + c`` (``OFF`` = 1024 for INT4 nibbles, 1152 for INT8, 0 for FP8) by
+bit tricks; ``OFF`` is folded into the zero point, so no subtraction per element. On the GPU
+the INT8 / INT4 conversions are PTX (``ASM``): one 32-bit register holds 4 code bytes, ``prmt``
+/ ``lop3`` build packed fp16x2 words. The interpreter cannot run PTX: ``ASM`` is False there
+and plain integer ops produce the same values.
+
+With one query per sequence, ``visible`` reduces to the key range ``[k_lo, k_hi)``: no
+per-(query, key) mask. ``softmax_scale`` is folded into the query (``q_ptr`` holds the scaled,
+for INT4 also rotated, query in fp32), which keeps fp16 operands far from overflow.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attn_common import DOT_FP32, LOG2E, apply_softcap, hadamard_sign, key_range, segment_tiles
+from ._jit import dual_jit
+
+MODE_INT8 = tl.constexpr(1)
+MODE_FP8 = tl.constexpr(2)
+MODE_INT4 = tl.constexpr(3)
+
+
+@triton.jit
+def _int4_asm(b):
+    """uint8 codes -> (1024 + low nibble, 1024 + high nibble) fp16, 4 bytes per 32-bit register."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u0, u1, z;
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        shr.b32 u0, t0, 4;
+        shr.b32 u1, t1, 4;
+        lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _int8_asm(c):
+    """int8 codes -> fp16 ``1152 + c`` (``(c ^ 0x80) | 0x6400``), 4 bytes per 32-bit register."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x, h;
+        mov.b32 h, 0x64646464;
+        xor.b32 x, $2, 0x80808080;
+        prmt.b32 $0, x, h, 0x4140;
+        prmt.b32 $1, x, h, 0x4342;
+        }""",
+        constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _int4_plain(b, DOT: tl.constexpr):
+    lo = ((b & 0xF).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    hi = ((b >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    if DOT == DOT_FP32:
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _codes(x, MODE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """INT8 / FP8 codes -> dot operand ``OFF + c`` (fp16; fp32 when interpreting)."""
+    if MODE == MODE_INT8:
+        if ASM:
+            y = _int8_asm(x)
+        else:
+            y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True)
+    else:
+        y = x.to(tl.float16)
+    if DOT == DOT_FP32:
+        y = y.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _to_dot(x, DOT: tl.constexpr):
+    if DOT == DOT_FP32:
+        y = x.to(tl.float32)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+# Grid: (num_seqs, num_kv_heads, NUM_SEGMENTS). Writes the split buffers of _attn_reduce_kernel
+# (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, in natural element order).
+@dual_jit
+def _attn_decode_kernel(
+    q_ptr,                          # [T, Hq, HEAD] fp32 (scaled; INT4: rotated, even half | odd half)
+    k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, HEAD or HEAD // 2] codes
+    k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] fp32 (INT4: int32 bits scale | zp)
+    segm_out_ptr, segm_max_ptr, segm_sum_ptr,
+    block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    q_scale, col_scale, softcap, window_left, window_right,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_bt_s,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, HEAD: tl.constexpr,
+    D: tl.constexpr, OFF: tl.constexpr,  # code dim per row (INT4: HEAD // 2); code offset
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr,
+    ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, KV_ALIGN: tl.constexpr,
+):
+    seq_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg_idx = tl.program_id(2)
+    tok = tl.load(cu_seqlens_q_ptr + seq_idx)
+    if tl.load(cu_seqlens_q_ptr + seq_idx + 1) == tok:
+        return
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    q_pos = seq_len - 1
+    k_lo, k_hi = key_range(seq_len, q_pos, q_pos, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, TILE)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    row = (tok.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx  # [GP]
+    # q^T: [D, GP] (INT4: two halves); q_sum of the rounded operand, for the folded offsets
+    q_base = q_ptr + tok.to(tl.int64) * stride_q_t + head[None, :] * stride_q_h + offs_d[:, None] * stride_q_d
+    qa = _to_dot(tl.load(q_base, mask=g_ok[None, :], other=0.0).to(tl.float32) * q_scale, DOT)
+    q_sum = tl.sum(qa.to(tl.float32), 0)
+    if MODE == MODE_INT4:
+        qb = _to_dot(tl.load(q_base + D * stride_q_d, mask=g_ok[None, :], other=0.0), DOT)
+        q_sum += tl.sum(qb.to(tl.float32), 0)
+    else:
+        qb = qa
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_a = tl.zeros([D, GP], tl.float32)
+    acc_b = tl.zeros([D, GP], tl.float32)  # INT4 odd half (unused otherwise)
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    for t in range(t0, t1):
+        k_pos = t * TILE + offs_t
+        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        k_row = blk * (stride_k_b * KV_ALIGN) + slot * (stride_k_s * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN)
+        v_row = blk * (stride_v_b * KV_ALIGN) + slot * (stride_v_s * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN)
+        kc = tl.load(k_ptr + k_row[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)   # [TILE, D]
+        vc = tl.load(v_ptr + v_row[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)   # [D, TILE]
+        kw = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
+                     mask=n_ok, other=0)
+        vw = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
+                     mask=n_ok, other=0)
+        if MODE == MODE_INT4:
+            k_zp = (kw & 0xF).to(tl.float32) + OFF
+            k_sc = (kw & -16).to(tl.float32, bitcast=True)
+            v_zp = (vw & 0xF).to(tl.float32) + OFF
+            v_sc = (vw & -16).to(tl.float32, bitcast=True)
+            if ASM:
+                k_lo_c, k_hi_c = _int4_asm(kc)
+                v_lo_c, v_hi_c = _int4_asm(vc)
+            else:
+                k_lo_c, k_hi_c = _int4_plain(kc, DOT)
+                v_lo_c, v_hi_c = _int4_plain(vc, DOT)
+            s = tl.dot(k_lo_c, qa)
+            s = tl.dot(k_hi_c, qb, s)  # [TILE, GP]
+        else:
+            k_zp = tl.full([TILE], OFF, tl.float32)
+            k_sc = kw
+            v_zp = tl.full([TILE], OFF, tl.float32)
+            v_sc = vw
+            s = tl.dot(_codes(kc, MODE, DOT, ASM), qa)
+        s = (s - k_zp[:, None] * q_sum[None, :]) * (k_sc * col_scale)[:, None]
+        if USE_SOFTCAP:
+            s = apply_softcap(s, softcap) * LOG2E
+        s = tl.where(n_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[None, :])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
+        pv = _to_dot(p * (v_sc / vs_max)[:, None], DOT)  # [TILE, GP]
+        zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)  # [GP], of the rounded tile
+        if MODE == MODE_INT4:
+            acc_a = acc_a * alpha[None, :] + (tl.dot(v_lo_c, pv) - zp_term[None, :]) * vs_max
+            acc_b = acc_b * alpha[None, :] + (tl.dot(v_hi_c, pv) - zp_term[None, :]) * vs_max
+        else:
+            acc_a = acc_a * alpha[None, :] + (tl.dot(_codes(vc, MODE, DOT, ASM), pv) - zp_term[None, :]) * vs_max
+        m_i = m_new
+
+    if MODE == MODE_INT4:
+        base = segm_out_ptr + row[None, :] * HEAD + 2 * offs_d[:, None]  # dim 2i <- even, 2i + 1 <- odd
+        tl.store(base, acc_a, mask=g_ok[None, :])
+        tl.store(base + 1, acc_b, mask=g_ok[None, :])
+    else:
+        tl.store(segm_out_ptr + row[None, :] * HEAD + offs_d[:, None], acc_a, mask=g_ok[None, :])
+    tl.store(segm_max_ptr + row, m_i, mask=g_ok)
+    tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
+
+
+# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). q_out = softmax_scale * q (INT8 / FP8), or
+# for INT4 softmax_scale * H(s * q) split into even | odd output dimensions, fp32.
+@dual_jit
+def _prep_q_kernel(
+    q_ptr, signs_ptr, q_out_ptr, softmax_scale,
+    stride_q_t, stride_q_h, stride_q_d,
+    NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = head < NUM_Q_HEADS
+    offs_d = tl.arange(0, HEAD)
+    q = tl.load(q_ptr + tok * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                mask=h_ok[:, None], other=0.0).to(tl.float32) * softmax_scale
+    out = q_out_ptr + (tok * NUM_Q_HEADS + head)[:, None] * HEAD
+    if ROTATE:
+        HALF: tl.constexpr = HEAD // 2
+        offs_h = tl.arange(0, HALF)
+        q = q * tl.load(signs_ptr + offs_d)[None, :]
+        q_even = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :]), input_precision="ieee")
+        q_odd = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1), input_precision="ieee")
+        tl.store(out + offs_h[None, :], q_even, mask=h_ok[:, None])
+        tl.store(out + HALF + offs_h[None, :], q_odd, mask=h_ok[:, None])
+    else:
+        tl.store(out + offs_d[None, :], q, mask=h_ok[:, None])
