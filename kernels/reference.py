@@ -87,6 +87,12 @@ def nan_scale_like(scale: torch.Tensor) -> torch.Tensor:
     return torch.full(scale.shape, NAN_SCALE_BITS, dtype=torch.int32, device=scale.device).view(torch.float32)
 
 
+def _exact_divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-d tensor on ``like``'s device: CUDA PyTorch divides by a Python scalar
+    as ``a * (1/b)`` (not correctly rounded), by a device tensor with true division, as on CPU."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * torch.floor(v.abs() + 0.5)
 
@@ -115,7 +121,7 @@ def quantize_int4_rows(x: torch.Tensor, shrink: tuple[float, ...] = (1.0,)):
     best = None
     for f in shrink:
         lo, hi = lo0 * f, hi0 * f
-        scale = ((hi - lo) / INT4_LEVELS).clamp(min=MIN_SCALE)
+        scale = ((hi - lo) / _exact_divisor(INT4_LEVELS, r)).clamp(min=MIN_SCALE)
         zp = round_half_away(-lo / scale).clamp(0, INT4_LEVELS)
         q = round_half_away(r / scale[..., None] + zp[..., None]).clamp(0, INT4_LEVELS)
         err = ((q - zp[..., None]) * scale[..., None] - r).square().sum(-1)
@@ -161,7 +167,7 @@ def quantize_symmetric_rows(x: torch.Tensor, mode: KVQuantMode):
     """
     xf = x.float()
     qmax = INT8_QMAX if mode == KVQuantMode.INT8_PER_TOKEN_HEAD else FP8_QMAX
-    scale = (xf.abs().amax(-1) / qmax).clamp(min=MIN_SCALE)
+    scale = (xf.abs().amax(-1) / _exact_divisor(qmax, xf)).clamp(min=MIN_SCALE)
     v = xf / scale[..., None]
     bad = ~torch.isfinite(xf).all(-1)
     v = torch.where(bad[..., None], torch.zeros_like(v), v)
