@@ -85,8 +85,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
     hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
     # false for NaN/Inf rows: those store codes 0 and a quiet-NaN scale, never plausible numbers
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
-    scale, zp = int4_scale_zp(lo, hi)
-    rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scale, zp, rcp = int4_scale_zp(lo, hi)
     zph = tl.where(ok, zp + 0.5, float("-inf"))
     qa = int4_codes(ra, scale, zph, rcp, DIV)
     if SPLIT:
@@ -97,8 +96,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
             err += int4_sq_err(qb, rb, scale, zp)
         for i in tl.static_range(1, NUM_SHRINK):
             f = tl.load(shrink_ptr + i)
-            scale2, zp2 = int4_scale_zp(lo * f, hi * f)
-            rcp2 = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale2)
+            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f)
             zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
             qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV)
             err2 = int4_sq_err(qa2, ra, scale2, zp2)

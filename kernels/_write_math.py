@@ -106,12 +106,22 @@ def row_min_max(r, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def markstein_div(a, b, rcp_b):
+    """``RN(a / b)`` given ``rcp_b = RN(1 / b)``: Markstein's correction of ``a·rcp_b`` is exact
+    (no overflow or underflow here). The residual is written ``-(q·b - a)`` so ``a = ±0`` keeps its sign."""
+    q = a * rcp_b
+    return tl.fma(-tl.fma(q, b, -a), rcp_b, q)
+
+
+@triton.jit
 def int4_scale_zp(lo, hi):
-    """SPEC §3 step 3 for one zero-inclusive range per row: ``scale`` and ``zp`` (fp32, [ROWS])."""
-    scale = tl.maximum(tl.div_rn(hi - lo, 15.0), 1e-6)
+    """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
+    (fp32, [ROWS]). One ``div_rn`` per row; the other divisions are exact Markstein corrections."""
+    scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0), 1e-6)
+    rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     # rha(w) for w = -lo / scale >= 0 is floor(w + 0.5); fmax/fmin also map NaN to 0
-    zp = tl.floor(tl.minimum(tl.maximum(tl.div_rn(-lo, scale) + 0.5, 0.0), 15.0))
-    return scale, zp
+    zp = tl.floor(tl.minimum(tl.maximum(markstein_div(-lo, scale, rcp) + 0.5, 0.0), 15.0))
+    return scale, zp, rcp
 
 
 @triton.jit
@@ -126,9 +136,7 @@ def divide_rows(x, scale, rcp, DIV: tl.constexpr):
     if DIV == 0:
         t = tl.div_rn(x, scale[:, None])
     elif DIV == 1:
-        t0 = x * rcp[:, None]
-        # residual x - t0·scale, exact; written as -(t0·scale - x) so that x = ±0 keeps its sign
-        t = tl.fma(-tl.fma(t0, scale[:, None], -x), rcp[:, None], t0)
+        t = markstein_div(x, scale[:, None], rcp[:, None])
     else:
         t = x / scale[:, None]
     return t

@@ -25,7 +25,7 @@ from layouts import KVQuantMode, LayoutError
 from ._jit import dual_jit, interpreting
 from ._write_checks import cache_alignment, check_write_args
 from ._write_int4 import DIVISIONS, reshape_and_cache_int4
-from ._write_math import divide_rows, round_half_even, row_min_max, to_fp8e4m3_bits, to_model_dtype
+from ._write_math import divide_rows, markstein_div, round_half_even, row_min_max, to_fp8e4m3_bits, to_model_dtype
 
 __all__ = ["reshape_and_cache_flash", "reshape_and_cache_int4",
            "triton_reshape_and_cache_flash_per_token_head_quant"]
@@ -58,8 +58,10 @@ def _symmetric_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, mask,
     lo, hi = row_min_max(x, INTERPRET)  # NaN anywhere in a row -> NaN
     amax = tl.maximum(-lo, hi)
     ok = amax <= 3.4028234663852886e38  # false for NaN/Inf rows: codes 0, quiet-NaN scale
-    qmax: tl.constexpr = 448.0 if FP8 else 127.0
-    scale = tl.maximum(tl.div_rn(amax, qmax), 1e-6)
+    if FP8:
+        scale = tl.maximum(markstein_div(amax, 448.0, 1.0 / 448.0), 1e-6)
+    else:
+        scale = tl.maximum(markstein_div(amax, 127.0, 1.0 / 127.0), 1e-6)
     rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     v = tl.where(ok[:, None], divide_rows(x, scale, rcp, DIV), 0.0)
     if FP8:
