@@ -57,7 +57,7 @@ def _spec(args, device: str) -> dict:
 def run(args) -> int:
     from kernels.paged_cache import describe_backend
     from tools.llama import LlamaRunner, load_model
-    from tools.llama.disagg import decode_worker, prefill_worker, prompt_ids, reference_generate
+    from tools.llama.disagg import decode_worker, prefill_worker, reference_generate
 
     if args.max_new_tokens < 1:
         print("--max-new-tokens must be >= 1", file=sys.stderr)
@@ -78,7 +78,7 @@ def run(args) -> int:
     ctx = mp.get_context("spawn")
     results, to_decode = ctx.Queue(), ctx.Queue()
     blob = json.dumps(spec)
-    procs = {"prefill": ctx.Process(target=prefill_worker, args=(blob, results, None), name="kvc-demo-prefill"),
+    procs = {"prefill": ctx.Process(target=prefill_worker, args=(blob, results), name="kvc-demo-prefill"),
              "decode": ctx.Process(target=decode_worker, args=(blob, to_decode, results), name="kvc-demo-decode")}
     for p in procs.values():
         p.start()

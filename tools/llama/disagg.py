@@ -16,6 +16,7 @@ strings. K/V bytes only ever travel over the connector.
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
 import time
@@ -66,7 +67,7 @@ def prompt_ids(tok, spec: dict) -> list[int]:
     return tok.encode(text)
 
 
-def prefill_worker(spec_json: str, out_q, ctrl_q) -> None:
+def prefill_worker(spec_json: str, out_q) -> None:
     """Process entry: prefill role. Puts one JSON notice on ``out_q``; exits after the ACK."""
     from kvconnector import PrefillEndpoint
 
@@ -114,7 +115,10 @@ def decode_worker(spec_json: str, in_q, out_q) -> None:
     try:
         runner, tok, cache, device = _setup(spec, "decode")
         cache.allocate(DECODE_BLOCK_OFFSET * cache.block_size)  # keep ids 0..2 busy: remapped pull
-        notice = json.loads(in_q.get(timeout=spec["timeout_s"]))
+        try:
+            notice = json.loads(in_q.get(timeout=spec["timeout_s"]))
+        except queue.Empty:
+            raise TimeoutError(f"no transfer notice from the router within {spec['timeout_s']} s") from None
         n = len(notice["prompt_ids"])
         max_new = spec["max_new_tokens"]
         dst = cache.allocate(n + max_new)
