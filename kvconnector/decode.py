@@ -77,6 +77,7 @@ class DecodeEndpoint:
         self._loop: IOLoop | None = None
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
+        self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
         self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n and not self.cuda else None
@@ -277,7 +278,7 @@ class DecodeEndpoint:
                 f"BLOCKS {h.tid!r} layer {h.layer}: positions {h.first}+{h.nblk} overlap a run already received"),
                 "corrupt_frame")
         local = range(h.heads[0] - self.descriptor.head_start, h.heads[1] - self.descriptor.head_start)
-        per_block = slice_bytes(self.geometry, 1, local)
+        per_block = len(local) * self._head_block_bytes
         bad = [n for n in h.nbytes if n <= 0 or n % per_block]
         if bad or sum(h.nbytes) != h.nblk * per_block:
             return self._fail(p, CorruptFrameError(

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, gather_blocks, runs, slice_bytes
+from .blocks import as_bytes, copy_runs, gather_blocks, runs, slice_bytes
 from .protocol import Header, MsgType, checksum, encode_header
 
 
-MIN_FRAME_BYTES = 262144   # below this mean run size, gathering beats per-run frames
+MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -111,6 +111,8 @@ class Stream:
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         self.pool = pool or BufferPool()
+        # CPU caches: numpy byte views [num_blocks, 2, N, H, P], made once per layer
+        self._views = [None] * len(caches) if copy_stream is None else None
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         self._plan = deque((layer, first) for layer in range(len(caches))
                            for first in range(0, len(block_ids), self.chunk_blocks))
@@ -137,19 +139,22 @@ class Stream:
         """Payload frames of one chunk and the pooled buffer they use (None when zero copy)."""
         block_runs = runs(ids)
         run_bytes = len(ids) * self.geo.block_bytes // len(block_runs)
+        view = self._views[layer]
+        if view is None:
+            view = self._views[layer] = as_bytes(self.caches[layer], self.geo).numpy()
         if self.full_heads and run_bytes >= MIN_FRAME_BYTES:
             # zero copy out of the cache: one frame per run of consecutive ids
-            view = as_bytes(self.caches[layer], self.geo).numpy()
             return [view[b:b + k].reshape(-1) for _, b, k in block_runs], None
         # small runs: one gathered frame costs less than many tiny frames
         buf = self.pool.acquire(slice_bytes(self.geo, len(ids), self.local_heads))
-        return [buf.numpy()], (buf, layer, ids)
+        return [buf.numpy()], (buf, view, ids)
 
     def _prepare(self, frames: list, gather, ev) -> tuple:
         """Worker side of staging: gather / wait for the device copy, then hash every frame."""
-        if gather is not None:
-            buf, layer, ids = gather
-            gather_blocks(self.caches[layer], self.geo, ids, self.local_heads, out=buf)
+        if gather is not None:   # ids were checked against the cache at publish
+            buf, view, ids = gather
+            packed = buf.numpy().reshape(len(ids), *view.shape[1:3], len(self.local_heads), view.shape[4])
+            copy_runs(packed, None, view, ids, None if self.full_heads else self.local_heads, head_side="src")
         if ev is not None:
             ev.synchronize()
         return frames, [checksum(f) for f in frames]
