@@ -11,7 +11,7 @@ power of two (>= 8):
 - values ``acc^T [D, GP] += codes_V^T [D, TILE] . p^T [TILE, GP]``;
 - softmax statistics are per column (one per query head).
 
-Codes become fp16 ``OFF + c`` (``OFF`` = 1024 for INT4 nibbles, 1152 for INT8, 0 for FP8) by
+Codes become fp16 ``OFF + c`` (``OFF`` = -8 for INT4 nibbles, 1152 for INT8, 0 for FP8) by
 bit tricks; ``OFF`` is folded into the zero point, so no subtraction per element. On the GPU
 the INT8 / INT4 conversions are PTX (``ASM``): one 32-bit register holds 4 code bytes, ``prmt``
 / ``lop3`` build packed fp16x2 words. The interpreter cannot run PTX: ``ASM`` is False there
@@ -37,19 +37,29 @@ MODE_INT4 = tl.constexpr(3)
 
 @triton.jit
 def _int4_asm(b):
-    """uint8 codes -> (1024 + low nibble, 1024 + high nibble) fp16, 4 bytes per 32-bit register."""
+    """uint8 codes -> (low nibble - 8, high nibble - 8) fp16, 4 bytes per 32-bit register.
+
+    ``(w & 0x000F000F) | 0x64006400`` is fp16x2 ``1024 + n``, minus 1032; the high nibbles give
+    ``1024 + 16 n``, times 1/16 (0x2C00) minus 72 (0xD480). Centred codes keep the zero-point
+    correction small: a 1024 offset folded into it cost ~1e-2 of precision in the fp32 wgmma
+    accumulation on the H200."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 t0, t1, u0, u1, z;
+        .reg .b32 t0, t1, z, c, m, r;
         mov.b32 z, 0;
+        mov.b32 r, 0x2C002C00;
+        mov.b32 c, 0x64086408;
+        mov.b32 m, 0xD480D480;
         prmt.b32 t0, $4, z, 0x4140;
         prmt.b32 t1, $4, z, 0x4342;
-        shr.b32 u0, t0, 4;
-        shr.b32 u1, t1, 4;
         lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
         lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xEA;
+        lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xEA;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        fma.rn.f16x2 $2, $2, r, m;
+        fma.rn.f16x2 $3, $3, r, m;
         }""",
         constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
@@ -70,8 +80,8 @@ def _int8_asm(c):
 
 @triton.jit
 def _int4_plain(b, DOT: tl.constexpr):
-    lo = ((b & 0xF).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-    hi = ((b >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    lo = ((b & 0xF).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    hi = ((b >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
     if DOT == DOT_FP32:
         lo = lo.to(tl.float32)
         hi = hi.to(tl.float32)
@@ -217,28 +227,30 @@ def _attn_decode_kernel(
     tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
 
 
-# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). q_out = softmax_scale * q (INT8 / FP8), or
-# for INT4 softmax_scale * H(s * q) split into even | odd output dimensions, fp32.
+# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). INT4 query: q_out = softmax_scale * H(s * q),
+# split into even | odd output dimensions, fp32.
 @dual_jit
 def _prep_q_kernel(
     q_ptr, signs_ptr, q_out_ptr, softmax_scale,
     stride_q_t, stride_q_h, stride_q_d,
     NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = head < NUM_Q_HEADS
     offs_d = tl.arange(0, HEAD)
+    # q in its own dtype: times the +-1 signs and Hadamard entries, the 16-bit dot is exact up to
+    # the fp32 accumulation (DOT_FP32, interpreter: everything in fp32)
     q = tl.load(q_ptr + tok * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=h_ok[:, None], other=0.0).to(tl.float32) * softmax_scale
+                mask=h_ok[:, None], other=0.0)
+    if DOT == DOT_FP32:
+        q = q.to(tl.float32)
     out = q_out_ptr + (tok * NUM_Q_HEADS + head)[:, None] * HEAD
-    if ROTATE:
-        HALF: tl.constexpr = HEAD // 2
-        offs_h = tl.arange(0, HALF)
-        q = q * tl.load(signs_ptr + offs_d)[None, :]
-        q_even = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :]), input_precision="ieee")
-        q_odd = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1), input_precision="ieee")
-        tl.store(out + offs_h[None, :], q_even, mask=h_ok[:, None])
-        tl.store(out + HALF + offs_h[None, :], q_odd, mask=h_ok[:, None])
-    else:
-        tl.store(out + offs_d[None, :], q, mask=h_ok[:, None])
+    HALF: tl.constexpr = HEAD // 2
+    offs_h = tl.arange(0, HALF)
+    q = q * tl.load(signs_ptr + offs_d)[None, :].to(q.dtype)
+    q_even = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :]).to(q.dtype)) * softmax_scale
+    q_odd = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1).to(q.dtype)) * softmax_scale
+    tl.store(out + offs_h[None, :], q_even, mask=h_ok[:, None])
+    tl.store(out + HALF + offs_h[None, :], q_odd, mask=h_ok[:, None])

@@ -246,12 +246,13 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         _prep_q_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
             q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
             stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-            NUM_Q_HEADS=num_q_heads, HEAD=head_size, BLOCK_H=block_h, ROTATE=True, num_warps=4)
+            NUM_Q_HEADS=num_q_heads, HEAD=head_size, BLOCK_H=block_h, ROTATE=True,
+            DOT=DOT_FP32.value if interp else DOT_FP16.value, num_warps=4)
         q_scale = 1.0
     else:
         qp, q_scale = q, float(softmax_scale)
     code_dim = head_size // 2 if is_int4 else head_size
-    off = {KVQuantMode.INT4_PER_TOKEN_HEAD: 1024.0, KVQuantMode.INT8_PER_TOKEN_HEAD: 1152.0}.get(mode, 0.0)
+    off = {KVQuantMode.INT4_PER_TOKEN_HEAD: -8.0, KVQuantMode.INT8_PER_TOKEN_HEAD: 1152.0}.get(mode, 0.0)
     mode_id = {KVQuantMode.INT8_PER_TOKEN_HEAD: 1, KVQuantMode.FP8_PER_TOKEN_HEAD: 2}.get(mode, 3)
     grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     _attn_decode_kernel[grid](

@@ -36,6 +36,7 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
+COMPARE_V2 = ((128, 4, 3),)  # --compare: v2 (tile, warps, stages); the first H200 run also timed (64,4,3), (128,8,3), (64,4,2)
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -155,7 +156,7 @@ def compare_cfgs(base: AttnConfig, mode):
         return [base]
     v1 = AttnConfig(base.block_m, base.tile, base.num_segments, base.num_warps, base.num_stages, False)
     return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, True)
-                   for tile, warps, stages in ((128, 4, 3), (64, 4, 3), (128, 8, 3), (64, 4, 2))]
+                   for tile, warps, stages in COMPARE_V2]
 
 
 def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
