@@ -118,6 +118,13 @@ def load_authorized_keys(source) -> frozenset:
     return frozenset(keys)
 
 
+def _public_key(source, what: str) -> bytes:
+    """A z85 public key given as a key file path or as the key itself (str or bytes)."""
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+        return load_keypair(source)[0]
+    return _z85(source, what)
+
+
 def server_keys(secret_file, authorized) -> CurveServerKeys:
     """Keys of a prefill (server) endpoint: its secret file plus who may connect."""
     pub, sec = load_keypair(secret_file)
@@ -132,8 +139,7 @@ def client_keys(secret_file, server_public) -> CurveKeys:
     pub, sec = load_keypair(secret_file)
     if sec is None:
         raise TransferError(f"CURVE client key file {secret_file}: no secret-key (use the .key_secret file)")
-    srv = load_keypair(server_public)[0] if Path(os.fspath(server_public)).is_file() else _z85(server_public, "server key")
-    return CurveKeys(pub, sec, srv)
+    return CurveKeys(pub, sec, _public_key(server_public, "server key"))
 
 
 def keys_from_config(cfg: dict | None, role: str):
@@ -159,8 +165,7 @@ def keys_from_config(cfg: dict | None, role: str):
     srv = cfg.get("server_key")
     if srv is None:
         raise TransferError("CURVE client config: server_key is required")
-    srv = load_keypair(srv)[0] if Path(os.fspath(srv)).is_file() else _z85(srv, "server_key")
-    return CurveKeys(pub, sec, srv)
+    return CurveKeys(pub, sec, _public_key(srv, "server_key"))
 
 
 def configure_curve(sock: zmq.Socket, keys: CurveKeys, server: bool) -> None:

@@ -79,6 +79,8 @@ def test_keys_from_config(keys):
     cli = keys_from_config({"public_key": pub.decode(), "secret_key": sec.decode(),
                             "server_key": paths["server"][0]}, "client")
     assert cli == CurveKeys(pub, sec, srv.public_key)
+    for given in (srv.public_key, srv.public_key.decode(), paths["server"][0]):  # bytes, str, file
+        assert client_keys(paths["client"][1], given).server_key == srv.public_key
     assert keys_from_config({}, "client") is None
     with pytest.raises(TransferError, match="server_key"):
         keys_from_config({"secret_file": paths["client"][1]}, "client")
