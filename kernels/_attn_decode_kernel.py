@@ -112,6 +112,25 @@ def _to_dot(x, DOT: tl.constexpr):
     return y
 
 
+@triton.jit
+def _load_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t_end, k_lo, k_hi, kv_head, offs_t, offs_d,
+               stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+               stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+               TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_ALIGN: tl.constexpr):
+    """Raw codes of key tile ``t`` (K [TILE, D], V^T [D, TILE]), scale words [TILE], key mask."""
+    k_pos = t * TILE + offs_t
+    n_ok = (k_pos < tl.minimum(k_hi, t_end * TILE)) & (k_pos >= k_lo)  # tile t_end: all masked
+    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = k_pos % BLOCK_SIZE
+    k_row = blk * (stride_k_b * KV_ALIGN) + slot * (stride_k_s * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN)
+    v_row = blk * (stride_v_b * KV_ALIGN) + slot * (stride_v_s * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN)
+    kc = tl.load(k_ptr + k_row[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    vc = tl.load(v_ptr + v_row[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+    kw = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h, mask=n_ok, other=0)
+    vw = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h, mask=n_ok, other=0)
+    return kc, vc, kw, vw, n_ok
+
+
 # Grid: (num_seqs, num_kv_heads, NUM_SEGMENTS). Writes the split buffers of _attn_reduce_kernel
 # (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, in natural element order).
 @dual_jit
@@ -133,6 +152,7 @@ def _attn_decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, KV_ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr,         # load tile t + 1 into registers before computing tile t
 ):
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -166,42 +186,49 @@ def _attn_decode_kernel(
     acc_a = tl.zeros([D, GP], tl.float32)
     acc_b = tl.zeros([D, GP], tl.float32)  # INT4 odd half (unused otherwise)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    if PREFETCH:  # tile t + 1 is loaded into registers while tile t is computed
+        kc, vc, kw, vw, n_ok = _load_tile(
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+            TILE, BLOCK_SIZE, KV_ALIGN)
     for t in range(t0, t1):
-        k_pos = t * TILE + offs_t
-        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        k_row = blk * (stride_k_b * KV_ALIGN) + slot * (stride_k_s * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN)
-        v_row = blk * (stride_v_b * KV_ALIGN) + slot * (stride_v_s * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN)
-        kc = tl.load(k_ptr + k_row[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)   # [TILE, D]
-        vc = tl.load(v_ptr + v_row[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)   # [D, TILE]
-        kw = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
-                     mask=n_ok, other=0)
-        vw = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
-                     mask=n_ok, other=0)
+        if PREFETCH:
+            kc_c, vc_c, kw_c, vw_c, n_ok_c = kc, vc, kw, vw, n_ok
+            kc, vc, kw, vw, n_ok = _load_tile(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t + 1, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
+                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+                TILE, BLOCK_SIZE, KV_ALIGN)
+        else:
+            kc_c, vc_c, kw_c, vw_c, n_ok_c = _load_tile(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
+                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+                TILE, BLOCK_SIZE, KV_ALIGN)
         if MODE == MODE_INT4:
-            k_zp = (kw & 0xF).to(tl.float32) + OFF
-            k_sc = (kw & -16).to(tl.float32, bitcast=True)
-            v_zp = (vw & 0xF).to(tl.float32) + OFF
-            v_sc = (vw & -16).to(tl.float32, bitcast=True)
+            k_zp = (kw_c & 0xF).to(tl.float32) + OFF
+            k_sc = (kw_c & -16).to(tl.float32, bitcast=True)
+            v_zp = (vw_c & 0xF).to(tl.float32) + OFF
+            v_sc = (vw_c & -16).to(tl.float32, bitcast=True)
             if ASM:
-                k_lo_c, k_hi_c = _int4_asm(kc)
-                v_lo_c, v_hi_c = _int4_asm(vc)
+                k_lo_c, k_hi_c = _int4_asm(kc_c)
+                v_lo_c, v_hi_c = _int4_asm(vc_c)
             else:
-                k_lo_c, k_hi_c = _int4_plain(kc, DOT)
-                v_lo_c, v_hi_c = _int4_plain(vc, DOT)
+                k_lo_c, k_hi_c = _int4_plain(kc_c, DOT)
+                v_lo_c, v_hi_c = _int4_plain(vc_c, DOT)
             s = tl.dot(k_lo_c, qa)
             s = tl.dot(k_hi_c, qb, s)  # [TILE, GP]
         else:
             k_zp = tl.full([TILE], OFF, tl.float32)
-            k_sc = kw
+            k_sc = kw_c
             v_zp = tl.full([TILE], OFF, tl.float32)
-            v_sc = vw
-            s = tl.dot(_codes(kc, MODE, DOT, ASM), qa)
+            v_sc = vw_c
+            s = tl.dot(_codes(kc_c, MODE, DOT, ASM), qa)
         s = (s - k_zp[:, None] * q_sum[None, :]) * (k_sc * col_scale)[:, None]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(n_ok[:, None], s, float("-inf"))
+        s = tl.where(n_ok_c[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[None, :])
@@ -214,7 +241,7 @@ def _attn_decode_kernel(
             acc_a = acc_a * alpha[None, :] + (tl.dot(v_lo_c, pv) - zp_term[None, :]) * vs_max
             acc_b = acc_b * alpha[None, :] + (tl.dot(v_hi_c, pv) - zp_term[None, :]) * vs_max
         else:
-            acc_a = acc_a * alpha[None, :] + (tl.dot(_codes(vc, MODE, DOT, ASM), pv) - zp_term[None, :]) * vs_max
+            acc_a = acc_a * alpha[None, :] + (tl.dot(_codes(vc_c, MODE, DOT, ASM), pv) - zp_term[None, :]) * vs_max
         m_i = m_new
 
     if MODE == MODE_INT4:

@@ -40,7 +40,7 @@ class AttnConfig:
     num_segments: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    v2: bool = False    # quantized decode through _attn_decode_kernel (max_seqlen_q == 1 only)
+    v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -51,7 +51,7 @@ DECODE_WARPS = 4
 DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
-DECODE_V2 = True  # quantized decode: swapped-operand kernel (_attn_decode_kernel); False = old kernel
+DECODE_V2 = 1  # quantized decode: 0 = old kernel, 1 = _attn_decode_kernel, 2 = same + register prefetch
 DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
@@ -143,7 +143,8 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // max(1, num_seqs * num_kv_heads)
         cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
-    v2 = DECODE_V2 and mode != KVQuantMode.NONE and segs > 1 and q.shape[2] & (q.shape[2] - 1) == 0
+    pow2 = q.shape[2] & (q.shape[2] - 1) == 0
+    v2 = DECODE_V2 if mode != KVQuantMode.NONE and segs > 1 and pow2 else 0
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 
@@ -271,7 +272,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.v2 >= 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

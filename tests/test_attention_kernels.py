@@ -5,7 +5,9 @@ Covers: every cache mode (NONE bf16/fp16, INT8, FP8, INT4) against the plain-PyT
 mixed prefill + decode batches (including an empty sequence); causal and non-causal; sliding
 window; softcap; the 2D and the split-KV paths (segments forced, buffers passed by the caller,
 and the launcher's own choice); strided views of one packed cache and separate tensors;
-launcher errors; a smoke run of ``tools/bench_attention.py --quick``.
+launcher errors; the three quantized decode kernels (old, swapped-operand, with register
+prefetch), on the GPU also with their PTX code conversion; a smoke run of
+``tools/bench_attention.py --quick``.
 
 CPU tensors run through Triton's interpreter (small shapes); a CUDA test runs when a GPU is
 present. Caches are filled with the oracle writer ``reference_reshape_and_cache`` so these
@@ -21,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._attn_launch import pick_config
+from kernels._attn_launch import AttnConfig, pick_config
 from kernels.attention import unified_attention
 from kernels.attention_int4 import unified_attention_int4
 from kernels.reference import reference_reshape_and_cache
@@ -186,6 +188,22 @@ def test_int4_head_size_error():
                                v.k_scale_cache, v.v_scale_cache)
 
 
+QUANT = [MODES[2], MODES[3], MODES[4]]
+DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(2, 1, id="v2-prefetch")]
+
+
+@pytest.mark.parametrize("mode,dtype", QUANT)
+@pytest.mark.parametrize("kernel,stages", DECODE_KERNELS)
+def test_quantized_decode_kernels(mode, dtype, kernel, stages):
+    """Every quantized decode kernel (old, swapped-operand, swapped + register prefetch) on the
+    split path: an empty sequence, a segment boundary inside a tile, window, non-causal softcap."""
+    c = make_case(mode, dtype, q_lens=[1, 0, 1], k_lens=[70, 5, 130], seed=7)
+    cfg = AttnConfig(16, 32, 3, 4, stages, kernel)
+    run_and_check(c, config=cfg)
+    run_and_check(c, config=cfg, window=(40, -1))
+    run_and_check(c, config=cfg, causal=False, softcap=3.0)
+
+
 def test_bench_quick_smoke(capsys):
     from tools import bench_attention
 
@@ -201,3 +219,15 @@ def test_cuda_realistic(mode, dtype):
                   num_kv_heads=8, head_size=128, device="cuda")
     run_and_check(c)
     run_and_check(c, causal=False, window=(200, -1), softcap=30.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode,dtype", QUANT)
+@pytest.mark.parametrize("kernel,stages", DECODE_KERNELS)
+def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
+    """The GPU-only PTX code conversion of every decode kernel (default tile 128) vs the oracle."""
+    c = make_case(mode, dtype, q_lens=[1, 1, 0, 1], k_lens=[1500, 700, 9, 33], num_q_heads=32,
+                  num_kv_heads=8, head_size=128, device="cuda", seed=11)
+    cfg = AttnConfig(16, 128, 4, 4, stages, kernel)
+    run_and_check(c, config=cfg)
+    run_and_check(c, config=cfg, causal=False, window=(200, -1), softcap=30.0)

@@ -36,7 +36,9 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
-COMPARE_V2 = ((128, 4, 3),)  # --compare: v2 (tile, warps, stages); the first H200 run also timed (64,4,3), (128,8,3), (64,4,2)
+# --compare: v2 variants (kernel 1 = Triton's pipeliner, 2 = register prefetch; tile, warps, stages);
+# the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
+COMPARE_V2 = ((1, 128, 4, 3), (2, 128, 4, 1))
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -154,9 +156,9 @@ def compare_cfgs(base: AttnConfig, mode):
     """The old decode kernel (v1) and a few tilings of the swapped-operand kernel (v2)."""
     if base.num_segments == 1 or mode == KVQuantMode.NONE:
         return [base]
-    v1 = AttnConfig(base.block_m, base.tile, base.num_segments, base.num_warps, base.num_stages, False)
-    return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, True)
-                   for tile, warps, stages in COMPARE_V2]
+    v1 = AttnConfig(base.block_m, base.tile, base.num_segments, base.num_warps, base.num_stages, 0)
+    return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, kernel)
+                   for kernel, tile, warps, stages in COMPARE_V2]
 
 
 def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
@@ -179,7 +181,7 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
                 log(f"{name} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
                 if compare:
                     rows.append(dict(mode=name + ("" if MODES[name] == KVQuantMode.NONE else
-                                                  (" v2" if cfg.v2 else " v1")), batch=batch, ctx=ctx,
+                                                  (" v1", " v2", " v2p")[cfg.v2]), batch=batch, ctx=ctx,
                                      q_len=q_len, us=us, err=err, cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
                                      vs_bf16=(base_us / us) if base_us else float("nan")))
                     if name == "bf16":
@@ -228,6 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
     parser.add_argument("--compare", action="store_true",
                         help="decode rows: time the old kernel (v1) and v2 tilings side by side, every one a row")
+    parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill length (0 = no prefill row)")
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
 
@@ -239,6 +242,8 @@ def run(args, argv=()) -> int:
         p["contexts"] = [int(x) for x in args.contexts.split(",")]
     if args.batches:
         p["batches"] = [int(x) for x in args.batches.split(",")]
+    global REP_MS
+    REP_MS = args.rep_ms
     if args.prefill is not None:
         p["prefill"] = (1, args.prefill) if args.prefill else None
     modes = args.modes.split(",")
