@@ -251,12 +251,14 @@ def test_hostile_header_does_not_kill_the_endpoint():
         for junk in ([b"\xc1garbage"], [b"\x00" * (2 << 20)], []):
             if junk:
                 s.send_multipart(junk)
-        s.send(encode_header(Header(MsgType.PING)))
-        assert s.poll(5000), "endpoint stopped answering after hostile input"
+        # The 2 MiB frame exceeds the prefill's 1 MiB message limit, so libzmq drops that
+        # connection and the DEALER reconnects; a PING sent meanwhile can be lost. Ping again
+        # until a PONG comes back: what is under test is that the endpoint still answers.
         types = []
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while MsgType.PONG not in types and time.monotonic() < deadline:
-            if s.poll(200):
+            s.send(encode_header(Header(MsgType.PING)))
+            while s.poll(200):
                 types.append(decode_header(s.recv_multipart()[0]).type)
         s.close(0)
         ctx.term()
