@@ -29,6 +29,11 @@ from .modes import KVQuantMode
 FORMAT_VERSION = 1
 RHT_SIGN_SEED = 0x9E3779B9  # CPU torch.Generator seed of the ±1 rotation signs (vLLM's)
 
+# Sanity bounds on what a peer or a file may claim (far above any real model), so a hostile
+# descriptor cannot make a reader size buffers from absurd numbers.
+_UPPER_BOUNDS = {"head_size": 1 << 12, "block_size": 1 << 16, "num_layers": 1 << 12,
+                 "total_num_kv_heads": 1 << 12, "num_kv_heads": 1 << 12, "num_blocks": 1 << 32}
+
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -98,6 +103,9 @@ class LayoutDescriptor:
             if not isinstance(v, want) or isinstance(v, bool):
                 raise LayoutError(f"descriptor field {f.name}: expected int or str "
                                   f"({want.__name__} here), got {type(v).__name__}")
+        for name, bound in _UPPER_BOUNDS.items():
+            if not 0 <= getattr(self, name) <= bound:
+                raise LayoutError(f"descriptor {name}: expected 0..{bound}, got {getattr(self, name)}")
         if self.format_version != FORMAT_VERSION:
             raise LayoutError(f"descriptor format_version: expected {FORMAT_VERSION}, got {self.format_version}")
         try:

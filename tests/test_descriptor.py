@@ -106,6 +106,8 @@ def test_from_dict_rejects_bad_input():
         LayoutDescriptor.from_dict({**d, "format_version": 99})
     with pytest.raises(LayoutError, match="outside"):
         LayoutDescriptor.from_dict({**d, "head_start": 6})
+    with pytest.raises(LayoutError, match="block_size: expected 0..65536"):
+        LayoutDescriptor.from_dict({**d, "block_size": 2 ** 62})
     with pytest.raises(LayoutError, match="a map"):
         LayoutDescriptor.from_dict([1, 2])
 
