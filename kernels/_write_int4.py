@@ -31,8 +31,8 @@ from layouts import KVQuantMode
 
 from ._jit import dual_jit, interpreting
 from ._write_checks import cache_alignment, check_write_args, scale_bits_view
-from ._write_math import (int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk,
-                          row_min_max, to_model_dtype)
+from ._write_math import (int4_codes, int4_codes_fast, int4_scale_zp, int4_sq_err, pack_nibbles,
+                          rotate_chunk, round_to_model_f32, row_min_max, to_model_dtype)
 from .reference import rht_signs
 
 ROTATIONS = ("butterfly", "dot")
@@ -178,12 +178,104 @@ def _reshape_and_cache_int4_kernel(
                          ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
 
 
+@triton.jit
+def _int4_split_rows(x_ptr, stride_x_token, stride_x_head, cache_ptr, stride_c_block, stride_c_slot,
+                     stride_c_head, scale_ptr, stride_s_block, stride_s_slot, stride_s_head,
+                     slot_mapping_ptr, rot_a, rot_b, num_rows, num_tiles, num_slots,
+                     ROWS: tl.constexpr, CH: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+                     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     CONTIG: tl.constexpr):
+    """Persistent loop over tiles of ROWS rows of one of K or V (``tl.dot`` rotation, SPLIT as in
+    ``_int4_write_rows``). Range from the fp32 rotation (rounding is monotone, so min/max of the
+    rounded row is the rounded min/max), then one rounded copy of the tile, then codes."""
+    cols = tl.arange(0, CH)
+    half = tl.arange(0, CH // 2)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        valid = rows < num_rows
+        token = rows // NUM_KV_HEADS
+        head = rows - token * NUM_KV_HEADS
+        if CONTIG:  # [num_tokens, num_kv_heads, head_size] contiguous: a tile is one stretch of memory
+            x_row = x_ptr + (rows.to(tl.int64) * (CH * (1 + SPLIT)))[:, None]
+        else:
+            x_row = x_ptr + (token.to(tl.int64) * stride_x_token + head * stride_x_head)[:, None]
+        # the input tile does not depend on the slots: its load (and the pipeliner's prefetch) comes first
+        xa = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, CH] model dtype
+        slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
+        mask = valid & (slot >= 0) & (slot < num_slots)
+        slot = slot.to(tl.int32)
+        blk = (slot // BLOCK_SIZE).to(tl.int64)
+        off = slot % BLOCK_SIZE
+        ra = rotate_chunk(xa, rot_a, ROWS, CH, 0, True, INTERPRET)  # [ROWS, CH] fp32
+        if SPLIT:
+            xb = tl.load(x_row + CH + cols[None, :], mask=valid[:, None], other=0.0)
+            rb = rotate_chunk(xb, rot_b, ROWS, CH, 0, True, INTERPRET)
+            ra, rb = ra + rb, ra - rb
+        lo, hi = row_min_max(ra, INTERPRET)
+        if SPLIT:
+            lo_b, hi_b = row_min_max(rb, INTERPRET)
+            lo = tl.minimum(lo, lo_b, propagate_nan=tl.PropagateNan.ALL)
+            hi = tl.maximum(hi, hi_b, propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.minimum(round_to_model_f32(lo, xa.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        hi = tl.maximum(round_to_model_f32(hi, xa.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
+        scale, zp, rcp = int4_scale_zp(lo, hi)
+        zph = tl.where(ok, zp + 0.5, float("-inf"))
+        qa = int4_codes_fast(round_to_model_f32(ra, xa.dtype, INTERPRET), scale, zph, rcp, INTERPRET)
+        c_row = cache_ptr + ((blk * stride_c_block + off * stride_c_slot + head * stride_c_head)
+                             * CACHE_ALIGN)[:, None]
+        tl.store(c_row + half[None, :], pack_nibbles(qa, ROWS, CH), mask=mask[:, None])
+        if SPLIT:
+            qb = int4_codes_fast(round_to_model_f32(rb, xa.dtype, INTERPRET), scale, zph, rcp, INTERPRET)
+            tl.store(c_row + CH // 2 + half[None, :], pack_nibbles(qb, ROWS, CH), mask=mask[:, None])
+        bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)
+        bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
+        tl.store(scale_ptr + blk * stride_s_block + off * stride_s_slot + head * stride_s_head, bits, mask=mask)
+
+
+@dual_jit
+def _reshape_and_cache_int4_split_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    slot_mapping_ptr, rot_ptr,       # as in _reshape_and_cache_int4_kernel (DOT tiles only)
+    num_rows, num_tiles, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, CH: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+):
+    """Grid ``(programs, 2)``: axis 1 picks K (0) or V (1), so a program keeps one tile's state
+    live instead of two and twice as many programs share the work; each loops over tiles."""
+    cols = tl.arange(0, CH)
+    rot_a = tl.load(rot_ptr + cols[:, None] * CH + cols[None, :])  # [CH, CH] model dtype
+    rot_b = rot_a
+    if SPLIT:
+        rot_b = tl.load(rot_ptr + CH * CH + cols[:, None] * CH + cols[None, :])
+    kv = tl.program_id(1) == 0  # one loop for both (two loops would double the pipeliner's buffers)
+    _int4_split_rows(tl.where(kv, key_ptr, value_ptr), tl.where(kv, stride_key_token, stride_value_token),
+                     tl.where(kv, stride_key_head, stride_value_head),
+                     tl.where(kv, key_cache_ptr, value_cache_ptr), tl.where(kv, stride_kc_block, stride_vc_block),
+                     tl.where(kv, stride_kc_slot, stride_vc_slot), tl.where(kv, stride_kc_head, stride_vc_head),
+                     tl.where(kv, k_scale_ptr, v_scale_ptr), tl.where(kv, stride_ks_block, stride_vs_block),
+                     tl.where(kv, stride_ks_slot, stride_vs_slot), tl.where(kv, stride_ks_head, stride_vs_head),
+                     slot_mapping_ptr, rot_a, rot_b, num_rows, num_tiles, num_slots,
+                     ROWS, CH, SPLIT, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG)
+
+
 def default_int4_config(head_size: int, on_cpu: bool) -> dict:
     """Tile rows, warps, rotation, division and programs per SM used when the caller names none."""
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
-        return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0)
+        return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0,
+                    kernel="fused", num_stages=None)
+    # split: 64 rows x 128 fp32 per 4 warps fits ~120 registers (head_size 256: 8 warps); see docs/bench/write.md
+    return dict(rows=64, num_warps=8 if head_size > 128 else 4, rotation="dot", div="markstein",
+                programs_per_sm=3, kernel="split", num_stages=2)
+
+
+def fused_int4_config(head_size: int) -> dict:
+    """The fused K+V kernel's GPU tuning (the default before the split kernel; kept for comparison)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
-                rotation="dot", div="markstein", programs_per_sm=4)
+                rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None)
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -208,8 +300,12 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ``(1.0,)`` (default) is the SPEC/vLLM encoder. The first factor must be 1.0.
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
         The kernel never writes outside the cache either way: unchecked bad slots are skipped.
-    **tuning : ``rows``, ``num_warps``, ``rotation`` ("butterfly"/"dot"), ``div``
-        ("markstein"/"rn"/"fast"), ``programs_per_sm`` (0: one tile per program); benchmarks only.
+    **tuning : ``kernel`` ("split": K and V in separate programs, dot rotation, exact division,
+        the GPU default; "fused": one program does K then V, the CPU default), ``rows``,
+        ``num_warps``, ``num_stages``, ``rotation`` ("butterfly"/"dot", fused only), ``div``
+        ("markstein"/"rn"/"fast", fused only), ``programs_per_sm`` (programs resident per SM,
+        K and V together for "split"; 0: one tile per program); benchmarks only. Naming
+        ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
 
     Raises
     ------
@@ -226,7 +322,14 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     unknown = set(tuning) - set(cfg)
     if unknown:
         raise TypeError(f"reshape_and_cache_int4: unknown tuning keywords {sorted(unknown)}")
-    cfg.update({k: v for k, v in tuning.items() if v is not None})
+    kernel = tuning.get("kernel") or cfg["kernel"]
+    if kernel not in ("fused", "split"):
+        raise ValueError(f"kernel: expected 'fused' or 'split', got {kernel!r}")
+    if kernel == "split" and (len(shrink) > 1 or shape.head_size > 256):
+        kernel = "fused"  # the MSE encoder and rows wider than two dot tiles stay fused
+    if kernel == "fused" and not cpu:
+        cfg = fused_int4_config(shape.head_size)
+    cfg.update({k: v for k, v in tuning.items() if v is not None}, kernel=kernel)
     if cfg["rotation"] not in ROTATIONS or cfg["div"] not in DIVISIONS:
         raise ValueError(f"rotation/div: expected one of {ROTATIONS} / {tuple(DIVISIONS)}, got "
                          f"{cfg['rotation']!r} / {cfg['div']!r}")
@@ -241,10 +344,25 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
     num_tiles = triton.cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
+    split = cfg["kernel"] == "split"
     programs = num_tiles
     if not cpu and cfg["programs_per_sm"]:
         sms = torch.cuda.get_device_properties(key.device).multi_processor_count
-        programs = min(num_tiles, sms * cfg["programs_per_sm"])
+        programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"] // (2 if split else 1)))
+    stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
+    if split:
+        rot = signed_hadamard_chunks(d, key.dtype, str(key.device))
+        contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
+        _reshape_and_cache_int4_split_kernel[(programs, 2)](
+            key, value, key_cache, value_cache, ks, vs, slot_mapping, rot,
+            num_rows, num_tiles, shape.num_blocks * shape.block_size,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
+            ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+            ROWS=rows, CH=ch, SPLIT=ch != d, INTERPRET=cpu, CACHE_ALIGN=align,
+            NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
+            num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
+        return
     _reshape_and_cache_int4_kernel[(programs,)](
         key, value, key_cache, value_cache, ks, vs, slot_mapping, rot, shrink_t,
         num_rows, num_tiles, shape.num_blocks * shape.block_size,
@@ -254,5 +372,5 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ROWS=rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
         DIV=DIVISIONS[cfg["div"]], INTERPRET=cpu, NUM_SHRINK=len(shrink), CACHE_ALIGN=align,
         NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
-        num_warps=cfg["num_warps"], enable_fp_fusion=False,  # keep the oracle's separate roundings
+        num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages,  # keep the oracle's separate roundings
     )

@@ -170,3 +170,46 @@ def pack_nibbles(q, ROWS: tl.constexpr, N: tl.constexpr):
     """int32 codes [ROWS, N] -> uint8 [ROWS, N // 2], even element in the low nibble."""
     even, odd = tl.split(tl.reshape(q, (ROWS, N // 2, 2)))
     return (even | (odd << 4)).to(tl.uint8)
+
+
+# --- helpers of the split INT4 kernel (fewer instructions per element on the GPU) ---
+
+
+@triton.jit
+def round_to_model_f32(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest ``DTYPE`` value (ties to even), returned as fp32.
+
+    On the GPU a bf16 pair costs one ``cvt.rn.bf16x2.f32`` and two bit operations (the
+    plain cast is one conversion plus one shift per element); fp16 and the interpreter
+    take the plain path.
+    """
+    if INTERPRET or DTYPE != tl.bfloat16:
+        y = to_model_dtype(x, DTYPE, INTERPRET).to(tl.float32)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,f,f", [x], dtype=tl.int32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
+    return y
+
+
+@triton.jit
+def int4_codes_fast(r, scale, zph, rcp, INTERPRET: tl.constexpr):
+    """Same codes as ``int4_codes(r, scale, zph, rcp, DIV=1)``, int32 [ROWS, N], in fewer GPU ops.
+
+    Markstein's residual is ``fma(q, -b, a)`` with ``-b`` negated once per row (Triton's ``-x``
+    is ``0 - x``, one more instruction per element; the sign of a zero quotient is lost, which
+    ``t + zph`` cannot see), and the clamp to [0, 15] is PTX's
+    saturating ``cvt.rzi.u32.f32`` (negative, -inf and NaN give 0) plus an integer ``min``.
+    """
+    if INTERPRET:
+        q = int4_codes(r, scale, zph, rcp, 1)
+    else:
+        nb = (0.0 - scale)[:, None]
+        c = rcp[:, None]
+        t0 = r * c
+        t = tl.fma(tl.fma(t0, nb, r), c, t0)
+        v = t + zph[:, None]
+        u = tl.inline_asm_elementwise("cvt.rzi.u32.f32 $0, $1;", "=r,f", [v], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+        q = tl.minimum(u.to(tl.uint32, bitcast=True), 15).to(tl.int32, bitcast=True)
+    return q

@@ -1,6 +1,6 @@
 """Cache-write kernels (``kernels.write``) against the PyTorch oracle.
 
-Covers INT4 (both rotations, the MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's
+Covers INT4 (both rotations, the fused and split kernels, the MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's
 interpreter on CPU with small shapes: codes and scale bits identical to the oracle, dequantized
 values within the format's rounding bound, both calling conventions (separate tensors and views
 of one packed cache at a nonzero storage offset), negative slots and poisoned caches, edge rows
@@ -168,6 +168,31 @@ def test_int4_rotations(rotation, d):
     # may round a rotated value to the neighbouring bf16 (a tie); allow 1 row in 40 to differ.
     diff_rows = int((v.value_cache[blk, off] != p).any(-1).sum() + (v.v_scale_cache[blk, off] != s).sum())
     assert diff_rows == 0 if rotation == "butterfly" else diff_rows <= H
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("d", [16, 128, 256], ids=["h16", "h128", "h256"])
+def test_int4_split_kernel(d, strided):
+    """The split kernel (K and V in separate programs, the GPU default) on edge rows and both input layouts."""
+    key, value = _inputs(40, d, torch.bfloat16, seed=5)
+    key[3, 1], value[5, 0, 7], key[6], value[8, 1] = float("nan"), float("inf"), 0.0, 0.0
+    value[8, 1, 0] = -3.0  # one-sided row
+    if strided:  # K and V as slices of one [T, 2, H, d] buffer: per-row offsets instead of one stretch
+        kv = torch.stack((key, value), 1)
+        key, value = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(64)[:40]
+    slots[::7] = -1
+    ref, got = (_cache(M.INT4_PER_TOKEN_HEAD, d, 4, torch.bfloat16, packed=True) for _ in range(2))
+    keep = slots >= 0
+    blk, off = slots[keep] // BS, slots[keep] % BS
+    for x, kc, sc in ((key, ref[1].key_cache, ref[1].k_scale_cache), (value, ref[1].value_cache, ref[1].v_scale_cache)):
+        kc[blk, off], sc[blk, off] = quantize_int4_rows(x[keep])
+    v = got[1]
+    reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
+                           kernel="split")
+    diff = (_bytes(ref[0]).view(-1, ref[0].shape[-1]) != _bytes(got[0]).view(-1, got[0].shape[-1])).any(-1)
+    # dot rotation: fp32 sums in another order may round a value to the neighbouring bf16 (see above)
+    assert int(diff.sum()) <= H
 
 
 @pytest.mark.parametrize("d", [64, 256], ids=["h64", "h256"])
