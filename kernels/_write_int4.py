@@ -301,11 +301,11 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
         The kernel never writes outside the cache either way: unchecked bad slots are skipped.
     **tuning : ``kernel`` ("split": K and V in separate programs, dot rotation, exact division,
-        the GPU default; "fused": one program does K then V, the CPU default), ``rows``,
-        ``num_warps``, ``num_stages``, ``rotation`` ("butterfly"/"dot", fused only), ``div``
-        ("markstein"/"rn"/"fast", fused only), ``programs_per_sm`` (programs resident per SM,
-        K and V together for "split"; 0: one tile per program); benchmarks only. Naming
-        ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
+        the GPU default; "fused": one program does K then V, the CPU default; the butterfly or
+        another division selects "fused"), ``rows``, ``num_warps``, ``num_stages``, ``rotation``
+        ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (programs
+        resident per SM, K and V together for "split"; 0: one tile per program); benchmarks
+        only. Naming ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
 
     Raises
     ------
@@ -322,7 +322,10 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     unknown = set(tuning) - set(cfg)
     if unknown:
         raise TypeError(f"reshape_and_cache_int4: unknown tuning keywords {sorted(unknown)}")
-    kernel = tuning.get("kernel") or cfg["kernel"]
+    kernel = tuning.get("kernel")
+    if kernel is None:  # the split kernel rotates with tl.dot and divides exactly (markstein) only
+        fused_only = tuning.get("rotation") == "butterfly" or tuning.get("div", "markstein") != "markstein"
+        kernel = "fused" if fused_only else cfg["kernel"]
     if kernel not in ("fused", "split"):
         raise ValueError(f"kernel: expected 'fused' or 'split', got {kernel!r}")
     if kernel == "split" and (len(shrink) > 1 or shape.head_size > 256):

@@ -4,8 +4,9 @@ For each shape (num_tokens x 8 kv heads x head_size) and mode (bf16, int8, fp8, 
 the MSE encoder) prints µs per call and GB/s counting bytes read (K, V, slot_mapping) plus bytes
 written (codes and scales), next to ``torch`` copying the same number of bytes (read + write)
 in the same run. ``--check`` first compares every mode with the PyTorch oracle on realistic
-shapes; ``--sweep`` times INT4 tile/rotation/division variants. Run:
-``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep]``.
+shapes; ``--sweep`` times INT4 tile/rotation/division variants; ``--compare`` checks and times the
+old (fused) and new (split) INT4 kernels next to INT8/FP8/bf16. Run:
+``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep] [--compare]``.
 """
 
 from __future__ import annotations
@@ -163,6 +164,66 @@ def _compare(mode_name, geo, ref, out, n_rows):
     return rows_diff, codes, err
 
 
+def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
+    """One write against the oracle on a poisoned cache with a NaN row, an Inf, a zero row and
+    negative slots: (rows differing, codes differing, max |Δ dequantized| in scales)."""
+    geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype)
+    key[7, 3] = float("nan")
+    value[11, 0, 5] = float("inf")
+    key[13] = 0.0
+    slots[::97] = -1
+    cache.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows must stay 0xA5
+    ref = cache.clone()
+    rv = split_kv_cache(ref, geo.mode, head_size)
+    shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
+    if geo.mode == M.INT4_PER_TOKEN_HEAD:
+        from kernels.reference import quantize_int4_rows
+        keep = slots >= 0
+        blk, off = slots[keep] // BLOCK_SIZE, slots[keep] % BLOCK_SIZE
+        for x, kc, sc in ((key, rv.key_cache, rv.k_scale_cache), (value, rv.value_cache, rv.v_scale_cache)):
+            p, s = quantize_int4_rows(x[keep], shrink=shrink)
+            kc[blk, off], sc[blk, off] = p, s
+    else:
+        reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, geo.mode,
+                                    rv.k_scale_cache, rv.v_scale_cache)
+    _write(mode_name, key, value, slots, views, **kw)
+    return _compare(mode_name, geo, ref, cache, num_tokens * NUM_KV_HEADS)
+
+
+COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", dict(kernel="fused")),
+                    ("int4", dict(kernel="split", num_stages=2, programs_per_sm=3)),
+                    ("int4", dict(kernel="split", num_stages=1, programs_per_sm=4))]
+
+
+def run_compare(args, device):
+    """Old (fused) vs new (split) INT4 next to INT8/FP8/bf16: each variant checked against the
+    oracle at the first token count, then timed with a copy of the same bytes; table printed last."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    checks, rows = [], []
+    for head_size in args.head_sizes:
+        for mode_name, kw in COMPARE_VARIANTS:
+            n = args.tokens[0]
+            rd, cd, err = check_case(mode_name, torch.bfloat16, head_size, n, device, **kw)
+            checks.append(f"| {mode_name} | {kw or ''} | {head_size} | {n} | {rd} | {cd} | {err:.2f} |")
+            print(checks[-1], flush=True)
+            for num_tokens in args.tokens:
+                us, nbytes = time_write(mode_name, num_tokens, head_size, device, **kw)
+                cus = time_copy(nbytes, device)
+                gbs, cgbs = nbytes / us / 1e3, nbytes / cus / 1e3
+                rows.append(f"| {num_tokens} | {head_size} | {mode_name} | {kw or ''} | {us:.1f} | {gbs:.0f} | "
+                            f"{cus:.1f} | {cgbs:.0f} | {100 * gbs / cgbs:.0f}% |")
+                print(rows[-1], flush=True)
+    print(f"\n## write kernels, old vs new, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, poisoned cache with NaN/Inf/zero rows "
+          f"and negative slots for the check\n")
+    print("| mode | options | head_size | tokens | rows differing | codes differing | max Δ (scales) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n".join(checks))
+    print("\n| tokens | head_size | mode | options | µs | GB/s | copy µs | copy GB/s | % of copy |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
 def run_check(args, device):
     print("\n| mode | dtype | head_size | tokens | options | rows differing | codes differing | max Δ (scales) |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
@@ -172,28 +233,7 @@ def run_check(args, device):
     worst = 0
     for mode_name, dtype, head_size, kw in cases:
         num_tokens = args.check_tokens if head_size <= 128 else args.check_tokens // 2
-        geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype)
-        key[7, 3] = float("nan")
-        value[11, 0, 5] = float("inf")
-        key[13] = 0.0
-        slots[::97] = -1
-        for c in (cache,):
-            c.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows must stay 0xA5
-        ref = cache.clone()
-        rv = split_kv_cache(ref, geo.mode, head_size)
-        shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
-        if geo.mode == M.INT4_PER_TOKEN_HEAD:
-            from kernels.reference import quantize_int4_rows
-            keep = slots >= 0
-            blk, off = slots[keep] // BLOCK_SIZE, slots[keep] % BLOCK_SIZE
-            for x, kc, sc in ((key, rv.key_cache, rv.k_scale_cache), (value, rv.value_cache, rv.v_scale_cache)):
-                p, s = quantize_int4_rows(x[keep], shrink=shrink)
-                kc[blk, off], sc[blk, off] = p, s
-        else:
-            reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, geo.mode,
-                                        rv.k_scale_cache, rv.v_scale_cache)
-        _write(mode_name, key, value, slots, views, **kw)
-        rows_diff, codes_diff, err = _compare(mode_name, geo, ref, cache, num_tokens * NUM_KV_HEADS)
+        rows_diff, codes_diff, err = check_case(mode_name, dtype, head_size, num_tokens, device, **kw)
         worst = max(worst, rows_diff / (2 * num_tokens * NUM_KV_HEADS))
         print(f"| {mode_name} | {str(dtype)[6:]} | {head_size} | {num_tokens} | {kw or ''} | {rows_diff} | "
               f"{codes_diff} | {err:.2f} |", flush=True)
@@ -204,6 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes only (CI smoke test; runs on CPU)")
     p.add_argument("--check", action="store_true", help="compare with the PyTorch oracle first")
     p.add_argument("--sweep", action="store_true", help="time INT4 tile/rotation/division variants")
+    p.add_argument("--compare", action="store_true",
+                   help="old (fused) vs new (split) INT4 and INT8/FP8/bf16, each checked, instead of the main table")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 262144])
@@ -222,7 +264,9 @@ def run(args) -> int:
         print(f"\nworst fraction of rows differing from the oracle: {worst:.2e}")
     if args.sweep:
         run_sweep(args, device)
-    if not args.no_table:
+    if args.compare:
+        run_compare(args, device)
+    elif not args.no_table:
         run_table(args, device)
     return 0
 
