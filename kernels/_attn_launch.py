@@ -51,7 +51,12 @@ DECODE_WARPS = 4
 DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
-DECODE_V2 = 1  # quantized decode: 0 = old kernel, 1 = _attn_decode_kernel, 2 = same + register prefetch
+# Quantized decode kernel per mode: 0 = _attn_kernel / _attn_int4_kernel (v1), 1 = _attn_decode_kernel
+# (v2), 2 = v2 + register prefetch. H200, docs/bench/attention.md: v2 is 1.5-1.8x faster than v1 for
+# INT4 at batch >= 8; for INT8/FP8 v1 and v2 are within a few % (v1 ahead in the last run); v2 + prefetch
+# was slower everywhere.
+DECODE_V2 = {KVQuantMode.INT8_PER_TOKEN_HEAD: 0, KVQuantMode.FP8_PER_TOKEN_HEAD: 0,
+             KVQuantMode.INT4_PER_TOKEN_HEAD: 1}
 DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
@@ -144,7 +149,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
-    v2 = DECODE_V2 if mode != KVQuantMode.NONE and segs > 1 and pow2 else 0
+    v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 

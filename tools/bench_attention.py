@@ -180,12 +180,12 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
                 us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
                 log(f"{name} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
                 if compare:
+                    if name == "bf16":
+                        base_us = us
                     rows.append(dict(mode=name + ("" if MODES[name] == KVQuantMode.NONE else
                                                   (" v1", " v2", " v2p")[cfg.v2]), batch=batch, ctx=ctx,
                                      q_len=q_len, us=us, err=err, cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
                                      vs_bf16=(base_us / us) if base_us else float("nan")))
-                    if name == "bf16":
-                        base_us = us
                 if err <= 1e-2 and (best is None or us < best[0]):
                     best = (us, cfg, err)
             if best is None:
