@@ -267,9 +267,11 @@ def default_int4_config(head_size: int, on_cpu: bool) -> dict:
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0,
                     kernel="fused", num_stages=None)
-    # split: 64 rows x 128 fp32 per 4 warps fits ~120 registers (head_size 256: 8 warps); see docs/bench/write.md
-    return dict(rows=64, num_warps=8 if head_size > 128 else 4, rotation="dot", div="markstein",
-                programs_per_sm=3, kernel="split", num_stages=2)
+    # GPU default: the fused K+V kernel. The split kernel (kernel="split") halves registers
+    # offline but measured no faster at 64k token-heads on the H200 (320.8 vs 304.0 us) and, with
+    # num_stages=2, left 1 row (2 codes) of the 65,536-token check different from the oracle where the fused kernel left
+    # none; it stays selectable until that is understood (docs/bench/write.md, 2026-11-29).
+    return fused_int4_config(head_size)
 
 
 def fused_int4_config(head_size: int) -> dict:
