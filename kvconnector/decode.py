@@ -154,7 +154,7 @@ class DecodeEndpoint:
     def close(self) -> None:
         if self._loop is not None:
             for h in list(self._pending.values()):
-                wait(h.jobs, timeout=10)
+                wait(list(h.jobs), timeout=10)
                 h.fail(PeerError(f"pull {h.transfer_id!r}: endpoint closed"))
             self._loop.close()
         if self._workers is not None:
@@ -194,7 +194,7 @@ class DecodeEndpoint:
         self.metrics.fail(reason)
         if tell_peer:
             self._send(Header(MsgType.ABORT, tid=h.transfer_id, code=reason, msg=str(err)[:200]))
-        wait(h.jobs, timeout=10)   # verified writes still running: let them end before blocks are reported failed
+        wait(list(h.jobs), timeout=10)   # verified writes still running: let them end before blocks are reported failed
         h.fail(err)
 
     def _abort(self, tid: str) -> None:

@@ -61,6 +61,14 @@ class BufferPool:
     def __init__(self, max_buffers: int = 8) -> None:
         self._free: list = []     # [tensor, tracker or None]
         self.max_buffers = max_buffers
+        self._views: dict = {}    # id(cache) -> (cache, numpy byte view); one endpoint's caches
+
+    def cpu_view(self, cache: torch.Tensor, geo: CacheGeometry):
+        """Numpy byte view ``[num_blocks, 2, N, H, P]`` of a CPU cache, made once per cache."""
+        hit = self._views.get(id(cache))
+        if hit is None or hit[0] is not cache:
+            hit = self._views[id(cache)] = (cache, as_bytes(cache, geo).numpy())
+        return hit[1]
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         for i, (buf, tracker) in enumerate(self._free):
@@ -111,8 +119,6 @@ class Stream:
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         self.pool = pool or BufferPool()
-        # CPU caches: numpy byte views [num_blocks, 2, N, H, P], made once per layer
-        self._views = [None] * len(caches) if copy_stream is None else None
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         self._plan = deque((layer, first) for layer in range(len(caches))
                            for first in range(0, len(block_ids), self.chunk_blocks))
@@ -139,9 +145,7 @@ class Stream:
         """Payload frames of one chunk and the pooled buffer they use (None when zero copy)."""
         block_runs = runs(ids)
         run_bytes = len(ids) * self.geo.block_bytes // len(block_runs)
-        view = self._views[layer]
-        if view is None:
-            view = self._views[layer] = as_bytes(self.caches[layer], self.geo).numpy()
+        view = self.pool.cpu_view(self.caches[layer], self.geo)
         if self.full_heads and run_bytes >= MIN_FRAME_BYTES:
             # zero copy out of the cache: one frame per run of consecutive ids
             return [view[b:b + k].reshape(-1) for _, b, k in block_runs], None

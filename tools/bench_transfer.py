@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -190,10 +191,13 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     chunk = int(args.chunk_mb * (1 << 20))
     order = "contiguous" if args.contiguous else "scattered"
+    from kvconnector.decode import default_copy_threads
+    from kvconnector.sender import stage_threads
     where = "sender on a thread (one process)" if args.in_process else "sender in a spawned process"
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
-          f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}")
+          f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
+          f"stage threads {stage_threads()}, copy threads {default_copy_threads() if device == 'cpu' else 0}")
     print("| mode | blocks | MiB | msgs | connector ms | GB/s | CPU ms | pyzmq ms | GB/s | CPU ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []

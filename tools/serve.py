@@ -123,6 +123,12 @@ def run(args) -> int:
         end = time.monotonic() + args.duration_s if args.duration_s > 0 else float("inf")
         while not stop.wait(0.2) and time.monotonic() < end:
             pass
+        drain_until = time.monotonic() + 2.0   # pulls still streaming or awaiting their ACK
+        while time.monotonic() < drain_until:
+            stats = pre.stats()
+            if stats["transfers_started"] <= stats["transfers_completed"] + stats["transfers_failed"]:
+                break
+            time.sleep(0.02)
         stats = pre.stats()
     print(json.dumps({"released": released, "bytes_sent": stats["bytes_sent"],
                       "transfers_completed": stats["transfers_completed"],
