@@ -27,3 +27,12 @@ def test_quickstart_reports_every_mode():
     assert int(lines["auto"][1]) == 2 * 16 * 4 * 128 and int(lines["int4_per_token_head"][1]) == 2 * 16 * 4 * 36
     attn_err = {m: float(v[5]) for m, v in lines.items() if m.endswith("head")}
     assert attn_err["int8_per_token_head"] < 0.02 < attn_err["int4_per_token_head"] < 0.25
+
+
+def test_bench_kernels_dispatches_to_a_part():
+    r = _cli("bench-kernels", "--part", "write", "--quick")
+    assert r.returncode == 0, r.stderr
+    assert "# bench-kernels: write" in r.stdout and "| int4 |" in r.stdout
+    assert "# bench-kernels: attention" not in r.stdout
+    r = _cli("bench-kernels", "--", "--quick")
+    assert r.returncode != 0 and "need one --part" in r.stderr
