@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per layer at 1k tokens)")
     p.add_argument("--rope-style", default="interleaved", choices=("interleaved", "neox"),
                    help="head-dim order of Q/K: GGUF's interleaved order or Hugging Face's (neox)")
+    p.add_argument("--shrink", default=None, metavar="F,F,...",
+                   help="range factors of the int4-mse encoder (first must be 1.0; default "
+                        "1.0,0.95,0.9,0.85,0.8,0.75)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write per-layer K/V error and KL plots")
@@ -62,6 +66,14 @@ def run(args) -> int:
     if bad:
         print(f"unknown variant(s) {bad}; choose from {', '.join(DEFAULT_VARIANTS)}", file=sys.stderr)
         return 2
+    variants = dict(VARIANTS)
+    if args.shrink:
+        try:
+            shrink = tuple(float(f) for f in args.shrink.split(","))
+        except ValueError:
+            print(f"--shrink: expected comma-separated floats, got {args.shrink!r}", file=sys.stderr)
+            return 2
+        variants["int4-mse"] = dataclasses.replace(VARIANTS["int4-mse"], int4_shrink=shrink)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend
     if backend == "auto":
@@ -83,12 +95,15 @@ def run(args) -> int:
     print(f"text: {text_path}, {args.windows} window(s) of {args.tokens} tokens, each teacher-forced in one "
           f"prefill; device {device}; kernels: {describe_backend(backend)}"
           f"{' (Triton interpreter)' if device.type == 'cpu' and backend != 'reference' else ''}")
+    if "int4-mse" in names:
+        print(f"int4-mse: range shrink factors {variants['int4-mse'].int4_shrink} (least squared error per row)")
     runner = LlamaRunner(weights)
     windows = []
     for w in range(args.windows):
         ids = all_ids[w * args.tokens:(w + 1) * args.tokens]
         token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        windows.append(_evaluate_window(runner, token_ids, names, backend, args.block_size, w, args.windows))
+        windows.append(_evaluate_window(runner, token_ids, names, variants, backend, args.block_size, w,
+                                        args.windows))
     rows, nll = _aggregate(windows, names)
     _print_tables(rows, nll, args.tokens, args.windows)
     if args.plot:
@@ -96,28 +111,28 @@ def run(args) -> int:
         print(f"plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"text": text_path, "tokens": args.tokens, "windows": args.windows, "backend": backend,
+            json.dump({"shrink": list(variants["int4-mse"].int4_shrink), "text": text_path, "tokens": args.tokens, "windows": args.windows, "backend": backend,
                        "device": str(device), "model": weights.source, "rope_style": args.rope_style, "bf16_nll": nll,
                        "rows": rows}, f, indent=1)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 
 
-def _evaluate_window(runner, token_ids, names, backend, block_size, w, num_windows):
+def _evaluate_window(runner, token_ids, names, variants, backend, block_size, w, num_windows):
     """All variants on one window: ``(rows, bf16 NLL)``, rows as in :func:`_print_tables`."""
-    from tools.llama.accuracy import VARIANTS, compare, roundtrip_errors, run_variant
+    from tools.llama.accuracy import compare, roundtrip_errors, run_variant
 
     results = {}
     tag = f"[{w + 1}/{num_windows}] " if num_windows > 1 else ""
     for name in ["bf16"] + names:
-        res = run_variant(runner, token_ids, VARIANTS[name], backend, block_size, keep_kv=(name == "bf16"),
+        res = run_variant(runner, token_ids, variants[name], backend, block_size, keep_kv=(name == "bf16"),
                           progress=_progress(tag + name, runner.config.num_layers))
         results[name] = res
     base = results["bf16"]
     rows = []
     for name in names:
         m = compare(base, results[name])
-        k_err, v_err = roundtrip_errors(base.kv, VARIANTS[name], backend, block_size)
+        k_err, v_err = roundtrip_errors(base.kv, variants[name], backend, block_size)
         rows.append({"variant": name, "top1": m["top1"], "kl": m["kl"],
                      "nll": _nll(results[name].logprobs, token_ids), "key_err": k_err, "value_err": v_err})
     return rows, _nll(base.logprobs, token_ids)
