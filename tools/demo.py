@@ -70,6 +70,7 @@ def run(args) -> int:
         print("--max-new-tokens and --max-prompt-tokens must be >= 1", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device_used = device
     try:
         spec = _spec(args, device)
     except ValueError as e:
@@ -158,7 +159,9 @@ def _summary(pre: dict, dec: dict, ref, args, total_s: float) -> dict:
           f"{'match' if dec['hashes_ok'] else 'DIFFER'}")
     bf16_bytes = dec["bytes"] * _bf16_ratio(args.mode)
     print(f"                       (a bf16 cache would move {bf16_bytes:,.0f} B: {dec['bytes'] / bf16_bytes:.3f}x)")
-    print(f"decode                 {n_new} tokens in {dec['decode_s']:.2f} s ({decode_tps:.2f} tok/s after the first)")
+    print(f"decode                 {n_new} tokens in {dec['decode_s']:.2f} s ({decode_tps:.2f} tok/s after the first)"
+          + ("\n                       (CPU: the Triton kernels run in Triton's Python interpreter; "
+             "speed here is not kernel speed)" if args.device_used == "cpu" else ""))
     out = {"mode": args.mode, "prompt_tokens": len(pre["prompt_ids"]), "tokens": dec["tokens"], "text": dec["text"],
            "prefill_s": pre["prefill_s"], "bytes": dec["bytes"], "pull_s": dec["pull_s"],
            "decode_s": dec["decode_s"], "decode_tok_s": decode_tps, "hashes_ok": dec["hashes_ok"],
