@@ -150,3 +150,19 @@ def test_eval_smoke(tmp_path):
     # the synthetic keys carry outlier channels: the Hadamard rotation must lower INT4 key error
     assert max(rows["int4"]["key_err"]) < min(rows["int4-norot"]["key_err"])
     assert max(rows["int8"]["key_err"]) < min(rows["int4"]["key_err"])
+
+
+def test_reference_forward_kv_transform_hook():
+    # the hook used by tools/check_anchor.py: identity changes nothing; a real round trip moves
+    # the logits a little (INT8), a destructive one a lot
+    weights = synthetic_weights(TINY, seed=7)
+    ids = torch.arange(1, 9)
+    base = reference_forward(weights, ids, act_dtype=None)
+    assert torch.equal(reference_forward(weights, ids, act_dtype=None, kv_transform=lambda x: x), base)
+    from kernels.reference import dequantize_rows, quantize_rows
+    from layouts import KVQuantMode
+    m = KVQuantMode.INT8_PER_TOKEN_HEAD
+    int8 = reference_forward(weights, ids, act_dtype=None, kv_transform=lambda x: dequantize_rows(*quantize_rows(x, m), m))
+    zero = reference_forward(weights, ids, act_dtype=None, kv_transform=torch.zeros_like)
+    d_int8, d_zero = (int8 - base).norm() / base.norm(), (zero - base).norm() / base.norm()
+    assert 0 < d_int8 < 0.05 < d_zero

@@ -74,7 +74,7 @@ def _logits(weights: LlamaWeights, h: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_forward(weights: LlamaWeights, token_ids: torch.Tensor,
-                      act_dtype: Optional[torch.dtype] = torch.bfloat16) -> torch.Tensor:
+                      act_dtype: Optional[torch.dtype] = torch.bfloat16, kv_transform=None) -> torch.Tensor:
     """Dense causal forward of one sequence, no cache (the oracle of :class:`LlamaRunner`).
 
     Parameters
@@ -82,6 +82,9 @@ def reference_forward(weights: LlamaWeights, token_ids: torch.Tensor,
     token_ids : [num_tokens] int64
     act_dtype : dtype q/k/v and the attention output are rounded to (as the paged path does
         at the kernel boundary), or None to stay in float32.
+    kv_transform : callable, optional
+        Applied to each layer's K and V ``[num_tokens, num_kv_heads, head_size]`` float32 before
+        attention (e.g. a quantize -> dequantize round trip: "fake quantization").
 
     Returns
     -------
@@ -97,6 +100,8 @@ def reference_forward(weights: LlamaWeights, token_ids: torch.Tensor,
     h = weights.embedding[token_ids]
     for layer in weights.layers:
         q, k, v = (rnd(t) for t in _qkv(cfg, layer, h, cos, sin))
+        if kv_transform is not None:
+            k, v = kv_transform(k), kv_transform(v)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q, k) * cfg.head_size ** -0.5
