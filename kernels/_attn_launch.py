@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -195,7 +194,6 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
     """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
     num_tokens, num_q_heads = q.shape[:2]
-    num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0:
         return out
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD

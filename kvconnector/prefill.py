@@ -24,7 +24,7 @@ from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, Protoco
                      TransferError, check_compatible)
 from .blocks import slice_bytes
 from .metrics import Metrics
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, encode_message
+from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
 from .security import start_authenticator
 from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket

@@ -17,7 +17,6 @@ variants of the decode rows, for tuning).
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 

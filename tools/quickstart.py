@@ -9,7 +9,7 @@ import torch
 
 from kernels.reference import (dequantize_rows, reference_reshape_and_cache,
                                reference_unified_attention)
-from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor, split_kv_cache
+from layouts import CacheGeometry, LayoutDescriptor, split_kv_cache
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
