@@ -1,7 +1,7 @@
 """Shared launcher logic of the paged attention kernels: validation, tiling heuristics, launch.
 
 ``unified_attention`` (kernels/attention.py) and ``unified_attention_int4``
-(kernels/attention_int4.py) both go through :func:`launch_attention`.
+(kernels/attention_int4.py) both go through :func:`attend` (validate, pick the path, launch).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting
+from .reference import rht_signs
 
 _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
@@ -187,6 +188,28 @@ def _kv_align(k, v) -> int:
     while align > 1 and g % align:
         align //= 2
     return align
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_signs(head_size: int, device: torch.device) -> torch.Tensor:
+    return rht_signs(head_size, device).contiguous()
+
+
+def attend(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+           window_size, block_table, softcap, mode, k_scale_cache, v_scale_cache, *, seq_threshold_3D=None,
+           num_par_softmax_segments=None, segm_output=None, segm_max=None, segm_expsum=None,
+           config: "AttnConfig | None" = None):
+    """Validate, pick the path (unless ``config`` is given) and launch; the body of both public
+    entry points (``kernels.unified_attention``, ``kernels.unified_attention_int4``)."""
+    head_size, _, group = validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode,
+                                   k_scale_cache, v_scale_cache, window_size, softcap, max_seqlen_q)
+    cfg = config or pick_config(mode, q, group, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
+                                segm_output, num_par_softmax_segments, seq_threshold_3D)
+    signs = _int4_signs(head_size, q.device) if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else None
+    return launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
+                            window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg, head_size,
+                            group, signs=signs, segm_output=segm_output, segm_max=segm_max,
+                            segm_expsum=segm_expsum)
 
 
 def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,

@@ -24,7 +24,7 @@ from typing import Optional
 
 from layouts import KVQuantMode
 
-from ._attn_launch import AttnConfig, launch_attention, pick_config, validate
+from ._attn_launch import AttnConfig, attend
 from .attention_int4 import unified_attention_int4
 
 
@@ -77,11 +77,8 @@ def unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_s
             seq_threshold_3D=seq_threshold_3D, num_par_softmax_segments=num_par_softmax_segments,
             softmax_segm_output=softmax_segm_output, softmax_segm_max=softmax_segm_max,
             softmax_segm_expsum=softmax_segm_expsum, config=config)
-    head_size, _, group = validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode,
-                                   k_scale_cache, v_scale_cache, window_size, softcap, max_seqlen_q)
-    cfg = config or pick_config(mode, q, group, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
-                                softmax_segm_output, num_par_softmax_segments, seq_threshold_3D)
-    return launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
-                            window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg, head_size,
-                            group, segm_output=softmax_segm_output, segm_max=softmax_segm_max,
-                            segm_expsum=softmax_segm_expsum)
+    return attend(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_size, block_table, softcap, mode, k_scale_cache, v_scale_cache,
+                  seq_threshold_3D=seq_threshold_3D, num_par_softmax_segments=num_par_softmax_segments,
+                  segm_output=softmax_segm_output, segm_max=softmax_segm_max,
+                  segm_expsum=softmax_segm_expsum, config=config)

@@ -9,20 +9,11 @@ tiles, and the output is inverse-rotated once per query row. Causal and non-caus
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
-
-import torch
 
 from layouts import KVQuantMode
 
-from ._attn_launch import AttnConfig, launch_attention, pick_config, validate
-from .reference import rht_signs
-
-
-@functools.lru_cache(maxsize=None)
-def _signs(head_size: int, device: torch.device) -> torch.Tensor:
-    return rht_signs(head_size, device).contiguous()
+from ._attn_launch import AttnConfig, attend
 
 
 def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -55,12 +46,8 @@ def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, 
     -------
     out
     """
-    mode = KVQuantMode.INT4_PER_TOKEN_HEAD
-    head_size, _, group = validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode,
-                                   k_scale_cache, v_scale_cache, window_size, softcap, max_seqlen_q)
-    cfg = config or pick_config(mode, q, group, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
-                                softmax_segm_output, num_par_softmax_segments, seq_threshold_3D)
-    return launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
-                            window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg, head_size,
-                            group, signs=_signs(head_size, q.device), segm_output=softmax_segm_output,
-                            segm_max=softmax_segm_max, segm_expsum=softmax_segm_expsum)
+    return attend(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_size, block_table, softcap, KVQuantMode.INT4_PER_TOKEN_HEAD, k_scale_cache,
+                  v_scale_cache, seq_threshold_3D=seq_threshold_3D,
+                  num_par_softmax_segments=num_par_softmax_segments, segm_output=softmax_segm_output,
+                  segm_max=softmax_segm_max, segm_expsum=softmax_segm_expsum, config=config)
