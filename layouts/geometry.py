@@ -124,7 +124,7 @@ class CacheGeometry:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty(0, dtype=self.storage_dtype).element_size()
+        return self.storage_dtype.itemsize
 
     @property
     def row_bytes(self) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from kernels.reference import (dequantize_rows, reference_reshape_and_cache,
                                reference_unified_attention)
-from layouts import CacheGeometry, LayoutDescriptor, split_kv_cache
+from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode, split_kv_cache
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
@@ -28,8 +28,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(args) -> int:
-    from layouts import get_kv_quant_mode
-
     g = torch.Generator().manual_seed(args.seed)
     n, h, d, bs = args.tokens, args.kv_heads, args.head_size, args.block_size
     k = torch.randn(n, h, d, generator=g).bfloat16()
