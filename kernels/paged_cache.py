@@ -22,23 +22,10 @@ from layouts import (CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, 
 BACKENDS = ("triton", "reference", "triton-write")
 
 
-def _importable(module: str) -> bool:
-    try:
-        __import__(f"kernels.{module}")
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available() -> bool:
-    """True when the project's Triton write and attention kernels can both be imported."""
-    return _importable("write") and _importable("attention")
-
-
 def resolve_backend(backend: str = "auto") -> str:
-    """``"auto"`` -> ``"triton"`` when the Triton kernels exist, else ``"reference"``."""
+    """``"auto"`` -> ``"triton"`` (the project's kernels); other names are checked and returned."""
     if backend == "auto":
-        return "triton" if triton_available() else "reference"
+        return "triton"
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     return backend

@@ -23,7 +23,7 @@ from tools.llama.gguf_reader import unpermute_qk
 from tools.llama.model import apply_rope, rope_tables
 
 HAVE_SMOLLM2 = find_gguf_path() is not None
-BACKEND = resolve_backend("auto")  # the Triton kernels (interpreted on CPU) when they exist
+BACKEND = resolve_backend("auto")  # the Triton kernels (interpreted on CPU)
 TINY = dataclasses.replace(LlamaConfig(), num_layers=2, vocab_size=512, hidden_size=128,
                            intermediate_size=256, num_q_heads=4, num_kv_heads=2, head_size=32)
 

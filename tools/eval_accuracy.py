@@ -77,10 +77,8 @@ def run(args) -> int:
         variants["int4-mse"] = dataclasses.replace(VARIANTS["int4-mse"], int4_shrink=shrink)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend
-    if backend == "auto":
-        backend = resolve_backend("auto")
-        if backend == "triton" and device.type == "cpu":
-            backend = "triton-write"
+    if backend == "auto":  # on CPU the interpreted attention kernel would take minutes per layer
+        backend = "triton-write" if device.type == "cpu" else "triton"
     backend = resolve_backend(backend)
     t0 = time.perf_counter()
     weights, tok = load_model(args.model, rope_style=args.rope_style, synthetic_layers=args.synthetic_layers,
