@@ -33,7 +33,7 @@ from ._jit import dual_jit, interpreting
 from ._write_checks import cache_alignment, check_write_args, scale_bits_view
 from ._write_math import (int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk, row_min_max,
                           to_model_dtype)
-from ._write_int4_split import _reshape_and_cache_int4_split_kernel
+from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
 from .reference import rht_signs
 
 ROTATIONS = ("butterfly", "dot")
@@ -54,6 +54,19 @@ def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> t
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     s = rht_signs(head_size).view(-1, ch, 1)
     return (s * h).to(dtype=dtype, device=device).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def device_signs(head_size: int, device: str) -> torch.Tensor:
+    """The RHT signs as a float32 tensor on ``device``, made once (a pageable host-to-device copy
+    per call would synchronize the stream and idle the GPU between writes)."""
+    return rht_signs(head_size, device)
+
+
+@functools.lru_cache(maxsize=64)
+def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
+    """The MSE range factors as a float32 tensor on ``device``, made once per tuple."""
+    return torch.tensor(shrink, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -180,19 +193,22 @@ def _reshape_and_cache_int4_kernel(
 
 
 def default_int4_config(head_size: int, on_cpu: bool) -> dict:
-    """Tile rows, warps, rotation, division and programs per SM used when the caller names none."""
+    """Kernel, tile rows, warps, rotation, division and programs per SM used when the caller names none."""
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0,
                     kernel="fused", num_stages=None)
-    # GPU default: the fused K+V kernel. The split kernel (kernel="split") halves registers
-    # offline but measured no faster at 64k token-heads on the H200 (320.8 vs 304.0 us) and, with
-    # num_stages=2, left 1 row (2 codes) of the 65,536-token check different from the oracle where the fused kernel left
-    # none; it stays selectable until that is understood (docs/bench/write.md, 2026-11-29).
+    if head_size in LANE_BITS:
+        # GPU default: the shuffle kernel (bit-identical to the oracle, bf16 and fp16). On the H200 at
+        # 65,536 tokens x 8 heads it measured 126 / 210 / 242 us for head_size 64 / 128 / 256 against
+        # 118 / 231 / 263 us for the fused tl.dot kernel (docs/bench/write.md, 2026-11-29); its time
+        # did not move with rows or warps (issue-bound), so the tiles stay small.
+        return dict(rows={64: 64, 128: 32}.get(head_size, 8), num_warps={64: 8, 128: 4}.get(head_size, 2),
+                    rotation="butterfly", div="markstein", programs_per_sm=0, kernel="lanes", num_stages=None)
     return fused_int4_config(head_size)
 
 
 def fused_int4_config(head_size: int) -> dict:
-    """The fused K+V kernel's GPU tuning (the default before the split kernel; kept for comparison)."""
+    """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
                 rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None)
 
@@ -219,12 +235,13 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ``(1.0,)`` (default) is the SPEC/vLLM encoder. The first factor must be 1.0.
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
         The kernel never writes outside the cache either way: unchecked bad slots are skipped.
-    **tuning : ``kernel`` ("split": K and V in separate programs, dot rotation, exact division,
-        the GPU default; "fused": one program does K then V, the CPU default; the butterfly or
-        another division selects "fused"), ``rows``, ``num_warps``, ``num_stages``, ``rotation``
-        ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (programs
-        resident per SM, K and V together for "split"; 0: one tile per program); benchmarks
-        only. Naming ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
+    **tuning : ``kernel`` ("lanes": the shuffle kernel of ``_write_int4_lanes``, bit-identical to
+        the oracle, the GPU default for head_size 16..256; "fused": ``tl.dot`` or butterfly rotation,
+        the CPU default and the GPU kernel for the MSE encoder and wider rows; naming a ``rotation``
+        or a ``div`` selects it), ``rows``, ``num_warps``, ``num_stages``, ``rotation``
+        ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
+        programs resident per SM; 0: one tile per program); benchmarks only. Naming
+        ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
 
     Raises
     ------
@@ -242,15 +259,15 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     if unknown:
         raise TypeError(f"reshape_and_cache_int4: unknown tuning keywords {sorted(unknown)}")
     kernel = tuning.get("kernel")
-    if kernel is None:  # the split kernel rotates with tl.dot and divides exactly (markstein) only
-        fused_only = tuning.get("rotation") == "butterfly" or tuning.get("div", "markstein") != "markstein"
+    if kernel is None:  # naming a rotation or a division selects the fused kernel, which has them
+        fused_only = "rotation" in tuning or tuning.get("div", "markstein") != "markstein"
         kernel = "fused" if fused_only else cfg["kernel"]
-    if kernel not in ("fused", "split"):
-        raise ValueError(f"kernel: expected 'fused' or 'split', got {kernel!r}")
-    if kernel == "split" and (len(shrink) > 1 or shape.head_size > 256):
-        kernel = "fused"  # the MSE encoder and rows wider than two dot tiles stay fused
-    if kernel == "fused" and not cpu:
-        cfg = fused_int4_config(shape.head_size)
+    if kernel not in ("fused", "lanes"):
+        raise ValueError(f"kernel: expected 'fused' or 'lanes', got {kernel!r}")
+    if kernel == "lanes" and (len(shrink) > 1 or shape.head_size not in LANE_BITS):
+        kernel = "fused"  # the MSE encoder and rows wider than one warp's 32 lanes x 8 stay fused
+    if kernel != cfg["kernel"]:
+        cfg = fused_int4_config(shape.head_size) if not cpu and kernel == "fused" else dict(cfg)
     cfg.update({k: v for k, v in tuning.items() if v is not None}, kernel=kernel)
     if cfg["rotation"] not in ROTATIONS or cfg["div"] not in DIVISIONS:
         raise ValueError(f"rotation/div: expected one of {ROTATIONS} / {tuple(DIVISIONS)}, got "
@@ -261,28 +278,27 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     d, rows = shape.head_size, cfg["rows"]
     ch = chunk_size(d)
     dot = cfg["rotation"] == "dot" and ch <= 128  # wider dot tiles would not fit shared memory
-    rot = signed_hadamard_chunks(d, key.dtype, str(key.device)) if dot else rht_signs(d, key.device)
-    shrink_t = torch.tensor(shrink, dtype=torch.float32, device=key.device)
+    dev = str(key.device)
+    rot = signed_hadamard_chunks(d, key.dtype, dev) if dot else device_signs(d, dev)
+    shrink_t = device_shrink(shrink, dev)
     ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
     num_tiles = triton.cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
-    split = cfg["kernel"] == "split"
     programs = num_tiles
     if not cpu and cfg["programs_per_sm"]:
         sms = torch.cuda.get_device_properties(key.device).multi_processor_count
-        programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"] // (2 if split else 1)))
+        programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"]))
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
-    if split:
-        rot = signed_hadamard_chunks(d, key.dtype, str(key.device))
+    if cfg["kernel"] == "lanes":
         contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
-        _reshape_and_cache_int4_split_kernel[(programs, 2)](
-            key, value, key_cache, value_cache, ks, vs, slot_mapping, rot,
-            num_rows, num_tiles, shape.num_blocks * shape.block_size,
+        _reshape_and_cache_int4_lanes_kernel[(num_tiles, 2)](
+            key, value, key_cache, value_cache, ks, vs, slot_mapping, device_signs(d, dev),
+            num_rows, shape.num_blocks * shape.block_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
             ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-            ROWS=rows, CH=ch, SPLIT=ch != d, INTERPRET=cpu, CACHE_ALIGN=align,
-            NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
+            ROWS=rows, D=d, LOG2_D=d.bit_length() - 1, FWHT_ASM=fwht_asm(LANE_BITS[d]), INTERPRET=cpu,
+            CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
         return
     _reshape_and_cache_int4_kernel[(programs,)](

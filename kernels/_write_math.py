@@ -172,7 +172,7 @@ def pack_nibbles(q, ROWS: tl.constexpr, N: tl.constexpr):
     return (even | (odd << 4)).to(tl.uint8)
 
 
-# --- helpers of the split INT4 kernel (fewer instructions per element on the GPU) ---
+# --- helpers of the shuffle INT4 kernel (fewer instructions per element on the GPU) ---
 
 
 @triton.jit

@@ -171,10 +171,12 @@ def test_int4_rotations(rotation, d):
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [16, 128, 256], ids=["h16", "h128", "h256"])
-def test_int4_split_kernel(d, strided):
-    """The split kernel (K and V in separate programs, the GPU default) on edge rows and both input layouts."""
-    key, value = _inputs(40, d, torch.bfloat16, seed=5)
+def test_int4_lanes_kernel(d, strided, dtype):
+    """The shuffle kernel (the GPU default) on edge rows, both input layouts and both model dtypes:
+    byte for byte the oracle's (on CPU it runs the oracle's butterfly; the CUDA test below checks the shuffles)."""
+    key, value = _inputs(40, d, dtype, seed=5)
     key[3, 1], value[5, 0, 7], key[6], value[8, 1] = float("nan"), float("inf"), 0.0, 0.0
     value[8, 1, 0] = -3.0  # one-sided row
     if strided:  # K and V as slices of one [T, 2, H, d] buffer: per-row offsets instead of one stretch
@@ -182,17 +184,15 @@ def test_int4_split_kernel(d, strided):
         key, value = kv[:, 0], kv[:, 1]
     slots = torch.randperm(64)[:40]
     slots[::7] = -1
-    ref, got = (_cache(M.INT4_PER_TOKEN_HEAD, d, 4, torch.bfloat16, packed=True) for _ in range(2))
+    ref, got = (_cache(M.INT4_PER_TOKEN_HEAD, d, 4, dtype, packed=True) for _ in range(2))
     keep = slots >= 0
     blk, off = slots[keep] // BS, slots[keep] % BS
     for x, kc, sc in ((key, ref[1].key_cache, ref[1].k_scale_cache), (value, ref[1].value_cache, ref[1].v_scale_cache)):
         kc[blk, off], sc[blk, off] = quantize_int4_rows(x[keep])
     v = got[1]
     reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
-                           kernel="split")
-    diff = (_bytes(ref[0]).view(-1, ref[0].shape[-1]) != _bytes(got[0]).view(-1, got[0].shape[-1])).any(-1)
-    # dot rotation: fp32 sums in another order may round a value to the neighbouring bf16 (see above)
-    assert int(diff.sum()) <= H
+                           kernel="lanes")
+    assert torch.equal(_bytes(ref[0]), _bytes(got[0]))
 
 
 @pytest.mark.parametrize("d", [64, 256], ids=["h64", "h256"])
@@ -302,22 +302,32 @@ def test_bench_quick_smoke(capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["h64", "h128", "h256"])
 @pytest.mark.parametrize("mode_name", list(MODES), ids=list(MODES))
-def test_cuda_matches_oracle(mode_name):
+def test_cuda_matches_oracle(mode_name, d, dtype):
+    """Every GPU default byte for byte the oracle's, INT4 included (the shuffle kernel adds in the
+    oracle's order); the fused tl.dot INT4 kernel within its tie bound."""
     mode = MODES[mode_name]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    key = torch.randn(4096, H, 128, device="cuda", generator=g).to(torch.bfloat16)
-    value = torch.randn(4096, H, 128, device="cuda", generator=g).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(d)
+    key = torch.randn(4096, H, d, device="cuda", generator=g).to(dtype)
+    value = torch.randn(4096, H, d, device="cuda", generator=g).to(dtype)
+    key[7, 1], value[9, 0, 3], key[11] = float("nan"), float("inf"), 0.0
     slots = torch.randperm(4096 + BS, device="cuda")[:4096]
-    geo = CacheGeometry(mode, 128, H, BS, torch.bfloat16)
-    caches = [geo.new_cache(4096 // BS + 1, "cuda") for _ in range(2)]
+    slots[::97] = -1
+    geo = CacheGeometry(mode, d, H, BS, dtype)
+    caches = [geo.new_cache(4096 // BS + 1, "cuda") for _ in range(3)]
     for c in caches:
         c.view(torch.uint8).fill_(POISON)
-    vs = [split_kv_cache(c, mode, 128) for c in caches]
+    vs = [split_kv_cache(c, mode, d) for c in caches]
     reference_reshape_and_cache(key, value, vs[0].key_cache, vs[0].value_cache, slots, mode,
                                 vs[0].k_scale_cache, vs[0].v_scale_cache)
     _write(mode, key, value, slots, vs[1])
-    diff_rows = (caches[0].view(torch.uint8) != caches[1].view(torch.uint8)).any(-1).sum().item()
-    # INT4 rotates with tl.dot on the GPU: fp32 sums in another order than the oracle's butterfly
-    # can round a rotated value to the neighbouring bf16; measured well under 1e-3 of the rows.
-    assert diff_rows <= (2 * 4096 * H * 1e-3 if mode == M.INT4_PER_TOKEN_HEAD else 0)
+    rows = lambda c: (caches[0].view(torch.uint8) != c.view(torch.uint8)).any(-1).sum().item()  # noqa: E731
+    assert rows(caches[1]) == 0
+    if mode == M.INT4_PER_TOKEN_HEAD:
+        reshape_and_cache_int4(key, value, vs[2].key_cache, vs[2].value_cache, slots, vs[2].k_scale_cache,
+                               vs[2].v_scale_cache, kernel="fused")
+        # tl.dot sums in another order than the butterfly: a rotated value can round to the
+        # neighbouring bf16/fp16 (a tie); measured 26 in 1,048,576 rows for fp16 (docs/bench/write.md)
+        assert rows(caches[2]) <= 2 * 4096 * H * 1e-3

@@ -1,0 +1,123 @@
+"""INT4 cache write with the Walsh–Hadamard transform in registers and warp shuffles.
+
+The oracle's fast Walsh–Hadamard transform (``kernels.reference.fwht``: stage ``k`` pairs
+elements ``2**k`` apart, smallest first, fp32 ``a + b`` / ``a - b``) is done where the load
+puts the data: a row of ``d`` bf16/fp16 values is read by ``d / 8`` lanes of one warp, 8
+consecutive values (16 bytes) each. Stages 1, 2 and 4 pair values inside a lane; stage
+``8·2**j`` pairs lane ``l`` with lane ``l ^ 2**j`` (``shfl.sync.bfly``). The same additions in
+the same order give the oracle's bits, so the codes and scales are the oracle's, with no
+``tl.dot``, no shared memory and no barrier (the ``tl.dot`` kernel in ``_write_int4`` stages
+tiles through shared memory and waits on barriers; see docs/bench/write.md).
+
+The shuffle stages assume Triton's coalesced layout for a ``[ROWS, d]`` 16-byte-vector load:
+``sizePerThread [1, 8]``, ``threadsPerWarp [32·8/d, d/8]``, columns fastest, so that
+``inline_asm_elementwise(pack=8)`` receives one lane's 8 consecutive values of one row and
+lane bit ``j`` is column-group bit ``j``. The GPU tests compare every byte with the oracle,
+which any other layout would fail. Through the interpreter (CPU) the same kernel runs the
+oracle's butterfly instead (``fwht_rows``), bit-identical by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from ._jit import dual_jit
+from ._write_math import fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
+
+LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row)
+
+
+@functools.lru_cache(maxsize=None)
+def fwht_asm(lane_bits: int) -> str:
+    """PTX for one lane's 8 values ($8..$15 in, $0..$7 out): the oracle's 3 in-lane stages, then
+    ``lane_bits`` shuffle stages. Every add is ``.rn`` so ptxas cannot contract it into an FMA;
+    the partner's update ``fma(mine, ±1, theirs)`` is exactly ``theirs ± mine`` (one rounding)."""
+    lines = ["{", ".reg .f32 a<8>, b<8>, p, s;", ".reg .b32 l;"]
+    cur, banks = [f"${8 + i}" for i in range(8)], ("a", "b", "a")
+    for k in range(3):  # in-lane stages: pairs (i, i + 2**k)
+        h, out = 1 << k, banks[k]
+        for i in range(8):
+            if not i & h:
+                lines.append(f"add.rn.f32 {out}{i}, {cur[i]}, {cur[i + h]};")
+                lines.append(f"sub.rn.f32 {out}{i + h}, {cur[i]}, {cur[i + h]};")
+        cur = [f"{out}{i}" for i in range(8)]
+    for j in range(lane_bits):  # lane l pairs with l ^ 2**j: lower lane a + b, upper lane a - b
+        lines += ["mov.u32 l, %laneid;", f"bfe.u32 l, l, {j}, 1;", "cvt.rn.f32.u32 s, l;",
+                  "fma.rn.f32 s, s, 0fC0000000, 0f3F800000;"]  # s = 1 - 2·bit: +1 lower, -1 upper
+        for i in range(8):
+            lines.append(f"shfl.sync.bfly.b32 p, a{i}, {1 << j}, 31, -1;")
+            lines.append(f"fma.rn.f32 a{i}, a{i}, s, p;")
+    lines += [f"mov.b32 ${i}, a{i};" for i in range(8)] + ["}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def fwht_lanes(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, FWHT_ASM: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Unnormalised WHT of each row of ``x: [ROWS, D]`` fp32, bit-identical to the oracle's."""
+    if INTERPRET:
+        r = fwht_rows(x, ROWS, D, LOG2_D)
+    else:
+        r = tl.inline_asm_elementwise(FWHT_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
+                                      dtype=tl.float32, is_pure=True, pack=8)
+    return r
+
+
+@dual_jit
+def _reshape_and_cache_int4_lanes_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    slot_mapping_ptr,                # as in _reshape_and_cache_int4_kernel
+    sign_ptr,                        # [head_size] fp32 RHT signs
+    num_rows, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, FWHT_ASM: tl.constexpr,
+    INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+):
+    """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
+    ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency)."""
+    kv = tl.program_id(1) == 0
+    x_ptr = tl.where(kv, key_ptr, value_ptr)
+    cache_ptr = tl.where(kv, key_cache_ptr, value_cache_ptr)
+    scale_ptr = tl.where(kv, k_scale_ptr, v_scale_ptr)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the launcher keeps rows < 2**31
+    valid = rows < num_rows
+    token = rows // NUM_KV_HEADS
+    head = rows - token * NUM_KV_HEADS
+    cols = tl.arange(0, D)
+    if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
+        x_row = x_ptr + (rows.to(tl.int64) * D)[:, None]
+    else:
+        x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
+                         + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
+    x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, D] model dtype
+    r = fwht_lanes(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, D, LOG2_D, FWHT_ASM, INTERPRET)
+    slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
+    mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
+    slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
+    blk = (slot // BLOCK_SIZE).to(tl.int64)
+    off = slot % BLOCK_SIZE
+    # range from the fp32 rotation: rounding to the model dtype is monotone, so the rounded
+    # row's min/max is the rounded min/max; NaN anywhere makes both NaN
+    lo, hi = row_min_max(r, INTERPRET)
+    lo = tl.minimum(round_to_model_f32(lo, x.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(round_to_model_f32(hi, x.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
+    scale, zp, rcp = int4_scale_zp(lo, hi)
+    zph = tl.where(ok, zp + 0.5, float("-inf"))  # -inf: every code clamps to 0
+    q = int4_codes_fast(round_to_model_f32(r, x.dtype, INTERPRET), scale, zph, rcp, INTERPRET)
+    c_row = cache_ptr + ((blk * tl.where(kv, stride_kc_block, stride_vc_block)
+                          + off * tl.where(kv, stride_kc_slot, stride_vc_slot)
+                          + head * tl.where(kv, stride_kc_head, stride_vc_head)) * CACHE_ALIGN)[:, None]
+    half = tl.arange(0, D // 2)
+    tl.store(c_row + half[None, :], pack_nibbles(q, ROWS, D), mask=mask[:, None])
+    bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
+    bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
+    s_off = (blk * tl.where(kv, stride_ks_block, stride_vs_block) + off * tl.where(kv, stride_ks_slot, stride_vs_slot)
+             + head * tl.where(kv, stride_ks_head, stride_vs_head))
+    tl.store(scale_ptr + s_off, bits, mask=mask)
