@@ -40,6 +40,15 @@ def as_bytes(kv_cache: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
     return kv_cache.view(torch.uint8).view(nb, 2, geo.block_size, geo.num_kv_heads, geo.row_bytes)
 
 
+def block_rows(view: np.ndarray) -> np.ndarray:
+    """``[num_blocks, block_bytes]`` uint8 view (never a copy) of a numpy byte view
+    ``[num_blocks, 2, N, H, P]`` made by :func:`as_bytes` (packed strides, so each block's
+    bytes are contiguous and blocks are ``block_bytes`` apart)."""
+    return np.lib.stride_tricks.as_strided(view, shape=(view.shape[0], view[0].nbytes),
+                                           strides=(view.strides[0] if view.shape[0] > 1 else view[0].nbytes, 1),
+                                           writeable=view.flags.writeable)
+
+
 def slice_bytes(geo: CacheGeometry, num_blocks: int, heads: range | None = None) -> int:
     """Bytes of ``num_blocks`` blocks restricted to ``heads`` (all local heads when None)."""
     nh = geo.num_kv_heads if heads is None else len(heads)

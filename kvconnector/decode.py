@@ -22,7 +22,7 @@ import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import as_bytes, copy_runs, scatter_blocks, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, scatter_blocks, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .prefill import check_caches
@@ -79,6 +79,7 @@ class DecodeEndpoint:
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
         self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
+        self._rows = None if self.cuda else [block_rows(v) for v in self._views]   # [num_blocks, block bytes]
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n and not self.cuda else None
 
@@ -319,11 +320,16 @@ class DecodeEndpoint:
         """
         verify_payloads(h, payloads)
         view, pos = self._views[h.layer], h.first
+        full = len(local) == view.shape[3]
         for frame, n in zip(payloads, h.nbytes):
-            src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(-1, *view.shape[1:3], len(local), view.shape[4])
-            k = src.shape[0]
-            copy_runs(view, p.dst_block_ids[pos:pos + k], src, None,
-                      None if len(local) == view.shape[3] else local, head_side="dst")
+            src = np.frombuffer(frame.buffer, dtype=np.uint8)
+            if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
+                k = n // view[0].nbytes
+                self._rows[h.layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
+            else:
+                src = src.reshape(-1, *view.shape[1:3], len(local), view.shape[4])
+                k = src.shape[0]
+                copy_runs(view, p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
             pos += k
 
     def _written(self, p: PullHandle, h: Header, job) -> None:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class PullResult:
@@ -29,6 +31,7 @@ class PullHandle:
     def __init__(self, transfer_id: str, dst_block_ids: list, num_layers: int, heads: tuple,
                  deadline_at: float, on_layer: Callable | None) -> None:
         self.transfer_id, self.dst_block_ids = transfer_id, tuple(dst_block_ids)
+        self.dst_index = np.asarray(self.dst_block_ids, dtype=np.intp)   # for row scatters
         self.num_layers, self.heads, self.deadline_at = num_layers, tuple(heads), deadline_at
         self.on_layer = on_layer
         n = len(dst_block_ids)

@@ -278,6 +278,8 @@ class PrefillEndpoint:
                 if frames is None:
                     self._streams.remove(s)
                     continue
+                if not frames:                     # its buffers are still queued in ZeroMQ
+                    continue
                 try:
                     s.sent(self._send(s.ident, frames, track=s.last_buffer is not None))
                 except zmq.Again:

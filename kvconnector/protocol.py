@@ -133,11 +133,19 @@ _REQUIRED = {
     MsgType.PONG: (),
 }
 _DEFAULTS = Header(MsgType.PING)
+_MAX_TYPE = max(MsgType)
 
 
 def checksum(buf) -> int:
     """xxh3_64 of a buffer (bytes, memoryview, numpy array, zmq Frame buffer)."""
     return xxhash.xxh3_64_intdigest(buf)
+
+
+def checksum_stream():
+    """Incremental xxh3_64: ``update(piece)`` over consecutive pieces of one frame, then
+    ``intdigest()`` equals :func:`checksum` of the whole frame (lets a sender hash each
+    piece while it is still in cache, right after copying it)."""
+    return xxhash.xxh3_64()
 
 
 def encode_header(h: Header) -> bytes:
@@ -195,7 +203,7 @@ def decode_header(buf) -> Header:
             f"header field 'v': expected protocol version {PROTOCOL_VERSION}, got {version}")
     t = raw.get("t")
     try:
-        mtype = MsgType(_check_int("t", t, 1, max(MsgType)))
+        mtype = MsgType(_check_int("t", t, 1, _MAX_TYPE))
     except ValueError as e:
         raise _fail("t", f"a MsgType in {[int(m) for m in MsgType]}", t) from e
     h = Header(mtype, version=version)

@@ -5,6 +5,10 @@ payload frame sent straight from the cache (zero copy; the lease guarantees the 
 change); short runs and head slices are gathered into a pooled buffer (one frame). CUDA caches:
 each chunk is gathered on the GPU and copied into pinned host memory on a side stream.
 
+A gathered frame is built and hashed piece by piece (``HASH_PIECE_BYTES``, sized to stay in
+the core's L2 cache): each piece is copied, then fed to a streaming xxh3_64 while it is still
+hot, so the checksum costs a cache read instead of a second pass over memory.
+
 Staging (gather or device-to-host copy, then the xxh3_64 of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent. On hosts with
 spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
@@ -16,16 +20,19 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, copy_runs, gather_blocks, runs, slice_bytes
-from .protocol import Header, MsgType, checksum, encode_header
+from .blocks import as_bytes, block_rows, copy_runs, gather_blocks, runs, slice_bytes
+from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
+HASH_PIECE_BYTES = 512 << 10  # gather + hash in pieces this big (hot in L2), see module doc
+INFLIGHT_BYTES = 24 << 20     # gathered bytes per stream queued in ZeroMQ before staging waits
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -43,12 +50,6 @@ def _stage_executor() -> ThreadPoolExecutor | None:
         if _executor is None and stage_threads():
             _executor = ThreadPoolExecutor(stage_threads(), thread_name_prefix="kvc-stage")
         return _executor
-
-
-def _done(value) -> Future:
-    f = Future()
-    f.set_result(value)
-    return f
 
 
 class BufferPool:
@@ -130,6 +131,8 @@ class Stream:
         self.ahead = 1 + (stage_threads() if self._executor else int(copy_stream is not None))
         self._retry = None
         self.last_payload_bytes = 0
+        self._chunks: dict = {}          # first position -> chunk plan (see _chunk)
+        self._inflight: deque = deque()  # (tracker, bytes) of gathered buffers queued in ZeroMQ
 
     def push_back(self, frames: list) -> None:
         """Keep frames the socket refused; they go first next time."""
@@ -139,26 +142,63 @@ class Stream:
         """The last frames were queued; their pooled buffer is free once ``tracker`` is done."""
         if self.last_buffer is not None:
             self.pool.release(self.last_buffer, tracker)
+            if self.copy_stream is None and tracker is not None:
+                self._inflight.append((tracker, self.last_buffer.numel()))
             self.last_buffer = None
 
-    def _cpu_payload(self, layer: int, ids: list) -> tuple:
+    def _may_stage(self) -> bool:
+        """CPU gathers: stage the next chunk only while fewer than ``INFLIGHT_BYTES`` of this
+        stream's gathered buffers are still queued in ZeroMQ, so the pool hands the same few
+        buffers back while they are still in cache (fresh buffers page-fault and start cold)."""
+        q = self._inflight
+        while q and q[0][0].done:
+            q.popleft()
+        return not q or sum(n for _, n in q) < max(INFLIGHT_BYTES, 2 * q[0][1])
+
+    def _chunk(self, first: int) -> tuple:
+        """Plan of the chunk starting at position ``first``, made once per stream (every layer
+        sends the same source blocks): (ids, runs of consecutive ids or None, ids as intp)."""
+        plan = self._chunks.get(first)
+        if plan is None:
+            ids = self.block_ids[first:first + self.chunk_blocks]
+            block_runs = runs(ids)
+            zero_copy = (self.full_heads and self.copy_stream is None
+                         and len(ids) * self.geo.block_bytes // len(block_runs) >= MIN_FRAME_BYTES)
+            plan = self._chunks[first] = (ids, block_runs if zero_copy else None, np.asarray(ids, dtype=np.intp))
+        return plan
+
+    def _cpu_payload(self, layer: int, first: int) -> tuple:
         """Payload frames of one chunk and the pooled buffer they use (None when zero copy)."""
-        block_runs = runs(ids)
-        run_bytes = len(ids) * self.geo.block_bytes // len(block_runs)
+        ids, zero_copy_runs, idx = self._chunk(first)
         view = self.pool.cpu_view(self.caches[layer], self.geo)
-        if self.full_heads and run_bytes >= MIN_FRAME_BYTES:
+        if zero_copy_runs is not None:
             # zero copy out of the cache: one frame per run of consecutive ids
-            return [view[b:b + k].reshape(-1) for _, b, k in block_runs], None
+            return [view[b:b + k].reshape(-1) for _, b, k in zero_copy_runs], None
         # small runs: one gathered frame costs less than many tiny frames
         buf = self.pool.acquire(slice_bytes(self.geo, len(ids), self.local_heads))
-        return [buf.numpy()], (buf, view, ids)
+        return [buf.numpy()], (buf, view, ids, idx)
 
     def _prepare(self, frames: list, gather, ev) -> tuple:
         """Worker side of staging: gather / wait for the device copy, then hash every frame."""
         if gather is not None:   # ids were checked against the cache at publish
-            buf, view, ids = gather
-            packed = buf.numpy().reshape(len(ids), *view.shape[1:3], len(self.local_heads), view.shape[4])
-            copy_runs(packed, None, view, ids, None if self.full_heads else self.local_heads, head_side="src")
+            buf, view, ids, idx = gather
+            n = len(ids)
+            packed = buf.numpy().reshape(n, *view.shape[1:3], len(self.local_heads), view.shape[4])
+            if self.full_heads:   # whole blocks: one C-level row gather per piece (ids in range)
+                flat, rows = packed.reshape(n, -1), block_rows(view)
+                copy = lambda a, b: np.take(rows, idx[a:b], axis=0, out=flat[a:b], mode="clip")  # noqa: E731
+            else:
+                copy = lambda a, b: copy_runs(packed[a:b], None, view, ids[a:b], self.local_heads,  # noqa: E731
+                                              head_side="src")
+            step = max(1, HASH_PIECE_BYTES // max(1, packed[0].nbytes))
+            if step >= n:
+                copy(0, n)
+                return frames, [checksum(packed)]
+            h = checksum_stream()
+            for i in range(0, n, step):    # copy a piece, hash it while it is still in cache
+                copy(i, i + step)
+                h.update(packed[i:i + step])
+            return frames, [h.intdigest()]
         if ev is not None:
             ev.synchronize()
         return frames, [checksum(f) for f in frames]
@@ -167,7 +207,7 @@ class Stream:
         layer, first = self._plan.popleft()
         ids = self.block_ids[first:first + self.chunk_blocks]
         if self.copy_stream is None:
-            frames, gather = self._cpu_payload(layer, ids)
+            frames, gather = self._cpu_payload(layer, first)
             buf, ev = (gather[0] if gather else None), None
         else:
             n = slice_bytes(self.geo, len(ids), self.local_heads)
@@ -182,20 +222,23 @@ class Stream:
                 ev.record(self.copy_stream)
             frames, gather = [host.numpy()], None
         ex = self._executor
-        job = ex.submit(self._prepare, frames, gather, ev) if ex else _done(None)
+        job = ex.submit(self._prepare, frames, gather, ev) if ex else None
         self._staged.append((layer, first, len(ids), job, buf, (frames, gather, ev)))
 
     def next_frames(self) -> list | None:
-        """Frames of the next message, or None when the transfer is fully sent."""
+        """Frames of the next message; ``[]`` when it must wait (see :meth:`_may_stage`);
+        None when the transfer is fully sent."""
         if self._retry is not None:
             frames, self._retry = self._retry, None
             return frames
         if not self._staged and not self._plan:
             return None
-        while len(self._staged) < self.ahead and self._plan:   # keep later chunks staging
+        while len(self._staged) < self.ahead and self._plan and self._may_stage():   # keep later chunks staging
             self._stage()
+        if not self._staged:
+            return []      # waiting for ZeroMQ to release a buffer; nothing to send yet
         layer, first, count, job, self.last_buffer, work = self._staged.popleft()
-        payload, sums = job.result() or self._prepare(*work)
+        payload, sums = job.result() if job is not None else self._prepare(*work)
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, first=first, nblk=count,
                    heads=self.global_heads, last=self._seq == self._total)
