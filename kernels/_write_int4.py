@@ -196,21 +196,22 @@ def default_int4_config(head_size: int, on_cpu: bool) -> dict:
     """Kernel, tile rows, warps, rotation, division and programs per SM used when the caller names none."""
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0,
-                    kernel="fused", num_stages=None)
+                    kernel="fused", num_stages=None, parts=1)
     if head_size in LANE_BITS:
-        # GPU default: the shuffle kernel (bit-identical to the oracle, bf16 and fp16). On the H200 at
-        # 65,536 tokens x 8 heads it measured 126 / 210 / 242 us for head_size 64 / 128 / 256 against
-        # 118 / 231 / 263 us for the fused tl.dot kernel (docs/bench/write.md, 2026-11-29); its time
-        # did not move with rows or warps (issue-bound), so the tiles stay small.
-        return dict(rows={64: 64, 128: 32}.get(head_size, 8), num_warps={64: 8, 128: 4}.get(head_size, 2),
-                    rotation="butterfly", div="markstein", programs_per_sm=0, kernel="lanes", num_stages=None)
+        # GPU default: the shuffle kernel (bit-identical to the oracle, bf16 and fp16), with the
+        # (parts, rows, warps) that measured fastest on the H200 at 65,536 tokens x 8 heads
+        # (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 76.6 / 153.3 / 314.7 us; the fused
+        # tl.dot kernel 142.1 / 231.2 / 500.5 us at 64 / 128 / 256; docs/bench/write.md, 2026-11-29)
+        parts, rows, warps = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (4, 64, 4)}.get(head_size, (4, 32, 4))
+        return dict(rows=rows, num_warps=warps, rotation="butterfly", div="markstein", programs_per_sm=0,
+                    kernel="lanes", num_stages=None, parts=parts)
     return fused_int4_config(head_size)
 
 
 def fused_int4_config(head_size: int) -> dict:
     """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
-                rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None)
+                rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1)
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -290,6 +291,12 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"]))
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
     if cfg["kernel"] == "lanes":
+        # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers
+        cover = cfg["num_warps"] * 32 * 8 * cfg["parts"] // d
+        if cfg["parts"] not in (1, 2, 4) or d // cfg["parts"] < 8 or (rows % cover and not cpu):
+            raise ValueError(f"lanes kernel: parts in (1, 2, 4) with head_size/parts >= 8 and rows a multiple "
+                             f"of {cover} (num_warps x 32 lanes / lanes per row), got parts={cfg['parts']}, "
+                             f"rows={rows}, num_warps={cfg['num_warps']}")
         contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
         _reshape_and_cache_int4_lanes_kernel[(num_tiles, 2)](
             key, value, key_cache, value_cache, ks, vs, slot_mapping, device_signs(d, dev),
@@ -297,7 +304,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
             ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-            ROWS=rows, D=d, LOG2_D=d.bit_length() - 1, FWHT_ASM=fwht_asm(LANE_BITS[d]), INTERPRET=cpu,
+            ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1, FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
         return

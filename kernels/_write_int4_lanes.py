@@ -27,7 +27,7 @@ import triton.language as tl
 from ._jit import dual_jit
 from ._write_math import fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
 
-LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row)
+LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row), one load per row
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +66,30 @@ def fwht_lanes(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, FWH
     return r
 
 
+@triton.jit
+def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.constexpr, N: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Codes of ``r: [ROWS, N]`` (rotated, fp32) packed into ``N // 2`` bytes per row at ``c_row``."""
+    q = int4_codes_fast(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET)
+    tl.store(c_row + tl.arange(0, N // 2)[None, :], pack_nibbles(q, ROWS, N), mask=mask[:, None])
+
+
+@triton.jit
+def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
+                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32)."""
+    cols = first + tl.arange(0, N)
+    x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, N] model dtype
+    return fwht_lanes(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N, FWHT_ASM,
+                      INTERPRET)
+
+
+@triton.jit
+def _min_max2(lo, hi, r, INTERPRET: tl.constexpr):
+    lo2, hi2 = row_min_max(r, INTERPRET)
+    return tl.minimum(lo, lo2, propagate_nan=tl.PropagateNan.ALL), tl.maximum(hi, hi2, propagate_nan=tl.PropagateNan.ALL)
+
+
 @dual_jit
 def _reshape_and_cache_int4_lanes_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -75,12 +99,19 @@ def _reshape_and_cache_int4_lanes_kernel(
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
-    ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, FWHT_ASM: tl.constexpr,
+    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, FWHT_ASM: tl.constexpr,
     INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
 ):
     """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
-    ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency)."""
+    ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
+
+    PARTS (1, 2 or 4): the row is loaded as PARTS column ranges of ``N = D/PARTS``; the same
+    lanes hold element ``i`` of every part, each part is transformed by the lanes, and the
+    oracle's last ``log2(PARTS)`` stages (pairs ``N`` and ``2N`` apart) are in-lane adds and
+    subtracts: fewer shuffle stages, and the per-row work is shared by fewer lanes.
+    """
+    N: tl.constexpr = D // PARTS
     kv = tl.program_id(1) == 0
     x_ptr = tl.where(kv, key_ptr, value_ptr)
     cache_ptr = tl.where(kv, key_cache_ptr, value_cache_ptr)
@@ -89,14 +120,33 @@ def _reshape_and_cache_int4_lanes_kernel(
     valid = rows < num_rows
     token = rows // NUM_KV_HEADS
     head = rows - token * NUM_KV_HEADS
-    cols = tl.arange(0, D)
     if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
         x_row = x_ptr + (rows.to(tl.int64) * D)[:, None]
     else:
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
-    x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, D] model dtype
-    r = fwht_lanes(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, D, LOG2_D, FWHT_ASM, INTERPRET)
+    dtype = x_ptr.dtype.element_ty
+    r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)  # [ROWS, N] fp32
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    if PARTS >= 2:
+        r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    if PARTS == 4:
+        r2 = _rotated_part(x_row, sign_ptr, 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+        r3 = _rotated_part(x_row, sign_ptr, 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+        r2, r3 = r2 + r3, r2 - r3  # stage N (pairs N apart) of parts 2 and 3
+    if PARTS >= 2:
+        r0, r1 = r0 + r1, r0 - r1  # stage N of parts 0 and 1 (the last stage when PARTS == 2)
+    if PARTS == 4:
+        r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, then 1 and 3
+        r1, r3 = r1 + r3, r1 - r3
+    lo, hi = row_min_max(r0, INTERPRET)
+    if PARTS >= 2:
+        lo, hi = _min_max2(lo, hi, r1, INTERPRET)
+    if PARTS == 4:
+        lo, hi = _min_max2(lo, hi, r2, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r3, INTERPRET)
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
     slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
@@ -104,18 +154,20 @@ def _reshape_and_cache_int4_lanes_kernel(
     off = slot % BLOCK_SIZE
     # range from the fp32 rotation: rounding to the model dtype is monotone, so the rounded
     # row's min/max is the rounded min/max; NaN anywhere makes both NaN
-    lo, hi = row_min_max(r, INTERPRET)
-    lo = tl.minimum(round_to_model_f32(lo, x.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    hi = tl.maximum(round_to_model_f32(hi, x.dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
     scale, zp, rcp = int4_scale_zp(lo, hi)
     zph = tl.where(ok, zp + 0.5, float("-inf"))  # -inf: every code clamps to 0
-    q = int4_codes_fast(round_to_model_f32(r, x.dtype, INTERPRET), scale, zph, rcp, INTERPRET)
     c_row = cache_ptr + ((blk * tl.where(kv, stride_kc_block, stride_vc_block)
                           + off * tl.where(kv, stride_kc_slot, stride_vc_slot)
                           + head * tl.where(kv, stride_kc_head, stride_vc_head)) * CACHE_ALIGN)[:, None]
-    half = tl.arange(0, D // 2)
-    tl.store(c_row + half[None, :], pack_nibbles(q, ROWS, D), mask=mask[:, None])
+    _codes_store(r0, scale, zph, rcp, c_row, mask, dtype, ROWS, N, INTERPRET)
+    if PARTS >= 2:
+        _codes_store(r1, scale, zph, rcp, c_row + N // 2, mask, dtype, ROWS, N, INTERPRET)
+    if PARTS == 4:
+        _codes_store(r2, scale, zph, rcp, c_row + N, mask, dtype, ROWS, N, INTERPRET)
+        _codes_store(r3, scale, zph, rcp, c_row + 3 * N // 2, mask, dtype, ROWS, N, INTERPRET)
     bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
     bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
     s_off = (blk * tl.where(kv, stride_ks_block, stride_vs_block) + off * tl.where(kv, stride_ks_slot, stride_vs_slot)

@@ -133,7 +133,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     slot_mapping : [num_tokens] int32/int64; negative slots are skipped (cache left as it was).
     kv_quant_mode : INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD or INT4_PER_TOKEN_HEAD.
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
-    rows, num_warps, div : tuning overrides for INT8/FP8 (benchmarks only).
+    rows, num_warps, div : tuning overrides (benchmarks only), passed on to INT4 too.
     **int4_options : passed to :func:`reshape_and_cache_int4` (``shrink``, tuning).
 
     Raises
@@ -143,8 +143,10 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     """
     mode = KVQuantMode(kv_quant_mode)
     if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        tiles = dict(rows=rows, num_warps=num_warps, div=None if div == "markstein" else div)
         return reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, k_scale_cache,
-                                      v_scale_cache, check_slots=check_slots, **int4_options)
+                                      v_scale_cache, check_slots=check_slots,
+                                      **{k: v for k, v in tiles.items() if v is not None}, **int4_options)
     if mode not in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
         raise LayoutError(f"kv_quant_mode: expected INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD or "
                           f"INT4_PER_TOKEN_HEAD, got {mode.name}")

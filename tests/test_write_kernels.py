@@ -172,8 +172,9 @@ def test_int4_rotations(rotation, d):
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [16, 128, 256], ids=["h16", "h128", "h256"])
-def test_int4_lanes_kernel(d, strided, dtype):
+@pytest.mark.parametrize("d,parts", [(16, 1), (16, 2), (128, 1), (128, 4), (256, 2), (256, 4)],
+                         ids=["h16-p1", "h16-p2", "h128-p1", "h128-p4", "h256-p2", "h256-p4"])
+def test_int4_lanes_kernel(d, parts, strided, dtype):
     """The shuffle kernel (the GPU default) on edge rows, both input layouts and both model dtypes:
     byte for byte the oracle's (on CPU it runs the oracle's butterfly; the CUDA test below checks the shuffles)."""
     key, value = _inputs(40, d, dtype, seed=5)
@@ -191,8 +192,20 @@ def test_int4_lanes_kernel(d, strided, dtype):
         kc[blk, off], sc[blk, off] = quantize_int4_rows(x[keep])
     v = got[1]
     reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
-                           kernel="lanes")
+                           kernel="lanes", parts=parts)
     assert torch.equal(_bytes(ref[0]), _bytes(got[0]))
+
+
+@pytest.mark.parametrize("parts", [3, 4], ids=["parts3", "parts4-h16"])
+def test_int4_lanes_kernel_refuses_bad_parts(parts):
+    """A part count the kernel cannot split a row into is a clear error, and nothing is written."""
+    key, value = _inputs(8, 16, torch.bfloat16)
+    whole, v = _cache(M.INT4_PER_TOKEN_HEAD, 16, 4, torch.bfloat16, packed=True)
+    before = _bytes(whole).clone()
+    with pytest.raises(ValueError, match="lanes kernel: parts"):
+        reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, torch.arange(8), v.k_scale_cache,
+                               v.v_scale_cache, kernel="lanes", parts=parts)
+    assert torch.equal(_bytes(whole), before)
 
 
 @pytest.mark.parametrize("d", [64, 256], ids=["h64", "h256"])
