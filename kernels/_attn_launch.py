@@ -61,6 +61,10 @@ DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter alwa
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
+# v2 (INT4) decode: segments for about this many programs per SM (at least 2 segments, at least one
+# tile each). H200, 32 q / 8 kv heads, d 128 (docs/bench/attention.md, 2026-11-29): b8@32k 4 segments
+# 235 us vs 254 at 32; b1@4k 32 segments 15.3 vs 22.3 at 8; b32@32k 2-4 segments 905-908 vs 918 at 8.
+V2_PROGRAMS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,16 +143,20 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     if not decode:
         return AttnConfig(block_m=max(PREFILL_BLOCK_M, block_m), tile=PREFILL_TILE)
     tile = DECODE_TILE[mode]
+    pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
         segs = num_segments
     else:
-        num_kv_heads = q.shape[1] // group
-        want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // max(1, num_seqs * num_kv_heads)
-        cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
+        pairs = max(1, num_seqs * (q.shape[1] // group))
+        if DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
+            want = max(2, V2_PROGRAMS_PER_SM * _num_sms(q.device) // pairs)
+            cap = max(1, max_seqlen_k // tile)
+        else:
+            want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // pairs
+            cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
-    pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)

@@ -17,6 +17,7 @@ variants of the decode rows, for tuning).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -139,15 +140,14 @@ def default_cfg(pb):
 
 
 def sweep_cfgs(base: AttnConfig):
-    """A few tile / warps / segment-count variants around the launcher's default."""
+    """Tile / warps / segment-count variants around the launcher's default (same kernel, v1 or v2)."""
     if base.num_segments == 1:
         return [base]
     out = [base]
-    for tile, warps in ((128, 4), (64, 8)):
-        out.append(AttnConfig(base.block_m, tile, base.num_segments, warps, base.num_stages))
-    for mul in (0.5, 2):
-        out.append(AttnConfig(base.block_m, base.tile, max(2, int(base.num_segments * mul)),
-                              base.num_warps, base.num_stages))
+    for tile, warps in ((128, 4), (64, 4), (64, 8)):
+        out.append(dataclasses.replace(base, tile=tile, num_warps=warps))
+    for mul in (0.5, 2, 4):
+        out.append(dataclasses.replace(base, num_segments=max(2, int(base.num_segments * mul))))
     return list(dict.fromkeys(out))
 
 
