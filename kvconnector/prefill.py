@@ -12,6 +12,7 @@ streams so one big or slow transfer never stalls the others.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ class PrefillEndpoint:
         self.metrics = Metrics()
         self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames)
         self._leases: dict[str, Lease] = {}
+        self._expiry: list = []                  # heap of (expires_at, tid); stale entries skipped
         self._lock = threading.Lock()
         self._peers: dict[bytes, dict] = {}      # ident -> {"ok": bool, "seen": t, "heads": range}
         self._streams: list[Stream] = []
@@ -106,7 +108,8 @@ class PrefillEndpoint:
         with self._lock:
             if transfer_id in self._leases:
                 raise ValueError(f"transfer_id {transfer_id!r} is already published")
-            self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s))
+            lease = self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s))
+            heapq.heappush(self._expiry, (lease.expires_at, transfer_id))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
 
     def release(self, transfer_id: str) -> bool:
@@ -254,8 +257,18 @@ class PrefillEndpoint:
 
     def _on_tick(self, now: float) -> float:
         with self._lock:
-            expired = [t for t, lease in self._leases.items() if lease.expires_at <= now]
-            next_exp = min((lease.expires_at for lease in self._leases.values()), default=now + 1.0)
+            heap = self._expiry                  # O(log n) per lease instead of a scan per tick
+            if len(heap) > 2 * len(self._leases) + 64:   # mostly ended leases: rebuild
+                heap[:] = [(lease.expires_at, t) for t, lease in self._leases.items()]
+                heapq.heapify(heap)
+            expired = []
+            while heap and (heap[0][0] <= now or self._leases.get(heap[0][1]) is None
+                            or self._leases[heap[0][1]].expires_at != heap[0][0]):
+                at, tid = heapq.heappop(heap)
+                lease = self._leases.get(tid)
+                if lease is not None and lease.expires_at == at:
+                    expired.append(tid)
+            next_exp = heap[0][0] if heap else now + 1.0
         for tid in expired:
             self._end_lease(tid, "expired")
         for ident, peer in list(self._peers.items()):

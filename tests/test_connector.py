@@ -10,6 +10,7 @@ many concurrent transfers.
 Run: python -m pytest tests/test_connector.py -q
 """
 
+import threading
 import time
 
 import pytest
@@ -222,6 +223,35 @@ def test_lease_expiry_abort_duplicate_ack_and_unknown_transfer():
         assert sorted(released) == [("ab", "aborted"), ("ok", "acked"), ("short", "expired")]
         assert pre.held() == []
         assert pre.stats()["ignored"].get("duplicate_acked") == 1
+
+
+def test_lease_expiry_ignores_ended_and_replaced_leases():
+    # the expiry heap keeps an entry per publish; an ended lease's entry must never expire
+    # a later lease published under the same id, and ended entries must not pile up
+    desc = make_desc()
+    released = []
+    with PrefillEndpoint(filled_caches(desc, 0), desc, on_release=lambda *a: released.append(a[::2])) as pre:
+        pre.publish("a", [0], lease_s=0.2)
+        swapped = threading.Event()
+
+        def swap():   # end and re-publish in one loop callback: no tick between them
+            pre._end_lease("a", "released")
+            pre.publish("a", [1], lease_s=30)       # same id, long lease
+            swapped.set()
+        pre._loop.call_soon(swap)
+        assert swapped.wait(5)
+        for i in range(300):
+            pre.publish(f"x{i}", [2], lease_s=60)
+        for i in range(300):
+            assert pre.release(f"x{i}")
+        pre.publish("short", [3], lease_s=0.3)
+        deadline = time.monotonic() + 5
+        while ("short", "expired") not in released and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert pre.held() == ["a"]
+        assert [r for r in released if r[1] == "expired"] == [("short", "expired")]
+        assert len(pre._expiry) <= 2 * len(pre.held()) + 64 + 1
 
 
 def test_many_concurrent_transfers():
