@@ -1,7 +1,7 @@
 """Cache-write kernels (``kernels.write``) against the PyTorch oracle.
 
-Covers INT4 (both rotations, the fused and split kernels, the MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's
-interpreter on CPU with small shapes: codes and scale bits identical to the oracle, dequantized
+Covers INT4 (both rotations of the fused kernel, the shuffle kernel with 1, 2 and 4 parts, the
+MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's interpreter on CPU with small shapes: codes and scale bits identical to the oracle, dequantized
 values within the format's rounding bound, both calling conventions (separate tensors and views
 of one packed cache at a nonzero storage offset), negative slots and poisoned caches, edge rows
 (zeros, constants, one-hot, outliers, NaN/Inf), strided inputs, launcher errors, and a smoke run
