@@ -200,9 +200,9 @@ def default_int4_config(head_size: int, on_cpu: bool) -> dict:
     if head_size in LANE_BITS:
         # GPU default: the shuffle kernel (bit-identical to the oracle, bf16 and fp16), with the
         # (parts, rows, warps) that measured fastest on the H200 at 65,536 tokens x 8 heads
-        # (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 76.6 / 153.3 / 314.7 us; the fused
-        # tl.dot kernel 142.1 / 231.2 / 500.5 us at 64 / 128 / 256; docs/bench/write.md, 2026-11-29)
-        parts, rows, warps = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (4, 64, 4)}.get(head_size, (4, 32, 4))
+        # (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 77.8 / 143.8 / 295.2 us; the fused
+        # tl.dot kernel 114.8 / 230.8 / 498.4 us at 64 / 128 / 256; docs/bench/write.md, 2026-11-29)
+        parts, rows, warps = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1)}.get(head_size, (8, 16, 2))
         return dict(rows=rows, num_warps=warps, rotation="butterfly", div="markstein", programs_per_sm=0,
                     kernel="lanes", num_stages=None, parts=parts)
     return fused_int4_config(head_size)
@@ -293,8 +293,8 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     if cfg["kernel"] == "lanes":
         # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers
         cover = cfg["num_warps"] * 32 * 8 * cfg["parts"] // d
-        if cfg["parts"] not in (1, 2, 4) or d // cfg["parts"] < 8 or (rows % cover and not cpu):
-            raise ValueError(f"lanes kernel: parts in (1, 2, 4) with head_size/parts >= 8 and rows a multiple "
+        if cfg["parts"] not in (1, 2, 4, 8) or d // cfg["parts"] < 8 or (rows % cover and not cpu):
+            raise ValueError(f"lanes kernel: parts in (1, 2, 4, 8) with head_size/parts >= 8 and rows a multiple "
                              f"of {cover} (num_warps x 32 lanes / lanes per row), got parts={cfg['parts']}, "
                              f"rows={rows}, num_warps={cfg['num_warps']}")
         contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))

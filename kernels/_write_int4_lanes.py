@@ -85,6 +85,21 @@ def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
 
 
 @triton.jit
+def _rotated_quad(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
+                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
+    r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
+    r2, r3 = r2 + r3, r2 - r3
+    r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
+    r1, r3 = r1 + r3, r1 - r3
+    return r0, r1, r2, r3
+
+
+@triton.jit
 def _min_max2(lo, hi, r, INTERPRET: tl.constexpr):
     lo2, hi2 = row_min_max(r, INTERPRET)
     return tl.minimum(lo, lo2, propagate_nan=tl.PropagateNan.ALL), tl.maximum(hi, hi2, propagate_nan=tl.PropagateNan.ALL)
@@ -106,9 +121,9 @@ def _reshape_and_cache_int4_lanes_kernel(
     """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
     ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
 
-    PARTS (1, 2 or 4): the row is loaded as PARTS column ranges of ``N = D/PARTS``; the same
+    PARTS (1, 2, 4 or 8): the row is loaded as PARTS column ranges of ``N = D/PARTS``; the same
     lanes hold element ``i`` of every part, each part is transformed by the lanes, and the
-    oracle's last ``log2(PARTS)`` stages (pairs ``N`` and ``2N`` apart) are in-lane adds and
+    oracle's last ``log2(PARTS)`` stages (pairs ``N``, ``2N``, ``4N`` apart) are in-lane adds and
     subtracts: fewer shuffle stages, and the per-row work is shared by fewer lanes.
     """
     N: tl.constexpr = D // PARTS
@@ -126,27 +141,37 @@ def _reshape_and_cache_int4_lanes_kernel(
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     dtype = x_ptr.dtype.element_ty
-    r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)  # [ROWS, N] fp32
-    r1 = r0
-    r2 = r0
-    r3 = r0
-    if PARTS >= 2:
-        r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-    if PARTS == 4:
-        r2 = _rotated_part(x_row, sign_ptr, 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-        r3 = _rotated_part(x_row, sign_ptr, 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-        r2, r3 = r2 + r3, r2 - r3  # stage N (pairs N apart) of parts 2 and 3
-    if PARTS >= 2:
-        r0, r1 = r0 + r1, r0 - r1  # stage N of parts 0 and 1 (the last stage when PARTS == 2)
-    if PARTS == 4:
-        r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, then 1 and 3
-        r1, r3 = r1 + r3, r1 - r3
+    if PARTS <= 2:
+        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)  # [ROWS, N] fp32
+        r1 = r0
+        if PARTS == 2:
+            r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+            r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
+        r2 = r0
+        r3 = r0
+    else:
+        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r4 = r0
+    r5 = r0
+    r6 = r0
+    r7 = r0
+    if PARTS == 8:
+        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+        r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
+        r1, r5 = r1 + r5, r1 - r5
+        r2, r6 = r2 + r6, r2 - r6
+        r3, r7 = r3 + r7, r3 - r7
     lo, hi = row_min_max(r0, INTERPRET)
     if PARTS >= 2:
         lo, hi = _min_max2(lo, hi, r1, INTERPRET)
-    if PARTS == 4:
+    if PARTS >= 4:
         lo, hi = _min_max2(lo, hi, r2, INTERPRET)
         lo, hi = _min_max2(lo, hi, r3, INTERPRET)
+    if PARTS == 8:
+        lo, hi = _min_max2(lo, hi, r4, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r5, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r6, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r7, INTERPRET)
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
     slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
@@ -165,9 +190,14 @@ def _reshape_and_cache_int4_lanes_kernel(
     _codes_store(r0, scale, zph, rcp, c_row, mask, dtype, ROWS, N, INTERPRET)
     if PARTS >= 2:
         _codes_store(r1, scale, zph, rcp, c_row + N // 2, mask, dtype, ROWS, N, INTERPRET)
-    if PARTS == 4:
+    if PARTS >= 4:
         _codes_store(r2, scale, zph, rcp, c_row + N, mask, dtype, ROWS, N, INTERPRET)
         _codes_store(r3, scale, zph, rcp, c_row + 3 * N // 2, mask, dtype, ROWS, N, INTERPRET)
+    if PARTS == 8:
+        _codes_store(r4, scale, zph, rcp, c_row + 2 * N, mask, dtype, ROWS, N, INTERPRET)
+        _codes_store(r5, scale, zph, rcp, c_row + 5 * N // 2, mask, dtype, ROWS, N, INTERPRET)
+        _codes_store(r6, scale, zph, rcp, c_row + 3 * N, mask, dtype, ROWS, N, INTERPRET)
+        _codes_store(r7, scale, zph, rcp, c_row + 7 * N // 2, mask, dtype, ROWS, N, INTERPRET)
     bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
     bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
     s_off = (blk * tl.where(kv, stride_ks_block, stride_vs_block) + off * tl.where(kv, stride_ks_slot, stride_vs_slot)

@@ -1,6 +1,6 @@
 """Cache-write kernels (``kernels.write``) against the PyTorch oracle.
 
-Covers INT4 (both rotations of the fused kernel, the shuffle kernel with 1, 2 and 4 parts, the
+Covers INT4 (both rotations of the fused kernel, the shuffle kernel with 1, 2, 4 and 8 parts, the
 MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's interpreter on CPU with small shapes: codes and scale bits identical to the oracle, dequantized
 values within the format's rounding bound, both calling conventions (separate tensors and views
 of one packed cache at a nonzero storage offset), negative slots and poisoned caches, edge rows
@@ -172,8 +172,8 @@ def test_int4_rotations(rotation, d):
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d,parts", [(16, 1), (16, 2), (128, 1), (128, 4), (256, 2), (256, 4)],
-                         ids=["h16-p1", "h16-p2", "h128-p1", "h128-p4", "h256-p2", "h256-p4"])
+@pytest.mark.parametrize("d,parts", [(16, 1), (16, 2), (128, 1), (128, 4), (128, 8), (256, 2), (256, 8)],
+                         ids=["h16-p1", "h16-p2", "h128-p1", "h128-p4", "h128-p8", "h256-p2", "h256-p8"])
 def test_int4_lanes_kernel(d, parts, strided, dtype):
     """The shuffle kernel (the GPU default) on edge rows, both input layouts and both model dtypes:
     byte for byte the oracle's (on CPU it runs the oracle's butterfly; the CUDA test below checks the shuffles)."""
