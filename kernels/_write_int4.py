@@ -1,17 +1,16 @@
-"""INT4 cache write: rotation, range, codes, nibble packing and scale in one fused pass.
+"""INT4 cache write: the launcher, its tuning defaults and its device-side constants.
 
-vLLM rotates K/V in a separate Triton pass and then quantizes; here each row is read once
-(2·d bytes of bf16/fp16) and written once (d/2 bytes of codes + 4 bytes of scale), the
-fewest bytes the format allows. SPEC §3 gives the math; the oracle is
-``kernels.reference.quantize_int4_rows`` (``shrink`` included).
+Two kernels share the SPEC §3 math (the oracle is ``kernels.reference.quantize_int4_rows``,
+``shrink`` included); each reads a row once (2·d bytes of bf16/fp16) and writes it once (d/2
+bytes of codes + 4 bytes of scale), the fewest bytes the format allows (vLLM rotates in a
+separate pass first):
 
-Two ways to rotate, picked per launch (``rotation``):
-
-- ``"butterfly"``: a fast Walsh–Hadamard transform in fp32 registers, the oracle's stages
-  in the oracle's order, so the rotated row is bit-identical to it;
-- ``"dot"``: ``tl.dot`` of the bf16/fp16 tile against the ±1 matrix ``diag(s)·H``. The
-  products are exact and accumulate in fp32, only in another order, so a rotated value can
-  differ from the oracle's in the last fp32 bit and, rarely, round to a neighbouring bf16/fp16.
+- ``kernel="lanes"`` (``_write_int4_lanes``, the GPU default for head_size 16..256): the
+  oracle's butterfly in registers and warp shuffles, bit-identical to the oracle;
+- ``kernel="fused"`` (``_write_int4_fused``, the CPU default; on the GPU for the MSE encoder and
+  wider rows) with two rotations: ``"butterfly"`` (the oracle's stages, exact) or ``"dot"``
+  (``tl.dot`` against the ±1 matrix ``diag(s)·H``: exact products, fp32 sums in another order, so
+  a rotated value can rarely round to a neighbouring bf16/fp16).
 
 Division ``r / scale`` is correctly rounded like the oracle's (``div="markstein"``: one
 multiply and two FMAs per element from a per-row reciprocal; ``"rn"``: ``div_rn`` per
@@ -25,14 +24,12 @@ from typing import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from layouts import KVQuantMode
 
-from ._jit import dual_jit, interpreting
+from ._jit import interpreting
 from ._write_checks import cache_alignment, check_write_args, scale_bits_view
-from ._write_math import (int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk, row_min_max,
-                          to_model_dtype)
+from ._write_int4_fused import _reshape_and_cache_int4_kernel
 from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
 from .reference import rht_signs
 
@@ -67,129 +64,6 @@ def device_signs(head_size: int, device: str) -> torch.Tensor:
 def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
     """The MSE range factors as a float32 tensor on ``device``, made once per tuple."""
     return torch.tensor(shrink, dtype=torch.float32, device=device)
-
-
-@triton.jit
-def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, rot_b, shrink_ptr, mask,
-                     ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
-                     DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr,
-                     NUM_SHRINK: tl.constexpr):
-    """Quantize ROWS rows of K (or V) and store codes and scales where ``mask`` holds.
-
-    A row is one chunk of CH values, or two (SPLIT) whose rotations are joined by the
-    oracle's last butterfly stage, so head_size 256 needs only 128x128 rotation tiles.
-    """
-    cols = tl.arange(0, CH)
-    x_row = x_ptr + x_off[:, None]
-    xa = tl.load(x_row + cols[None, :], mask=mask[:, None], other=0.0)  # xa: [ROWS, CH] model dtype
-    ra = rotate_chunk(xa, rot_a, ROWS, CH, LOG2_CH, DOT, INTERPRET)    # ra: [ROWS, CH] fp32
-    if SPLIT:
-        xb = tl.load(x_row + CH + cols[None, :], mask=mask[:, None], other=0.0)
-        rb = rotate_chunk(xb, rot_b, ROWS, CH, LOG2_CH, DOT, INTERPRET)
-        ra, rb = ra + rb, ra - rb
-        rb = to_model_dtype(rb, xa.dtype, INTERPRET).to(tl.float32)
-    ra = to_model_dtype(ra, xa.dtype, INTERPRET).to(tl.float32)  # SPEC §3: rounded to the model dtype
-
-    lo, hi = row_min_max(ra, INTERPRET)
-    if SPLIT:
-        lo_b, hi_b = row_min_max(rb, INTERPRET)
-        lo = tl.minimum(lo, lo_b, propagate_nan=tl.PropagateNan.ALL)
-        hi = tl.maximum(hi, hi_b, propagate_nan=tl.PropagateNan.ALL)
-    lo = tl.minimum(lo, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    # false for NaN/Inf rows: those store codes 0 and a quiet-NaN scale, never plausible numbers
-    ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
-    scale, zp, rcp = int4_scale_zp(lo, hi)
-    zph = tl.where(ok, zp + 0.5, float("-inf"))
-    qa = int4_codes(ra, scale, zph, rcp, DIV)
-    if SPLIT:
-        qb = int4_codes(rb, scale, zph, rcp, DIV)
-    if NUM_SHRINK > 1:  # SPEC §8: per row, keep the shrunk range with the least squared error
-        err = int4_sq_err(qa, ra, scale, zp)
-        if SPLIT:
-            err += int4_sq_err(qb, rb, scale, zp)
-        for i in tl.static_range(1, NUM_SHRINK):
-            f = tl.load(shrink_ptr + i)
-            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f)
-            zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
-            qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV)
-            err2 = int4_sq_err(qa2, ra, scale2, zp2)
-            if SPLIT:
-                qb2 = int4_codes(rb, scale2, zph2, rcp2, DIV)
-                err2 += int4_sq_err(qb2, rb, scale2, zp2)
-            take = err2 < err
-            if SPLIT:
-                qb = tl.where(take[:, None], qb2, qb)
-            qa = tl.where(take[:, None], qa2, qa)
-            scale = tl.where(take, scale2, scale)
-            zp = tl.where(take, zp2, zp)
-            err = tl.where(take, err2, err)
-
-    bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
-    bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
-    half = tl.arange(0, CH // 2)
-    c_row = cache_ptr + c_off[:, None]
-    # codes: [ROWS, CH // 2] uint8 per chunk
-    tl.store(c_row + half[None, :], pack_nibbles(qa, ROWS, CH), mask=mask[:, None])
-    if SPLIT:
-        tl.store(c_row + CH // 2 + half[None, :], pack_nibbles(qb, ROWS, CH),
-                 mask=mask[:, None])
-    tl.store(scale_ptr + s_off, bits, mask=mask)
-
-
-@dual_jit
-def _reshape_and_cache_int4_kernel(
-    key_ptr, value_ptr,              # [num_tokens, num_kv_heads, head_size] bf16/fp16
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size // 2] uint8
-    k_scale_ptr, v_scale_ptr,        # [num_blocks, block_size, num_kv_heads] int32 (float32 bits)
-    slot_mapping_ptr,                # [num_tokens] int32/int64, negative = skip
-    rot_ptr,                         # DOT: [head_size // CH, CH, CH] diag(s)·H tiles; else [head_size] fp32 signs
-    shrink_ptr,                      # [NUM_SHRINK] fp32 range factors (entry 0 is 1.0)
-    num_rows, num_tiles, num_slots,
-    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
-    ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
-    DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
-    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    """Grid ``(min(num_tiles, programs),)``: each program loads the rotation once, then loops
-    over tiles of ROWS (token, head) rows, quantizing the K rows and the same V rows. Rows are
-    flattened token-major so a tile is a contiguous stretch of ``key``; K and V share a
-    program so the slot loads and the rotation tiles serve both."""
-    cols = tl.arange(0, CH)
-    if DOT:
-        rot_a = tl.load(rot_ptr + cols[:, None] * CH + cols[None, :])  # [CH, CH] model dtype
-        rot_b = rot_a
-        if SPLIT:
-            rot_b = tl.load(rot_ptr + CH * CH + cols[:, None] * CH + cols[None, :])
-    else:
-        rot_a = tl.load(rot_ptr + cols)  # [CH] fp32 signs
-        rot_b = rot_a
-        if SPLIT:
-            rot_b = tl.load(rot_ptr + CH + cols)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)  # int32: the launcher keeps rows and slots < 2**31
-        valid = rows < num_rows
-        token = rows // NUM_KV_HEADS  # constexpr divisors: shifts or multiply-highs, not divisions
-        head = rows - token * NUM_KV_HEADS
-        slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
-        mask = valid & (slot >= 0) & (slot < num_slots)  # the launcher checks the range; never write outside
-        slot = slot.to(tl.int32)  # rows outside the mask compute junk offsets that no access uses
-        blk = (slot // BLOCK_SIZE).to(tl.int64)
-        off = slot % BLOCK_SIZE
-        token = token.to(tl.int64)
-        # cache strides arrive divided by CACHE_ALIGN so the compiler knows the rows' alignment
-        kc_off = (blk * stride_kc_block + off * stride_kc_slot + head * stride_kc_head) * CACHE_ALIGN
-        vc_off = (blk * stride_vc_block + off * stride_vc_slot + head * stride_vc_head) * CACHE_ALIGN
-        ks_off = blk * stride_ks_block + off * stride_ks_slot + head * stride_ks_head
-        vs_off = blk * stride_vs_block + off * stride_vs_slot + head * stride_vs_head
-        _int4_write_rows(key_ptr, token * stride_key_token + head * stride_key_head, key_cache_ptr, kc_off,
-                         k_scale_ptr, ks_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
-        _int4_write_rows(value_ptr, token * stride_value_token + head * stride_value_head, value_cache_ptr,
-                         vc_off, v_scale_ptr, vs_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
 
 
 def default_int4_config(head_size: int, on_cpu: bool) -> dict:
