@@ -289,7 +289,7 @@ class DumpReader:
             if h.type != MsgType.BLOCKS:
                 raise CorruptFrameError(f"message type: expected BLOCKS, got {h.type.name}")
             d = self.info.desc
-            expect = {"layer": layer, "first": i % len(self.info.block_ids), "nblk": 1, "seq": i,
+            expect = {"layer": layer, "nlay": 1, "first": i % len(self.info.block_ids), "nblk": 1, "seq": i,
                       "tid": self.info.tid, "heads": (d.head_start, d.head_start + d.num_kv_heads),
                       "last": i == self.info.num_messages - 1}
             for k, v in expect.items():
