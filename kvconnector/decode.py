@@ -32,6 +32,20 @@ from .transport import CurveKeys, IOLoop, make_socket
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
 
 
+def _segments(h: Header, per_block: int):
+    """Split a BLOCKS payload into per-layer pieces: yields ``(frame index, byte offset in
+    the frame, layer, first position, block count)``. Frames hold whole blocks in
+    (layer, position) order and may cross a layer boundary (byte counts checked already)."""
+    g = 0                                   # blocks before this piece, over all layers
+    for i, n in enumerate(h.nbytes):
+        left, off = n // per_block, 0
+        while left:
+            li, pos = divmod(g, h.nblk)
+            k = min(left, h.nblk - pos)
+            yield i, off, h.layer + li, h.first + pos, k
+            g, left, off = g + k, left - k, off + k * per_block
+
+
 def default_copy_threads() -> int:
     """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
     only adds work when every core is busy), else one per four cores, at most four."""
@@ -263,30 +277,34 @@ class DecodeEndpoint:
             return self.metrics.ignore("late")
         n = len(p.dst_block_ids)
         problem = None
-        if h.layer >= p.num_layers:
-            problem = f"field 'layer': expected < {p.num_layers}, got {h.layer}"
+        layers = range(h.layer, h.layer + h.nlay)
+        if h.layer + h.nlay > p.num_layers:
+            problem = (f"fields 'layer'/'nlay': expected layers inside [0, {p.num_layers}), "
+                       f"got {h.layer}+{h.nlay}")
         elif h.heads != p.heads:
             problem = f"field 'heads': expected {list(p.heads)}, got {list(h.heads)}"
         elif h.nblk == 0 or h.first + h.nblk > n:
             problem = f"fields 'first'/'nblk': expected a run inside [0, {n}), got {h.first}+{h.nblk}"
         if problem:
             return self._fail(p, CorruptFrameError(f"BLOCKS {h.tid!r} {problem}"), "corrupt_frame")
-        got = p.received[h.layer][h.first:h.first + h.nblk]
+        got = b"".join(p.received[la][h.first:h.first + h.nblk] for la in layers)
         if all(got):
             return self.metrics.ignore("duplicate")
         if any(got):
             return self._fail(p, CorruptFrameError(
-                f"BLOCKS {h.tid!r} layer {h.layer}: positions {h.first}+{h.nblk} overlap a run already received"),
-                "corrupt_frame")
+                f"BLOCKS {h.tid!r} layers {h.layer}+{h.nlay}: positions {h.first}+{h.nblk} overlap a run "
+                f"already received"), "corrupt_frame")
         local = range(h.heads[0] - self.descriptor.head_start, h.heads[1] - self.descriptor.head_start)
         per_block = len(local) * self._head_block_bytes
         bad = [n for n in h.nbytes if n <= 0 or n % per_block]
-        if bad or sum(h.nbytes) != h.nblk * per_block:
+        want = h.nlay * h.nblk * per_block
+        if bad or sum(h.nbytes) != want:
             return self._fail(p, CorruptFrameError(
                 f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected positive multiples of "
-                f"{per_block} (one block of the layout) summing to {h.nblk * per_block}, got {h.nbytes}"),
+                f"{per_block} (one block of the layout) summing to {want}, got {h.nbytes}"),
                 "corrupt_frame")
-        p.received[h.layer][h.first:h.first + h.nblk] = b"\x01" * h.nblk
+        for la in layers:
+            p.received[la][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
@@ -295,19 +313,16 @@ class DecodeEndpoint:
                 verify_payloads(h, payloads)
             except CorruptFrameError as e:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
-            pos = h.first
-            for frame, n in zip(payloads, h.nbytes):
-                k = n // per_block
-                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-                self._scatter_cuda(p, h.layer, pos, k, self.caches[h.layer], p.dst_block_ids[pos:pos + k], src, local)
-                pos += k
+            for i, off, layer, pos, k in _segments(h, per_block):
+                src = torch.frombuffer(payloads[i].buffer, dtype=torch.uint8)[off:off + k * per_block]
+                self._scatter_cuda(p, layer, pos, k, self.caches[layer], p.dst_block_ids[pos:pos + k], src, local)
             return None
         if self._workers is None or sum(h.nbytes) < INLINE_BYTES:
             try:
                 self._write(p, h, payloads, local)
             except CorruptFrameError as e:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
-            return self._landed(p, h.layer, h.first, h.nblk)
+            return self._landed_all(p, h)
         job = self._workers.submit(self._write, p, h, payloads, local)
         p.jobs.add(job)
         job.add_done_callback(lambda f: self._loop.call_soon(self._written, p, h, f))
@@ -319,24 +334,21 @@ class DecodeEndpoint:
         Raises CorruptFrameError before any byte is written.
         """
         verify_payloads(h, payloads)
-        view, pos = self._views[h.layer], h.first
-        full = len(local) == view.shape[3]
-        for frame, n in zip(payloads, h.nbytes):
-            src = np.frombuffer(frame.buffer, dtype=np.uint8)
+        v0 = self._views[h.layer]
+        full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
+        for i, off, layer, pos, k in _segments(h, per_block):
+            src = np.frombuffer(payloads[i].buffer, dtype=np.uint8, count=k * per_block, offset=off)
             if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
-                k = n // view[0].nbytes
-                self._rows[h.layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
+                self._rows[layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
             else:
-                src = src.reshape(-1, *view.shape[1:3], len(local), view.shape[4])
-                k = src.shape[0]
-                copy_runs(view, p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
-            pos += k
+                src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
+                copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
         err = job.exception()
         if err is None:
-            return self._landed(p, h.layer, h.first, h.nblk)
+            return self._landed_all(p, h)
         if isinstance(err, CorruptFrameError):
             return self._fail(p, err, "checksum" if "checksum" in str(err) else "corrupt_frame")
         self._on_error(err)
@@ -353,6 +365,10 @@ class DecodeEndpoint:
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
         self._gpu_writes.append((ev, p, layer, first, count, staging))
+
+    def _landed_all(self, p: PullHandle, h: Header) -> None:
+        for layer in range(h.layer, h.layer + h.nlay):
+            self._landed(p, layer, h.first, h.nblk)
 
     def _landed(self, p: PullHandle, layer: int, first: int, count: int) -> None:
         if self._pending.get(p.transfer_id) is not p:

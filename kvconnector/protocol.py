@@ -19,7 +19,8 @@ key       type                       meaning
 ``t``     int                        :class:`MsgType`
 ``seq``   int >= 0                   sender's message counter (per transfer for BLOCKS)
 ``tid``   str (<= 256 chars)         transfer id ("" when not about a transfer)
-``layer`` int >= 0                   BLOCKS: layer index
+``layer`` int >= 0                   BLOCKS: first layer carried
+``nlay``  int >= 1                   BLOCKS: layers carried, ``layer .. layer+nlay-1`` (v2)
 ``first`` int >= 0                   BLOCKS: position of the first block in the transfer
 ``nblk``  int >= 0                   BLOCKS: number of blocks; PULL: blocks expected
 ``heads`` [int, int]                 global KV head range [lo, hi) of the rows carried
@@ -38,9 +39,13 @@ Version history
 1. (kvconnector 0.1.0) First version: HELLO/HELLO_ACK handshake with layout descriptors,
    PULL, BLOCKS (one layer x a run of consecutive transfer positions per message, whole
    rows of a head range), ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame.
+2. (kvconnector 0.1.0, 2026-11-29) BLOCKS gains the required key ``nlay``: one message may
+   carry the same positions of ``nlay`` consecutive layers, layer-major (the payload layout
+   changed, hence the bump). Senders pack layers when a whole layer is smaller than the
+   message size, so small layers no longer cost one message each.
 
 Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
-(no negotiation in version 1). Unknown header keys are ignored so that a later version may
+(no negotiation). Unknown header keys are ignored so that a later version may
 add optional keys without a bump; any change to an existing key's meaning bumps the version.
 """
 
@@ -54,9 +59,10 @@ import xxhash
 
 from layouts import CorruptFrameError, ProtocolVersionError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PROTOCOL_HISTORY = {
     1: "HELLO/HELLO_ACK, PULL, BLOCKS, ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame",
+    2: "BLOCKS key 'nlay': one message carries nlay consecutive layers (layer-major payload)",
 }
 
 MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to parse more
@@ -72,7 +78,7 @@ class MsgType(enum.IntEnum):
     HELLO = 1       # D -> P: version + descriptor
     HELLO_ACK = 2   # P -> D: version + descriptor + ok/diffs
     PULL = 3        # D -> P: send me transfer ``tid`` (rows of ``heads``)
-    BLOCKS = 4      # P -> D: header + payload frames for one layer
+    BLOCKS = 4      # P -> D: header + payload frames for nlay layers (one in v1)
     ACK = 5         # D -> P: transfer landed; release the lease
     ABORT = 6       # D -> P: give up on the transfer; release the lease
     ERROR = 7       # either way: ``code`` + ``msg`` about ``tid``
@@ -99,6 +105,7 @@ class Header:
     seq: int = 0
     tid: str = ""
     layer: int = 0
+    nlay: int = 1
     first: int = 0
     nblk: int = 0
     heads: tuple = (0, 0)
@@ -115,7 +122,8 @@ class Header:
 
 # header key -> (Header attribute, expected python type(s))
 _KEYS = {
-    "seq": ("seq", int), "tid": ("tid", str), "layer": ("layer", int), "first": ("first", int),
+    "seq": ("seq", int), "tid": ("tid", str), "layer": ("layer", int), "nlay": ("nlay", int),
+    "first": ("first", int),
     "nblk": ("nblk", int), "heads": ("heads", list), "nbytes": ("nbytes", list),
     "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
     "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
@@ -125,7 +133,7 @@ _REQUIRED = {
     MsgType.HELLO: ("desc",),
     MsgType.HELLO_ACK: ("desc", "ok"),
     MsgType.PULL: ("tid", "nblk", "heads"),
-    MsgType.BLOCKS: ("tid", "layer", "first", "nblk", "heads", "nbytes", "xxh", "last"),
+    MsgType.BLOCKS: ("tid", "layer", "nlay", "first", "nblk", "heads", "nbytes", "xxh", "last"),
     MsgType.ACK: ("tid", "ok"),
     MsgType.ABORT: ("tid",),
     MsgType.ERROR: ("code",),
@@ -228,6 +236,7 @@ def decode_header(buf) -> Header:
             raise _fail("heads", "[lo, hi] ints with 0 <= lo <= hi", hd)
         h.heads = (hd[0], hd[1])
     if mtype == MsgType.BLOCKS:
+        _check_int("nlay", h.nlay, 1, MAX_LIST_LEN)
         if len(h.nbytes) != len(h.checksums):
             raise _fail("xxh", f"{len(h.nbytes)} checksums (one per nbytes entry)", len(h.checksums))
         for i, v in enumerate(h.nbytes):

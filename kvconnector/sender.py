@@ -1,5 +1,12 @@
 """One outgoing transfer: turns (layers x block runs) into BLOCKS messages, with GPU staging.
 
+A message carries one layer x a run of positions, or, when a whole layer is smaller than
+``PACK_BYTES``, several consecutive layers of all positions (protocol v2 ``nlay``,
+layer-major), spread evenly over the fewest messages of at most ``PACK_BYTES``. Measured on 2
+cores (16-block transfers, 8 layers): one message per layer pays ~50 µs of Python per message
+on each side; one 8 MiB message for everything loses the overlap of gather, socket and write;
+4 MiB packs were fastest (1, 2 and 8 MiB tried, see docs/bench/transfer.md).
+
 CPU caches, all heads: when the runs of consecutive source blocks are long, each run is one
 payload frame sent straight from the cache (zero copy; the lease guarantees the blocks do not
 change); short runs and head slices are gathered into a pooled buffer (one frame). CUDA caches:
@@ -32,6 +39,7 @@ from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
 HASH_PIECE_BYTES = 512 << 10  # gather + hash in pieces this big (hot in L2), see module doc
+PACK_BYTES = 4 << 20         # whole layers smaller than this share a message (up to this size)
 INFLIGHT_BYTES = 24 << 20     # gathered bytes per stream queued in ZeroMQ before staging waits
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -121,11 +129,17 @@ class Stream:
         self.copy_stream = copy_stream
         self.pool = pool or BufferPool()
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
-        self._plan = deque((layer, first) for layer in range(len(caches))
-                           for first in range(0, len(block_ids), self.chunk_blocks))
+        # layers per message: a whole layer smaller than the chunk shares its message with the
+        # next layers (protocol v2 ``nlay``); otherwise one layer x a run of positions
+        n, nl = len(block_ids), len(caches)
+        lpm = max(1, min(chunk_bytes, PACK_BYTES) // (n * per_block)) if self.chunk_blocks >= n else 1
+        self.layers_per_msg = -(-nl // -(-nl // lpm))      # same message count, layers spread evenly
+        self._plan = deque((layer, min(self.layers_per_msg, nl - layer), first)
+                           for layer in range(0, nl, self.layers_per_msg)
+                           for first in range(0, n, self.chunk_blocks))
         self._total = len(self._plan)
         self._seq = 0
-        self._staged: deque = deque()    # (layer, first, count, job, pooled buffer, job args)
+        self._staged: deque = deque()    # (layer, nlay, first, count, job, pooled buffer, job args)
         self._executor = _stage_executor()
         # chunks staged ahead: a device copy in flight (CUDA), or one per staging thread
         self.ahead = 1 + (stage_threads() if self._executor else int(copy_stream is not None))
@@ -167,63 +181,67 @@ class Stream:
             plan = self._chunks[first] = (ids, block_runs if zero_copy else None, np.asarray(ids, dtype=np.intp))
         return plan
 
-    def _cpu_payload(self, layer: int, first: int) -> tuple:
-        """Payload frames of one chunk and the pooled buffer they use (None when zero copy)."""
+    def _cpu_payload(self, layer: int, nlay: int, first: int) -> tuple:
+        """Payload frames of one chunk (``nlay`` layers) and the pooled buffer they use (None
+        when zero copy)."""
         ids, zero_copy_runs, idx = self._chunk(first)
-        view = self.pool.cpu_view(self.caches[layer], self.geo)
+        views = [self.pool.cpu_view(self.caches[la], self.geo) for la in range(layer, layer + nlay)]
         if zero_copy_runs is not None:
-            # zero copy out of the cache: one frame per run of consecutive ids
-            return [view[b:b + k].reshape(-1) for _, b, k in zero_copy_runs], None
+            # zero copy out of the cache: one frame per layer and run of consecutive ids
+            return [v[b:b + k].reshape(-1) for v in views for _, b, k in zero_copy_runs], None
         # small runs: one gathered frame costs less than many tiny frames
-        buf = self.pool.acquire(slice_bytes(self.geo, len(ids), self.local_heads))
-        return [buf.numpy()], (buf, view, ids, idx)
+        buf = self.pool.acquire(nlay * slice_bytes(self.geo, len(ids), self.local_heads))
+        return [buf.numpy()], (buf, views, ids, idx)
 
     def _prepare(self, frames: list, gather, ev) -> tuple:
         """Worker side of staging: gather / wait for the device copy, then hash every frame."""
         if gather is not None:   # ids were checked against the cache at publish
-            buf, view, ids, idx = gather
-            n = len(ids)
-            packed = buf.numpy().reshape(n, *view.shape[1:3], len(self.local_heads), view.shape[4])
-            if self.full_heads:   # whole blocks: one C-level row gather per piece (ids in range)
-                flat, rows = packed.reshape(n, -1), block_rows(view)
-                copy = lambda a, b: np.take(rows, idx[a:b], axis=0, out=flat[a:b], mode="clip")  # noqa: E731
-            else:
-                copy = lambda a, b: copy_runs(packed[a:b], None, view, ids[a:b], self.local_heads,  # noqa: E731
-                                              head_side="src")
+            buf, views, ids, idx = gather
+            n, v0 = len(ids), views[0]
+            packed = buf.numpy().reshape(len(views) * n, *v0.shape[1:3], len(self.local_heads), v0.shape[4])
             step = max(1, HASH_PIECE_BYTES // max(1, packed[0].nbytes))
-            if step >= n:
-                copy(0, n)
-                return frames, [checksum(packed)]
-            h = checksum_stream()
-            for i in range(0, n, step):    # copy a piece, hash it while it is still in cache
-                copy(i, i + step)
-                h.update(packed[i:i + step])
-            return frames, [h.intdigest()]
+            h = checksum_stream() if step < len(packed) else None
+            for li, view in enumerate(views):    # layer-major
+                out = packed[li * n:(li + 1) * n]
+                if self.full_heads:   # whole blocks: one C-level row gather per piece (ids in range)
+                    flat, rows = out.reshape(n, -1), block_rows(view)
+                    copy = lambda a, b: np.take(rows, idx[a:b], axis=0, out=flat[a:b], mode="clip")  # noqa: E731
+                else:
+                    copy = lambda a, b: copy_runs(out[a:b], None, view, ids[a:b], self.local_heads,  # noqa: E731
+                                                  head_side="src")
+                if h is None:
+                    copy(0, n)
+                    continue
+                for i in range(0, n, step):    # copy a piece, hash it while it is still in cache
+                    copy(i, i + step)
+                    h.update(out[i:i + step])
+            return frames, [checksum(packed) if h is None else h.intdigest()]
         if ev is not None:
             ev.synchronize()
         return frames, [checksum(f) for f in frames]
 
     def _stage(self) -> None:
-        layer, first = self._plan.popleft()
+        layer, nlay, first = self._plan.popleft()
         ids = self.block_ids[first:first + self.chunk_blocks]
         if self.copy_stream is None:
-            frames, gather = self._cpu_payload(layer, first)
+            frames, gather = self._cpu_payload(layer, nlay, first)
             buf, ev = (gather[0] if gather else None), None
         else:
             n = slice_bytes(self.geo, len(ids), self.local_heads)
-            buf = host = self.pool.acquire(n, pin=True)
-            cache = self.caches[layer]
-            self.copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
+            buf = host = self.pool.acquire(nlay * n, pin=True)
+            device = self.caches[layer].device
+            self.copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.copy_stream):
-                dev = gather_blocks(cache, self.geo, ids, self.local_heads)
-                host.copy_(dev, non_blocking=True)
-                dev.record_stream(self.copy_stream)
+                for li in range(nlay):   # layer-major, like the CPU payload
+                    dev = gather_blocks(self.caches[layer + li], self.geo, ids, self.local_heads)
+                    host[li * n:(li + 1) * n].copy_(dev, non_blocking=True)
+                    dev.record_stream(self.copy_stream)
                 ev = torch.cuda.Event()
                 ev.record(self.copy_stream)
             frames, gather = [host.numpy()], None
         ex = self._executor
         job = ex.submit(self._prepare, frames, gather, ev) if ex else None
-        self._staged.append((layer, first, len(ids), job, buf, (frames, gather, ev)))
+        self._staged.append((layer, nlay, first, len(ids), job, buf, (frames, gather, ev)))
 
     def next_frames(self) -> list | None:
         """Frames of the next message; ``[]`` when it must wait (see :meth:`_may_stage`);
@@ -237,11 +255,11 @@ class Stream:
             self._stage()
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer; nothing to send yet
-        layer, first, count, job, self.last_buffer, work = self._staged.popleft()
+        layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
         payload, sums = job.result() if job is not None else self._prepare(*work)
         self._seq += 1
-        h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, first=first, nblk=count,
-                   heads=self.global_heads, last=self._seq == self._total)
+        h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
+                   nblk=count, heads=self.global_heads, last=self._seq == self._total)
         h.nbytes, h.checksums = [p.nbytes for p in payload], sums   # from the frames sent, as encode_message
         self.last_payload_bytes = sum(h.nbytes)
         return [encode_header(h), *payload]

@@ -56,6 +56,18 @@ class FakePrefill:
         h = Header(MsgType.BLOCKS, tid=tid, layer=layer, first=first, nblk=count, heads=heads, **kw)
         return encode_message(h, [payload])
 
+    def multi_blocks(self, tid, layer, nlay, first, count, cut=None, **kw):
+        """A protocol-v2 BLOCKS message carrying layers ``layer .. layer+nlay-1`` (layer-major);
+        ``cut`` = block index (over all layers) where a second payload frame starts."""
+        geo = self.desc.geometry()
+        ids = list(range(first, first + count))
+        payload = b"".join(gather_blocks(self.caches[la], geo, ids).numpy().tobytes()
+                           for la in range(layer, layer + nlay))
+        frames = [payload] if cut is None else [payload[:cut * geo.block_bytes], payload[cut * geo.block_bytes:]]
+        heads = (self.desc.head_start, self.desc.head_start + self.desc.num_kv_heads)
+        h = Header(MsgType.BLOCKS, tid=tid, layer=layer, nlay=nlay, first=first, nblk=count, heads=heads, **kw)
+        return encode_message(h, frames)
+
     def _run(self):
         while not self._stop:
             if not self.sock.poll(20):

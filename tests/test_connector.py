@@ -19,7 +19,7 @@ import zmq
 
 from connector_fakes import FakePrefill, filled_caches, make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
-from kvconnector.protocol import Header, MsgType, decode_header, encode_header
+from kvconnector.protocol import PROTOCOL_VERSION, Header, MsgType, decode_header, encode_header, encode_message
 from layouts import (CorruptFrameError, KVQuantMode, LayoutMismatchError, PeerError, ProtocolVersionError,
                      TransferTimeoutError)
 
@@ -106,13 +106,13 @@ def test_protocol_version_refused():
     fake = FakePrefill(desc, filled_caches(desc, 0), lambda *a: None, version=PROTOCOL_VERSION_NEXT)
     try:
         with DecodeEndpoint(filled_caches(desc, 1), desc) as dec:
-            with pytest.raises(ProtocolVersionError, match="got 2"):
+            with pytest.raises(ProtocolVersionError, match=f"got {PROTOCOL_VERSION_NEXT}"):
                 dec.connect(fake.endpoint, timeout_s=5)
     finally:
         fake.close()
 
 
-PROTOCOL_VERSION_NEXT = 2
+PROTOCOL_VERSION_NEXT = PROTOCOL_VERSION + 1
 
 
 def _corrupt(send, h, fake):
@@ -139,17 +139,25 @@ def _wrong_layer(send, h, fake):
     send([encode_header(hh), fr[1]])
 
 
+def _layers_past_the_end(send, h, fake):
+    fr = fake.blocks(h.tid, 1, 0, 2)              # claims layers 1..2 of a 2-layer pull
+    hh = decode_header(fr[0])
+    hh.nlay = 2
+    send(encode_message(hh, [fr[1] + fr[1]]))
+
+
 def _silent(send, h, fake):
     send(fake.blocks(h.tid, 0, 0, 2))   # layer 0 only, then nothing
 
 
 FAULTS = [(_corrupt, CorruptFrameError, "checksum"), (_truncated, CorruptFrameError, "truncated"),
-          (_oversized, CorruptFrameError, "oversized"), (_wrong_layer, CorruptFrameError, "field 'layer'"),
+          (_oversized, CorruptFrameError, "oversized"), (_wrong_layer, CorruptFrameError, "fields 'layer'/'nlay'"),
+          (_layers_past_the_end, CorruptFrameError, "fields 'layer'/'nlay'"),
           (_silent, TransferTimeoutError, "deadline")]
 
 
 @pytest.mark.parametrize("script,err,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized",
-                                                          "wrong-layer", "silent"])
+                                                          "wrong-layer", "nlay-past-end", "silent"])
 def test_faulty_peer_never_writes_bad_bytes(script, err, match):
     desc = make_desc(num_layers=2, num_blocks=4)
     fake = FakePrefill(desc, filled_caches(desc, 0), script)
@@ -173,6 +181,50 @@ def test_faulty_peer_never_writes_bad_bytes(script, err, match):
             while MsgType.ABORT not in fake.received and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert MsgType.ABORT in fake.received   # the prefill side is told to release
+    finally:
+        fake.close()
+
+
+def test_multi_layer_messages_frames_across_layers_and_duplicates():
+    # protocol v2: one message carries 3 layers; its second frame starts inside layer 1
+    desc = make_desc(num_layers=3, num_blocks=4)
+    src = filled_caches(desc, 0)
+
+    def script(send, h, fake):
+        send(fake.multi_blocks(h.tid, 0, 3, 0, 2, cut=3, last=True))
+        send(fake.multi_blocks(h.tid, 0, 3, 0, 2))       # duplicate of the whole message
+    fake = FakePrefill(desc, src, script)
+    dst = filled_caches(desc, 1)
+    landed = []
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [3, 1], deadline_s=5, on_layer=lambda t, la: landed.append(la)).result()
+            for s, d in zip(src, dst):
+                assert torch.equal(_bytes(d)[3], _bytes(s)[0]) and torch.equal(_bytes(d)[1], _bytes(s)[1])
+            assert sorted(landed) == [0, 1, 2]
+            time.sleep(0.2)
+            assert dec.stats()["ignored"].get("late", 0) + dec.stats()["ignored"].get("duplicate", 0) == 1
+    finally:
+        fake.close()
+
+
+def test_multi_layer_message_overlapping_a_received_layer_fails():
+    desc = make_desc(num_layers=2, num_blocks=4)
+
+    def script(send, h, fake):
+        send(fake.blocks(h.tid, 1, 0, 2))                # layer 1, both positions
+        send(fake.multi_blocks(h.tid, 0, 2, 0, 2))       # layers 0..1: layer 1 again
+    fake = FakePrefill(desc, filled_caches(desc, 0), script)
+    dst = filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            with pytest.raises(CorruptFrameError, match="overlap") as exc:
+                dec.pull("t", [2, 3], deadline_s=5).result(timeout=5)
+            assert exc.value.failed_block_ids == [2, 3]        # layer 0 never landed
+            assert torch.equal(_bytes(dst[0]), _bytes(before[0]))
     finally:
         fake.close()
 

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvconnector.protocol import (MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, Header, MsgType, checksum,
+from kvconnector.protocol import (MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, Header, MsgType, checksum,
                                   decode_header, encode_header, encode_message, verify_payloads)
 from layouts import CorruptFrameError, LayoutDescriptor, LayoutError, ProtocolVersionError
 from tools import fuzz
@@ -44,7 +44,7 @@ scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.flo
            | st.text(max_size=20) | st.binary(max_size=20))
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
                       max_leaves=12)
-header_keys = st.sampled_from(["v", "t", "seq", "tid", "layer", "first", "nblk", "heads", "nbytes",
+header_keys = st.sampled_from(["v", "t", "seq", "tid", "layer", "nlay", "first", "nblk", "heads", "nbytes",
                                "xxh", "last", "desc", "ok", "code", "msg", "diffs"]) | st.text(max_size=4)
 
 
@@ -71,7 +71,7 @@ def test_header_arbitrary_bytes(buf):
        st.integers(1, 9), st.booleans())
 def test_header_arbitrary_maps(raw, t, set_vt):
     if set_vt:  # most maps would die at 'v'/'t'; give half of them a valid start
-        raw = {**raw, "v": 1, "t": t}
+        raw = {**raw, "v": PROTOCOL_VERSION, "t": t}
     try:
         fuzz.run_header([_timed(msgpack.packb, raw)])
     except WIRE:
@@ -155,7 +155,7 @@ def test_descriptor_from_msgpack_field_values(name, value):
 
 # --------------------------------------------------------------- hostile length fields
 def _blocks_header(**over) -> bytes:
-    raw = {"v": 1, "t": 4, "seq": 0, "tid": "a", "layer": 0, "first": 0, "nblk": 1,
+    raw = {"v": PROTOCOL_VERSION, "t": 4, "seq": 0, "tid": "a", "layer": 0, "nlay": 1, "first": 0, "nblk": 1,
            "heads": [0, 1], "nbytes": [96], "xxh": [0], "last": True, **over}
     return msgpack.packb(raw)
 

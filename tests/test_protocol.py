@@ -45,10 +45,10 @@ def test_header_round_trip(h):
 
 def test_blocks_message_fills_counts_and_checksums():
     payloads = [bytes(range(7)), bytearray(b"xyz")]
-    frames = encode_message(Header(MsgType.BLOCKS, tid="t", layer=2, first=4, nblk=2, heads=(0, 1), last=True),
-                            payloads)
+    frames = encode_message(Header(MsgType.BLOCKS, tid="t", layer=2, nlay=3, first=4, nblk=2, heads=(0, 1),
+                                   last=True), payloads)
     h = decode_header(frames[0])
-    assert (h.layer, h.first, h.nblk, h.last, h.nbytes) == (2, 4, 2, True, [7, 3])
+    assert (h.layer, h.nlay, h.first, h.nblk, h.last, h.nbytes) == (2, 3, 4, 2, True, [7, 3])
     assert h.checksums == [checksum(p) for p in payloads]
     verify_payloads(h, frames[1:])
 
@@ -73,20 +73,23 @@ def _raw(**over):
     (_raw(heads=[0, 1, 2]), "field 'heads'"),
     (_raw(nblk=...), r"missing field\(s\) \['nblk'\]"),
     (_raw(v="1"), "field 'v'"),
-    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4, 4], xxh=[1], last=True), "field 'xxh'"),
-    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[1 << 40], xxh=[1], last=True), r"nbytes\[0\]"),
-    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4], xxh=[-1], last=True), r"xxh\[0\]"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[4, 4], xxh=[1], last=True), "field 'xxh'"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[1 << 40], xxh=[1], last=True), r"nbytes\[0\]"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[4], xxh=[-1], last=True), r"xxh\[0\]"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=0, first=0, nbytes=[4], xxh=[1], last=True), "field 'nlay'"),
+    (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4], xxh=[1], last=True), r"missing field\(s\) \['nlay'\]"),
 ], ids=["garbage", "array", "bad-type", "type-str", "neg-nblk", "str-nblk", "bool-nblk", "int-tid",
         "long-tid", "heads-reversed", "heads-3", "missing", "version-str", "xxh-count", "hostile-nbytes",
-        "neg-checksum"])
+        "neg-checksum", "zero-nlay", "v1-blocks-without-nlay"])
 def test_decode_rejects_bad_headers(raw, match):
     with pytest.raises(CorruptFrameError, match=match):
         decode_header(raw)
 
 
 def test_decode_rejects_other_version_and_oversized_header():
-    with pytest.raises(ProtocolVersionError, match=f"expected protocol version {PROTOCOL_VERSION}, got 2"):
-        decode_header(_raw(v=2))
+    for other in (PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1):   # an older and a newer peer
+        with pytest.raises(ProtocolVersionError, match=f"expected protocol version {PROTOCOL_VERSION}, got {other}"):
+            decode_header(_raw(v=other))
     with pytest.raises(CorruptFrameError, match="header frame: expected <="):
         decode_header(b"\x00" * (MAX_HEADER_BYTES + 1))
 

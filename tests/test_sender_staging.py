@@ -1,9 +1,11 @@
-"""Prefill-side staging (kvconnector.sender): gather + hash in cache-sized pieces, bounded
-in-flight buffers, and the no-copy block-row views both sides copy through.
+"""Prefill-side staging (kvconnector.sender): gather + hash in cache-sized pieces, layer
+packing (protocol v2), bounded in-flight buffers, and the no-copy block-row views both sides
+copy through.
 
 Covers: the streamed xxh3_64 of a gathered frame equals the one-shot checksum of exactly the
 bytes ``gather_blocks`` produces (all heads and a head slice; chunks spanning several hash
-pieces and chunks smaller than one); a pull much larger than the in-flight limit completes
+pieces and chunks smaller than one); small layers packed several per message, each layer
+sent exactly once, layer-major, gathered or as zero-copy runs; a pull much larger than the in-flight limit completes
 byte-exact while the stream waits for ZeroMQ to release its buffers (the limit forced down
 to one message); ``block_rows`` is a view that writes through, also at a storage offset.
 
@@ -57,6 +59,32 @@ def test_streamed_hash_matches_gathered_bytes(monkeypatch, piece_blocks, heads):
         assert np.array_equal(np.asarray(frames[1]).reshape(-1), want)
         assert h.checksums == [checksum(want)] and h.nbytes == [want.nbytes]
     assert n == desc.num_layers * 2
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["gathered", "zero-copy-runs"])
+@pytest.mark.parametrize("pack_layers", [1, 2, 5], ids=["pack1", "pack2", "pack5"])
+def test_layer_packing_covers_every_layer_once(monkeypatch, zero_copy, pack_layers):
+    # protocol v2: whole small layers share a message; the payload is layer-major
+    desc = make_desc(**{**KW, "num_layers": 5})
+    geo, caches = desc.geometry(), filled_caches(desc, 4)
+    ids = [6, 7, 8, 9, 30, 31, 32] if zero_copy else [17, 3, 4, 5, 39, 0]
+    layer_bytes = len(ids) * geo.block_bytes
+    monkeypatch.setattr(sender, "PACK_BYTES", pack_layers * layer_bytes)
+    monkeypatch.setattr(sender, "MIN_FRAME_BYTES", geo.block_bytes if zero_copy else 1 << 40)
+    s = sender.Stream(b"p", "t", ids, caches, geo, range(4), (0, 4), chunk_bytes=1 << 20)
+    seen = []
+    for frames in _messages(s):
+        h = decode_header(frames[0])
+        assert h.nlay <= pack_layers and h.first == 0 and h.nblk == len(ids)
+        assert len(frames) == 1 + (h.nlay * 2 if zero_copy else 1)      # 2 runs per layer when zero copy
+        want = b"".join(gather_blocks(caches[la], geo, ids).numpy().tobytes()
+                        for la in range(h.layer, h.layer + h.nlay))
+        assert b"".join(bytes(np.asarray(f).reshape(-1)) for f in frames[1:]) == want
+        assert h.checksums == [checksum(np.asarray(f).reshape(-1)) for f in frames[1:]]
+        seen += range(h.layer, h.layer + h.nlay)
+    assert seen == list(range(5))
+    want_msgs = -(-5 // min(pack_layers, 5))
+    assert s._total == want_msgs
 
 
 def test_large_pull_waits_for_released_buffers(monkeypatch):
