@@ -55,7 +55,23 @@ def slice_bytes(geo: CacheGeometry, num_blocks: int, heads: range | None = None)
     return num_blocks * 2 * geo.block_size * nh * geo.row_bytes
 
 
+def device_ids(block_ids, device) -> torch.Tensor:
+    """``block_ids`` as an int64 tensor on ``device``, copied once through pinned memory without
+    a stream synchronization; callers check the values first (publish / pull) and pass slices of
+    it to :func:`gather_blocks` / :func:`scatter_blocks` instead of a list per call (a list is a
+    synchronous pageable copy on every call)."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return ids
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
 def _ids(block_ids, device, num_blocks: int) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor) and block_ids.device == device and block_ids.device.type == "cuda":
+        # from device_ids: checked by the caller; reading min/max here would synchronize
+        if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
+            raise LayoutError(f"block_ids: expected a 1-D int64 tensor, got {block_ids.dtype} {tuple(block_ids.shape)}")
+        return block_ids
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     if ids.dim() != 1:
         raise LayoutError(f"block_ids: expected a 1-D list, got shape {tuple(ids.shape)}")
@@ -147,8 +163,8 @@ def gather_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids,
     ----------
     kv_cache : [num_blocks, 2, N, H, P] packed cache, CPU or CUDA (read only)
     geo : CacheGeometry
-    block_ids : sequence of int
-        Source blocks, in transfer order.
+    block_ids : sequence of int, or an int64 CUDA tensor from :func:`device_ids`
+        Source blocks, in transfer order (a device tensor is used unchecked).
     heads : range, optional
         Local head indices ``[lo, hi)``; all heads when None.
     out : [nbytes] uint8, optional
@@ -184,8 +200,8 @@ def scatter_blocks(kv_cache: torch.Tensor, geo: CacheGeometry, block_ids, payloa
     ----------
     kv_cache : [num_blocks, 2, N, H, P] packed cache, CPU or CUDA, written in place
     geo : CacheGeometry
-    block_ids : sequence of int
-        Destination blocks, one per gathered block, in the same order.
+    block_ids : sequence of int, or an int64 CUDA tensor from :func:`device_ids`
+        Destination blocks, one per gathered block, in the same order (a device tensor is used unchecked).
     payload : [slice_bytes(geo, len(block_ids), heads)] uint8, on ``kv_cache``'s device
     heads : range, optional
         Local head indices ``[lo, hi)`` to overwrite; the other heads are left as they were.

@@ -22,7 +22,7 @@ import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import as_bytes, block_rows, copy_runs, scatter_blocks, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, device_ids, scatter_blocks, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .prefill import check_caches
@@ -315,7 +315,9 @@ class DecodeEndpoint:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
             for i, off, layer, pos, k in _segments(h, per_block):
                 src = torch.frombuffer(payloads[i].buffer, dtype=torch.uint8)[off:off + k * per_block]
-                self._scatter_cuda(p, layer, pos, k, self.caches[layer], p.dst_block_ids[pos:pos + k], src, local)
+                if p.dst_dev is None:   # destination ids on the device once per pull (checked at pull)
+                    p.dst_dev = device_ids(p.dst_block_ids, self.caches[0].device)
+                self._scatter_cuda(p, layer, pos, k, self.caches[layer], p.dst_dev[pos:pos + k], src, local)
             return None
         if self._workers is None or sum(h.nbytes) < INLINE_BYTES:
             try:

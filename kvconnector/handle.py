@@ -32,6 +32,7 @@ class PullHandle:
                  deadline_at: float, on_layer: Callable | None) -> None:
         self.transfer_id, self.dst_block_ids = transfer_id, tuple(dst_block_ids)
         self.dst_index = np.asarray(self.dst_block_ids, dtype=np.intp)   # for row scatters
+        self.dst_dev = None   # CUDA caches: the destination ids on the device, made at the first write
         self.num_layers, self.heads, self.deadline_at = num_layers, tuple(heads), deadline_at
         self.on_layer = on_layer
         n = len(dst_block_ids)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, block_rows, copy_runs, gather_blocks, runs, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, device_ids, gather_blocks, runs, slice_bytes
 from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 
@@ -127,6 +127,8 @@ class Stream:
         self.chunk_blocks = max(1, chunk_bytes // per_block)
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
+        # CUDA: the source ids on the device once per transfer (ids were checked at publish)
+        self._ids_dev = device_ids(block_ids, caches[0].device) if copy_stream is not None else None
         self.pool = pool or BufferPool()
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         # layers per message: a whole layer smaller than the chunk shares its message with the
@@ -233,7 +235,8 @@ class Stream:
             self.copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.copy_stream):
                 for li in range(nlay):   # layer-major, like the CPU payload
-                    dev = gather_blocks(self.caches[layer + li], self.geo, ids, self.local_heads)
+                    dev = gather_blocks(self.caches[layer + li], self.geo, self._ids_dev[first:first + len(ids)],
+                                        self.local_heads)
                     host[li * n:(li + 1) * n].copy_(dev, non_blocking=True)
                     dev.record_stream(self.copy_stream)
                 ev = torch.cuda.Event()
