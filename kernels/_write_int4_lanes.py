@@ -2,19 +2,23 @@
 
 The oracle's fast Walsh–Hadamard transform (``kernels.reference.fwht``: stage ``k`` pairs
 elements ``2**k`` apart, smallest first, fp32 ``a + b`` / ``a - b``) is done where the load
-puts the data: a row of ``d`` bf16/fp16 values is read by ``d / 8`` lanes of one warp, 8
-consecutive values (16 bytes) each. Stages 1, 2 and 4 pair values inside a lane; stage
-``8·2**j`` pairs lane ``l`` with lane ``l ^ 2**j`` (``shfl.sync.bfly``). The same additions in
-the same order give the oracle's bits, so the codes and scales are the oracle's, with no
-``tl.dot``, no shared memory and no barrier (the ``tl.dot`` kernel in ``_write_int4`` stages
-tiles through shared memory and waits on barriers; see docs/bench/write.md).
+puts the data. A row of ``d`` bf16/fp16 values is loaded as PARTS (1, 2, 4 or 8) column ranges
+of ``N = d / PARTS`` values; each part is read by ``N / 8`` lanes of one warp, 8 consecutive
+values (16 bytes) per lane, and the same lane holds element ``i`` of every part. Stages 1, 2
+and 4 pair values inside a lane; stages ``8 .. N/2`` pair lane ``l`` with lane ``l ^ 2**j``
+(``shfl.sync.bfly``); stages ``N .. d/2`` pair parts held by the same lane (plain adds). The
+same additions in the same order give the oracle's bits, so the codes and scales are the
+oracle's for bf16 and fp16 inputs, with no ``tl.dot``, no shared memory and no barrier (the
+fused kernel in ``_write_int4_fused`` stages tiles through shared memory for ``tl.dot``).
 
-The shuffle stages assume Triton's coalesced layout for a ``[ROWS, d]`` 16-byte-vector load:
-``sizePerThread [1, 8]``, ``threadsPerWarp [32·8/d, d/8]``, columns fastest, so that
-``inline_asm_elementwise(pack=8)`` receives one lane's 8 consecutive values of one row and
-lane bit ``j`` is column-group bit ``j``. The GPU tests compare every byte with the oracle,
-which any other layout would fail. Through the interpreter (CPU) the same kernel runs the
-oracle's butterfly instead (``fwht_rows``), bit-identical by construction.
+The shuffle stages assume Triton's coalesced layout for a ``[ROWS, N]`` 16-byte-vector load:
+``sizePerThread [1, 8]``, ``threadsPerWarp [32·8/N, N/8]``, warps along rows, columns fastest,
+so that ``inline_asm_elementwise(pack=8)`` receives one lane's 8 consecutive values of one row
+and lane bit ``j`` is column-group bit ``j``. The launcher refuses tilings whose warps would not
+tile whole rows (``rows`` a multiple of ``num_warps · 32 · 8 / N``); the GPU tests compare
+every byte with the oracle, which any other layout would fail. Through the interpreter (CPU)
+the same kernel runs the oracle's butterfly per part instead (``fwht_rows``), bit-identical
+by construction. Measurements: docs/bench/write.md.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton.language as tl
 from ._jit import dual_jit
 from ._write_math import fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
 
-LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row), one load per row
+LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
 
 @functools.lru_cache(maxsize=None)
