@@ -198,11 +198,6 @@ def _kv_align(k, v) -> int:
     return align
 
 
-@functools.lru_cache(maxsize=None)
-def _int4_signs(head_size: int, device: torch.device) -> torch.Tensor:
-    return rht_signs(head_size, device).contiguous()
-
-
 def attend(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
            window_size, block_table, softcap, mode, k_scale_cache, v_scale_cache, *, seq_threshold_3D=None,
            num_par_softmax_segments=None, segm_output=None, segm_max=None, segm_expsum=None,
@@ -213,7 +208,7 @@ def attend(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, so
                                    k_scale_cache, v_scale_cache, window_size, softcap, max_seqlen_q)
     cfg = config or pick_config(mode, q, group, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
                                 segm_output, num_par_softmax_segments, seq_threshold_3D)
-    signs = _int4_signs(head_size, q.device) if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else None
+    signs = rht_signs(head_size, q.device) if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else None
     return launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
                             window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg, head_size,
                             group, signs=signs, segm_output=segm_output, segm_max=segm_max,

@@ -53,16 +53,10 @@ def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> t
     return (s * h).to(dtype=dtype, device=device).contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def device_signs(head_size: int, device: str) -> torch.Tensor:
-    """The RHT signs as a float32 tensor on ``device``, made once (a pageable host-to-device copy
-    per call would synchronize the stream and idle the GPU between writes)."""
-    return rht_signs(head_size, device)
-
-
 @functools.lru_cache(maxsize=64)
 def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
-    """The MSE range factors as a float32 tensor on ``device``, made once per tuple."""
+    """The MSE range factors as a float32 tensor on ``device``, made once per tuple (a pageable
+    host-to-device copy per call would synchronize the stream and idle the GPU between writes)."""
     return torch.tensor(shrink, dtype=torch.float32, device=device)
 
 
@@ -151,18 +145,10 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     if num_rows == 0:
         return
     d, rows = shape.head_size, cfg["rows"]
-    ch = chunk_size(d)
-    dot = cfg["rotation"] == "dot" and ch <= 128  # wider dot tiles would not fit shared memory
     dev = str(key.device)
-    rot = signed_hadamard_chunks(d, key.dtype, dev) if dot else device_signs(d, dev)
-    shrink_t = device_shrink(shrink, dev)
     ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
     num_tiles = triton.cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
-    programs = num_tiles
-    if not cpu and cfg["programs_per_sm"]:
-        sms = torch.cuda.get_device_properties(key.device).multi_processor_count
-        programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"]))
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
     if cfg["kernel"] == "lanes":
         # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers
@@ -173,15 +159,24 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
                              f"rows={rows}, num_warps={cfg['num_warps']}")
         contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
         _reshape_and_cache_int4_lanes_kernel[(num_tiles, 2)](
-            key, value, key_cache, value_cache, ks, vs, slot_mapping, device_signs(d, dev),
+            key, value, key_cache, value_cache, ks, vs, slot_mapping, rht_signs(d, dev),
             num_rows, shape.num_blocks * shape.block_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
             ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-            ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1, FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
+            ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1,
+            FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
         return
+    ch = chunk_size(d)
+    dot = cfg["rotation"] == "dot" and ch <= 128  # wider dot tiles would not fit shared memory
+    rot = signed_hadamard_chunks(d, key.dtype, dev) if dot else rht_signs(d, dev)
+    shrink_t = device_shrink(shrink, dev)
+    programs = num_tiles
+    if not cpu and cfg["programs_per_sm"]:
+        sms = torch.cuda.get_device_properties(key.device).multi_processor_count
+        programs = min(num_tiles, max(1, sms * cfg["programs_per_sm"]))
     _reshape_and_cache_int4_kernel[(programs,)](
         key, value, key_cache, value_cache, ks, vs, slot_mapping, rot, shrink_t,
         num_rows, num_tiles, shape.num_blocks * shape.block_size,

@@ -35,7 +35,17 @@ def _rht_signs_cpu(head_size: int) -> torch.Tensor:
 
 
 def rht_signs(head_size: int, device="cpu") -> torch.Tensor:
-    """The ±1 float32 vector ``s`` of length ``head_size`` (vLLM's seed and generator)."""
+    """The ±1 float32 vector ``s`` of length ``head_size`` (vLLM's seed and generator).
+
+    One shared tensor per (head_size, device), made once: callers must not modify it in place.
+    (A copy to the GPU per call would be a pageable host-to-device copy, which synchronizes the
+    stream: the kernel launchers call this on every write and attention.)
+    """
+    return _rht_signs_on(head_size, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _rht_signs_on(head_size: int, device: str) -> torch.Tensor:
     return _rht_signs_cpu(head_size).to(device)
 
 
