@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, LOG2E, apply_softcap, hadamard_sign, key_range, segment_tiles
+from ._attn_common import DOT_FP32, LOG2E, apply_softcap, hadamard_sign, key_range, segment_tiles, to_dot
 from ._jit import dual_jit
 
 MODE_INT8 = tl.constexpr(1)
@@ -104,15 +104,6 @@ def _codes(x, MODE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _to_dot(x, DOT: tl.constexpr):
-    if DOT == DOT_FP32:
-        y = x.to(tl.float32)
-    else:
-        y = x.to(tl.float16)
-    return y
-
-
-@triton.jit
 def _load_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t_end, k_lo, k_hi, kv_head, offs_t, offs_d,
                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
@@ -173,10 +164,10 @@ def _attn_decode_kernel(
     row = (tok.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx  # [GP]
     # q^T: [D, GP] (INT4: two halves); q_sum of the rounded operand, for the folded offsets
     q_base = q_ptr + tok.to(tl.int64) * stride_q_t + head[None, :] * stride_q_h + offs_d[:, None] * stride_q_d
-    qa = _to_dot(tl.load(q_base, mask=g_ok[None, :], other=0.0).to(tl.float32) * q_scale, DOT)
+    qa = to_dot(tl.load(q_base, mask=g_ok[None, :], other=0.0).to(tl.float32) * q_scale, DOT)
     q_sum = tl.sum(qa.to(tl.float32), 0)
     if MODE == MODE_INT4:
-        qb = _to_dot(tl.load(q_base + D * stride_q_d, mask=g_ok[None, :], other=0.0), DOT)
+        qb = to_dot(tl.load(q_base + D * stride_q_d, mask=g_ok[None, :], other=0.0), DOT)
         q_sum += tl.sum(qb.to(tl.float32), 0)
     else:
         qb = qa
@@ -235,7 +226,7 @@ def _attn_decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 0)
         vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
-        pv = _to_dot(p * (v_sc / vs_max)[:, None], DOT)  # [TILE, GP]
+        pv = to_dot(p * (v_sc / vs_max)[:, None], DOT)  # [TILE, GP]
         zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)  # [GP], of the rounded tile
         if MODE == MODE_INT4:
             acc_a = acc_a * alpha[None, :] + (tl.dot(v_lo_c, pv) - zp_term[None, :]) * vs_max
