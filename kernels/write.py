@@ -104,10 +104,12 @@ def _reshape_and_cache_symmetric_kernel(
 
 
 def _symmetric_tiles(head_size: int, on_cpu: bool, rows, num_warps) -> tuple:
-    """(rows, warps) per program for INT8/FP8. The interpreter runs a whole tile per numpy op, so
-    big tiles; on the GPU one warp with 1 KiB of values measured fastest on the H200 at 65,536
-    tokens x 8 heads x 128 (159 / 148 us for INT8 / FP8 against 214 / 197 us with 32 rows and 4
-    warps; docs/bench/write.md, 2026-11-29)."""
+    """(rows, warps) per program for the INT8/FP8 and bf16/fp16 writers. The interpreter runs a
+    whole tile per numpy op, so big tiles; on the GPU one warp with 1 KiB of values measured
+    fastest for INT8/FP8 on the H200 at 65,536 tokens x 8 heads x 128 (159 / 148 us against
+    214 / 197 us with 32 rows and 4 warps; docs/bench/write.md, 2026-11-29). The bf16/fp16 writer
+    passes its own ``num_warps`` (default 4) and so gets these rows with 4 warps: 94-95% of copy
+    at head_size 64/128/256 in the same runs, as with its earlier 4096 // head_size rows."""
     d = triton.next_power_of_2(head_size)
     if on_cpu:
         return rows or max(1, 4096 // d), num_warps or 4
