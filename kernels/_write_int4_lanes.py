@@ -34,40 +34,52 @@ from ._write_math import fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
 
-@functools.lru_cache(maxsize=None)
-def fwht_asm(lane_bits: int) -> str:
-    """PTX for one lane's 8 values ($8..$15 in, $0..$7 out): the oracle's 3 in-lane stages, then
-    ``lane_bits`` shuffle stages. Every add is ``.rn`` so ptxas cannot contract it into an FMA;
-    the partner's update ``fma(mine, ±1, theirs)`` is exactly ``theirs ± mine`` (one rounding)."""
-    lines = ["{", ".reg .f32 a<8>, b<8>, p, s;", ".reg .b32 l;"]
-    cur, banks = [f"${8 + i}" for i in range(8)], ("a", "b", "a")
-    for k in range(3):  # in-lane stages: pairs (i, i + 2**k)
-        h, out = 1 << k, banks[k]
+@triton.constexpr_function
+def fwht_text(log2_n, f16):
+    """PTX for one lane's 8 values: packed bf16 (or fp16) pairs $8..$11 and the fp32 signs' bits
+    $12..$19 in, ``H·(s ⊙ x)`` out in $0..$7: the oracle's 3 in-lane stages, then ``lane_bits``
+    shuffle stages (``N = 2**log2_n`` values per part, ``N/8`` lanes). Every add is ``.rn`` so ptxas cannot contract it into an FMA; the partner's
+    update ``fma(mine, ±1, theirs)`` is exactly ``theirs ± mine`` (one rounding).
+
+    The sign flip costs nothing per element (the oracle's ``x.float() * s`` is exact, a sign
+    change): the odd element's sign is XORed into its bf16 -> fp32 unpack, ``lop3(p, s, c)`` =
+    ``(p & 0xFFFF0000) ^ (bits(s) & 0x80000000)`` (``bits(±1.0)`` differ only in bit 31, bits
+    23..29 set, the rest clear, so ``c = 0xC07F0000`` with LUT 0x68 = ``c ? p ^ s : p & s``
+    selects it in one instruction); fp16 multiplies the odd element by ±1 (exact). The even
+    element's sign goes into stage 1: ``fma(x0, s0, y1)`` rounds the exact ``s0·x0 + y1`` once,
+    the oracle's ``RN(a + b)`` with the same signed-zero rule, and ``fma(x0, s0, -y1)`` its
+    ``RN(a - b)``."""
+    lines = ["{", ".reg .f32 a<8>, b<8>, p, s, lo, hi, nh;", ".reg .b32 l;", ".reg .b16 h<2>;"]
+    for j in range(4):  # pair j: element 2j in the low half of $8+j, 2j+1 in the high half
+        if f16:
+            lines += [f"mov.b32 {{h0, h1}}, ${8 + j};", "cvt.f32.f16 lo, h0;", "cvt.f32.f16 hi, h1;",
+                      f"mul.rn.f32 hi, hi, ${13 + 2 * j};"]
+        else:
+            lines += [f"shl.b32 lo, ${8 + j}, 16;", f"lop3.b32 hi, ${8 + j}, ${13 + 2 * j}, 0xC07F0000, 0x68;"]
+        lines += ["neg.f32 nh, hi;", f"fma.rn.f32 b{2 * j}, lo, ${12 + 2 * j}, hi;",
+                  f"fma.rn.f32 b{2 * j + 1}, lo, ${12 + 2 * j}, nh;"]
+    cur, banks = [f"b{i}" for i in range(8)], ("a", "b")
+    for k in (1, 2):  # in-lane stages 2 and 4: pairs (i, i + 2**k)
+        h, out = 1 << k, banks[k - 1]
         for i in range(8):
             if not i & h:
                 lines.append(f"add.rn.f32 {out}{i}, {cur[i]}, {cur[i + h]};")
                 lines.append(f"sub.rn.f32 {out}{i + h}, {cur[i]}, {cur[i + h]};")
         cur = [f"{out}{i}" for i in range(8)]
-    for j in range(lane_bits):  # lane l pairs with l ^ 2**j: lower lane a + b, upper lane a - b
+    for j in range(log2_n - 3):  # lane l pairs with l ^ 2**j: lower lane a + b, upper lane a - b
         lines += ["mov.u32 l, %laneid;", f"bfe.u32 l, l, {j}, 1;", "cvt.rn.f32.u32 s, l;",
                   "fma.rn.f32 s, s, 0fC0000000, 0f3F800000;"]  # s = 1 - 2·bit: +1 lower, -1 upper
         for i in range(8):
-            lines.append(f"shfl.sync.bfly.b32 p, a{i}, {1 << j}, 31, -1;")
-            lines.append(f"fma.rn.f32 a{i}, a{i}, s, p;")
-    lines += [f"mov.b32 ${i}, a{i};" for i in range(8)] + ["}"]
+            lines.append(f"shfl.sync.bfly.b32 p, b{i}, {1 << j}, 31, -1;")
+            lines.append(f"fma.rn.f32 b{i}, b{i}, s, p;")
+    lines += [f"mov.b32 ${i}, b{i};" for i in range(8)] + ["}"]
     return "\n".join(lines)
 
 
-@triton.jit
-def fwht_lanes(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, FWHT_ASM: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    """Unnormalised WHT of each row of ``x: [ROWS, D]`` fp32, bit-identical to the oracle's."""
-    if INTERPRET:
-        r = fwht_rows(x, ROWS, D, LOG2_D)
-    else:
-        r = tl.inline_asm_elementwise(FWHT_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
-                                      dtype=tl.float32, is_pure=True, pack=8)
-    return r
+@functools.lru_cache(maxsize=None)
+def fwht_asm(lane_bits: int) -> str:
+    """The bf16 text of :func:`fwht_text` for ``lane_bits`` shuffle stages (the launcher's FWHT_ASM)."""
+    return fwht_text(lane_bits + 3, False)
 
 
 @triton.jit
@@ -81,11 +93,18 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
                   FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr):
-    """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32)."""
+    """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
+
+    ``FWHT_ASM`` (the launcher's bf16 text) is not used: the kernel builds its dtype's variant."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, N] model dtype
-    return fwht_lanes(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N, FWHT_ASM,
-                      INTERPRET)
+    sgn = tl.load(sign_ptr + cols)[None, :]
+    if INTERPRET:
+        r = fwht_rows(x.to(tl.float32) * sgn, ROWS, N, LOG2_N)
+    else:
+        r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
+                                      [x, sgn.to(tl.int32, bitcast=True)], dtype=tl.float32, is_pure=True, pack=8)
+    return r
 
 
 @triton.jit
