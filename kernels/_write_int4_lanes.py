@@ -82,12 +82,41 @@ def fwht_asm(lane_bits: int) -> str:
     return fwht_text(lane_bits + 3, False)
 
 
+def _codes_text():
+    """PTX for 8 rounded values $2..$9 (fp32) and their row's ``RN(1/scale)`` $10, ``-scale`` $18,
+    ``zp + 0.5`` $26: ``int4_codes_fast``'s division and code, packed into one word $0 ($1, the
+    other four bytes of the pack, is left unset). Per value: Markstein's ``RN(r / scale)`` (one
+    multiply, two FMAs), ``+ zph``, ``cvt.rzi.s32`` (NaN and -inf give 0, truncation is floor on
+    >= 0); then ``cvt.pack.sat.u4.s32`` clamps two codes to [0, 15] and packs them into a byte
+    (even element low), shifting the word so far up 8 bits. ``sat_u4(trunc_s32(v))`` equals the
+    previous ``min(trunc_u32_sat(v), 15)`` for every v: both are 0 for v < 1, NaN and -inf,
+    ``floor(v)`` on [0, 15] and 15 above."""
+    lines = ["{", ".reg .f32 t0, e, t;", ".reg .b32 q<8>, w;"]
+    for i in range(8):
+        lines += [f"mul.rn.f32 t0, ${2 + i}, $10;", f"fma.rn.f32 e, t0, $18, ${2 + i};", "fma.rn.f32 t, e, $10, t0;",
+                  "add.rn.f32 t, t, $26;", f"cvt.rzi.s32.f32 q{i}, t;"]
+    lines += ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
+              "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", "cvt.pack.sat.u4.s32.b32 $0, q1, q0, w;", "}"]
+    return "\n".join(lines)
+
+
+CODES_ASM = tl.constexpr(_codes_text())
+
+
 @triton.jit
 def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.constexpr, N: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """Codes of ``r: [ROWS, N]`` (rotated, fp32) packed into ``N // 2`` bytes per row at ``c_row``."""
-    q = int4_codes_fast(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET)
-    tl.store(c_row + tl.arange(0, N // 2)[None, :], pack_nibbles(q, ROWS, N), mask=mask[:, None])
+    rr = round_to_model_f32(r, DTYPE, INTERPRET)
+    if INTERPRET:
+        packed = pack_nibbles(int4_codes_fast(rr, scale, zph, rcp, INTERPRET), ROWS, N)
+    else:
+        nb = (0.0 - scale)[:, None]
+        y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 31 + "f", [rr, rcp[:, None], nb, zph[:, None]],
+                                      dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
+        y = tl.permute(tl.reshape(y, (ROWS, N // 8, 2, 4)), (0, 1, 3, 2))
+        packed = tl.reshape(tl.split(y)[0], (ROWS, N // 2))
+    tl.store(c_row + tl.arange(0, N // 2)[None, :], packed, mask=mask[:, None])
 
 
 @triton.jit
