@@ -18,7 +18,10 @@ and lane bit ``j`` is column-group bit ``j``. The launcher refuses tilings whose
 tile whole rows (``rows`` a multiple of ``num_warps · 32 · 8 / N``); the GPU tests compare
 every byte with the oracle, which any other layout would fail. Through the interpreter (CPU)
 the same kernel runs the oracle's butterfly per part instead (``fwht_rows``), bit-identical
-by construction. Measurements: docs/bench/write.md.
+by construction. On the GPU the sign flip and the widening are inside the butterfly asm, each
+part is rounded once to the model dtype, the row range is taken on those rounded pairs
+(``range_text``) and one asm per part divides, codes and packs them (``codes_text``); each
+asm's exactness argument is in its docstring. Measurements: docs/bench/write.md.
 """
 
 from __future__ import annotations
