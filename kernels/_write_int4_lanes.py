@@ -18,10 +18,10 @@ and lane bit ``j`` is column-group bit ``j``. The launcher refuses tilings whose
 tile whole rows (``rows`` a multiple of ``num_warps · 32 · 8 / N``); the GPU tests compare
 every byte with the oracle, which any other layout would fail. Through the interpreter (CPU)
 the same kernel runs the oracle's butterfly per part instead (``fwht_rows``), bit-identical
-by construction. On the GPU the sign flip and the widening are inside the butterfly asm, each
-part is rounded once to the model dtype, the row range is taken on those rounded pairs
-(``range_text``) and one asm per part divides, codes and packs them (``codes_text``); each
-asm's exactness argument is in its docstring. Measurements: docs/bench/write.md.
+by construction. On the GPU the sign flip and the widening to fp32 are inside the butterfly asm,
+and one asm per part divides, codes and packs (``CODES_ASM``). A later variant that took the row
+range on rounded bf16x2 / f16x2 pairs (fdc8619) cut the SASS further but ran 6% slower at
+head_size 128 on the H200 and was reverted. Measurements: docs/bench/write.md.
 """
 
 from __future__ import annotations
@@ -85,85 +85,38 @@ def fwht_asm(lane_bits: int) -> str:
     return fwht_text(lane_bits + 3, False)
 
 
-@triton.constexpr_function
-def codes_text(f16):
-    """PTX for 8 values rounded to the model dtype, packed in pairs $2..$5, and their row's
-    ``RN(1/scale)`` $6, ``-scale`` $14, ``zp + 0.5`` $22: ``int4_codes_fast``'s division and code,
-    packed into one word $0 ($1, the other four bytes of the pack, is left unset). Per value: the
-    exact widening to fp32, Markstein's ``RN(r / scale)`` (one multiply, two FMAs), ``+ zph``,
-    ``cvt.rzi.s32`` (NaN and -inf give 0, truncation is floor on >= 0); then
-    ``cvt.pack.sat.u4.s32`` clamps two codes to [0, 15] and packs them into a byte (even element
-    low), shifting the word so far up 8 bits. ``sat_u4(trunc_s32(v))`` equals the previous
-    ``min(trunc_u32_sat(v), 15)`` for every v: 0 for v < 1, NaN and -inf, ``floor(v)`` up to 15."""
-    lines = ["{", ".reg .f32 r<8>, t0, e, t;", ".reg .b32 q<8>, w;", ".reg .b16 h<2>;"]
-    for j in range(4):
-        if f16:
-            lines += [f"mov.b32 {{h0, h1}}, ${2 + j};", f"cvt.f32.f16 r{2 * j}, h0;", f"cvt.f32.f16 r{2 * j + 1}, h1;"]
-        else:
-            lines += [f"shl.b32 r{2 * j}, ${2 + j}, 16;", f"and.b32 r{2 * j + 1}, ${2 + j}, 0xFFFF0000;"]
+def _codes_text():
+    """PTX for 8 rounded values $2..$9 (fp32) and their row's ``RN(1/scale)`` $10, ``-scale`` $18,
+    ``zp + 0.5`` $26: ``int4_codes_fast``'s division and code, packed into one word $0 ($1, the
+    other four bytes of the pack, is left unset). Per value: Markstein's ``RN(r / scale)`` (one
+    multiply, two FMAs), ``+ zph``, ``cvt.rzi.s32`` (NaN and -inf give 0, truncation is floor on
+    >= 0); then ``cvt.pack.sat.u4.s32`` clamps two codes to [0, 15] and packs them into a byte
+    (even element low), shifting the word so far up 8 bits. ``sat_u4(trunc_s32(v))`` equals the
+    previous ``min(trunc_u32_sat(v), 15)`` for every v: both are 0 for v < 1, NaN and -inf,
+    ``floor(v)`` on [0, 15] and 15 above."""
+    lines = ["{", ".reg .f32 t0, e, t;", ".reg .b32 q<8>, w;"]
     for i in range(8):
-        lines += [f"mul.rn.f32 t0, r{i}, $6;", f"fma.rn.f32 e, t0, $14, r{i};", "fma.rn.f32 t, e, $6, t0;",
-                  "add.rn.f32 t, t, $22;", f"cvt.rzi.s32.f32 q{i}, t;"]
+        lines += [f"mul.rn.f32 t0, ${2 + i}, $10;", f"fma.rn.f32 e, t0, $18, ${2 + i};", "fma.rn.f32 t, e, $10, t0;",
+                  "add.rn.f32 t, t, $26;", f"cvt.rzi.s32.f32 q{i}, t;"]
     lines += ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
               "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", "cvt.pack.sat.u4.s32.b32 $0, q1, q0, w;", "}"]
     return "\n".join(lines)
 
 
-@triton.constexpr_function
-def range_text(parts, f16, lane_bits):
-    """PTX for one lane's ``parts`` x 8 values rounded to the model dtype (packed pairs from $16 on):
-    the row's max in $0..$7 and minus its min in $8..$15 (fp32; NaN in all if any value of the row
-    is NaN). The oracle takes the range of the rounded row, so min/max run on the rounded pairs,
-    two values per ``max.NaN`` / ``min.NaN`` (.bf16x2 or .f16x2: exact, NaN-propagating per half).
-    The max and the negated min (sign bits flipped: exact) are then paired, so one ``max.NaN``
-    folds the two halves (a NaN in either half reaches both results) and one shuffle per lane bit
-    combines the ``2**lane_bits`` lanes of the row."""
-    ty = "f16x2" if f16 else "bf16x2"
-    lines = ["{", ".reg .b32 mx, mn, a, b;", ".reg .b16 h<2>;", "mov.b32 mx, $16;", "mov.b32 mn, $16;"]
-    for k in range(1, 4 * parts):
-        lines += [f"max.NaN.{ty} mx, mx, ${16 + k};", f"min.NaN.{ty} mn, mn, ${16 + k};"]
-    lines += ["xor.b32 mn, mn, 0x80008000;", "prmt.b32 a, mx, mn, 0x5410;", "prmt.b32 b, mx, mn, 0x7632;",
-              f"max.NaN.{ty} a, a, b;"]
-    for j in range(lane_bits):
-        lines += [f"shfl.sync.bfly.b32 b, a, {1 << j}, 31, -1;", f"max.NaN.{ty} a, a, b;"]
-    if f16:
-        lines += ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 $0, h0;", "cvt.f32.f16 $8, h1;"]
-    else:
-        lines += ["shl.b32 $0, a, 16;", "and.b32 $8, a, 0xFFFF0000;"]
-    lines += [f"mov.b32 ${i}, $0;" for i in range(1, 8)] + [f"mov.b32 ${i}, $8;" for i in range(9, 16)] + ["}"]
-    return "\n".join(lines)
-
-
-@triton.jit
-def _first(a, b):
-    return a
-
-
-@triton.jit
-def _packed_range(q0, q1, q2, q3, q4, q5, q6, q7, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  PARTS: tl.constexpr):
-    """Row ``(max, -min)`` [ROWS] fp32 of the rounded parts (model dtype [ROWS, N]), NaN-propagating."""
-    asm: tl.constexpr = range_text(PARTS, q0.dtype == tl.float16, LOG2_N - 3)
-    # all 8 tensors always (parts past PARTS alias part 0 and the text leaves them unread)
-    mx, nmn = tl.inline_asm_elementwise(asm, "=f," * 16 + "r," * 31 + "r", [q0, q1, q2, q3, q4, q5, q6, q7],
-                                        dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
-    # every value of a row is already the row's: the reduction only changes the layout to [ROWS]
-    return tl.reduce(mx, 1, _first), tl.reduce(nmn, 1, _first)
+CODES_ASM = tl.constexpr(_codes_text())
 
 
 @triton.jit
 def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.constexpr, N: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """Codes of ``r: [ROWS, N]`` packed into ``N // 2`` bytes per row at ``c_row``: ``r`` is the
-    rotation (fp32) under INTERPRET, else already rounded to the model dtype."""
+    """Codes of ``r: [ROWS, N]`` (rotated, fp32) packed into ``N // 2`` bytes per row at ``c_row``."""
+    rr = round_to_model_f32(r, DTYPE, INTERPRET)
     if INTERPRET:
-        packed = pack_nibbles(int4_codes_fast(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET),
-                              ROWS, N)
+        packed = pack_nibbles(int4_codes_fast(rr, scale, zph, rcp, INTERPRET), ROWS, N)
     else:
         nb = (0.0 - scale)[:, None]
-        y = tl.inline_asm_elementwise(codes_text(r.dtype == tl.float16), "=r,=r," + "r," * 4 + "f," * 23 + "f",
-                                      [r, rcp[:, None], nb, zph[:, None]], dtype=tl.uint8, is_pure=True,
-                                      pack=8)  # bytes 0..3 of each 8: the codes
+        y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 31 + "f", [rr, rcp[:, None], nb, zph[:, None]],
+                                      dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
         y = tl.permute(tl.reshape(y, (ROWS, N // 8, 2, 4)), (0, 1, 3, 2))
         packed = tl.reshape(tl.split(y)[0], (ROWS, N // 2))
     tl.store(c_row + tl.arange(0, N // 2)[None, :], packed, mask=mask[:, None])
@@ -263,22 +216,17 @@ def _reshape_and_cache_int4_lanes_kernel(
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6
         r3, r7 = r3 + r7, r3 - r7
-    if INTERPRET:
-        lo, hi = row_min_max(r0, INTERPRET)
-        if PARTS >= 2:
-            lo, hi = _min_max2(lo, hi, r1, INTERPRET)
-        if PARTS >= 4:
-            lo, hi = _min_max2(lo, hi, r2, INTERPRET)
-            lo, hi = _min_max2(lo, hi, r3, INTERPRET)
-        if PARTS == 8:
-            lo, hi = _min_max2(lo, hi, r4, INTERPRET)
-            lo, hi = _min_max2(lo, hi, r5, INTERPRET)
-            lo, hi = _min_max2(lo, hi, r6, INTERPRET)
-            lo, hi = _min_max2(lo, hi, r7, INTERPRET)
-    else:  # round once (pairs), the range of the rounded parts, the codes from the rounded parts
-        r0, r1, r2, r3 = r0.to(dtype), r1.to(dtype), r2.to(dtype), r3.to(dtype)  # RNE, cvt.rn.*x2 pairs
-        r4, r5, r6, r7 = r4.to(dtype), r5.to(dtype), r6.to(dtype), r7.to(dtype)
-        hi, nlo = _packed_range(r0, r1, r2, r3, r4, r5, r6, r7, ROWS, N, LOG2_N, PARTS)
+    lo, hi = row_min_max(r0, INTERPRET)
+    if PARTS >= 2:
+        lo, hi = _min_max2(lo, hi, r1, INTERPRET)
+    if PARTS >= 4:
+        lo, hi = _min_max2(lo, hi, r2, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r3, INTERPRET)
+    if PARTS == 8:
+        lo, hi = _min_max2(lo, hi, r4, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r5, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r6, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r7, INTERPRET)
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
     slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
@@ -286,12 +234,8 @@ def _reshape_and_cache_int4_lanes_kernel(
     off = slot % BLOCK_SIZE
     # range from the fp32 rotation: rounding to the model dtype is monotone, so the rounded
     # row's min/max is the rounded min/max; NaN anywhere makes both NaN
-    if INTERPRET:
-        lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
-        hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    else:  # -max(-min, 0) == min(min, 0); a zero's sign never reaches scale, zp or the codes
-        lo = 0.0 - tl.maximum(nlo, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
     scale, zp, rcp = int4_scale_zp(lo, hi)
     zph = tl.where(ok, zp + 0.5, float("-inf"))  # -inf: every code clamps to 0
