@@ -245,14 +245,14 @@ def _attn_decode_kernel(
     tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
 
 
-# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). INT4 query: q_out = softmax_scale * H(s * q),
-# split into even | odd output dimensions, fp32.
+# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). INT4 query: q_out = softmax_scale * H(s * q), fp32,
+# in PARTS parts of HEAD / PARTS dims, part x = rotated dims PARTS * i + x (v2 kernel: 2, v3: 4).
 @dual_jit
 def _prep_q_kernel(
     q_ptr, signs_ptr, q_out_ptr, softmax_scale,
     stride_q_t, stride_q_h, stride_q_d,
     NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, PARTS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -265,10 +265,9 @@ def _prep_q_kernel(
     if DOT == DOT_FP32:
         q = q.to(tl.float32)
     out = q_out_ptr + (tok * NUM_Q_HEADS + head)[:, None] * HEAD
-    HALF: tl.constexpr = HEAD // 2
-    offs_h = tl.arange(0, HALF)
+    P: tl.constexpr = HEAD // PARTS
+    offs_p = tl.arange(0, P)
     q = q * tl.load(signs_ptr + offs_d)[None, :].to(q.dtype)
-    q_even = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :]).to(q.dtype)) * softmax_scale
-    q_odd = tl.dot(q, hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1).to(q.dtype)) * softmax_scale
-    tl.store(out + offs_h[None, :], q_even, mask=h_ok[:, None])
-    tl.store(out + HALF + offs_h[None, :], q_odd, mask=h_ok[:, None])
+    for x in tl.static_range(PARTS):
+        qx = tl.dot(q, hadamard_sign(offs_d[:, None], PARTS * offs_p[None, :] + x).to(q.dtype)) * softmax_scale
+        tl.store(out + x * P + offs_p[None, :], qx, mask=h_ok[:, None])

@@ -19,6 +19,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel, _prep_q_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
+from ._attn_launch_v3 import V3_TILING, code_units, launch_v3, v3_segments
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting
 from .reference import rht_signs
@@ -40,7 +41,8 @@ class AttnConfig:
     num_segments: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch
+    v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch,
+                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -55,8 +57,8 @@ PREFILL_TILE = 64
 # (v2), 2 = v2 + register prefetch. H200, docs/bench/attention.md: v2 is 1.5-1.8x faster than v1 for
 # INT4 at batch >= 8; for INT8/FP8 v1 and v2 are within a few % (v1 ahead in the last run); v2 + prefetch
 # was slower everywhere.
-DECODE_V2 = {KVQuantMode.INT8_PER_TOKEN_HEAD: 0, KVQuantMode.FP8_PER_TOKEN_HEAD: 0,
-             KVQuantMode.INT4_PER_TOKEN_HEAD: 1}
+DECODE_V2 = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
+             KVQuantMode.INT4_PER_TOKEN_HEAD: 3}
 DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
@@ -150,7 +152,10 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         segs = num_segments
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
+        if DECODE_V2.get(mode, 0) == 3 and pow2:
+            tile = V3_TILING[mode][0]
+            want, cap = v3_segments(_num_sms(q.device), pairs, max_seqlen_k, tile), max_seqlen_k
+        elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
             want = max(2, V2_PROGRAMS_PER_SM * _num_sms(q.device) // pairs)
             cap = max(1, max_seqlen_k // tile)
         else:
@@ -158,6 +163,10 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
+    if v2 == 3:
+        _, warps, stages = V3_TILING[mode]
+        return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs), num_warps=warps,
+                          num_stages=stages, v2=3)
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 
@@ -242,7 +251,12 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    if split and cfg.v2 and mode != KVQuantMode.NONE:
+    if split and cfg.v2 == 3 and code_units(k, v, mode) is not None:
+        launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+                  mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
+                  segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
+                  signs)
+    elif split and cfg.v2 and mode != KVQuantMode.NONE:
         _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                    softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
                    align, dot == DOT_FP32.value)
@@ -277,7 +291,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
             q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
             stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
             NUM_Q_HEADS=num_q_heads, HEAD=head_size, BLOCK_H=block_h, ROTATE=True,
-            DOT=DOT_FP32.value if interp else DOT_FP16.value, num_warps=4)
+            DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=2, num_warps=4)
         q_scale = 1.0
     else:
         qp, q_scale = q, float(softmax_scale)
@@ -301,7 +315,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
-        PREFETCH=cfg.v2 >= 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.v2 == 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -189,7 +189,8 @@ def test_int4_head_size_error():
 
 
 QUANT = [MODES[2], MODES[3], MODES[4]]
-DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(2, 1, id="v2-prefetch")]
+DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(2, 1, id="v2-prefetch"),
+                  pytest.param(3, 3, id="v3")]
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
@@ -231,3 +232,29 @@ def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
     cfg = AttnConfig(16, 128, 4, 4, stages, kernel)
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, causal=False, window=(200, -1), softcap=30.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("mode,dtype", QUANT)
+def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device):
+    """The v3 decode kernel's 16-, 8- and 4-byte row classes (4 KV heads: rows of 36 / 68 bytes
+    put heads 0, 1, 2 in different classes) and its unmasked code loads: block 0, which keys past
+    a sequence read, is left out of every table and poisoned (0xFF: NaN for FP8). Triton's
+    interpreter does not turn the e4m3 byte 0xFF into NaN, so only the GPU run tests FP8's mask."""
+    c = make_case(mode, dtype, q_lens=[1, 1, 1], k_lens=[70, 5, 130], num_q_heads=16, num_kv_heads=4, seed=3,
+                  device=device)
+    views, table = c["views"], c["block_table"]
+    used = set(table.flatten().tolist())
+    spare = next(b for b in range(views.key_cache.shape[0]) if b not in used)
+    for t in views:  # move block 0's data to a spare block, then poison block 0 (scales: NaN)
+        t[spare] = t[0]
+        if t.dtype == torch.float32:
+            t[0] = float("nan")
+        else:
+            t.view(torch.uint8)[0] = 0xFF
+    table[table == 0] = spare
+    cfg = AttnConfig(16, 32, 4, 1, 2, 3)
+    run_and_check(c, config=cfg)
+    run_and_check(c, config=cfg, causal=False, softcap=3.0)
+    run_and_check(c)  # the launcher's default
