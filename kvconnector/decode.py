@@ -84,7 +84,7 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: list = []          # (event, handle, layer, first, count, staging)
+        self._gpu_writes: list = []          # (event, handle, BLOCKS header, pinned staging)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -313,11 +313,9 @@ class DecodeEndpoint:
                 verify_payloads(h, payloads)
             except CorruptFrameError as e:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
-            for i, off, layer, pos, k in _segments(h, per_block):
-                src = torch.frombuffer(payloads[i].buffer, dtype=torch.uint8)[off:off + k * per_block]
-                if p.dst_dev is None:   # destination ids on the device once per pull (checked at pull)
-                    p.dst_dev = device_ids(p.dst_block_ids, self.caches[0].device)
-                self._scatter_cuda(p, layer, pos, k, self.caches[layer], p.dst_dev[pos:pos + k], src, local)
+            if p.dst_dev is None:   # destination ids on the device once per pull (checked at pull)
+                p.dst_dev = device_ids(p.dst_block_ids, self.caches[0].device)
+            self._scatter_cuda(p, h, payloads, local, per_block)
             return None
         if self._workers is None or sum(h.nbytes) < INLINE_BYTES:
             try:
@@ -356,17 +354,24 @@ class DecodeEndpoint:
         self._on_error(err)
         self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
 
-    def _scatter_cuda(self, p, layer, first, count, cache, dst, src, local) -> None:
-        """Pinned staging -> device -> scatter on a side stream; lands when its event fires."""
-        staging = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
-        staging.copy_(src)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(cache.device))
+    def _scatter_cuda(self, p: PullHandle, h: Header, payloads, local: range, per_block: int) -> None:
+        """One message: each frame through pinned staging to the device (one copy each), then one
+        scatter per layer piece, on a side stream; the message lands when its event fires."""
+        device = self.caches[0].device
+        staged = []
+        for f in payloads:
+            staging = torch.empty(len(f.buffer), dtype=torch.uint8, pin_memory=True)
+            staging.copy_(torch.frombuffer(f.buffer, dtype=torch.uint8))
+            staged.append(staging)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._copy_stream):
-            dev = staging.to(cache.device, non_blocking=True)
-            scatter_blocks(cache, self.geometry, dst, dev, local)
+            on_device = [t.to(device, non_blocking=True) for t in staged]
+            for i, off, layer, pos, k in _segments(h, per_block):
+                scatter_blocks(self.caches[layer], self.geometry, p.dst_dev[pos:pos + k],
+                               on_device[i][off:off + k * per_block], local)
             ev = torch.cuda.Event()
             ev.record(self._copy_stream)
-        self._gpu_writes.append((ev, p, layer, first, count, staging))
+        self._gpu_writes.append((ev, p, h, staged))
 
     def _landed_all(self, p: PullHandle, h: Header) -> None:
         for layer in range(h.layer, h.layer + h.nlay):
@@ -383,8 +388,8 @@ class DecodeEndpoint:
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and self._gpu_writes[0][0].query():
-            _, p, layer, first, count, _ = self._gpu_writes.pop(0)
-            self._landed(p, layer, first, count)
+            _, p, h, _ = self._gpu_writes.pop(0)
+            self._landed_all(p, h)
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))

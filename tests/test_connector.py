@@ -76,6 +76,41 @@ def test_head_slice_for_heterogeneous_tp():
             assert torch.equal(_bytes(d)[0], _bytes(s)[4][:, :, 2:4])
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode,head_size", MODES, ids=["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20], ids=["chunk-1block", "chunk-1MiB"])
+def test_cuda_caches_byte_exact(mode, head_size, chunk):
+    """CUDA caches on both sides (pinned staging, device gather / scatter): whole blocks, several
+    layers per message or one block per message, then a head slice (heterogeneous TP)."""
+    desc = make_desc(mode, head_size, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=12)
+    src = [c.cuda() for c in filled_caches(desc, 0)]
+    dst = [c.cuda() for c in filled_caches(desc, 1)]
+    before = [c.clone() for c in dst]
+    src_ids, dst_ids = [9, 3, 4, 5, 0, 11], [2, 7, 1, 10, 3, 4]
+    with PrefillEndpoint(src, desc, chunk_bytes=chunk) as pre, DecodeEndpoint(dst, desc) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("req-0", src_ids)
+        dec.pull("req-0", dst_ids, deadline_s=10).result()
+        torch.cuda.synchronize()
+        for s, d, b in zip(src, dst, before):
+            for si, di in zip(src_ids, dst_ids):
+                assert torch.equal(_bytes(d)[di], _bytes(s)[si])
+            for other in set(range(12)) - set(dst_ids):
+                assert torch.equal(_bytes(d)[other], _bytes(b)[other])
+    full = make_desc(mode, head_size, num_kv_heads=4, num_blocks=6)
+    half = make_desc(mode, head_size, num_kv_heads=2, num_blocks=6, head_start=2, total_num_kv_heads=4)
+    src = [c.cuda() for c in filled_caches(full, 2)]
+    dst = [c.cuda() for c in filled_caches(half, 3)]
+    with PrefillEndpoint(src, full, chunk_bytes=chunk) as pre, DecodeEndpoint(dst, half) as dec:
+        assert dec.connect(pre.endpoint) == range(2, 4)
+        pre.publish("t", [1, 4])
+        dec.pull("t", [5, 0], deadline_s=10).result()
+        torch.cuda.synchronize()
+        for s, d in zip(src, dst):
+            assert torch.equal(_bytes(d)[5], _bytes(s)[1][:, :, 2:4])
+            assert torch.equal(_bytes(d)[0], _bytes(s)[4][:, :, 2:4])
+
 MISMATCHES = [
     ("quant_mode", dict(mode=KVQuantMode.INT8_PER_TOKEN_HEAD)),
     ("head_size", dict(head_size=64)),
