@@ -1,0 +1,41 @@
+"""The GPU sweep helpers' CPU-side logic: decode sweep configurations and loading a committed
+version of the INT4 writer (the timing itself needs a GPU).
+
+Run: python -m pytest tests/test_sweep_tools.py -q
+"""
+
+import tempfile
+
+import kernels._write_int4 as W
+from kernels._attn_launch import AttnConfig
+from tools import bench_attention as B
+from tools import bench_write_versions as V
+from tools import sweep_decode as S
+
+
+def test_sweep_configs_default_first_old_default_and_segment_scaling():
+    pb = B.make_problem(B.MODES["int8"], 2, 64, 1, B.QUICK, "cpu")
+    base = AttnConfig(16, 32, 4, 1, 2, 3)
+    got = S.configs(base, B.MODES["int8"], [(64, 2, 2, 3), (32, 1, 2, 3)], [0.5, 1, 2], [], True, pb)
+    assert got[0] == base
+    assert got[1].v2 == 0  # the previous (v1) INT8 default, from the launcher with v3 switched off
+    assert S.L.DECODE_V2[B.MODES["int8"]] == 3  # and switched back on
+    assert [c.num_segments for c in got[2:] if c.tile == 64] == [2, 4, 8]  # 4 x (0.5, 1, 2) x 64 / 64
+    # 4 x (0.5, 1, 2) x 64 / 32; the first equals the default and is not repeated
+    assert [c.num_segments for c in got if c.tile == 32 and c.v2 == 3] == [4, 8, 16]
+    assert len(got) == len(set(got))
+    explicit = S.configs(base, B.MODES["int4"], [(64, 2, 2, 3)], [1], [3, 5], True, pb)
+    assert [c.num_segments for c in explicit[1:]] == [3, 5]  # no old default for INT4
+
+
+def test_write_versions_loads_a_commit_and_swaps_the_launcher():
+    keep = (W._reshape_and_cache_int4_lanes_kernel, W.fwht_asm)
+    with tempfile.TemporaryDirectory() as tmp:
+        mod = V.load("HEAD", tmp)
+        assert mod.__name__ == "kernels._lanes_HEAD"
+        try:
+            V.use(mod)
+            assert W._reshape_and_cache_int4_lanes_kernel is mod._reshape_and_cache_int4_lanes_kernel
+            assert W.fwht_asm is mod.fwht_asm
+        finally:
+            W._reshape_and_cache_int4_lanes_kernel, W.fwht_asm = keep
