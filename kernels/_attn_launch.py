@@ -54,16 +54,16 @@ DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
 # Quantized decode kernel per mode: 0 = _attn_kernel / _attn_int4_kernel (v1), 1 = _attn_decode_kernel
-# (v2), 2 = v2 + register prefetch. H200, docs/bench/attention.md: v2 is 1.5-1.8x faster than v1 for
-# INT4 at batch >= 8; for INT8/FP8 v1 and v2 are within a few % (v1 ahead in the last run); v2 + prefetch
-# was slower everywhere.
+# (v2), 2 = v2 + register prefetch, 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3).
+# H200, docs/bench/attention.md (session 3): v3 beats v2 by 1.5x for INT4 at b8@32k (159 vs 235 us) and
+# v1 by 1.5-2.4x for INT8/FP8; v2 + prefetch was slower everywhere.
 DECODE_V2 = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
              KVQuantMode.INT4_PER_TOKEN_HEAD: 3}
 DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
-# v2 (INT4) decode: segments for about this many programs per SM (at least 2 segments, at least one
+# v2 (INT4, when chosen explicitly) decode: segments for about this many programs per SM (at least 2 segments, at least one
 # tile each). H200, 32 q / 8 kv heads, d 128 (docs/bench/attention.md, 2026-11-29): b8@32k 4 segments
 # 235 us vs 254 at 32; b1@4k 32 segments 15.3 vs 22.3 at 8; b32@32k 2-4 segments 905-908 vs 918 at 8.
 V2_PROGRAMS_PER_SM = 2
