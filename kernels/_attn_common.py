@@ -122,3 +122,30 @@ def segment_tiles(k_lo, k_hi, seg_idx, TILE: tl.constexpr, NUM_SEGMENTS: tl.cons
     t0 = tile_lo + seg_idx * per_seg
     t1 = tl.minimum(t0 + per_seg, tile_hi)
     return t0, t1
+
+
+@triton.jit
+def decode_tile_softmax(s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap,
+                        USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """One key tile of the swapped-operand decode kernels' online softmax (v2 and v3).
+
+    ``s [TILE, GP]`` is the raw code dot ``codes_K . q^T`` (code offset included); per key, zero
+    point ``k_zp`` (offset folded in) and scale ``k_sc``; ``q_sum [GP]`` is the sum of the rounded
+    query operand. Returns ``(pv, alpha, m_new, l_i, vs_max, zp_term)``: the probability tile times
+    ``v_sc / vs_max`` as the value dot's operand ``[TILE, GP]``, the rescale of the old
+    accumulator, the new running max and sum ``[GP]``, the tile's largest value scale, and
+    ``zp_term [GP]`` = sum over keys of the rounded ``pv`` times ``v_zp`` (to subtract from the dot).
+    """
+    s = (s - k_zp[:, None] * q_sum[None, :]) * (k_sc * col_scale)[:, None]
+    if USE_SOFTCAP:
+        s = apply_softcap(s, softcap) * LOG2E
+    s = tl.where(n_ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
+    pv = to_dot(p * (v_sc / vs_max)[:, None], DOT)
+    zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)
+    return pv, alpha, m_new, l_i, vs_max, zp_term

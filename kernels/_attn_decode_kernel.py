@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, LOG2E, apply_softcap, hadamard_sign, key_range, segment_tiles, to_dot
+from ._attn_common import DOT_FP32, decode_tile_softmax, hadamard_sign, key_range, segment_tiles, to_dot
 from ._jit import dual_jit
 
 MODE_INT8 = tl.constexpr(1)
@@ -216,18 +216,8 @@ def _attn_decode_kernel(
             v_zp = tl.full([TILE], OFF, tl.float32)
             v_sc = vw_c
             s = tl.dot(_codes(kc_c, MODE, DOT, ASM), qa)
-        s = (s - k_zp[:, None] * q_sum[None, :]) * (k_sc * col_scale)[:, None]
-        if USE_SOFTCAP:
-            s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(n_ok_c[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[None, :])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
-        pv = to_dot(p * (v_sc / vs_max)[:, None], DOT)  # [TILE, GP]
-        zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)  # [GP], of the rounded tile
+        pv, alpha, m_new, l_i, vs_max, zp_term = decode_tile_softmax(
+            s, n_ok_c, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap, USE_SOFTCAP, DOT)
         if MODE == MODE_INT4:
             acc_a = acc_a * alpha[None, :] + (tl.dot(v_lo_c, pv) - zp_term[None, :]) * vs_max
             acc_b = acc_b * alpha[None, :] + (tl.dot(v_hi_c, pv) - zp_term[None, :]) * vs_max

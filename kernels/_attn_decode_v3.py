@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, LOG2E, apply_softcap, key_range, segment_tiles, to_dot
+from ._attn_common import DOT_FP32, decode_tile_softmax, key_range, segment_tiles, to_dot
 from ._jit import dual_jit
 
 MODE_INT8 = tl.constexpr(1)
@@ -179,18 +179,9 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
         if MODE == MODE_INT4:
             s = tl.dot(k2, q2, s)
             s = tl.dot(k3, q3, s)  # [TILE, GP]
-        s = (s - k_zp[:, None] * q_sum[None, :]) * (k_sc * col_scale)[:, None]
-        if USE_SOFTCAP:
-            s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(n_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[None, :])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
-        pv = to_dot(p * (v_sc / vs_max)[:, None], DOT)  # [TILE, GP]
-        zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)[None, :]  # [1, GP], of the rounded tile
+        pv, alpha, m_new, l_i, vs_max, zp_term = decode_tile_softmax(
+            s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap, USE_SOFTCAP, DOT)
+        zp_term = zp_term[None, :]  # [1, GP]
         v0, v1, v2, v3 = units_to_dot(vc, MODE, DOT, ASM)
         acc0 = acc0 * alpha[None, :] + (tl.dot(v0, pv) - zp_term) * vs_max
         acc1 = acc1 * alpha[None, :] + (tl.dot(v1, pv) - zp_term) * vs_max
