@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -257,6 +258,9 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                   segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
                   signs)
     elif split and cfg.v2 and mode != KVQuantMode.NONE:
+        if cfg.v2 == 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
+            cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
+                                      num_stages=DECODE_STAGES, v2=1)
         _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                    softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
                    align, dot == DOT_FP32.value)

@@ -258,3 +258,13 @@ def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device):
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, causal=False, softcap=3.0)
     run_and_check(c)  # the launcher's default
+
+
+@pytest.mark.parametrize("mode,dtype", QUANT)
+def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
+    """v3 reads rows as 16-bit units, at least 16 of them: INT4 at head_size 32 (8 units) goes to
+    the v2 kernel with v2's tiling, also when the config asks for v3; INT8 / FP8 at head_size 32
+    (16 units) stay on v3."""
+    c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[70, 33], head_size=32, seed=5)
+    run_and_check(c)
+    run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 3))
