@@ -8,7 +8,7 @@ SASS and an H200 sweep of v2 pointed to (docs/bench/attention.md):
 - **16-bit code units.** K and V rows are read as ``int16`` units: 4 INT4 nibbles (dims
   ``4u .. 4u+3``) or 2 INT8 / FP8 bytes (dims ``2u, 2u+1``). One 32-bit register of two units
   becomes NOUT (4 or 2) fp16x2 registers, output ``x`` holding dim ``NOUT * u + x``, without
-  byte permutes for INT4 (:func:`nib4`). Every dot runs over the units, so the query is split
+  byte permutes for INT4 (``_attn_units``). Every dot runs over the units, so the query is split
   the same way, and the accumulators are written back in natural dim order.
 - **V transposed in 16-bit units.** ``V^T [units, keys]`` needs two keys per register of the dot
   operand: with 16-bit units that is ``ldmatrix.trans``, where v2 gathered single bytes from
@@ -32,101 +32,70 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, decode_tile_softmax, key_range, segment_tiles, to_dot
+from ._attn_common import decode_tile_softmax, key_range, segment_tiles, to_dot
+from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
 from ._jit import dual_jit
 
-MODE_INT8 = tl.constexpr(1)
-MODE_FP8 = tl.constexpr(2)
-MODE_INT4 = tl.constexpr(3)
+
+@triton.jit
+def _tile_rows(bt_row, t, k_lo, k_hi, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache block, slot and mask ``[TILE]`` of the keys of tile ``t``."""
+    k_pos = t * TILE + tl.arange(0, TILE)
+    n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
+    blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    return blk, k_pos % BLOCK_SIZE, n_ok
 
 
 @triton.jit
-def _nib4_asm(u):
-    """Two int16 units per 32-bit register ``r = [b0 b1 | b2 b3]`` -> 4 fp16x2, nibble ``x`` of
-    both units minus 8: ``r & 0x000F000F`` is nibble 0, ``r & 0x00F000F0`` nibble 1 (times 16),
-    ``r >> 8`` the same for nibbles 2 and 3; ``| 0x6400`` makes fp16 ``1024 + n`` (``1024 +
-    16 n``), then minus 1032, or times 1/16 (0x2C00) minus 72 (0xD480): exact."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 h, c, r, m;
-        mov.b32 c, 0x64086408;
-        mov.b32 r, 0x2C002C00;
-        mov.b32 m, 0xD480D480;
-        shr.b32 h, $4, 8;
-        lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
-        lop3.b32 $2, h, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 $3, h, 0x00F000F0, 0x64006400, 0xEA;
-        sub.f16x2 $0, $0, c;
-        fma.rn.f16x2 $1, $1, r, m;
-        sub.f16x2 $2, $2, c;
-        fma.rn.f16x2 $3, $3, r, m;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[u], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True, pack=2)
+def _tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, blk, slot, n_ok, k_head, v_head, kv_head,
+                stride_k_b, stride_k_s, stride_v_b, stride_v_s,
+                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+                U: tl.constexpr, MODE: tl.constexpr, ALIGN_BS: tl.constexpr):
+    """Code units K ``[TILE, U]``, V^T ``[U, TILE]`` and the scale words ``[TILE]`` of one tile."""
+    offs_u = tl.arange(0, U)
+    k_row = blk * (stride_k_b * ALIGN_BS) + slot * (stride_k_s * ALIGN_BS) + k_head
+    v_row = blk * (stride_v_b * ALIGN_BS) + slot * (stride_v_s * ALIGN_BS) + v_head
+    kc = tl.load(k_ptr + k_row[:, None] + offs_u[None, :])
+    if MODE == MODE_FP8:  # an e4m3 byte can be NaN, and NaN * (p = 0) is NaN: mask V
+        vc = tl.load(v_ptr + v_row[None, :] + offs_u[:, None], mask=n_ok[None, :], other=0)
+    else:
+        vc = tl.load(v_ptr + v_row[None, :] + offs_u[:, None])
+    kw = tl.load(ks_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h, mask=n_ok, other=0)
+    vw = tl.load(vs_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h, mask=n_ok, other=0)
+    return kc, vc, kw, vw
 
 
 @triton.jit
-def _int8x2_asm(u):
-    """Two int16 units ``[b0 b1 | b2 b3]`` of int8 codes -> fp16x2 ``1152 + c`` of bytes (0, 2)
-    and (1, 3): ``(c ^ 0x80) | 0x6400`` is fp16 ``1024 + c + 128``."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 x, h;
-        mov.b32 h, 0x64646464;
-        xor.b32 x, $2, 0x80808080;
-        prmt.b32 $0, x, h, 0x4240;
-        prmt.b32 $1, x, h, 0x4341;
-        }""",
-        constraints="=r,=r,r", args=[u], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
-def _fp8x2_asm(u):
-    """Two int16 units ``[b0 b1 | b2 b3]`` of e4m3 codes -> fp16x2 of bytes (0, 2) and (1, 3)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 x, z;
-        .reg .b16 lo, hi;
-        mov.b32 z, 0;
-        prmt.b32 x, $2, z, 0x3120;
-        mov.b32 {lo, hi}, x;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r", args=[u], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
-def units_to_dot(u, MODE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
-    """int16 code units -> (c0, c1, c2, c3) dot operands, ``cx`` = dim ``NOUT * unit + x`` plus
-    the mode's offset (INT4 -8, INT8 1152, FP8 0); c2 = c3 = c0 unless INT4 (unused there)."""
-    if ASM:
-        if MODE == MODE_INT4:
-            c0, c1, c2, c3 = _nib4_asm(u)
-        elif MODE == MODE_INT8:
-            c0, c1 = _int8x2_asm(u)
-            c2, c3 = c0, c1
-        else:
-            c0, c1 = _fp8x2_asm(u)
-            c2, c3 = c0, c1
-    else:  # interpreter: plain integer ops, the same values
-        w = u.to(tl.int32)
-        if MODE == MODE_INT4:
-            c0 = ((w & 0xF) - 8).to(tl.float32)
-            c1 = (((w >> 4) & 0xF) - 8).to(tl.float32)
-            c2 = (((w >> 8) & 0xF) - 8).to(tl.float32)
-            c3 = (((w >> 12) & 0xF) - 8).to(tl.float32)
-        elif MODE == MODE_INT8:
-            c0 = (((w & 0xFF) ^ 0x80) + 1024).to(tl.float32)
-            c1 = ((((w >> 8) & 0xFF) ^ 0x80) + 1024).to(tl.float32)
-            c2, c3 = c0, c1
-        else:
-            c0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            c1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            c2, c3 = c0, c1
-        c0, c1, c2, c3 = to_dot(c0, DOT), to_dot(c1, DOT), to_dot(c2, DOT), to_dot(c3, DOT)
-    return c0, c1, c2, c3
+def _tile_update(kc, vc, kw, vw, n_ok, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
+                 col_scale, softcap, TILE: tl.constexpr, MODE: tl.constexpr, OFF: tl.constexpr,
+                 DOT: tl.constexpr, ASM: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    """Scores, online softmax and value accumulation of one tile."""
+    if MODE == MODE_INT4:  # int32 bits: scale | zero point in the low 4 bits
+        k_zp = (kw & 0xF).to(tl.float32) + OFF
+        k_sc = (kw & -16).to(tl.float32, bitcast=True)
+        v_zp = (vw & 0xF).to(tl.float32) + OFF
+        v_sc = (vw & -16).to(tl.float32, bitcast=True)
+    else:
+        k_zp = tl.full([TILE], OFF, tl.float32)
+        k_sc = kw.to(tl.float32, bitcast=True)
+        v_zp = tl.full([TILE], OFF, tl.float32)
+        v_sc = vw.to(tl.float32, bitcast=True)
+    k0, k1, k2, k3 = units_to_dot(kc, MODE, DOT, ASM)
+    s = tl.dot(k0, q0)
+    s = tl.dot(k1, q1, s)
+    if MODE == MODE_INT4:
+        s = tl.dot(k2, q2, s)
+        s = tl.dot(k3, q3, s)  # [TILE, GP]
+    pv, alpha, m_new, l_i, vs_max, zp_term = decode_tile_softmax(
+        s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap, USE_SOFTCAP, DOT)
+    zp_term = zp_term[None, :]  # [1, GP]
+    v0, v1, v2, v3 = units_to_dot(vc, MODE, DOT, ASM)
+    acc0 = acc0 * alpha[None, :] + (tl.dot(v0, pv) - zp_term) * vs_max
+    acc1 = acc1 * alpha[None, :] + (tl.dot(v1, pv) - zp_term) * vs_max
+    if MODE == MODE_INT4:
+        acc2 = acc2 * alpha[None, :] + (tl.dot(v2, pv) - zp_term) * vs_max
+        acc3 = acc3 * alpha[None, :] + (tl.dot(v3, pv) - zp_term) * vs_max
+    return m_new, l_i, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -136,10 +105,17 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
                   stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
                   U: tl.constexpr, GP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   MODE: tl.constexpr, OFF: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, ALIGN_BS: tl.constexpr, ALIGN: tl.constexpr):
-    """Online softmax over tiles ``[t0, t1)``; row offsets are multiples of ``ALIGN`` units."""
-    offs_t = tl.arange(0, TILE)
-    offs_u = tl.arange(0, U)
+                  USE_SOFTCAP: tl.constexpr, ALIGN_BS: tl.constexpr, ALIGN: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """Online softmax over tiles ``[t0, t1)``; row offsets are multiples of ``ALIGN`` units.
+
+    PREFETCH (launch with ``num_stages=1``; not timed yet): the codes of tile ``t + 1`` and the
+    block ids of tile ``t + 2`` are loaded into registers before tile ``t`` is computed. With
+    Triton's own pipelining (``num_stages=2``, Triton 3.6, sm_90 SASS of INT4 at 2 warps x 64
+    keys) the next tile's block ids are a synchronous load in the middle of the body, its copies
+    are issued after the score dots and the softmax (instruction ~600 of 843), and the next
+    iteration starts by waiting for all of them: a program overlaps its loads with only the last
+    quarter of its own compute. The cost: 209 registers instead of 128 (INT4, 2 warps x 64 keys)."""
     k_head = (k_head // ALIGN) * ALIGN  # exact in this branch; tells Triton's alignment analysis
     v_head = (v_head // ALIGN) * ALIGN
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -148,47 +124,34 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
     acc1 = tl.zeros([U, GP], tl.float32)
     acc2 = tl.zeros([U, GP], tl.float32)
     acc3 = tl.zeros([U, GP], tl.float32)
-    for t in range(t0, t1):
-        k_pos = t * TILE + offs_t
-        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        k_row = blk * (stride_k_b * ALIGN_BS) + slot * (stride_k_s * ALIGN_BS) + k_head
-        v_row = blk * (stride_v_b * ALIGN_BS) + slot * (stride_v_s * ALIGN_BS) + v_head
-        kc = tl.load(k_ptr + k_row[:, None] + offs_u[None, :])   # [TILE, U] int16
-        if MODE == MODE_FP8:  # an e4m3 byte can be NaN, and NaN * (p = 0) is NaN: mask V
-            vc = tl.load(v_ptr + v_row[None, :] + offs_u[:, None], mask=n_ok[None, :], other=0)
-        else:
-            vc = tl.load(v_ptr + v_row[None, :] + offs_u[:, None])   # [U, TILE] int16
-        kw = tl.load(ks_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h, mask=n_ok, other=0)
-        vw = tl.load(vs_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h, mask=n_ok, other=0)
-        if MODE == MODE_INT4:  # int32 bits: scale | zero point in the low 4 bits
-            k_zp = (kw & 0xF).to(tl.float32) + OFF
-            k_sc = (kw & -16).to(tl.float32, bitcast=True)
-            v_zp = (vw & 0xF).to(tl.float32) + OFF
-            v_sc = (vw & -16).to(tl.float32, bitcast=True)
-        else:
-            k_zp = tl.full([TILE], OFF, tl.float32)
-            k_sc = kw.to(tl.float32, bitcast=True)
-            v_zp = tl.full([TILE], OFF, tl.float32)
-            v_sc = vw.to(tl.float32, bitcast=True)
-
-        k0, k1, k2, k3 = units_to_dot(kc, MODE, DOT, ASM)
-        s = tl.dot(k0, q0)
-        s = tl.dot(k1, q1, s)
-        if MODE == MODE_INT4:
-            s = tl.dot(k2, q2, s)
-            s = tl.dot(k3, q3, s)  # [TILE, GP]
-        pv, alpha, m_new, l_i, vs_max, zp_term = decode_tile_softmax(
-            s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap, USE_SOFTCAP, DOT)
-        zp_term = zp_term[None, :]  # [1, GP]
-        v0, v1, v2, v3 = units_to_dot(vc, MODE, DOT, ASM)
-        acc0 = acc0 * alpha[None, :] + (tl.dot(v0, pv) - zp_term) * vs_max
-        acc1 = acc1 * alpha[None, :] + (tl.dot(v1, pv) - zp_term) * vs_max
-        if MODE == MODE_INT4:
-            acc2 = acc2 * alpha[None, :] + (tl.dot(v2, pv) - zp_term) * vs_max
-            acc3 = acc3 * alpha[None, :] + (tl.dot(v3, pv) - zp_term) * vs_max
-        m_i = m_new
+    if PREFETCH:
+        last = tl.maximum(t1 - 1, t0)  # tiles past the segment re-read its last tile (no extra bytes)
+        blk, slot, n_ok = _tile_rows(bt_row, t0, k_lo, k_hi, TILE, BLOCK_SIZE)
+        kc, vc, kw, vw = _tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, blk, slot, n_ok, k_head, v_head, kv_head,
+                                     stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
+                                     stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
+        blk_n, slot_n, n_ok_n = _tile_rows(bt_row, tl.minimum(t0 + 1, last), k_lo, k_hi, TILE, BLOCK_SIZE)
+        for t in range(t0, t1):
+            kc_n, vc_n, kw_n, vw_n = _tile_loads(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, blk_n, slot_n, n_ok_n, k_head, v_head, kv_head,
+                stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
+                stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
+            n_ok_c = n_ok
+            n_ok = n_ok_n
+            blk_n, slot_n, n_ok_n = _tile_rows(bt_row, tl.minimum(t + 2, last), k_lo, k_hi, TILE, BLOCK_SIZE)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_update(
+                kc, vc, kw, vw, n_ok_c, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
+                col_scale, softcap, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP)
+            kc, vc, kw, vw = kc_n, vc_n, kw_n, vw_n
+    else:
+        for t in range(t0, t1):
+            blk, slot, n_ok = _tile_rows(bt_row, t, k_lo, k_hi, TILE, BLOCK_SIZE)
+            kc, vc, kw, vw = _tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, blk, slot, n_ok, k_head, v_head, kv_head,
+                                         stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
+                                         stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_update(
+                kc, vc, kw, vw, n_ok, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
+                col_scale, softcap, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP)
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -234,6 +197,7 @@ def _attn_decode_v3_kernel(
     DOT: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride (2, 4 or 8)
+    PREFETCH: tl.constexpr,         # register prefetch of the next tile (see _segment_loop)
 ):
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -269,19 +233,19 @@ def _attn_decode_v3_kernel(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 8)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 8, PREFETCH)
     elif cls == 4:
         m_i, l_i, acc0, acc1, acc2, acc3 = _segment_loop(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 4)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 4, PREFETCH)
     else:
         m_i, l_i, acc0, acc1, acc2, acc3 = _segment_loop(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 2)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 2, PREFETCH)
 
     base = segm_out_ptr + row[None, :] * HEAD + NOUT * offs_u[:, None]  # dim NOUT * u + x <- acc x
     tl.store(base, acc0, mask=g_ok[None, :])

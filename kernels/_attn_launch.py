@@ -43,7 +43,8 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch,
-                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1)
+                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
+                        # 4 = v3 + register prefetch (not timed yet)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -252,13 +253,13 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    if split and cfg.v2 == 3 and code_units(k, v, mode) is not None:
+    if split and cfg.v2 in (3, 4) and code_units(k, v, mode) is not None:
         launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
                   segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
                   signs)
     elif split and cfg.v2 and mode != KVQuantMode.NONE:
-        if cfg.v2 == 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
+        if cfg.v2 >= 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
             cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
                                       num_stages=DECODE_STAGES, v2=1)
         _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,

@@ -16,7 +16,8 @@ from layouts import KVQuantMode
 
 from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _prep_q_kernel
-from ._attn_decode_v3 import MODE_FP8, MODE_INT4, MODE_INT8, _attn_decode_v3_kernel
+from ._attn_decode_v3 import _attn_decode_v3_kernel
+from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
 
 V3_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (32, 1, 2), KVQuantMode.FP8_PER_TOKEN_HEAD: (32, 1, 2),
              KVQuantMode.INT4_PER_TOKEN_HEAD: (64, 2, 2)}  # keys per tile, warps, stages
@@ -87,5 +88,6 @@ def launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, caus
         NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
-        ALIGN_BS=align, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ALIGN_BS=align, PREFETCH=cfg.v2 == 4, num_warps=cfg.num_warps,
+        num_stages=1 if cfg.v2 == 4 else cfg.num_stages,
     )

@@ -190,7 +190,7 @@ def test_int4_head_size_error():
 
 QUANT = [MODES[2], MODES[3], MODES[4]]
 DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(2, 1, id="v2-prefetch"),
-                  pytest.param(3, 3, id="v3")]
+                  pytest.param(3, 3, id="v3"), pytest.param(4, 1, id="v3-prefetch")]
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
