@@ -149,3 +149,17 @@ def decode_tile_softmax(s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_sc
     pv = to_dot(p * (v_sc / vs_max)[:, None], DOT)
     zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, None], 0)
     return pv, alpha, m_new, l_i, vs_max, zp_term
+
+
+@triton.jit
+def decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx, window_left, window_right,
+                   CAUSAL: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    """Split-KV decode program ``(seq_idx, seg_idx)``: the sequence's query token ``tok`` (one per
+    sequence), whether it has one, its visible keys ``[k_lo, k_hi)`` and the segment's tiles
+    ``[t0, t1)``."""
+    tok = tl.load(cu_seqlens_q_ptr + seq_idx)
+    has_query = tl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    k_lo, k_hi = key_range(seq_len, seq_len - 1, seq_len - 1, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+    return tok, has_query, k_lo, k_hi, t0, t1

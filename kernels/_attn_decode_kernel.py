@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, decode_tile_softmax, hadamard_sign, key_range, segment_tiles, to_dot
+from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
 from ._jit import dual_jit
 
 MODE_INT8 = tl.constexpr(1)
@@ -148,13 +148,10 @@ def _attn_decode_kernel(
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)
-    tok = tl.load(cu_seqlens_q_ptr + seq_idx)
-    if tl.load(cu_seqlens_q_ptr + seq_idx + 1) == tok:
+    tok, has_query, k_lo, k_hi, t0, t1 = decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx,
+                                                        window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS)
+    if not has_query:
         return
-    seq_len = tl.load(seqused_k_ptr + seq_idx)
-    q_pos = seq_len - 1
-    k_lo, k_hi = key_range(seq_len, q_pos, q_pos, window_left, window_right, CAUSAL)
-    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
 
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
