@@ -23,9 +23,9 @@ V3_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (32, 1, 2), KVQuantMode.FP8_PER_TO
              KVQuantMode.INT4_PER_TOKEN_HEAD: (64, 2, 2)}  # keys per tile, warps, stages
 V3_PROGRAMS_PER_SM = 8
 V3_MAX_KEYS_PER_SEGMENT = 2048
-_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 2, 1152.0),
-          KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 2, 0.0),
-          KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, 4, -8.0)}  # kernel mode, dims per unit, OFF
+_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),   # kernel mode, code offset OFF
+          KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 0.0),
+          KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, -8.0)}
 
 
 def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int) -> int:
@@ -50,7 +50,7 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     g = 0
     for s in byte_strides[:2] + byte_strides[3:5]:
         g = math.gcd(g, s // 2)
-    return k.view(torch.int16), v.view(torch.int16), min(8, g & -g)
+    return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
 def launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
@@ -58,7 +58,7 @@ def launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, caus
     """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments), for INT4 after
     ``_prep_q_kernel`` (the query rotated once per token and head, in 4 parts); ``ks`` / ``vs`` are
     the scale caches as int32 bits. The caller checked :func:`code_units`."""
-    kernel_mode, _, off = _MODES[mode]
+    kernel_mode, off = _MODES[mode]
     k16, v16, align = code_units(k, v, mode)
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     use_softcap = bool(softcap and softcap > 0)
