@@ -165,8 +165,8 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
-    if v2 == 3:
-        _, warps, stages = V3_TILING[mode]
+    if v2 == 3:  # also when the caller fixed the segment count
+        tile, warps, stages = V3_TILING[mode]
         return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs), num_warps=warps,
                           num_stages=stages, v2=3)
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),

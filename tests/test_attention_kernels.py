@@ -268,3 +268,15 @@ def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[70, 33], head_size=32, seed=5)
     run_and_check(c)
     run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 3))
+
+
+def test_decode_config_keeps_v3_tiling_with_a_given_segment_count():
+    """A caller-fixed segment count (num_par_softmax_segments or segment buffers) changes only the
+    split, not v3's measured tiling (INT8 / FP8: 1 warp x 32 keys; INT4: 2 warps x 64)."""
+    from kernels._attn_launch import V3_TILING, pick_config
+    q = torch.zeros(2, 8, 64)
+    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
+        for given in (None, 8):
+            cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
+            assert (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2) == (*V3_TILING[mode], 3)
+        assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
