@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kernels._attn_launch import AttnConfig, pick_config
+from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnConfig, pick_config
 from kernels.attention import unified_attention
 from kernels.reference_attention import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
@@ -36,9 +36,10 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
-# --compare: v2/v3 variants (kernel 1 = Triton's pipeliner, 2 = register prefetch, 3 = INT4 v3; tile, warps, stages);
+# --compare: v2/v3 variants (kernel 1 = v2, 2 = v2 + register prefetch, 3 = v3, 4 = v3 + register prefetch;
+# tile, warps, stages);
 # the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
-COMPARE_V2 = ((1, 128, 4, 3), (3, 128, 4, 3), (3, 128, 8, 3), (3, 64, 4, 3))
+COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2), (4, 64, 2, 1))
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -152,13 +153,14 @@ def sweep_cfgs(base: AttnConfig):
 
 
 def compare_cfgs(base: AttnConfig, mode):
-    """The old decode kernel (v1) and a few tilings of the swapped-operand kernels (v2; INT4 also v3)."""
+    """The first decode kernel (v1, its own tiling) and tilings of the swapped-operand kernels (v2, v3),
+    all at the default's segment count."""
     if base.num_segments == 1 or mode == KVQuantMode.NONE:
         return [base]
-    v1 = AttnConfig(base.block_m, base.tile, base.num_segments, base.num_warps, base.num_stages, 0)
+    v1 = AttnConfig(base.block_m, DECODE_TILE[mode], base.num_segments, DECODE_WARPS, DECODE_STAGES, 0)
     return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, kernel)
-                   for kernel, tile, warps, stages in COMPARE_V2
-                   if kernel != 3 or mode == KVQuantMode.INT4_PER_TOKEN_HEAD]
+                   for kernel, tile, warps, stages in COMPARE_V2]
+
 
 
 def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
@@ -183,7 +185,7 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
                     if name == "bf16":
                         base_us = us
                     rows.append(dict(mode=name + ("" if MODES[name] == KVQuantMode.NONE else
-                                                  (" v1", " v2", " v2p", " v3")[cfg.v2]), batch=batch, ctx=ctx,
+                                                  (" v1", " v2", " v2p", " v3", " v3p")[cfg.v2]), batch=batch, ctx=ctx,
                                      q_len=q_len, us=us, err=err, cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
                                      vs_bf16=(base_us / us) if base_us else float("nan")))
                 if err <= 1e-2 and (best is None or us < best[0]):
