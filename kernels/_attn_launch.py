@@ -65,8 +65,8 @@ DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter alwa
 DECODE_V2_MIN_GP = 8  # v2: the query-head (N) side of the dots is padded to at least this
 TARGET_PROGRAMS_PER_SM = 16  # split decode until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reduction than it saves
-# v2 (INT4, when chosen explicitly) decode: segments for about this many programs per SM (at least 2 segments, at least one
-# tile each). H200, 32 q / 8 kv heads, d 128 (docs/bench/attention.md, 2026-11-29): b8@32k 4 segments
+# v2 (INT4, when chosen explicitly) decode: segments for about this many programs per SM (at least 2
+# segments, at least one tile each). H200, 32 q / 8 kv heads, d 128 (docs/bench/attention.md, 2026-11-29): b8@32k 4 segments
 # 235 us vs 254 at 32; b1@4k 32 segments 15.3 vs 22.3 at 8; b32@32k 2-4 segments 905-908 vs 918 at 8.
 V2_PROGRAMS_PER_SM = 2
 

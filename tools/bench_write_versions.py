@@ -60,14 +60,16 @@ def main(argv=None) -> int:
         for d in a.head_sizes:
             for c, m in mods.items():
                 use(m)
-                print(d, c, "check (rows, codes, max err)", BW.check_case("int4", torch.bfloat16, d, 4096, dev), flush=True)
+                check = BW.check_case("int4", torch.bfloat16, d, 4096, dev)
+                print(d, c, "check (rows, codes, max err)", check, flush=True)
             for rep in range(a.reps):
                 _, nbytes = BW.time_write("int4", a.tokens, d, dev)
                 copy_us = BW.time_copy(nbytes, dev)
                 for c, m in mods.items():
                     use(m)
                     us, _ = BW.time_write("int4", a.tokens, d, dev)
-                    print(f"d={d} rep={rep} {c} us={us:.1f} copy_us={copy_us:.1f} pct={100 * copy_us / us:.0f}%", flush=True)
+                    print(f"d={d} rep={rep} {c} us={us:.1f} copy_us={copy_us:.1f} "
+                          f"pct={100 * copy_us / us:.0f}%", flush=True)
     return 0
 
 
