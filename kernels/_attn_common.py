@@ -163,3 +163,32 @@ def decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx, window_lef
     k_lo, k_hi = key_range(seq_len, seq_len - 1, seq_len - 1, window_left, window_right, CAUSAL)
     t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
     return tok, has_query, k_lo, k_hi, t0, t1
+
+
+@triton.jit
+def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, q_block_global, kv_head, seg_idx, num_seqs,
+                    window_left, window_right, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                    NUM_SEGMENTS: tl.constexpr):
+    """2D-path program: ``BLOCK_Q`` query tokens of one sequence x the ``GROUP`` query heads of
+    ``kv_head``, as ``BLOCK_M`` rows. Returns the sequence, whether the block holds any query,
+    per row ``[BLOCK_M]`` the token index, query head, validity and position, the visible keys
+    ``[k_lo, k_hi)`` of the whole block and segment ``seg_idx``'s tiles ``[t0, t1)``."""
+    seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    has_rows = q_block * BLOCK_Q < q_len
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    ctx_before = seq_len - q_len  # queries are the last q_len tokens of the sequence
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = ctx_before + q_local
+    q_pos_lo = ctx_before + q_block * BLOCK_Q
+    q_pos_hi = ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    k_lo, k_hi = key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+    tok = (q_start + q_local).to(tl.int64)
+    return seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1

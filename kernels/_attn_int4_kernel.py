@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._attn_common import (LOG2E, apply_softcap, find_seq_idx, hadamard_sign, key_range,
-                           nibble_to_dot, segment_tiles, to_dot, visible)
+from ._attn_common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
 from ._jit import dual_jit
 
 
@@ -49,34 +48,19 @@ def _attn_int4_kernel(
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
 ):
     HALF: tl.constexpr = HEAD // 2
-    q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)
-
-    seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
-    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
-    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
-    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
-    if q_block * BLOCK_Q >= q_len:
+    seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
+        cu_seqlens_q_ptr, seqused_k_ptr, tl.program_id(0), kv_head, seg_idx, num_seqs, window_left, window_right,
+        CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE, NUM_SEGMENTS)
+    if not has_rows:
         return
-    seq_len = tl.load(seqused_k_ptr + seq_idx)
-    ctx_before = seq_len - q_len
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
     offs_h = tl.arange(0, HALF)
     offs_t = tl.arange(0, TILE)
-    q_local = q_block * BLOCK_Q + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
-    q_pos = ctx_before + q_local
-    q_pos_lo = ctx_before + q_block * BLOCK_Q
-    q_pos_hi = ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
-    k_lo, k_hi = key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL)
-    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
 
     # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
-    tok = (q_start + q_local).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
