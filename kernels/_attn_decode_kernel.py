@@ -28,11 +28,8 @@ import triton
 import triton.language as tl
 
 from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
+from ._attn_units import MODE_INT4, MODE_INT8
 from ._jit import dual_jit
-
-MODE_INT8 = tl.constexpr(1)
-MODE_FP8 = tl.constexpr(2)
-MODE_INT4 = tl.constexpr(3)
 
 
 @triton.jit

@@ -17,10 +17,10 @@ import triton
 from layouts import KVQuantMode, LayoutError
 
 from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
-from ._attn_decode_kernel import _attn_decode_kernel, _prep_q_kernel
+from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
-from ._attn_launch_v3 import V3_TILING, code_units, launch_v3, v3_segments
+from ._attn_launch_v3 import DECODE_MODES, V3_TILING, code_units, decode_query, launch_v3, v3_segments
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting
 from .reference import rht_signs
@@ -253,8 +253,9 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    if split and cfg.v2 in (3, 4) and code_units(k, v, mode) is not None:
-        launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+    units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
+    if units is not None:
+        launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
                   segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
                   signs)
@@ -285,24 +286,12 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
                softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
                align, interp):
     """Quantized decode (one query per sequence): _attn_decode_kernel, INT4 after _prep_q_kernel."""
-    num_tokens, num_q_heads = q.shape[:2]
+    num_q_heads = q.shape[1]
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
-    use_softcap = bool(softcap and softcap > 0)
-    col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
-    if is_int4:  # rotated, scaled query (fp32), [T, Hq, HEAD]: even output dims | odd output dims
-        qp = torch.empty(num_tokens, num_q_heads, head_size, dtype=torch.float32, device=q.device)
-        block_h = 16
-        _prep_q_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
-            q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
-            stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-            NUM_Q_HEADS=num_q_heads, HEAD=head_size, BLOCK_H=block_h, ROTATE=True,
-            DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=2, num_warps=4)
-        q_scale = 1.0
-    else:
-        qp, q_scale = q, float(softmax_scale)
+    qp, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
+                                                       interp, parts=2)
     code_dim = head_size // 2 if is_int4 else head_size
-    off = {KVQuantMode.INT4_PER_TOKEN_HEAD: -8.0, KVQuantMode.INT8_PER_TOKEN_HEAD: 1152.0}.get(mode, 0.0)
-    mode_id = {KVQuantMode.INT8_PER_TOKEN_HEAD: 1, KVQuantMode.FP8_PER_TOKEN_HEAD: 2}.get(mode, 3)
+    mode_id, off = DECODE_MODES[mode]
     grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     _attn_decode_kernel[grid](
         q_ptr=qp, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, segm_out_ptr=segm_output,

@@ -23,9 +23,10 @@ V3_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (32, 1, 2), KVQuantMode.FP8_PER_TO
              KVQuantMode.INT4_PER_TOKEN_HEAD: (64, 2, 2)}  # keys per tile, warps, stages
 V3_PROGRAMS_PER_SM = 8
 V3_MAX_KEYS_PER_SEGMENT = 2048
-_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),   # kernel mode, code offset OFF
-          KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 0.0),
-          KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, -8.0)}
+# kernel MODE and code offset OFF of the swapped-operand decode kernels (v2 and v3)
+DECODE_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),
+                KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 0.0),
+                KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, -8.0)}
 
 
 def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int) -> int:
@@ -39,7 +40,7 @@ def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int) -> int:
 def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     """``(k, v)`` as int16 code units and the unit alignment (2, 4 or 8) of their block and slot
     strides, or None when v3 cannot read them (units < 16, rows not 4-byte aligned)."""
-    if mode not in _MODES:
+    if mode not in DECODE_MODES:
         return None
     if k.shape[3] * k.element_size() // 2 < 16 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
@@ -53,31 +54,42 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
-def launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-              mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs):
-    """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments), for INT4 after
-    ``_prep_q_kernel`` (the query rotated once per token and head, in 4 parts); ``ks`` / ``vs`` are
-    the scale caches as int32 bits. The caller checked :func:`code_units`."""
-    kernel_mode, off = _MODES[mode]
-    k16, v16, align = code_units(k, v, mode)
+def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts):
+    """What the swapped-operand decode kernels (v2, v3) read as the query, and the scales around it.
+
+    Returns ``(q, q_scale, use_softcap, col_scale)``: INT4 runs ``_prep_q_kernel`` once per token
+    and head (``[T, Hq, HEAD]`` fp32, ``softmax_scale * H(s * q)`` in ``parts`` parts of rotated
+    dims ``parts * i + x``), so ``q_scale`` is 1; otherwise ``q`` itself and ``softmax_scale``.
+    ``col_scale`` multiplies each key's scale (INT4: ``1 / head_size``; ``log2 e`` without softcap)."""
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     use_softcap = bool(softcap and softcap > 0)
     col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
-    if is_int4:  # [T, Hq, HEAD] fp32, softmax_scale * H(s * q), part x = rotated dims 4u + x
-        qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
-        _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
-            q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
-            stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-            NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16, ROTATE=True,
-            DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=4, num_warps=4)
-        q, softmax_scale = qp, 1.0
-    grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
+    if not is_int4:
+        return q, float(softmax_scale), use_softcap, col_scale
+    qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
+    _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
+        q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16, ROTATE=True,
+        DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=parts, num_warps=4)
+    return qp, 1.0, use_softcap, col_scale
+
+
+def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+              mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs):
+    """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments) on ``units``, the
+    :func:`code_units` of the cache; ``ks`` / ``vs`` are the scale caches as int32 bits."""
+    kernel_mode, off = DECODE_MODES[mode]
+    k16, v16, align = units
+    q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
+                                                      interp, parts=4)
+    grid = (cu_seqlens_q.numel() - 1, k16.shape[2], cfg.num_segments)
     _attn_decode_v3_kernel[grid](
         q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
         segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
         block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
         seqused_k_ptr=seqused_k.contiguous(),
-        softmax_scale=float(softmax_scale), col_scale=col_scale, softcap=float(softcap or 0.0),
+        softmax_scale=q_scale, col_scale=col_scale, softcap=float(softcap or 0.0),
         window_left=int(window_size[0]), window_right=int(window_size[1]),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_k_b=k16.stride(0) // align, stride_k_s=k16.stride(1) // align, stride_k_h=k16.stride(2),
@@ -85,7 +97,7 @@ def launch_v3(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, caus
         stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
         stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
         stride_bt_s=block_table.stride(0),
-        NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k.shape[1],
+        NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
         ALIGN_BS=align, PREFETCH=cfg.v2 == 4, num_warps=cfg.num_warps,
