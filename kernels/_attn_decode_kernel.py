@@ -235,8 +235,8 @@ def _attn_decode_kernel(
 def _prep_q_kernel(
     q_ptr, signs_ptr, q_out_ptr, softmax_scale,
     stride_q_t, stride_q_h, stride_q_d,
-    NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, ROTATE: tl.constexpr,
-    DOT: tl.constexpr, PARTS: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -70,7 +70,7 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
         q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16, ROTATE=True,
+        NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=parts, num_warps=4)
     return qp, 1.0, use_softcap, col_scale
 

@@ -78,7 +78,8 @@ def _fp8x2_asm(u):
 @triton.jit
 def units_to_dot(u, MODE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
     """int16 code units -> (c0, c1, c2, c3) dot operands, ``cx`` = dim ``NOUT * unit + x`` plus
-    the mode's offset (INT4 -8, INT8 1152, FP8 0); c2 = c3 = c0 unless INT4 (unused there)."""
+    the mode's offset (INT4 -8, INT8 1152, FP8 0); for INT8 / FP8 (2 dims per unit) c2, c3 repeat
+    c0, c1 and are not used."""
     if ASM:
         if MODE == MODE_INT4:
             c0, c1, c2, c3 = _nib4_asm(u)
