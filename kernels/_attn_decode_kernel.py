@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
+from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, pdl_enter, pdl_release, to_dot
 from ._attn_units import MODE_INT4, MODE_INT8
 from ._jit import dual_jit
 
@@ -141,7 +141,9 @@ def _attn_decode_kernel(
     ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, KV_ALIGN: tl.constexpr,
     PREFETCH: tl.constexpr,         # load tile t + 1 into registers before computing tile t
+    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
 ):
+    pdl_enter(PDL)
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)
@@ -237,7 +239,12 @@ def _prep_q_kernel(
     stride_q_t, stride_q_h, stride_q_d,
     NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
     PARTS: tl.constexpr,
+    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
+    RELEASE: tl.constexpr,          # pdl_release at the start
 ):
+    pdl_enter(PDL)
+    if RELEASE:  # a handful of programs: the decode kernel may be scheduled at once
+        pdl_release(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = head < NUM_Q_HEADS

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import decode_program, decode_tile_softmax, to_dot
+from ._attn_common import decode_program, decode_tile_softmax, pdl_enter, to_dot
 from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
 from ._jit import dual_jit
 
@@ -105,17 +105,16 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
                   stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
                   U: tl.constexpr, GP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   MODE: tl.constexpr, OFF: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, ALIGN_BS: tl.constexpr, ALIGN: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  USE_SOFTCAP: tl.constexpr, ALIGN_BS: tl.constexpr, ALIGN: tl.constexpr):
     """Online softmax over tiles ``[t0, t1)``; row offsets are multiples of ``ALIGN`` units.
 
-    PREFETCH (launch with ``num_stages=1``; not timed yet): the codes of tile ``t + 1`` and the
-    block ids of tile ``t + 2`` are loaded into registers before tile ``t`` is computed. With
-    Triton's own pipelining (``num_stages=2``, Triton 3.6, sm_90 SASS of INT4 at 2 warps x 64
-    keys) the next tile's block ids are a synchronous load in the middle of the body, its copies
-    are issued after the score dots and the softmax (instruction ~600 of 843), and the next
-    iteration starts by waiting for all of them: a program overlaps its loads with only the last
-    quarter of its own compute. The cost: 209 registers instead of 128 (INT4, 2 warps x 64 keys)."""
+    Triton pipelines the loads (``num_stages=2``). Three ways to overlap more of them, each
+    correct and each slower on the H200 (INT4 batch 8 at 32k: 159 µs as is; docs/bench/attention.md,
+    session 4): the next tile's codes in registers (222 µs, 209 registers); the next tile's block
+    ids in registers with 3-4 stages, so that Triton waits for one tile only (203-332 µs); rows
+    of the 4- and 8-byte alignment classes loaded in their own shapes, so that a warp's copies
+    are coalesced (211-260 µs, 168 registers). Nsight Compute of this loop: about 26% of the
+    warps' time waits for the tile's copies and 22% for the softmax's shuffles and shared memory."""
     k_head = (k_head // ALIGN) * ALIGN  # exact in this branch; tells Triton's alignment analysis
     v_head = (v_head // ALIGN) * ALIGN
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -124,34 +123,14 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
     acc1 = tl.zeros([U, GP], tl.float32)
     acc2 = tl.zeros([U, GP], tl.float32)
     acc3 = tl.zeros([U, GP], tl.float32)
-    if PREFETCH:
-        last = tl.maximum(t1 - 1, t0)  # tiles past the segment re-read its last tile (no extra bytes)
-        blk, slot, n_ok = _tile_rows(bt_row, t0, k_lo, k_hi, TILE, BLOCK_SIZE)
+    for t in range(t0, t1):
+        blk, slot, n_ok = _tile_rows(bt_row, t, k_lo, k_hi, TILE, BLOCK_SIZE)
         kc, vc, kw, vw = _tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, blk, slot, n_ok, k_head, v_head, kv_head,
                                      stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
                                      stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
-        blk_n, slot_n, n_ok_n = _tile_rows(bt_row, tl.minimum(t0 + 1, last), k_lo, k_hi, TILE, BLOCK_SIZE)
-        for t in range(t0, t1):
-            kc_n, vc_n, kw_n, vw_n = _tile_loads(
-                k_ptr, v_ptr, ks_ptr, vs_ptr, blk_n, slot_n, n_ok_n, k_head, v_head, kv_head,
-                stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
-                stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
-            n_ok_c = n_ok
-            n_ok = n_ok_n
-            blk_n, slot_n, n_ok_n = _tile_rows(bt_row, tl.minimum(t + 2, last), k_lo, k_hi, TILE, BLOCK_SIZE)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_update(
-                kc, vc, kw, vw, n_ok_c, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                col_scale, softcap, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP)
-            kc, vc, kw, vw = kc_n, vc_n, kw_n, vw_n
-    else:
-        for t in range(t0, t1):
-            blk, slot, n_ok = _tile_rows(bt_row, t, k_lo, k_hi, TILE, BLOCK_SIZE)
-            kc, vc, kw, vw = _tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, blk, slot, n_ok, k_head, v_head, kv_head,
-                                         stride_k_b, stride_k_s, stride_v_b, stride_v_s, stride_ks_b, stride_ks_s,
-                                         stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h, U, MODE, ALIGN_BS)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_update(
-                kc, vc, kw, vw, n_ok, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                col_scale, softcap, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _tile_update(
+            kc, vc, kw, vw, n_ok, q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
+            col_scale, softcap, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP)
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -197,8 +176,9 @@ def _attn_decode_v3_kernel(
     DOT: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride (2, 4 or 8)
-    PREFETCH: tl.constexpr,         # register prefetch of the next tile (see _segment_loop)
+    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
 ):
+    pdl_enter(PDL)
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)
@@ -230,19 +210,19 @@ def _attn_decode_v3_kernel(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 8, PREFETCH)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 8)
     elif cls == 4:
         m_i, l_i, acc0, acc1, acc2, acc3 = _segment_loop(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 4, PREFETCH)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 4)
     else:
         m_i, l_i, acc0, acc1, acc2, acc3 = _segment_loop(
             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, k_head, v_head, kv_head,
             q0, q1, q2, q3, q_sum, col_scale, softcap, stride_k_b, stride_k_s, stride_v_b, stride_v_s,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 2, PREFETCH)
+            U, GP, BLOCK_SIZE, TILE, MODE, OFF, DOT, ASM, USE_SOFTCAP, ALIGN_BS, 2)
 
     base = segm_out_ptr + row[None, :] * HEAD + NOUT * offs_u[:, None]  # dim NOUT * u + x <- acc x
     tl.store(base, acc0, mask=g_ok[None, :])

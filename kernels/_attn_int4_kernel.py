@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._attn_common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
+from ._attn_common import (LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, pdl_enter, q_block_program, to_dot,
+                           visible)
 from ._jit import dual_jit
 
 
@@ -46,7 +47,9 @@ def _attn_int4_kernel(
     CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
+    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
 ):
+    pdl_enter(PDL)
     HALF: tl.constexpr = HEAD // 2
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
 from ._attn_launch_v3 import DECODE_MODES, V3_TILING, code_units, decode_query, launch_v3, v3_segments
 from ._attn_reduce import _attn_reduce_kernel
-from ._jit import interpreting
+from ._jit import interpreting, num_sms, pdl
 from .reference import rht_signs
 
 _CODE_DTYPES = {
@@ -43,8 +42,7 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch,
-                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
-                        # 4 = v3 + register prefetch (not timed yet)
+                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -69,13 +67,6 @@ MIN_TILES_PER_SEGMENT = 4    # a segment shorter than this costs more in reducti
 # segments, at least one tile each). H200, 32 q / 8 kv heads, d 128 (docs/bench/attention.md, 2026-11-29): b8@32k 4 segments
 # 235 us vs 254 at 32; b1@4k 32 segments 15.3 vs 22.3 at 8; b32@32k 2-4 segments 905-908 vs 918 at 8.
 V2_PROGRAMS_PER_SM = 2
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: keep the split small
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _fail(msg: str):
@@ -156,12 +147,12 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         pairs = max(1, num_seqs * (q.shape[1] // group))
         if DECODE_V2.get(mode, 0) == 3 and pow2:
             tile = V3_TILING[mode][0]
-            want, cap = v3_segments(_num_sms(q.device), pairs, max_seqlen_k, tile), max_seqlen_k
+            want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, tile), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
-            want = max(2, V2_PROGRAMS_PER_SM * _num_sms(q.device) // pairs)
+            want = max(2, V2_PROGRAMS_PER_SM * num_sms(q.device) // pairs)
             cap = max(1, max_seqlen_k // tile)
         else:
-            want = TARGET_PROGRAMS_PER_SM * _num_sms(q.device) // pairs
+            want = TARGET_PROGRAMS_PER_SM * num_sms(q.device) // pairs
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
@@ -242,6 +233,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
     split = cfg.num_segments > 1
+    use_pdl = pdl(q)
     if split:
         segm_output, segm_max, segm_expsum = _segment_buffers(q, head_pad, cfg.num_segments,
                                                               segm_output, segm_max, segm_expsum)
@@ -253,7 +245,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
+    units = code_units(k, v, mode) if split and cfg.v2 == 3 else None
     if units is not None:
         launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
@@ -277,7 +269,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
             stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
             NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
             NUM_SEGMENTS=cfg.num_segments, SEG_PAD=triton.next_power_of_2(cfg.num_segments),
-            ROTATE=is_int4, num_warps=8 if is_int4 else 4,
+            ROTATE=is_int4, PDL=use_pdl, launch_pdl=use_pdl, num_warps=8 if is_int4 else 4,
         )
     return out
 
@@ -288,11 +280,11 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     """Quantized decode (one query per sequence): _attn_decode_kernel, INT4 after _prep_q_kernel."""
     num_q_heads = q.shape[1]
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     qp, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
-                                                       interp, parts=2)
+                                                       interp, parts=2, programs=math.prod(grid))
     code_dim = head_size // 2 if is_int4 else head_size
     mode_id, off = DECODE_MODES[mode]
-    grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     _attn_decode_kernel[grid](
         q_ptr=qp, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, segm_out_ptr=segm_output,
         segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum, block_table_ptr=block_table,
@@ -309,7 +301,8 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
-        PREFETCH=cfg.v2 == 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.v2 == 2, PDL=pdl(q), launch_pdl=pdl(q), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -341,7 +334,7 @@ def _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD=head_size, BLOCK_SIZE=k.shape[1],
         BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE=cfg.tile, DOT=dot,
         CAUSAL=bool(causal), USE_SOFTCAP=bool(softcap and softcap > 0),
-        SPLIT=split, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
+        SPLIT=split, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align, PDL=pdl(q), launch_pdl=pdl(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_int4:

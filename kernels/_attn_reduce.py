@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._attn_common import hadamard_sign
+from ._attn_common import hadamard_sign, pdl_enter
 from ._jit import dual_jit
 
 
@@ -22,7 +22,9 @@ def _attn_reduce_kernel(
     stride_o_t, stride_o_h, stride_o_d,
     NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr, ROTATE: tl.constexpr,
+    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
 ):
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row0 = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS

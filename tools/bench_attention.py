@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from kernels import _jit
 from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnConfig, pick_config
 from kernels.attention import unified_attention
 from kernels.reference_attention import reference_unified_attention
@@ -36,10 +37,9 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
-# --compare: v2/v3 variants (kernel 1 = v2, 2 = v2 + register prefetch, 3 = v3, 4 = v3 + register prefetch;
-# tile, warps, stages);
+# --compare: v2/v3 variants (kernel 1 = v2, 2 = v2 + register prefetch, 3 = v3; tile, warps, stages);
 # the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
-COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2), (4, 64, 2, 1))
+COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2))
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -163,44 +163,56 @@ def compare_cfgs(base: AttnConfig, mode):
 
 
 
-def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False):
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,)):
+    """Rows of the results table. ``pdl_modes``: None (the launcher's choice) or True / False to force
+    programmatic dependent launch on or off; with several, every configuration is timed under each in
+    turn (same process, same cache) and the rows of the forced-off runs are marked ``no-PDL``."""
     rows = []
     shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
     if p["prefill"]:
         shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
+    keep = _jit.PDL_ENABLED
     for batch, ctx, q_len in shapes:
-        base_us = None
+        base_us = {}
         for name in modes:
             pb = make_problem(MODES[name], batch, ctx, q_len, p, device)
             base = default_cfg(pb)
-            best = None
             cfgs = sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]
             if compare:
                 cfgs = compare_cfgs(base, MODES[name])
+            best = {}
             for cfg in cfgs:
-                err = check(pb, cfg)
-                us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
-                log(f"{name} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
-                if compare:
-                    if name == "bf16":
-                        base_us = us
-                    rows.append(dict(mode=name + ("" if MODES[name] == KVQuantMode.NONE else
-                                                  (" v1", " v2", " v2p", " v3", " v3p")[cfg.v2]), batch=batch, ctx=ctx,
-                                     q_len=q_len, us=us, err=err, cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
-                                     vs_bf16=(base_us / us) if base_us else float("nan")))
-                if err <= 1e-2 and (best is None or us < best[0]):
-                    best = (us, cfg, err)
-            if best is None:
+                for use_pdl in pdl_modes:
+                    _jit.PDL_ENABLED = keep if use_pdl is None else use_pdl
+                    try:
+                        err = check(pb, cfg)
+                        us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
+                    finally:
+                        _jit.PDL_ENABLED = keep
+                    tag = " no-PDL" if use_pdl is False and len(pdl_modes) > 1 else ""
+                    log(f"{name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
+                    if compare:
+                        if name == "bf16":
+                            base_us[use_pdl] = us
+                        kernel = "" if MODES[name] == KVQuantMode.NONE else (" v1", " v2", " v2p", " v3")[cfg.v2]
+                        rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
+                                         cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
+                                         vs_bf16=(base_us[use_pdl] / us) if use_pdl in base_us else float("nan")))
+                    if err <= 1e-2 and (use_pdl not in best or us < best[use_pdl][0]):
+                        best[use_pdl] = (us, cfg, err, tag)
+            if len(best) < len(pdl_modes):
                 raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
-            us, cfg, err = best
             if compare:
                 del pb
                 continue
-            log(f"BEST {name} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={pb['kv_bytes'] / us / 1e3:.0f}")
-            if name == "bf16":
-                base_us = us
-            rows.append(dict(mode=name, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg,
-                             gbps=pb["kv_bytes"] / us / 1e3, vs_bf16=(base_us / us) if base_us else float("nan")))
+            for use_pdl in pdl_modes:
+                us, cfg, err, tag = best[use_pdl]
+                gbps = pb["kv_bytes"] / us / 1e3
+                log(f"BEST {name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={gbps:.0f}")
+                if name == "bf16":
+                    base_us[use_pdl] = us
+                rows.append(dict(mode=name + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg, gbps=gbps,
+                                 vs_bf16=(base_us[use_pdl] / us) if use_pdl in base_us else float("nan")))
             del pb
             if device != "cpu":
                 torch.cuda.empty_cache()
@@ -235,6 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill length (0 = no prefill row)")
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
+    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off", "both"),
+                        help="programmatic dependent launch: the launcher's choice, forced, or both side by side")
 
 
 def run(args, argv=()) -> int:
@@ -259,7 +273,8 @@ def run(args, argv=()) -> int:
             logf.flush()
     copy = copy_gbps(device)
     log(f"copy {copy:.0f} GB/s")
-    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare)
+    pdl_modes = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes)
     print(table(rows, copy, device, list(argv)))
     if logf:
         logf.close()
