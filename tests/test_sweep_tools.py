@@ -1,5 +1,5 @@
-"""The GPU sweep helpers' CPU-side logic: decode sweep configurations and loading a committed
-version of the INT4 writer (the timing itself needs a GPU).
+"""The GPU sweep helpers' CPU-side logic: decode sweep configurations, the profiling driver's
+``--cfg`` and loading a committed version of the INT4 writer (the timing itself needs a GPU).
 
 Run: python -m pytest tests/test_sweep_tools.py -q
 """
@@ -10,6 +10,7 @@ import kernels._write_int4 as W
 from kernels._attn_launch import AttnConfig
 from tools import bench_attention as B
 from tools import bench_write_versions as V
+from tools import profile_decode as P
 from tools import sweep_decode as S
 
 
@@ -39,3 +40,13 @@ def test_write_versions_loads_a_commit_and_swaps_the_launcher():
             assert W.fwht_asm is mod.fwht_asm
         finally:
             W._reshape_and_cache_int4_lanes_kernel, W.fwht_asm = keep
+
+
+def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
+    base = AttnConfig(16, 64, 16, 2, 2, 3)
+    assert P.parse_cfg("32:1:2:3:8", base) == AttnConfig(16, 32, 8, 1, 2, 3)
+    assert P.parse_cfg("32:1:2:3", base).num_segments == 32  # the default's keys per segment kept
+    assert P.parse_cfg("128:4:3:0", base).num_segments == 8
+    monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
+    assert P.main(["--mode", "int4"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
