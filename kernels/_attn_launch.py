@@ -19,7 +19,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
-from ._attn_launch_v3 import DECODE_MODES, V3_TILING, code_units, decode_query, launch_v3, v3_segments
+from ._attn_launch_v3 import DECODE_MODES, code_units, decode_query, launch_v3, v3_segments, v3_tiling
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, num_sms, pdl
 from .reference import rht_signs
@@ -146,8 +146,8 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
         if DECODE_V2.get(mode, 0) == 3 and pow2:
-            tile = V3_TILING[mode][0]
-            want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, tile), max_seqlen_k
+            tile, _, _, per_sm = v3_tiling(mode, q.shape[2])
+            want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, tile, per_sm), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
             want = max(2, V2_PROGRAMS_PER_SM * num_sms(q.device) // pairs)
             cap = max(1, max_seqlen_k // tile)
@@ -157,7 +157,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3:  # also when the caller fixed the segment count
-        tile, warps, stages = V3_TILING[mode]
+        tile, warps, stages, _ = v3_tiling(mode, q.shape[2])
         return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs), num_warps=warps,
                           num_stages=stages, v2=3)
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
@@ -263,13 +263,19 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                    softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
                    align, dot, head_pad, split)
     if split:
+        # one load of every segment while the tile holds at most 16K values, else chunks of 4K values;
+        # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
+        seg_pad = triton.next_power_of_2(cfg.num_segments)
+        seg_chunk = seg_pad if seg_pad * head_pad <= 16384 else max(1, 4096 // head_pad)
+        rot_chunk = head_size if head_size * head_size <= 16384 else max(1, 8192 // head_size)
         _attn_reduce_kernel[(num_tokens, num_q_heads)](
             out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
             signs_ptr=signs if is_int4 else segm_max,
             stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
             NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
-            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=triton.next_power_of_2(cfg.num_segments),
-            ROTATE=is_int4, PDL=use_pdl, launch_pdl=use_pdl, num_warps=8 if is_int4 else 4,
+            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
+            ROTATE=is_int4, ROT_CHUNK=rot_chunk, PDL=use_pdl, launch_pdl=use_pdl,
+            num_warps=8 if is_int4 else 4,
         )
     return out
 
@@ -282,7 +288,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     qp, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
-                                                       interp, parts=2, programs=math.prod(grid))
+                                                       interp, parts=2, release=False)
     code_dim = head_size // 2 if is_int4 else head_size
     mode_id, off = DECODE_MODES[mode]
     _attn_decode_kernel[grid](

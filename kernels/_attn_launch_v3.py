@@ -1,8 +1,9 @@
 """Launch of the v3 quantized decode kernel (``_attn_decode_v3``) and its defaults.
 
 Tiling and segment counts come from the H200 sweeps in docs/bench/attention.md (32 query / 8 KV
-heads, head_size 128): programs of 2 warps x 64 keys (INT4) or 1 warp x 32 keys (INT8 / FP8),
-about 8 programs per SM and at most 2,048 keys per segment.
+heads, batch 8 at 32k context; head_size 128 in sessions 3-4, 64 and 256 in session 4): per
+mode and head size, keys per tile, warps, stages and the resident programs per SM that the
+segment count aims at; segments of at most 2,048 keys.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from ._attn_decode_v3 import _attn_decode_v3_kernel
 from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
 from ._jit import num_sms, pdl
 
-V3_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (32, 1, 2), KVQuantMode.FP8_PER_TOKEN_HEAD: (32, 1, 2),
-             KVQuantMode.INT4_PER_TOKEN_HEAD: (64, 2, 2)}  # keys per tile, warps, stages
-V3_PROGRAMS_PER_SM = 8
+_INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
+V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM)
+    KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (32, 1, 2, 16), 128: (64, 2, 2, 8), 256: (64, 4, 2, 4)},
+    KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_TILING,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_TILING,
+}
 V3_MAX_KEYS_PER_SEGMENT = 2048
 # kernel MODE and code offset OFF of the swapped-operand decode kernels (v2 and v3)
 DECODE_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),
@@ -30,10 +34,17 @@ DECODE_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),
                 KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, -8.0)}
 
 
-def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int) -> int:
-    """Segments per (sequence, KV head): about V3_PROGRAMS_PER_SM programs per SM, segments of at
+def v3_tiling(mode: KVQuantMode, head_size: int) -> tuple:
+    """``(tile, warps, stages, programs_per_sm)`` of V3_TILING for ``head_size``, or of the nearest
+    measured head size (the smaller one on a tie)."""
+    table = V3_TILING[mode]
+    return table[min(table, key=lambda h: (abs(math.log2(h) - math.log2(head_size)), h))]
+
+
+def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int) -> int:
+    """Segments per (sequence, KV head): about ``programs_per_sm`` programs per SM, segments of at
     most V3_MAX_KEYS_PER_SEGMENT keys, at least 2 and at most one per tile, a power of two."""
-    want = max(V3_PROGRAMS_PER_SM * num_sms // max(1, pairs), -(-max_seqlen_k // V3_MAX_KEYS_PER_SEGMENT))
+    want = max(programs_per_sm * num_sms // max(1, pairs), -(-max_seqlen_k // V3_MAX_KEYS_PER_SEGMENT))
     segs = max(2, min(want, max(1, max_seqlen_k // tile)))
     return 1 << (segs.bit_length() - 1)
 
@@ -55,16 +66,17 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
-def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, programs):
+def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, release):
     """What the swapped-operand decode kernels (v2, v3) read as the query, and the scales around it.
 
     Returns ``(q, q_scale, use_softcap, col_scale)``: INT4 runs ``_prep_q_kernel`` once per token
     and head (``[T, Hq, HEAD]`` fp32, ``softmax_scale * H(s * q)`` in ``parts`` parts of rotated
     dims ``parts * i + x``), so ``q_scale`` is 1; otherwise ``q`` itself and ``softmax_scale``.
     ``col_scale`` multiplies each key's scale (INT4: ``1 / head_size``; ``log2 e`` without softcap).
-    ``programs``: the decode launch's grid size; when it fills at most half the GPU, the rotation
-    kernel lets it be scheduled at once (``pdl_release``; measured on the H200: 0.3-0.8 µs less at
-    batch 1 and 2k-4k context, 6% more at batch 8 and 32k, where the decode grid fills the GPU)."""
+    ``release``: the rotation kernel lets the decode kernel be scheduled at its start
+    (``pdl_release``); the launcher asks for it when the decode grid fills at most half the GPU
+    (H200: 0.3-0.8 µs less at batch 1 and 2k-4k context, 6% more at batch 8 and 32k, where the
+    decode grid fills the GPU)."""
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     use_softcap = bool(softcap and softcap > 0)
     col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
@@ -77,7 +89,7 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, PARTS=parts, PDL=use_pdl,
-        RELEASE=use_pdl and programs * 2 <= V3_PROGRAMS_PER_SM * num_sms(q.device), launch_pdl=use_pdl,
+        RELEASE=use_pdl and release, launch_pdl=use_pdl,
         num_warps=4)
     return qp, 1.0, use_softcap, col_scale
 
@@ -89,8 +101,9 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     kernel_mode, off = DECODE_MODES[mode]
     k16, v16, align = units
     grid = (cu_seqlens_q.numel() - 1, k16.shape[2], cfg.num_segments)
+    fill = v3_tiling(mode, head_size)[3] * num_sms(q.device)  # programs resident at once, about
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
-                                                      interp, parts=4, programs=math.prod(grid))
+                                                      interp, parts=4, release=2 * math.prod(grid) <= fill)
     _attn_decode_v3_kernel[grid](
         q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
         segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,

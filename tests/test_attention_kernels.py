@@ -272,14 +272,32 @@ def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
 
 def test_decode_config_keeps_v3_tiling_with_a_given_segment_count():
     """A caller-fixed segment count (num_par_softmax_segments or segment buffers) changes only the
-    split, not v3's measured tiling (INT8 / FP8: 1 warp x 32 keys; INT4: 2 warps x 64)."""
-    from kernels._attn_launch import V3_TILING, pick_config
-    q = torch.zeros(2, 8, 64)
-    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
-        for given in (None, 8):
-            cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
-            assert (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2) == (*V3_TILING[mode], 3)
-        assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
+    split, not v3's measured tiling for the mode and head size."""
+    from kernels._attn_launch import pick_config
+    from kernels._attn_launch_v3 import v3_tiling
+    for head_size in (64, 128, 256):
+        q = torch.zeros(2, 8, head_size)
+        for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
+            for given in (None, 8):
+                cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
+                assert (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2) == (*v3_tiling(mode, head_size)[:3], 3)
+            assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
+
+
+def test_v3_tiling_per_head_size_and_segments():
+    """Measured head sizes get their own tiling; others take the nearest measured one (in log2,
+    the smaller on a tie). Segments aim at the tiling's programs per SM, are a power of two, at
+    least 2, at most one per tile, and hold at most 2,048 keys."""
+    from kernels._attn_launch_v3 import V3_TILING, v3_segments, v3_tiling
+    int4, int8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD
+    assert v3_tiling(int4, 64) == (32, 1, 2, 16) and v3_tiling(int4, 256) == (64, 4, 2, 4)
+    assert v3_tiling(int4, 512) == V3_TILING[int4][256] and v3_tiling(int4, 32) == V3_TILING[int4][64]
+    assert v3_tiling(int8, 64) == V3_TILING[int8][128] and v3_tiling(int8, 256) == (32, 2, 2, 16)
+    assert v3_tiling(int8, 181) == V3_TILING[int8][128]  # log2 181 is nearer 128 than 256
+    assert v3_segments(132, 64, 32768, 32, 16) == 32     # 16 x 132 / 64 = 33 -> 32
+    assert v3_segments(132, 64, 32768, 64, 4) == 16      # 8 programs' worth, but 2,048 keys at most
+    assert v3_segments(132, 8, 2048, 64, 8) == 32        # one tile per segment at most
+    assert v3_segments(132, 4096, 100, 64, 8) == 2       # at least 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -318,3 +336,16 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)
     assert not torch.equal(with_pdl[0], with_pdl[1])  # the queries differ, so must the outputs
+
+
+@pytest.mark.parametrize("mode,dtype", [MODES[0], MODES[4]])
+def test_reduction_in_chunks(mode, dtype):
+    """Past 16K values the split-KV reduction merges segments 4096 // head_size at a time, and above
+    head_size 128 (INT4) inverse-rotates 8192 // head_size outputs at a time: head_size 256 with 80
+    segments takes five chunks of 16 segments, the last partly masked (80 of 128 padded rows), and
+    eight rotation chunks of 32 (5,120 keys: exactly one 64-key tile per segment); 3 segments take
+    the single-load path."""
+    c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[5120, 250], num_q_heads=4, num_kv_heads=2, head_size=256,
+                  seed=13)
+    run_and_check(c, num_par_softmax_segments=80)
+    run_and_check(c, num_par_softmax_segments=3)

@@ -240,6 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="bf16,int8,fp8,int4", help="comma-separated subset of bf16,int8,fp8,int4")
     parser.add_argument("--contexts", default=None, help="override the decode contexts, e.g. 4096,32768")
     parser.add_argument("--batches", default=None, help="override the decode batches, e.g. 8,32")
+    parser.add_argument("--head-size", type=int, default=None, help="override the head size (default 128)")
     parser.add_argument("--sweep", action="store_true", help="time tile/warps/segment variants, keep the best")
     parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
     parser.add_argument("--compare", action="store_true",
@@ -258,6 +259,8 @@ def run(args, argv=()) -> int:
         p["contexts"] = [int(x) for x in args.contexts.split(",")]
     if args.batches:
         p["batches"] = [int(x) for x in args.batches.split(",")]
+    if args.head_size:
+        p["head_size"] = args.head_size
     global REP_MS
     REP_MS = args.rep_ms
     if args.prefill is not None:

@@ -1,8 +1,8 @@
 """Time quantized decode tilings (tile, warps, stages, kernel) x segment counts on one GPU.
 
 Each configuration is checked against the oracle (relative L2 <= 1e-2) before it is timed, on
-the same problems as ``tools/bench_attention.py`` (32 query / 8 KV heads, head_size 128, block
-16, a random block table rotated through more than the L2). Lines are printed as they finish::
+the same problems as ``tools/bench_attention.py`` (32 query / 8 KV heads, head_size 128 or
+``--head-size``, block 16, a random block table rotated through more than the L2). Lines are printed as they finish::
 
     PYTHONPATH=. python3 tools/sweep_decode.py --modes int4,int8,fp8 \\
         --shapes 8x32768,32x32768,1x32768,8x4096,1x4096,1x2048 \\
@@ -48,28 +48,31 @@ def main(argv=None) -> int:
     p.add_argument("--segs", default="", help="explicit segment counts (instead of --seg-mults)")
     p.add_argument("--old-default", action="store_true", help="also time INT8/FP8's previous (v1) default")
     p.add_argument("--rep-ms", type=int, default=30)
+    p.add_argument("--head-size", type=int, default=B.FULL["head_size"])
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_decode needs a CUDA GPU")
         return 1
     B.REP_MS = a.rep_ms
+    preset = dict(B.FULL, head_size=a.head_size)
     variants = [tuple(int(x) for x in v.split(":")) for v in a.variants.split(",") if v]
     mults = [float(m) for m in a.seg_mults.split(",") if m]
     segs = [int(s) for s in a.segs.split(",") if s]
     for shape in a.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
-        pb = B.make_problem(B.MODES["bf16"], batch, ctx, 1, B.FULL, "cuda")
-        print(f"bf16 b{batch} ctx{ctx} default us={B.time_us(pb, B.default_cfg(pb)):.1f}", flush=True)
+        pb = B.make_problem(B.MODES["bf16"], batch, ctx, 1, preset, "cuda")
+        print(f"bf16 d{a.head_size} b{batch} ctx{ctx} default us={B.time_us(pb, B.default_cfg(pb)):.1f}", flush=True)
         del pb
         for name in a.modes.split(","):
             mode = B.MODES[name]
-            pb = B.make_problem(mode, batch, ctx, 1, B.FULL, "cuda")
+            pb = B.make_problem(mode, batch, ctx, 1, preset, "cuda")
             base = B.default_cfg(pb)
             for cfg in configs(base, mode, variants, mults, segs, a.old_default, pb):
                 err = B.check(pb, cfg)
                 us = B.time_us(pb, cfg) if err <= 1e-2 else float("nan")
                 tag = "DEFAULT " if cfg == base else ""
-                print(f"{tag}{name} b{batch} ctx{ctx} v{cfg.v2} t{cfg.tile} w{cfg.num_warps} st{cfg.num_stages} "
+                print(f"{tag}{name} d{a.head_size} b{batch} ctx{ctx} v{cfg.v2} t{cfg.tile} w{cfg.num_warps} "
+                      f"st{cfg.num_stages} "
                       f"segs{cfg.num_segments} err={err:.1e} us={us:.1f}", flush=True)
             del pb
     return 0
