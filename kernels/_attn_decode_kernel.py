@@ -140,7 +140,6 @@ def _attn_decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, KV_ALIGN: tl.constexpr,
-    PREFETCH: tl.constexpr,         # load tile t + 1 into registers before computing tile t
     PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
 ):
     pdl_enter(PDL)
@@ -173,26 +172,12 @@ def _attn_decode_kernel(
     acc_a = tl.zeros([D, GP], tl.float32)
     acc_b = tl.zeros([D, GP], tl.float32)  # INT4 odd half (unused otherwise)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
-    if PREFETCH:  # tile t + 1 is loaded into registers while tile t is computed
-        kc, vc, kw, vw, n_ok = _load_tile(
-            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t0, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
+    for t in range(t0, t1):
+        kc_c, vc_c, kw_c, vw_c, n_ok_c = _load_tile(
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
             TILE, BLOCK_SIZE, KV_ALIGN)
-    for t in range(t0, t1):
-        if PREFETCH:
-            kc_c, vc_c, kw_c, vw_c, n_ok_c = kc, vc, kw, vw, n_ok
-            kc, vc, kw, vw, n_ok = _load_tile(
-                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t + 1, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
-                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-                TILE, BLOCK_SIZE, KV_ALIGN)
-        else:
-            kc_c, vc_c, kw_c, vw_c, n_ok_c = _load_tile(
-                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t1, k_lo, k_hi, kv_head, offs_t, offs_d,
-                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-                TILE, BLOCK_SIZE, KV_ALIGN)
         if MODE == MODE_INT4:
             k_zp = (kw_c & 0xF).to(tl.float32) + OFF
             k_sc = (kw_c & -16).to(tl.float32, bitcast=True)

@@ -41,7 +41,7 @@ class AttnConfig:
     num_segments: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel, 2 = same + register prefetch,
+    v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel,
                         # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1)
 
 
@@ -54,9 +54,10 @@ DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
 # Quantized decode kernel per mode: 0 = _attn_kernel / _attn_int4_kernel (v1), 1 = _attn_decode_kernel
-# (v2), 2 = v2 + register prefetch, 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3).
+# (v2), 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3).
 # H200, docs/bench/attention.md (session 3): v3 beats v2 by 1.5x for INT4 at b8@32k (159 vs 235 us) and
-# v1 by 1.5-2.4x for INT8/FP8; v2 + prefetch was slower everywhere.
+# v1 by 1.5-2.4x for INT8/FP8. Register prefetch of the next tile was slower everywhere, in v2 (session 2)
+# and in v3 (session 4), and was removed.
 DECODE_V2 = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
              KVQuantMode.INT4_PER_TOKEN_HEAD: 3}
 DECODE_V2_ASM = True  # v2 on the GPU: PTX code conversion (the interpreter always uses plain ops)
@@ -221,6 +222,8 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                      window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
     """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
+    if cfg.v2 not in (0, 1, 3):
+        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2) or 3 (v3), got {cfg.v2}")
     num_tokens, num_q_heads = q.shape[:2]
     if num_tokens == 0:
         return out
@@ -307,8 +310,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
-        PREFETCH=cfg.v2 == 2, PDL=pdl(q), launch_pdl=pdl(q), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        PDL=pdl(q), launch_pdl=pdl(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -5,9 +5,9 @@ Covers: every cache mode (NONE bf16/fp16, INT8, FP8, INT4) against the plain-PyT
 mixed prefill + decode batches (including an empty sequence); causal and non-causal; sliding
 window; softcap; the 2D and the split-KV paths (segments forced, buffers passed by the caller,
 and the launcher's own choice); strided views of one packed cache and separate tensors;
-launcher errors; the three quantized decode kernels (old, swapped-operand, with register
-prefetch), on the GPU also with their PTX code conversion; a smoke run of
-``tools/bench_attention.py --quick``.
+launcher errors; the three quantized decode kernels (v1, swapped-operand v2, 16-bit-unit v3),
+on the GPU also with their PTX code conversion; per-head-size v3 tiling; the reduction in
+chunks; programmatic dependent launch (GPU); a smoke run of ``tools/bench_attention.py --quick``.
 
 CPU tensors run through Triton's interpreter (small shapes); a CUDA test runs when a GPU is
 present. Caches are filled with the oracle writer ``reference_reshape_and_cache`` so these
@@ -189,14 +189,13 @@ def test_int4_head_size_error():
 
 
 QUANT = [MODES[2], MODES[3], MODES[4]]
-DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(2, 1, id="v2-prefetch"),
-                  pytest.param(3, 3, id="v3")]
+DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(3, 3, id="v3")]
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
 @pytest.mark.parametrize("kernel,stages", DECODE_KERNELS)
 def test_quantized_decode_kernels(mode, dtype, kernel, stages):
-    """Every quantized decode kernel (old, swapped-operand, swapped + register prefetch) on the
+    """Every quantized decode kernel (v1, swapped-operand v2, 16-bit-unit v3) on the
     split path: an empty sequence, a segment boundary inside a tile, window, non-causal softcap."""
     c = make_case(mode, dtype, q_lens=[1, 0, 1], k_lens=[70, 5, 130], seed=7)
     cfg = AttnConfig(16, 32, 3, 4, stages, kernel)
@@ -349,3 +348,12 @@ def test_reduction_in_chunks(mode, dtype):
                   seed=13)
     run_and_check(c, num_par_softmax_segments=80)
     run_and_check(c, num_par_softmax_segments=3)
+
+
+def test_decode_kernel_choice_is_checked():
+    """AttnConfig.v2 names a decode kernel (0, 1 or 3; 2 and 4, the register-prefetch variants,
+    were removed): anything else is refused before a launch."""
+    c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1], k_lens=[40])
+    for bad in (2, 4):
+        with pytest.raises(ValueError, match="AttnConfig.v2"):
+            run_and_check(c, config=AttnConfig(16, 32, 2, 1, 2, bad))

@@ -37,7 +37,7 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
-# --compare: v2/v3 variants (kernel 1 = v2, 2 = v2 + register prefetch, 3 = v3; tile, warps, stages);
+# --compare: v2/v3 variants (kernel 1 = v2, 3 = v3; tile, warps, stages);
 # the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
 COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2))
 
@@ -194,7 +194,7 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_mode
                     if compare:
                         if name == "bf16":
                             base_us[use_pdl] = us
-                        kernel = "" if MODES[name] == KVQuantMode.NONE else (" v1", " v2", " v2p", " v3")[cfg.v2]
+                        kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3"}[cfg.v2]
                         rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
                                          cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
                                          vs_bf16=(base_us[use_pdl] / us) if use_pdl in base_us else float("nan")))
