@@ -357,3 +357,22 @@ def test_decode_kernel_choice_is_checked():
     for bad in (2, 4):
         with pytest.raises(ValueError, match="AttnConfig.v2"):
             run_and_check(c, config=AttnConfig(16, 32, 2, 1, 2, bad))
+
+
+def test_pdl_switch_and_cpu_launch():
+    """Programmatic dependent launch is a CUDA launch attribute and PTX: never on for CPU tensors
+    (the interpreter cannot run ``griddepcontrol``), and ``PDL_ENABLED = False`` turns it off
+    everywhere. A CPU decode launched through the same code path still matches the oracle."""
+    from kernels import _jit
+    cpu = torch.zeros(1)
+    assert _jit.pdl(cpu) is False
+    keep = _jit.PDL_ENABLED
+    try:
+        _jit.PDL_ENABLED = False
+        assert _jit.pdl(cpu) is False
+        if torch.cuda.is_available():
+            assert _jit.pdl(cpu.cuda()) is False
+    finally:
+        _jit.PDL_ENABLED = keep
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[90, 40], seed=2)
+    run_and_check(c, num_par_softmax_segments=3)  # rotation, decode and reduction kernels, all given launch_pdl
