@@ -173,28 +173,38 @@ def decode_tile_softmax(s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_sc
 
 
 @triton.jit
-def decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx, window_left, window_right,
-                   CAUSAL: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
-    """Split-KV decode program ``(seq_idx, seg_idx)``: the sequence's query token ``tok`` (one per
-    sequence), whether it has one, its visible keys ``[k_lo, k_hi)`` and the segment's tiles
-    ``[t0, t1)``."""
+def decode_program(cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right,
+                   CAUSAL: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PDL: tl.constexpr):
+    """Split-KV decode program of grid ``(sequences, KV heads, segments)``, after
+    :func:`pdl_enter` (before its first load): ``seq_idx``, ``kv_head``, ``seg_idx``, the
+    sequence's query token ``tok`` (one per sequence), whether it has one, its visible keys
+    ``[k_lo, k_hi)`` and the segment's tiles ``[t0, t1)``."""
+    pdl_enter(PDL)
+    seq_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg_idx = tl.program_id(2)
     tok = tl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = tl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
     seq_len = tl.load(seqused_k_ptr + seq_idx)
     k_lo, k_hi = key_range(seq_len, seq_len - 1, seq_len - 1, window_left, window_right, CAUSAL)
     t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
-    return tok, has_query, k_lo, k_hi, t0, t1
+    return seq_idx, kv_head, seg_idx, tok, has_query, k_lo, k_hi, t0, t1
 
 
 @triton.jit
-def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, q_block_global, kv_head, seg_idx, num_seqs,
-                    window_left, window_right, CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    BLOCK_M: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
-                    NUM_SEGMENTS: tl.constexpr):
-    """2D-path program: ``BLOCK_Q`` query tokens of one sequence x the ``GROUP`` query heads of
-    ``kv_head``, as ``BLOCK_M`` rows. Returns the sequence, whether the block holds any query,
-    per row ``[BLOCK_M]`` the token index, query head, validity and position, the visible keys
-    ``[k_lo, k_hi)`` of the whole block and segment ``seg_idx``'s tiles ``[t0, t1)``."""
+def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right,
+                    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+                    TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PDL: tl.constexpr):
+    """2D-path program of grid ``(q blocks, KV heads, segments)``, after :func:`pdl_enter` (before
+    its first load): ``BLOCK_Q`` query tokens of one sequence x the ``GROUP`` query heads of
+    ``kv_head``, as ``BLOCK_M`` rows. Returns ``kv_head``, ``seg_idx``, the sequence, whether the
+    block holds any query, per row ``[BLOCK_M]`` the token index, query head, validity and
+    position, the visible keys ``[k_lo, k_hi)`` of the whole block and segment ``seg_idx``'s tiles
+    ``[t0, t1)``."""
+    pdl_enter(PDL)
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg_idx = tl.program_id(2)
     seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
@@ -212,4 +222,4 @@ def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, q_block_global, kv_head, se
     k_lo, k_hi = key_range(seq_len, q_pos_lo, q_pos_hi, window_left, window_right, CAUSAL)
     t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
     tok = (q_start + q_local).to(tl.int64)
-    return seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1
+    return kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1

@@ -140,14 +140,10 @@ def _attn_decode_kernel(
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, KV_ALIGN: tl.constexpr,
-    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
+    PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
 ):
-    pdl_enter(PDL)
-    seq_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seg_idx = tl.program_id(2)
-    tok, has_query, k_lo, k_hi, t0, t1 = decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx,
-                                                        window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS)
+    seq_idx, kv_head, seg_idx, tok, has_query, k_lo, k_hi, t0, t1 = decode_program(
+        cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS, PDL)
     if not has_query:
         return
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import decode_program, decode_tile_softmax, pdl_enter, to_dot
+from ._attn_common import decode_program, decode_tile_softmax, to_dot
 from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
 from ._jit import dual_jit
 
@@ -176,14 +176,10 @@ def _attn_decode_v3_kernel(
     DOT: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride (2, 4 or 8)
-    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
+    PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
 ):
-    pdl_enter(PDL)
-    seq_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seg_idx = tl.program_id(2)
-    tok, has_query, k_lo, k_hi, t0, t1 = decode_program(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx, seg_idx,
-                                                        window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS)
+    seq_idx, kv_head, seg_idx, tok, has_query, k_lo, k_hi, t0, t1 = decode_program(
+        cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS, PDL)
     if not has_query:
         return
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._attn_common import (LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, pdl_enter, q_block_program, to_dot,
-                           visible)
+from ._attn_common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
 from ._jit import dual_jit
 
 
@@ -47,15 +46,12 @@ def _attn_int4_kernel(
     CAUSAL: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
-    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
+    PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
 ):
-    pdl_enter(PDL)
     HALF: tl.constexpr = HEAD // 2
-    kv_head = tl.program_id(1)
-    seg_idx = tl.program_id(2)
-    seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
-        cu_seqlens_q_ptr, seqused_k_ptr, tl.program_id(0), kv_head, seg_idx, num_seqs, window_left, window_right,
-        CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE, NUM_SEGMENTS)
+    kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
+        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE,
+        NUM_SEGMENTS, PDL)
     if not has_rows:
         return
 
