@@ -253,18 +253,18 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
                   segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
-                  signs)
+                  signs, use_pdl)
     elif split and cfg.v2 and mode != KVQuantMode.NONE:
         if cfg.v2 >= 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
             cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
                                       num_stages=DECODE_STAGES, v2=1)
         _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                    softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-                   align, dot == DOT_FP32.value)
+                   align, dot == DOT_FP32.value, use_pdl)
     else:
         _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                    softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-                   align, dot, head_pad, split)
+                   align, dot, head_pad, split, use_pdl)
     if split:
         # one load of every segment while the tile holds at most 16K values, else chunks of 4K values;
         # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
@@ -285,13 +285,13 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
 
 def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-               align, interp):
+               align, interp, use_pdl):
     """Quantized decode (one query per sequence): _attn_decode_kernel, INT4 after _prep_q_kernel."""
     num_q_heads = q.shape[1]
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     grid = (cu_seqlens_q.numel() - 1, k.shape[2], cfg.num_segments)
     qp, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
-                                                       interp, parts=2, release=False)
+                                                       interp, parts=2, use_pdl=use_pdl, release=False)
     code_dim = head_size // 2 if is_int4 else head_size
     mode_id, off = DECODE_MODES[mode]
     _attn_decode_kernel[grid](
@@ -310,13 +310,13 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,
-        PDL=pdl(q), launch_pdl=pdl(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-               align, dot, head_pad, split):
+               align, dot, head_pad, split, use_pdl):
     num_tokens, num_q_heads = q.shape[:2]
     num_seqs = cu_seqlens_q.numel() - 1
     block_q = cfg.block_m // group
@@ -342,7 +342,7 @@ def _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD=head_size, BLOCK_SIZE=k.shape[1],
         BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE=cfg.tile, DOT=dot,
         CAUSAL=bool(causal), USE_SOFTCAP=bool(softcap and softcap > 0),
-        SPLIT=split, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align, PDL=pdl(q), launch_pdl=pdl(q),
+        SPLIT=split, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align, PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if is_int4:

@@ -19,7 +19,7 @@ from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _prep_q_kernel
 from ._attn_decode_v3 import _attn_decode_v3_kernel
 from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
-from ._jit import num_sms, pdl
+from ._jit import num_sms
 
 _INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
 V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM)
@@ -66,13 +66,14 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
-def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, release):
+def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, use_pdl, release):
     """What the swapped-operand decode kernels (v2, v3) read as the query, and the scales around it.
 
     Returns ``(q, q_scale, use_softcap, col_scale)``: INT4 runs ``_prep_q_kernel`` once per token
     and head (``[T, Hq, HEAD]`` fp32, ``softmax_scale * H(s * q)`` in ``parts`` parts of rotated
     dims ``parts * i + x``), so ``q_scale`` is 1; otherwise ``q`` itself and ``softmax_scale``.
     ``col_scale`` multiplies each key's scale (INT4: ``1 / head_size``; ``log2 e`` without softcap).
+    ``use_pdl``: launch with programmatic dependent launch (the launcher's ``_jit.pdl(q)``).
     ``release``: the rotation kernel lets the decode kernel be scheduled at its start
     (``pdl_release``); the launcher asks for it when the decode grid fills at most half the GPU
     (H200: 0.3-0.8 µs less at batch 1 and 2k-4k context, 6% more at batch 8 and 32k, where the
@@ -82,7 +83,6 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
     if not is_int4:
         return q, float(softmax_scale), use_softcap, col_scale
-    use_pdl = pdl(q)
     qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
     _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
         q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
@@ -95,7 +95,7 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
 
 
 def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-              mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs):
+              mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs, use_pdl):
     """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments) on ``units``, the
     :func:`code_units` of the cache; ``ks`` / ``vs`` are the scale caches as int32 bits."""
     kernel_mode, off = DECODE_MODES[mode]
@@ -103,7 +103,8 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     grid = (cu_seqlens_q.numel() - 1, k16.shape[2], cfg.num_segments)
     fill = v3_tiling(mode, head_size)[3] * num_sms(q.device)  # programs resident at once, about
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
-                                                      interp, parts=4, release=2 * math.prod(grid) <= fill)
+                                                      interp, parts=4, use_pdl=use_pdl,
+                                                      release=2 * math.prod(grid) <= fill)
     _attn_decode_v3_kernel[grid](
         q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
         segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
@@ -120,5 +121,5 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
-        ALIGN_BS=align, PDL=pdl(q), launch_pdl=pdl(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ALIGN_BS=align, PDL=use_pdl, launch_pdl=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
