@@ -140,15 +140,15 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         return AttnConfig(block_m=max(PREFILL_BLOCK_M, block_m), tile=PREFILL_TILE)
     tile = DECODE_TILE[mode]
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
+    v3 = v3_tiling(mode, q.shape[2]) if DECODE_V2.get(mode, 0) == 3 and pow2 else None  # (tile, warps, stages, per SM)
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
         segs = num_segments
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if DECODE_V2.get(mode, 0) == 3 and pow2:
-            tile, _, _, per_sm = v3_tiling(mode, q.shape[2])
-            want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, tile, per_sm), max_seqlen_k
+        if v3:
+            want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, v3[0], v3[3]), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
             want = max(2, V2_PROGRAMS_PER_SM * num_sms(q.device) // pairs)
             cap = max(1, max_seqlen_k // tile)
@@ -158,9 +158,8 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3:  # also when the caller fixed the segment count
-        tile, warps, stages, _ = v3_tiling(mode, q.shape[2])
-        return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs), num_warps=warps,
-                          num_stages=stages, v2=3)
+        return AttnConfig(block_m=block_m, tile=v3[0], num_segments=int(segs), num_warps=v3[1],
+                          num_stages=v3[2], v2=3)
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
                       num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 
