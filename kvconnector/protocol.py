@@ -259,6 +259,37 @@ def encode_message(h: Header, payloads=()) -> list:
     return [encode_header(h), *payloads]
 
 
+def check_frames(h: Header, payloads, expected_nbytes: list[int] | None = None) -> None:
+    """Check the number and byte counts of a BLOCKS message's payload frames (not checksums).
+
+    Raises
+    ------
+    CorruptFrameError
+        Wrong number of frames, or a truncated / oversized frame (named by index).
+    """
+    if len(payloads) != len(h.nbytes):
+        raise CorruptFrameError(
+            f"BLOCKS {h.tid!r} layer {h.layer}: expected {len(h.nbytes)} payload frames, got {len(payloads)}")
+    if expected_nbytes is not None and list(expected_nbytes) != list(h.nbytes):
+        raise CorruptFrameError(
+            f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected {list(expected_nbytes)} "
+            f"(from the layout), got {h.nbytes}")
+    for i, (p, n) in enumerate(zip(payloads, h.nbytes)):
+        got = memoryview(p).nbytes
+        if got != n:
+            kind = "truncated" if got < n else "oversized"
+            raise CorruptFrameError(
+                f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} {kind}: expected {n} bytes, got {got}")
+
+
+def check_checksum(h: Header, i: int, got: int) -> None:
+    """Raise :class:`CorruptFrameError` unless ``got`` is payload frame ``i``'s checksum in ``h``."""
+    if got != h.checksums[i]:
+        raise CorruptFrameError(
+            f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({CHECKSUM}): "
+            f"expected {h.checksums[i]:#018x}, got {got:#018x}")
+
+
 def verify_payloads(h: Header, payloads, expected_nbytes: list[int] | None = None) -> None:
     """Check payload frames against their header before a byte is used.
 
@@ -277,21 +308,6 @@ def verify_payloads(h: Header, payloads, expected_nbytes: list[int] | None = Non
     CorruptFrameError
         Naming the frame: wrong number of frames, truncated/oversized frame, bad checksum.
     """
-    if len(payloads) != len(h.nbytes):
-        raise CorruptFrameError(
-            f"BLOCKS {h.tid!r} layer {h.layer}: expected {len(h.nbytes)} payload frames, got {len(payloads)}")
-    if expected_nbytes is not None and list(expected_nbytes) != list(h.nbytes):
-        raise CorruptFrameError(
-            f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected {list(expected_nbytes)} "
-            f"(from the layout), got {h.nbytes}")
-    for i, (p, n, x) in enumerate(zip(payloads, h.nbytes, h.checksums)):
-        got = memoryview(p).nbytes
-        if got != n:
-            kind = "truncated" if got < n else "oversized"
-            raise CorruptFrameError(
-                f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} {kind}: expected {n} bytes, got {got}")
-        c = checksum(p)
-        if c != x:
-            raise CorruptFrameError(
-                f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({CHECKSUM}): "
-                f"expected {x:#018x}, got {c:#018x}")
+    check_frames(h, payloads, expected_nbytes)
+    for i, p in enumerate(payloads):
+        check_checksum(h, i, checksum(p))
