@@ -47,6 +47,13 @@ def _rows(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided((view.shape[0], view[0].numel()), (view.stride(0), 1))
 
 
+def device_rows(kv_cache: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
+    """``[num_blocks, block_bytes]`` uint8 view (never a copy) of one layer's packed cache:
+    whole blocks are rows, so a block gather / scatter is one ``index_select`` / ``index_copy_``.
+    Endpoints make it once per cache (each :func:`as_bytes` call re-checks shape and strides)."""
+    return _rows(as_bytes(kv_cache, geo))
+
+
 def block_rows(view: np.ndarray) -> np.ndarray:
     """``[num_blocks, block_bytes]`` uint8 view (never a copy) of a numpy byte view
     ``[num_blocks, 2, N, H, P]`` made by :func:`as_bytes` (packed strides, so each block's

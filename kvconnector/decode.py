@@ -22,11 +22,12 @@ import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import as_bytes, block_rows, copy_runs, device_ids, scatter_blocks, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, device_ids, device_rows, scatter_blocks, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .prefill import check_caches
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
+from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
@@ -67,9 +68,10 @@ class DecodeEndpoint:
     max_frame_bytes : int
         Largest frame accepted from the peer (ZeroMQ drops the connection beyond it).
     copy_threads : int, optional
-        CPU caches: threads that verify and write BLOCKS messages in parallel with the
-        I/O thread (each message is still verified before any of its bytes is written);
-        0 writes on the I/O thread. Default :func:`default_copy_threads`.
+        Threads that verify and write BLOCKS messages in parallel with the I/O thread (each
+        message is still verified before any of its bytes is written); for CUDA caches they
+        also stage, launch the device copies and wait for them. 0 does it all on the I/O
+        thread. Default :func:`default_copy_threads`.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -84,7 +86,7 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: list = []          # (event, handle, BLOCKS header, pinned staging)
+        self._gpu_writes: list = []          # no copy workers: (event, handle, BLOCKS header, pinned staging)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -93,9 +95,12 @@ class DecodeEndpoint:
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
         self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
-        self._rows = None if self.cuda else [block_rows(v) for v in self._views]   # [num_blocks, block bytes]
+        # [num_blocks, block bytes] row views: numpy (CPU) or torch (CUDA), made once
+        self._rows = [device_rows(c, self.geometry) for c in self.caches] if self.cuda else \
+            [block_rows(v) for v in self._views]
+        self._pinned = PinnedPool() if self.cuda else None
         n = default_copy_threads() if copy_threads is None else copy_threads
-        self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n and not self.cuda else None
+        self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
@@ -202,6 +207,8 @@ class DecodeEndpoint:
         self._pending[h.transfer_id] = h
         self.metrics.add("transfers_started")
         self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads))
+        if self.cuda:   # destination ids on the device while the request is on its way (checked by pull())
+            h.dst_dev = device_ids(h.dst_block_ids, self.caches[0].device)
 
     def _fail(self, h: PullHandle, err: Exception, reason: str, tell_peer: bool = True) -> None:
         if self._pending.pop(h.transfer_id, None) is None:
@@ -308,22 +315,20 @@ class DecodeEndpoint:
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
-        if self.cuda:
+        if self.cuda and self._workers is None:   # stage on this thread; _on_tick sees the copies end
             try:
-                verify_payloads(h, payloads)
+                staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
-            if p.dst_dev is None:   # destination ids on the device once per pull (checked at pull)
-                p.dst_dev = device_ids(p.dst_block_ids, self.caches[0].device)
-            self._scatter_cuda(p, h, payloads, local, per_block)
+            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
             return None
-        if self._workers is None or sum(h.nbytes) < INLINE_BYTES:
+        if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
                 self._write(p, h, payloads, local)
             except CorruptFrameError as e:
                 return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
             return self._landed_all(p, h)
-        job = self._workers.submit(self._write, p, h, payloads, local)
+        job = self._workers.submit(self._write_cuda if self.cuda else self._write, p, h, payloads, local)
         p.jobs.add(job)
         job.add_done_callback(lambda f: self._loop.call_soon(self._written, p, h, f))
 
@@ -354,24 +359,37 @@ class DecodeEndpoint:
         self._on_error(err)
         self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
 
-    def _scatter_cuda(self, p: PullHandle, h: Header, payloads, local: range, per_block: int) -> None:
-        """One message: each frame through pinned staging to the device (one copy each), then one
-        scatter per layer piece, on a side stream; the message lands when its event fires."""
+    def _write_cuda(self, p: PullHandle, h: Header, payloads, local: range) -> None:
+        """Copy worker, CUDA caches: stage and verify every frame (raises CorruptFrameError
+        before anything leaves host memory), launch the device copies, wait for them."""
+        staged = stage_verified(h, payloads, self._pinned)
+        try:
+            self._launch_cuda(p, h, staged, local, len(local) * self._head_block_bytes).synchronize()
+        except BaseException:
+            self._copy_stream.synchronize()   # no DMA may still read a buffer handed back below
+            raise
+        finally:
+            for b in staged:
+                self._pinned.release(b)
+
+    def _launch_cuda(self, p: PullHandle, h: Header, staged: list, local: range, per_block: int):
+        """Queue one verified message on the copy stream: each staged frame to the device (one
+        copy each), then one row scatter per layer piece; return the event that marks the end."""
         device = self.caches[0].device
-        staged = []
-        for f in payloads:
-            staging = torch.empty(len(f.buffer), dtype=torch.uint8, pin_memory=True)
-            staging.copy_(torch.frombuffer(f.buffer, dtype=torch.uint8))
-            staged.append(staging)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._copy_stream):
+        s = self._copy_stream
+        s.wait_stream(torch.cuda.current_stream(device))
+        full = len(local) == self.geometry.num_kv_heads
+        with torch.cuda.stream(s):
             on_device = [t.to(device, non_blocking=True) for t in staged]
             for i, off, layer, pos, k in _segments(h, per_block):
-                scatter_blocks(self.caches[layer], self.geometry, p.dst_dev[pos:pos + k],
-                               on_device[i][off:off + k * per_block], local)
+                ids, src = p.dst_dev[pos:pos + k], on_device[i][off:off + k * per_block]
+                if full:   # whole blocks: one index_copy_ on the cached row view
+                    self._rows[layer].index_copy_(0, ids, src.view(k, -1))
+                else:
+                    scatter_blocks(self.caches[layer], self.geometry, ids, src, local)
             ev = torch.cuda.Event()
-            ev.record(self._copy_stream)
-        self._gpu_writes.append((ev, p, h, staged))
+            ev.record(s)
+        return ev
 
     def _landed_all(self, p: PullHandle, h: Header) -> None:
         for layer in range(h.layer, h.layer + h.nlay):
@@ -388,7 +406,9 @@ class DecodeEndpoint:
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and self._gpu_writes[0][0].query():
-            _, p, h, _ = self._gpu_writes.pop(0)
+            _, p, h, staged = self._gpu_writes.pop(0)
+            for b in staged:
+                self._pinned.release(b)
             self._landed_all(p, h)
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
@@ -403,4 +423,4 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
-        return 0.0005 if self._gpu_writes else max(0.0, wait)
+        return 0.001 if self._gpu_writes else max(0.0, wait)

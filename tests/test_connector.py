@@ -80,15 +80,18 @@ def test_head_slice_for_heterogeneous_tp():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode,head_size", MODES, ids=["bf16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("chunk", [1, 1 << 20], ids=["chunk-1block", "chunk-1MiB"])
-def test_cuda_caches_byte_exact(mode, head_size, chunk):
+@pytest.mark.parametrize("copy_threads", [0, 2], ids=["inline", "workers"])
+def test_cuda_caches_byte_exact(mode, head_size, chunk, copy_threads):
     """CUDA caches on both sides (pinned staging, device gather / scatter): whole blocks, several
-    layers per message or one block per message, then a head slice (heterogeneous TP)."""
+    layers per message or one block per message, then a head slice (heterogeneous TP); the
+    decode side stages on its I/O thread or on copy workers."""
     desc = make_desc(mode, head_size, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=12)
     src = [c.cuda() for c in filled_caches(desc, 0)]
     dst = [c.cuda() for c in filled_caches(desc, 1)]
     before = [c.clone() for c in dst]
     src_ids, dst_ids = [9, 3, 4, 5, 0, 11], [2, 7, 1, 10, 3, 4]
-    with PrefillEndpoint(src, desc, chunk_bytes=chunk) as pre, DecodeEndpoint(dst, desc) as dec:
+    with PrefillEndpoint(src, desc, chunk_bytes=chunk) as pre, \
+            DecodeEndpoint(dst, desc, copy_threads=copy_threads) as dec:
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("req-0", src_ids)
         dec.pull("req-0", dst_ids, deadline_s=10).result()
@@ -102,7 +105,8 @@ def test_cuda_caches_byte_exact(mode, head_size, chunk):
     half = make_desc(mode, head_size, num_kv_heads=2, num_blocks=6, head_start=2, total_num_kv_heads=4)
     src = [c.cuda() for c in filled_caches(full, 2)]
     dst = [c.cuda() for c in filled_caches(half, 3)]
-    with PrefillEndpoint(src, full, chunk_bytes=chunk) as pre, DecodeEndpoint(dst, half) as dec:
+    with PrefillEndpoint(src, full, chunk_bytes=chunk) as pre, \
+            DecodeEndpoint(dst, half, copy_threads=copy_threads) as dec:
         assert dec.connect(pre.endpoint) == range(2, 4)
         pre.publish("t", [1, 4])
         dec.pull("t", [5, 0], deadline_s=10).result()
@@ -191,15 +195,23 @@ FAULTS = [(_corrupt, CorruptFrameError, "checksum"), (_truncated, CorruptFrameEr
           (_silent, TransferTimeoutError, "deadline")]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                              reason="needs a CUDA GPU"))]
+
+
 @pytest.mark.parametrize("script,err,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized",
                                                           "wrong-layer", "nlay-past-end", "silent"])
-def test_faulty_peer_never_writes_bad_bytes(script, err, match):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copy_threads", [0, 2], ids=["inline", "workers"])
+def test_faulty_peer_never_writes_bad_bytes(script, err, match, device, copy_threads):
+    """Every bad message fails the pull before a byte lands, on the I/O thread or a copy
+    worker, for CPU caches and for CUDA caches (pinned staging verified before any device copy)."""
     desc = make_desc(num_layers=2, num_blocks=4)
     fake = FakePrefill(desc, filled_caches(desc, 0), script)
-    dst = filled_caches(desc, 1)
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
     before = [c.clone() for c in dst]
     try:
-        with DecodeEndpoint(dst, desc, peer_timeout_s=10) as dec:
+        with DecodeEndpoint(dst, desc, peer_timeout_s=10, copy_threads=copy_threads) as dec:
             dec.connect(fake.endpoint, timeout_s=5)
             t0 = time.monotonic()
             handle = dec.pull("t", [2, 3], deadline_s=1.0)
@@ -208,6 +220,8 @@ def test_faulty_peer_never_writes_bad_bytes(script, err, match):
             assert time.monotonic() - t0 < 2.0
             assert handle.failed_block_ids == [2, 3]
             assert exc.value.failed_block_ids == [2, 3]
+            if device == "cuda":
+                torch.cuda.synchronize()
             # layer 1 never arrived; layer 0 only if its frame was good
             assert torch.equal(dst[1], before[1])
             if script is not _silent:
