@@ -23,7 +23,7 @@ import zmq
 
 from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
                      TransferError, check_compatible)
-from .blocks import slice_bytes
+from .blocks import device_ids, slice_bytes
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
 from .security import start_authenticator
@@ -36,6 +36,7 @@ class Lease:
     transfer_id: str
     block_ids: list
     expires_at: float
+    ids_dev: tuple = None      # CUDA caches: (block_ids on the device, event after their copy), made at publish
 
 
 def check_caches(caches, desc: LayoutDescriptor) -> None:
@@ -105,10 +106,16 @@ class PrefillEndpoint:
             raise ValueError(f"transfer_id: expected a non-empty str of <= 256 chars, got {transfer_id!r}")
         if not ids or min(ids) < 0 or max(ids) >= self.descriptor.num_blocks:
             raise LayoutError(f"block_ids: expected a non-empty list in [0, {self.descriptor.num_blocks}), got {ids[:8]}")
+        ids_dev = None
+        if self.cuda:   # off the pull's critical path; the copy stream waits for the event
+            ready = torch.cuda.Event()
+            ids_dev = (device_ids(ids, self.caches[0].device), ready)
+            ready.record(torch.cuda.current_stream(self.caches[0].device))
         with self._lock:
             if transfer_id in self._leases:
                 raise ValueError(f"transfer_id {transfer_id!r} is already published")
-            lease = self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s))
+            lease = self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s),
+                                                      ids_dev)
             heapq.heappush(self._expiry, (lease.expires_at, transfer_id))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
 
@@ -250,7 +257,7 @@ class PrefillEndpoint:
         self._streams = [s for s in self._streams if s.tid != h.tid]   # a retried pull restarts
         local = range(h.heads[0] - d.head_start, h.heads[1] - d.head_start)
         self._streams.append(Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local,
-                                    h.heads, self.chunk_bytes, self._copy_stream, self._pool))
+                                    h.heads, self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev))
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
         self._started[h.tid] = (time.monotonic(), nbytes)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, block_rows, copy_runs, device_ids, gather_blocks, runs, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, device_ids, device_rows, gather_blocks, runs, slice_bytes
 from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 
@@ -71,12 +71,20 @@ class BufferPool:
         self._free: list = []     # [tensor, tracker or None]
         self.max_buffers = max_buffers
         self._views: dict = {}    # id(cache) -> (cache, numpy byte view); one endpoint's caches
+        self._rows: dict = {}     # id(cache) -> (cache, torch row view), CUDA caches
 
     def cpu_view(self, cache: torch.Tensor, geo: CacheGeometry):
         """Numpy byte view ``[num_blocks, 2, N, H, P]`` of a CPU cache, made once per cache."""
         hit = self._views.get(id(cache))
         if hit is None or hit[0] is not cache:
             hit = self._views[id(cache)] = (cache, as_bytes(cache, geo).numpy())
+        return hit[1]
+
+    def device_rows(self, cache: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
+        """Row view ``[num_blocks, block_bytes]`` of a CUDA cache (:func:`blocks.device_rows`), made once per cache."""
+        hit = self._rows.get(id(cache))
+        if hit is None or hit[0] is not cache:
+            hit = self._rows[id(cache)] = (cache, device_rows(cache, geo))
         return hit[1]
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -116,11 +124,15 @@ class Stream:
         Target payload size of one message.
     copy_stream : torch.cuda.Stream or None
         Side stream for device-to-host staging (CUDA caches only).
+    pool : BufferPool, optional
+        The endpoint's buffers and cache views.
+    ids_dev : (torch.Tensor, torch.cuda.Event), optional
+        CUDA caches: ``block_ids`` already on the device, and the event after their copy.
     """
 
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, ids_dev: tuple | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
@@ -128,7 +140,12 @@ class Stream:
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         # CUDA: the source ids on the device once per transfer (ids were checked at publish)
-        self._ids_dev = device_ids(block_ids, caches[0].device) if copy_stream is not None else None
+        self._ids_dev = None
+        if copy_stream is not None and ids_dev is not None:
+            self._ids_dev = ids_dev[0]
+            copy_stream.wait_event(ids_dev[1])
+        elif copy_stream is not None:
+            self._ids_dev = device_ids(block_ids, caches[0].device)
         self.pool = pool or BufferPool()
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         # layers per message: a whole layer smaller than the chunk shares its message with the
@@ -143,8 +160,9 @@ class Stream:
         self._seq = 0
         self._staged: deque = deque()    # (layer, nlay, first, count, job, pooled buffer, job args)
         self._executor = _stage_executor()
-        # chunks staged ahead: a device copy in flight (CUDA), or one per staging thread
-        self.ahead = 1 + (stage_threads() if self._executor else int(copy_stream is not None))
+        # chunks staged ahead: one per staging thread (a CUDA chunk's device copies are queued by the
+        # thread that prepares it, so without threads nothing is gained by staging ahead)
+        self.ahead = 1 + (stage_threads() if self._executor else 0)
         self._retry = None
         self.last_payload_bytes = 0
         self._chunks: dict = {}          # first position -> chunk plan (see _chunk)
@@ -195,8 +213,31 @@ class Stream:
         buf = self.pool.acquire(nlay * slice_bytes(self.geo, len(ids), self.local_heads))
         return [buf.numpy()], (buf, views, ids, idx)
 
-    def _prepare(self, frames: list, gather, ev) -> tuple:
-        """Worker side of staging: gather / wait for the device copy, then hash every frame."""
+    def _device_copy(self, host: torch.Tensor, layer: int, nlay: int, first: int, k: int) -> None:
+        """CUDA caches: every layer of one chunk into one device buffer (one ``index_select`` per
+        layer on the cached row view), then one copy into the pinned ``host`` buffer; returns
+        when ``host`` holds the bytes."""
+        n = slice_bytes(self.geo, k, self.local_heads)
+        ids_dev = self._ids_dev[first:first + k]
+        device = self.caches[layer].device
+        self.copy_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.copy_stream):   # allocated on this stream: reuse is stream-ordered
+            dev = torch.empty(nlay * n, dtype=torch.uint8, device=device)
+            for li in range(nlay):   # layer-major, like the CPU payload
+                out = dev[li * n:(li + 1) * n]
+                if self.full_heads:
+                    torch.index_select(self.pool.device_rows(self.caches[layer + li], self.geo), 0, ids_dev,
+                                       out=out.view(k, -1))
+                else:
+                    gather_blocks(self.caches[layer + li], self.geo, ids_dev, self.local_heads, out=out)
+            host.copy_(dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        ev.synchronize()
+
+    def _prepare(self, frames: list, gather, device) -> tuple:
+        """Worker side of staging: gather (CPU) or device-to-host copy (CUDA, ``device`` =
+        (pinned buffer, layer, nlay, first, count)), then hash every frame."""
         if gather is not None:   # ids were checked against the cache at publish
             buf, views, ids, idx = gather
             n, v0 = len(ids), views[0]
@@ -218,33 +259,22 @@ class Stream:
                     copy(i, i + step)
                     h.update(out[i:i + step])
             return frames, [checksum(packed) if h is None else h.intdigest()]
-        if ev is not None:
-            ev.synchronize()
+        if device is not None:
+            self._device_copy(*device)
         return frames, [checksum(f) for f in frames]
 
     def _stage(self) -> None:
         layer, nlay, first = self._plan.popleft()
-        ids = self.block_ids[first:first + self.chunk_blocks]
+        k = len(self.block_ids[first:first + self.chunk_blocks])
         if self.copy_stream is None:
             frames, gather = self._cpu_payload(layer, nlay, first)
-            buf, ev = (gather[0] if gather else None), None
-        else:
-            n = slice_bytes(self.geo, len(ids), self.local_heads)
-            buf = host = self.pool.acquire(nlay * n, pin=True)
-            device = self.caches[layer].device
-            self.copy_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self.copy_stream):
-                for li in range(nlay):   # layer-major, like the CPU payload
-                    dev = gather_blocks(self.caches[layer + li], self.geo, self._ids_dev[first:first + len(ids)],
-                                        self.local_heads)
-                    host[li * n:(li + 1) * n].copy_(dev, non_blocking=True)
-                    dev.record_stream(self.copy_stream)
-                ev = torch.cuda.Event()
-                ev.record(self.copy_stream)
-            frames, gather = [host.numpy()], None
-        ex = self._executor
-        job = ex.submit(self._prepare, frames, gather, ev) if ex else None
-        self._staged.append((layer, nlay, first, len(ids), job, buf, (frames, gather, ev)))
+            buf, device = (gather[0] if gather else None), None
+        else:   # CUDA: the device copies are queued by whoever prepares the chunk
+            buf = self.pool.acquire(nlay * slice_bytes(self.geo, k, self.local_heads), pin=True)
+            frames, gather, device = [buf.numpy()], None, (buf, layer, nlay, first, k)
+        ex = self._executor if self._staged else None   # the next chunk to send: the I/O thread
+        job = ex.submit(self._prepare, frames, gather, device) if ex else None   # would only wait for a worker
+        self._staged.append((layer, nlay, first, k, job, buf, (frames, gather, device)))
 
     def next_frames(self) -> list | None:
         """Frames of the next message; ``[]`` when it must wait (see :meth:`_may_stage`);
