@@ -197,7 +197,7 @@ def run(args) -> int:
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
           f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
-          f"stage threads {stage_threads()}, copy threads {default_copy_threads() if device == 'cpu' else 0}")
+          f"stage threads {stage_threads()}, copy threads {default_copy_threads()}")
     print("| mode | blocks | MiB | msgs | connector ms | GB/s | CPU ms | pyzmq ms | GB/s | CPU ms | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
