@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import decode_program, decode_tile_softmax, to_dot
+from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
 from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
 from ._jit import dual_jit
 
@@ -135,13 +135,30 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
 
 
 @triton.jit
-def _query_parts(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
-                 U: tl.constexpr, NOUT: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
-    """Query parts ``q_x^T [U, GP]`` (dim ``NOUT * u + x``) times ``softmax_scale``. INT4: ``q_ptr``
-    is ``_prep_q_kernel``'s output, rotated and in parts already (``stride_q_d`` = 1)."""
+def _query_parts(q_ptr, signs_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
+                 U: tl.constexpr, NOUT: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr,
+                 DOT: tl.constexpr, ROTATE_Q: tl.constexpr):
+    """Query parts ``q_x^T [U, GP]`` (dim ``NOUT * u + x``) times ``softmax_scale``. INT4: the
+    rotated query, either rotated here (``ROTATE_Q``) or read from ``_prep_q_kernel``'s output
+    (rotated and in parts already, ``stride_q_d`` = 1)."""
     offs_u = tl.arange(0, U)
     q_row = q_ptr + tok.to(tl.int64) * stride_q_t + head[None, :] * stride_q_h
-    if MODE == MODE_INT4:
+    if MODE == MODE_INT4 and ROTATE_Q:
+        # (H (s * q))[4u + x] with H[4u + x, d] = H_U[u, d >> 2] * H_4[x, d & 3] (Sylvester): one
+        # [U, HEAD] matrix serves the four parts, part x multiplies the query by H_4[x, d & 3]
+        # instead; every product is exact (+-1 times a 16-bit value), the sum is fp32 as in
+        # _prep_q_kernel (DOT_FP32, interpreter: everything in fp32)
+        offs_d = tl.arange(0, HEAD)
+        qt = tl.load(q_row + offs_d[:, None] * stride_q_d, mask=g_ok[None, :], other=0.0)   # [HEAD, GP]
+        if DOT == DOT_FP32:
+            qt = qt.to(tl.float32)
+        qt = qt * tl.load(signs_ptr + offs_d).to(qt.dtype)[:, None]
+        h_u = hadamard_sign(offs_u[:, None], offs_d[None, :] >> 2).to(qt.dtype)          # [U, HEAD]
+        q0 = tl.dot(h_u, qt) * softmax_scale
+        q1 = tl.dot(h_u, qt * hadamard_sign(1, offs_d & 3).to(qt.dtype)[:, None]) * softmax_scale
+        q2 = tl.dot(h_u, qt * hadamard_sign(2, offs_d & 3).to(qt.dtype)[:, None]) * softmax_scale
+        q3 = tl.dot(h_u, qt * hadamard_sign(3, offs_d & 3).to(qt.dtype)[:, None]) * softmax_scale
+    elif MODE == MODE_INT4:
         q_u = q_row + offs_u[:, None]
         q0 = tl.load(q_u, mask=g_ok[None, :], other=0.0) * softmax_scale
         q1 = tl.load(q_u + U, mask=g_ok[None, :], other=0.0) * softmax_scale
@@ -159,7 +176,8 @@ def _query_parts(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, 
 # (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, natural dim order).
 @dual_jit
 def _attn_decode_v3_kernel(
-    q_ptr,                          # [T, Hq, HEAD]; INT4: fp32, rotated, 4 parts (``_prep_q_kernel``)
+    q_ptr,                          # [T, Hq, HEAD]; INT4 without ROTATE_Q: fp32, rotated, 4 parts (``_prep_q_kernel``)
+    signs_ptr,                      # [HEAD] the rotation's signs (INT4 with ROTATE_Q)
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, U] int16 code units
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] int32 (scale bits; INT4: | zp)
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
@@ -177,6 +195,7 @@ def _attn_decode_v3_kernel(
     NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride (2, 4 or 8)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
+    ROTATE_Q: tl.constexpr,         # INT4: rotate the raw query here instead of reading _prep_q_kernel's
 ):
     seq_idx, kv_head, seg_idx, tok, has_query, k_lo, k_hi, t0, t1 = decode_program(
         cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS, PDL)
@@ -190,8 +209,8 @@ def _attn_decode_v3_kernel(
     g_ok = offs_g < GROUP
     head = kv_head * GROUP + offs_g
     row = (tok.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx  # [GP]
-    q0, q1, q2, q3 = _query_parts(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
-                                  U, NOUT, MODE, DOT)
+    q0, q1, q2, q3 = _query_parts(q_ptr, signs_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h,
+                                  stride_q_d, U, NOUT, HEAD, MODE, DOT, ROTATE_Q)
     q_sum = tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0)  # of the rounded operands
     if MODE == MODE_INT4:
         q_sum += tl.sum(q2.to(tl.float32), 0) + tl.sum(q3.to(tl.float32), 0)

@@ -28,6 +28,12 @@ V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs pe
     KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_TILING,
 }
 V3_MAX_KEYS_PER_SEGMENT = 2048
+# INT4 up to ROTATE_Q_MAX_HEAD: the v3 decode kernel rotates the query in its prologue (one launch
+# fewer) instead of reading _prep_q_kernel's output. At head_size 256 the prologue would raise the
+# kernel from 128 to 151 registers (sm_90 ptxas), i.e. 3 resident programs per SM instead of 4.
+# False restores the rotation kernel everywhere (bench_attention --q-rotation kernel).
+ROTATE_Q_IN_DECODE = True
+ROTATE_Q_MAX_HEAD = 128
 # kernel MODE and code offset OFF of the swapped-operand decode kernels (v2 and v3)
 DECODE_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),
                 KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 0.0),
@@ -66,7 +72,8 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
-def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, use_pdl, release):
+def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, use_pdl, release,
+                 prepare=True):
     """What the swapped-operand decode kernels (v2, v3) read as the query, and the scales around it.
 
     Returns ``(q, q_scale, use_softcap, col_scale)``: INT4 runs ``_prep_q_kernel`` once per token
@@ -74,6 +81,8 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     dims ``parts * i + x``), so ``q_scale`` is 1; otherwise ``q`` itself and ``softmax_scale``.
     ``col_scale`` multiplies each key's scale (INT4: ``1 / head_size``; ``log2 e`` without softcap).
     ``use_pdl``: launch with programmatic dependent launch (the launcher's ``_jit.pdl(q)``).
+    ``prepare=False`` (INT4, v3 with ``ROTATE_Q``): no rotation kernel; ``q`` and ``softmax_scale``
+    are returned as they are and the decode kernel rotates.
     ``release``: the rotation kernel lets the decode kernel be scheduled at its start
     (``pdl_release``); the launcher asks for it when the decode grid fills at most half the GPU
     (H200: 0.3-0.8 µs less at batch 1 and 2k-4k context, 6% more at batch 8 and 32k, where the
@@ -81,7 +90,7 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     use_softcap = bool(softcap and softcap > 0)
     col_scale = (1.0 / head_size if is_int4 else 1.0) * (1.0 if use_softcap else math.log2(math.e))
-    if not is_int4:
+    if not is_int4 or not prepare:
         return q, float(softmax_scale), use_softcap, col_scale
     qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
     _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
@@ -102,11 +111,13 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     k16, v16, align = units
     grid = (cu_seqlens_q.numel() - 1, k16.shape[2], cfg.num_segments)
     fill = v3_tiling(mode, head_size)[3] * num_sms(q.device)  # programs resident at once, about
+    rotate_q = (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and ROTATE_Q_IN_DECODE
+                and head_size <= ROTATE_Q_MAX_HEAD)
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
                                                       interp, parts=4, use_pdl=use_pdl,
-                                                      release=2 * math.prod(grid) <= fill)
+                                                      release=2 * math.prod(grid) <= fill, prepare=not rotate_q)
     _attn_decode_v3_kernel[grid](
-        q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
+        q_ptr=q, signs_ptr=signs if rotate_q else q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
         segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
         block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
         seqused_k_ptr=seqused_k.contiguous(),
@@ -121,5 +132,6 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
-        ALIGN_BS=align, PDL=use_pdl, launch_pdl=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ALIGN_BS=align, PDL=use_pdl, ROTATE_Q=rotate_q, launch_pdl=use_pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )

@@ -204,6 +204,28 @@ def test_quantized_decode_kernels(mode, dtype, kernel, stages):
     run_and_check(c, config=cfg, causal=False, softcap=3.0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_int4_query_rotation_in_decode_or_kernel(device, head_size):
+    """INT4 v3 decode: the query rotated in the decode kernel's prologue (the default) and by the
+    separate rotation kernel agree (only the fp32 order of the rotation's sums differs) and both
+    match the oracle; GQA 4, sequences of different lengths, a partial last block."""
+    import kernels._attn_launch_v3 as v3
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1, 1], k_lens=[75, 9, 140],
+                  head_size=head_size, seed=11, device=device)
+    cfg = AttnConfig(16, 32, 3, 2, 2, 3)
+    keep = v3.ROTATE_Q_IN_DECODE
+    try:
+        outs = []
+        for fused in (True, False):
+            v3.ROTATE_Q_IN_DECODE = fused
+            outs.append(run_and_check(c, config=cfg).float())
+    finally:
+        v3.ROTATE_Q_IN_DECODE = keep
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * outs[1].abs().max().item()
+
+
 def test_bench_quick_smoke(capsys):
     from tools import bench_attention
 

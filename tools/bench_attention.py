@@ -163,15 +163,19 @@ def compare_cfgs(base: AttnConfig, mode):
 
 
 
-def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,)):
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,), rot_modes=(None,)):
     """Rows of the results table. ``pdl_modes``: None (the launcher's choice) or True / False to force
-    programmatic dependent launch on or off; with several, every configuration is timed under each in
-    turn (same process, same cache) and the rows of the forced-off runs are marked ``no-PDL``."""
+    programmatic dependent launch on or off; ``rot_modes``: None (the default) or True / False to rotate
+    the INT4 query in the decode kernel or in the separate rotation kernel. With several, every
+    configuration is timed under each combination in turn (same process, same cache); rows of the
+    forced-off runs are marked ``no-PDL`` / ``q-rot-kernel``."""
+    from kernels import _attn_launch_v3 as v3
+    variants = [(pdl, rot) for pdl in pdl_modes for rot in rot_modes]
     rows = []
     shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
     if p["prefill"]:
         shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
-    keep = _jit.PDL_ENABLED
+    keep, keep_rot = _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE
     for batch, ctx, q_len in shapes:
         base_us = {}
         for name in modes:
@@ -182,37 +186,40 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_mode
                 cfgs = compare_cfgs(base, MODES[name])
             best = {}
             for cfg in cfgs:
-                for use_pdl in pdl_modes:
+                for var in variants:
+                    use_pdl, rot = var
                     _jit.PDL_ENABLED = keep if use_pdl is None else use_pdl
+                    v3.ROTATE_Q_IN_DECODE = keep_rot if rot is None else rot
                     try:
                         err = check(pb, cfg)
                         us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
                     finally:
-                        _jit.PDL_ENABLED = keep
-                    tag = " no-PDL" if use_pdl is False and len(pdl_modes) > 1 else ""
+                        _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE = keep, keep_rot
+                    tag = (" no-PDL" if use_pdl is False and len(pdl_modes) > 1 else "") + \
+                        (" q-rot-kernel" if rot is False and len(rot_modes) > 1 else "")
                     log(f"{name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
                     if compare:
                         if name == "bf16":
-                            base_us[use_pdl] = us
+                            base_us[var] = us
                         kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3"}[cfg.v2]
                         rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
                                          cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
-                                         vs_bf16=(base_us[use_pdl] / us) if use_pdl in base_us else float("nan")))
-                    if err <= 1e-2 and (use_pdl not in best or us < best[use_pdl][0]):
-                        best[use_pdl] = (us, cfg, err, tag)
-            if len(best) < len(pdl_modes):
+                                         vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
+                    if err <= 1e-2 and (var not in best or us < best[var][0]):
+                        best[var] = (us, cfg, err, tag)
+            if len(best) < len(variants):
                 raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
             if compare:
                 del pb
                 continue
-            for use_pdl in pdl_modes:
-                us, cfg, err, tag = best[use_pdl]
+            for var in variants:
+                us, cfg, err, tag = best[var]
                 gbps = pb["kv_bytes"] / us / 1e3
                 log(f"BEST {name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={gbps:.0f}")
                 if name == "bf16":
-                    base_us[use_pdl] = us
+                    base_us[var] = us
                 rows.append(dict(mode=name + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg, gbps=gbps,
-                                 vs_bf16=(base_us[use_pdl] / us) if use_pdl in base_us else float("nan")))
+                                 vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
             del pb
             if device != "cpu":
                 torch.cuda.empty_cache()
@@ -250,6 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
     parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off", "both"),
                         help="programmatic dependent launch: the launcher's choice, forced, or both side by side")
+    parser.add_argument("--q-rotation", default="auto", choices=("auto", "decode", "kernel", "both"),
+                        help="INT4 query rotation in the decode kernel's prologue or in its own kernel "
+                             "(auto: the launcher's default), or both side by side")
 
 
 def run(args, argv=()) -> int:
@@ -277,7 +287,8 @@ def run(args, argv=()) -> int:
     copy = copy_gbps(device)
     log(f"copy {copy:.0f} GB/s")
     pdl_modes = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
-    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes)
+    rot_modes = {"auto": (None,), "decode": (True,), "kernel": (False,), "both": (True, False)}[args.q_rotation]
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes, rot_modes)
     print(table(rows, copy, device, list(argv)))
     if logf:
         logf.close()
