@@ -19,7 +19,7 @@ import itertools
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import zmq
 
@@ -106,7 +106,7 @@ class FaultProxy:
         self._backs: dict[bytes, zmq.Socket] = {}
         self._queue: list = []             # heap of (due, seq, direction, ident, frames)
         self._seq = itertools.count()
-        self._lock = threading.Lock()
+        self._revive: deque = deque()      # (new_connection, done event), applied by the proxy thread
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"faultproxy-{self.port}", daemon=True)
         self._thread.start()
@@ -117,14 +117,26 @@ class FaultProxy:
 
     def revive(self, new_connection: bool = False) -> None:
         """Restore the link; ``new_connection`` also replaces the prefill-facing sockets,
-        so the prefill endpoint sees a new, un-handshaken peer."""
-        with self._lock:
+        so the prefill endpoint sees a new, un-handshaken peer. Returns once the proxy thread
+        has applied it (within one poll, ~10 ms): only that thread touches the sockets, and
+        no lock is held across its polls, so a caller cannot be starved by the loop (with a
+        lock, a loop that re-takes it at once kept ``revive`` waiting for seconds on a
+        16-core host)."""
+        done = threading.Event()
+        self._revive.append((new_connection, done))
+        if not done.wait(5.0):
+            raise TimeoutError("fault proxy: revive was not applied within 5 s (proxy closed?)")
+
+    def _apply_revive(self) -> None:
+        while self._revive:
+            new_connection, done = self._revive.popleft()
             if new_connection:  # what the old connection still carried is lost with it
                 for s in self._backs.values():
                     s.close(0)
                 self._backs.clear()
                 self._queue.clear()
             self.dead = False
+            done.set()
 
     def _back(self, ident: bytes) -> zmq.Socket:
         s = self._backs.get(ident)
@@ -164,20 +176,20 @@ class FaultProxy:
 
     def _run(self) -> None:
         while not self._stop:
-            with self._lock:
-                poller = zmq.Poller()
-                poller.register(self.front, zmq.POLLIN)
-                if not self.stall_down:
-                    for s in self._backs.values():
-                        poller.register(s, zmq.POLLIN)
-                wait = self._flush()
-                ready = dict(poller.poll(int(wait * 1000) + 1))
-                if self.front in ready:
-                    ident, *frames = self.front.recv_multipart()
-                    self._schedule("up", ident, frames)
-                for ident, s in list(self._backs.items()):
-                    if s in ready:
-                        self._schedule("down", ident, s.recv_multipart())
+            self._apply_revive()
+            poller = zmq.Poller()
+            poller.register(self.front, zmq.POLLIN)
+            if not self.stall_down:
+                for s in self._backs.values():
+                    poller.register(s, zmq.POLLIN)
+            wait = self._flush()
+            ready = dict(poller.poll(int(wait * 1000) + 1))
+            if self.front in ready:
+                ident, *frames = self.front.recv_multipart()
+                self._schedule("up", ident, frames)
+            for ident, s in list(self._backs.items()):
+                if s in ready:
+                    self._schedule("down", ident, s.recv_multipart())
 
     def close(self) -> None:
         self._stop = True
