@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from layouts import CacheGeometry
-from .blocks import as_bytes, block_rows, copy_runs, device_ids, device_rows, gather_blocks, runs, slice_bytes
+from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
 from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 
@@ -126,8 +126,9 @@ class Stream:
         Side stream for device-to-host staging (CUDA caches only).
     pool : BufferPool, optional
         The endpoint's buffers and cache views.
-    ids_dev : (torch.Tensor, torch.cuda.Event), optional
-        CUDA caches: ``block_ids`` already on the device, and the event after their copy.
+    ids_dev : (torch.Tensor, torch.cuda.Event)
+        CUDA caches (required with ``copy_stream``): ``block_ids`` already on the device
+        (:func:`blocks.device_ids`, made at publish) and the event after their copy.
     """
 
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
@@ -139,13 +140,11 @@ class Stream:
         self.chunk_blocks = max(1, chunk_bytes // per_block)
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
-        # CUDA: the source ids on the device once per transfer (ids were checked at publish)
+        # CUDA: the source ids on the device, copied at publish (ids were checked there)
         self._ids_dev = None
-        if copy_stream is not None and ids_dev is not None:
-            self._ids_dev = ids_dev[0]
-            copy_stream.wait_event(ids_dev[1])
-        elif copy_stream is not None:
-            self._ids_dev = device_ids(block_ids, caches[0].device)
+        if copy_stream is not None:
+            self._ids_dev, ready = ids_dev
+            copy_stream.wait_event(ready)
         self.pool = pool or BufferPool()
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         # layers per message: a whole layer smaller than the chunk shares its message with the
