@@ -19,6 +19,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
+from ._attn_launch_v4 import V4_TILING, launch_v4, v4_default, v4_fit, v4_segments
 from ._attn_launch_v3 import DECODE_MODES, code_units, decode_query, launch_v3, v3_segments, v3_tiling
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, num_sms, pdl
@@ -42,7 +43,9 @@ class AttnConfig:
     num_warps: int = 4
     num_stages: int = 2
     v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel,
-                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1)
+                        # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
+                        # 4 = _attn_decode_v4_kernel (block-aligned tiles; where it cannot read the cache, as 3)
+    heads_per_program: int = 0  # v2 = 4: KV heads per program (0 = all)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -54,7 +57,8 @@ DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
 # Quantized decode kernel per mode: 0 = _attn_kernel / _attn_int4_kernel (v1), 1 = _attn_decode_kernel
-# (v2), 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3).
+# (v2), 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3). Where v3 applies,
+# _attn_launch_v4.v4_default picks the v4 kernel instead (head_size 128; INT4 above a batch size).
 # H200, docs/bench/attention.md (session 3): v3 beats v2 by 1.5x for INT4 at b8@32k (159 vs 235 us) and
 # v1 by 1.5-2.4x for INT8/FP8. Register prefetch of the next tile was slower everywhere, in v2 (session 2)
 # and in v3 (session 4), and was removed.
@@ -141,13 +145,16 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     tile = DECODE_TILE[mode]
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     v3 = v3_tiling(mode, q.shape[2]) if DECODE_V2.get(mode, 0) == 3 and pow2 else None  # (tile, warps, stages, per SM)
+    v4 = V4_TILING[mode] if v3 and v4_default(mode, q.shape[2], num_seqs, max_seqlen_k) else None
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
         segs = num_segments
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if v3:
+        if v4:
+            want, cap = v4_segments(num_sms(q.device), pairs, max_seqlen_k, v4[0], v4[3]), max_seqlen_k
+        elif v3:
             want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, v3[0], v3[3]), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
             want = max(2, V2_PROGRAMS_PER_SM * num_sms(q.device) // pairs)
@@ -157,7 +164,10 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
-    if v2 == 3:  # also when the caller fixed the segment count
+    if v2 == 3 and v4:  # also when the caller fixed the segment count
+        return AttnConfig(block_m=block_m, tile=v4[0], num_segments=int(segs), num_warps=v4[1],
+                          num_stages=v4[2], v2=4, heads_per_program=v4[4])
+    if v2 == 3:
         return AttnConfig(block_m=block_m, tile=v3[0], num_segments=int(segs), num_warps=v3[1],
                           num_stages=v3[2], v2=3)
     return AttnConfig(block_m=block_m, tile=tile, num_segments=int(segs),
@@ -221,8 +231,8 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                      window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
     """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
-    if cfg.v2 not in (0, 1, 3):
-        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2) or 3 (v3), got {cfg.v2}")
+    if cfg.v2 not in (0, 1, 3, 4):
+        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2), 3 (v3) or 4 (v4), got {cfg.v2}")
     num_tokens, num_q_heads = q.shape[:2]
     if num_tokens == 0:
         return out
@@ -247,8 +257,13 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    units = code_units(k, v, mode) if split and cfg.v2 == 3 else None
-    if units is not None:
+    units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
+    if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
+        launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+                    mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
+                    segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
+                    signs, use_pdl)
+    elif units is not None:
         launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
                   segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),

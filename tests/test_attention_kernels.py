@@ -189,19 +189,41 @@ def test_int4_head_size_error():
 
 
 QUANT = [MODES[2], MODES[3], MODES[4]]
-DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(3, 3, id="v3")]
+DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(3, 3, id="v3"),
+                  pytest.param(4, 2, id="v4")]
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
 @pytest.mark.parametrize("kernel,stages", DECODE_KERNELS)
 def test_quantized_decode_kernels(mode, dtype, kernel, stages):
-    """Every quantized decode kernel (v1, swapped-operand v2, 16-bit-unit v3) on the
+    """Every quantized decode kernel (v1, swapped-operand v2, 16-bit-unit v3, block-tiled v4) on the
     split path: an empty sequence, a segment boundary inside a tile, window, non-causal softcap."""
     c = make_case(mode, dtype, q_lens=[1, 0, 1], k_lens=[70, 5, 130], seed=7)
     cfg = AttnConfig(16, 32, 3, 4, stages, kernel)
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, window=(40, -1))
     run_and_check(c, config=cfg, causal=False, softcap=3.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("mode,dtype", QUANT)
+@pytest.mark.parametrize("head_size,num_q_heads,num_kv_heads", [(64, 8, 8), (128, 8, 1), (256, 4, 4)])
+def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, device):
+    """The v4 decode kernel vs the oracle: GQA 1 / 4 / 8, sequences of different lengths, partial
+    last blocks; tiles of one block (one id per tile), of two (ids per key) and of half a block
+    (block 32); one, two or all KV heads per program; window and non-causal softcap."""
+    c = make_case(mode, dtype, q_lens=[1, 1, 1], k_lens=[75, 9, 140], head_size=head_size,
+                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size + num_kv_heads, device=device)
+    cfg = AttnConfig(16, 16, 4, 4, 2, 4)
+    run_and_check(c, config=cfg)
+    run_and_check(c, config=cfg, window=(40, -1))
+    run_and_check(c, config=cfg, causal=False, softcap=3.0)
+    run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
+    run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))
+    c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 140], head_size=head_size, block_size=32,
+                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size, device=device)
+    run_and_check(c, config=AttnConfig(16, 16, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -250,7 +272,9 @@ def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
     """The GPU-only PTX code conversion of every decode kernel (default tile 128) vs the oracle."""
     c = make_case(mode, dtype, q_lens=[1, 1, 0, 1], k_lens=[1500, 700, 9, 33], num_q_heads=32,
                   num_kv_heads=8, head_size=128, device="cuda", seed=11)
-    cfg = AttnConfig(16, 128, 4, 4, stages, kernel)
+    # v4: one KV head per program (its default); all 8 heads x 128 keys of INT8 rows would need
+    # more shared memory than an SM has (Triton's OutOfResources)
+    cfg = AttnConfig(16, 128, 4, 4, stages, kernel, heads_per_program=1 if kernel == 4 else 0)
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, causal=False, window=(200, -1), softcap=30.0)
 
@@ -258,7 +282,8 @@ def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("mode,dtype", QUANT)
-def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device):
+@pytest.mark.parametrize("kernel", [3, 4])
+def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device, kernel):
     """The v3 decode kernel's 16-, 8- and 4-byte row classes (4 KV heads: rows of 36 / 68 bytes
     put heads 0, 1, 2 in different classes) and its unmasked code loads: block 0, which keys past
     a sequence read, is left out of every table and poisoned (0xFF: NaN for FP8). Triton's
@@ -275,7 +300,7 @@ def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device):
         else:
             t.view(torch.uint8)[0] = 0xFF
     table[table == 0] = spare
-    cfg = AttnConfig(16, 32, 4, 1, 2, 3)
+    cfg = AttnConfig(16, 32 if kernel == 3 else 16, 4, 1, 2, kernel)
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, causal=False, softcap=3.0)
     run_and_check(c)  # the launcher's default
@@ -291,18 +316,39 @@ def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
     run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 3))
 
 
-def test_decode_config_keeps_v3_tiling_with_a_given_segment_count():
+def test_decode_config_keeps_its_tiling_with_a_given_segment_count():
     """A caller-fixed segment count (num_par_softmax_segments or segment buffers) changes only the
-    split, not v3's measured tiling for the mode and head size."""
+    split, not the measured tiling: v4 for INT8 / FP8 at head_size 128, v3 elsewhere (INT4 with
+    2 x 4,096 keys stays below v4's threshold)."""
     from kernels._attn_launch import pick_config
     from kernels._attn_launch_v3 import v3_tiling
+    from kernels._attn_launch_v4 import V4_TILING
     for head_size in (64, 128, 256):
         q = torch.zeros(2, 8, head_size)
         for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
+            v4 = head_size == 128 and mode != KVQuantMode.INT4_PER_TOKEN_HEAD
             for given in (None, 8):
                 cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
-                assert (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2) == (*v3_tiling(mode, head_size)[:3], 3)
+                got = (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2, cfg.heads_per_program)
+                want = (*V4_TILING[mode][:3], 4, V4_TILING[mode][4]) if v4 else (*v3_tiling(mode, head_size)[:3], 3, 0)
+                assert got == want, (mode, head_size, given)
             assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
+
+
+def test_v4_default_and_segments():
+    """v4 is the default at head_size 128 only; INT4 from 32,768 keys in the batch on. Its segments
+    aim at the programs per SM, are a power of two, at least 2 and at most one per tile."""
+    from kernels._attn_launch_v4 import v4_default, v4_segments
+    int4, int8, fp8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
+    assert v4_default(int8, 128, 1, 16) and v4_default(fp8, 128, 1, 16)
+    assert not v4_default(int8, 64, 8, 32768) and not v4_default(int4, 256, 8, 32768)
+    assert not v4_default(int4, 128, 1, 4096) and not v4_default(int4, 128, 2, 8192)
+    assert v4_default(int4, 128, 1, 32768) and v4_default(int4, 128, 8, 4096)
+    assert not v4_default(KVQuantMode.NONE, 128, 8, 32768)
+    assert v4_segments(132, 64, 32768, 16, 8) == 16     # b8 x 8 heads: 8 x 132 / 64 = 16.5
+    assert v4_segments(132, 256, 32768, 16, 8) == 4     # b32: 4.1 -> 4 (no keys-per-segment cap)
+    assert v4_segments(132, 8, 2048, 16, 8) == 128      # at most one per tile
+    assert v4_segments(132, 4096, 100, 16, 8) == 2      # at least 2
 
 
 def test_v3_tiling_per_head_size_and_segments():
@@ -373,10 +419,10 @@ def test_reduction_in_chunks(mode, dtype):
 
 
 def test_decode_kernel_choice_is_checked():
-    """AttnConfig.v2 names a decode kernel (0, 1 or 3; 2 and 4, the register-prefetch variants,
-    were removed): anything else is refused before a launch."""
+    """AttnConfig.v2 names a decode kernel (0, 1, 3 or 4; 2, a register-prefetch variant, was
+    removed): anything else is refused before a launch."""
     c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1], k_lens=[40])
-    for bad in (2, 4):
+    for bad in (2, 5):
         with pytest.raises(ValueError, match="AttnConfig.v2"):
             run_and_check(c, config=AttnConfig(16, 32, 2, 1, 2, bad))
 

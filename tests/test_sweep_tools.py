@@ -1,5 +1,6 @@
 """The GPU sweep helpers' CPU-side logic: decode sweep configurations, the profiling driver's
-``--cfg`` and loading a committed version of the INT4 writer (the timing itself needs a GPU).
+``--cfg``, loading a committed version of the INT4 writer and the read probes' addressing (the
+timing itself needs a GPU).
 
 Run: python -m pytest tests/test_sweep_tools.py -q
 """
@@ -50,3 +51,11 @@ def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
     monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
     assert P.main(["--mode", "int4"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_probe_reads_quick():
+    """tools/probe_reads.py --quick: both read probes on tiny caches through the interpreter; each
+    probe's sum is compared with a torch sum of the same rows (the tool raises on a mismatch)."""
+    from tools import probe_reads
+
+    assert probe_reads.main(["--quick"]) == 0

@@ -201,7 +201,7 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_mode
                     if compare:
                         if name == "bf16":
                             base_us[var] = us
-                        kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3"}[cfg.v2]
+                        kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3", 4: " v4"}[cfg.v2]
                         rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
                                          cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
                                          vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))

@@ -1,0 +1,216 @@
+"""Split-KV decode kernel "v4": block-aligned tiles, KV heads as the batch dimension of the dots.
+
+Same maths as v3 (``_attn_decode_v3``: 16-bit code units, "swap AB" dots with the codes as the
+A operand, per-token scale and zero point on the score / probability tiles, the code offset
+``OFF`` folded into the zero point); what differs is how a tile is addressed and how many KV
+heads a program holds:
+
+- **Block-aligned tiles.** With ``TILE == BLOCK_SIZE`` a tile is one cache block: one block id
+  per tile (v3 loads one per key and computes every row address from it), and the slot / head
+  offsets of the tile's rows are loop invariants computed once, so a tile's addresses are one
+  scalar times a stride plus those offsets (``TILE`` a multiple of the block: one id per key,
+  the same invariant offsets; smaller tiles: v3's per-key addressing).
+- **No alignment classes.** Rows are read as 4-byte aligned code units (``HEAD_UNITS``, the
+  head stride in units, is a constexpr multiple of 2); v3 branches per program into a 16-, 8-
+  or 4-byte loop.
+- **HG KV heads per program** (grid ``(sequences, num_kv_heads / HG, segments)``): tensors are
+  ``[HG, TILE, ...]`` and the dots are batched over the heads. ``HG = num_kv_heads`` reads
+  whole token rows (contiguous ``num_kv_heads * (data + 4)`` bytes); on the H200 one head per
+  program (``HG = 1``) and one warp was fastest for every mode (docs/bench/attention.md,
+  session 6), and that is the launcher's default (``_attn_launch_v4``).
+
+The INT4 query arrives rotated, in four parts of ``U`` dims (``_prep_q_kernel``). Code loads are
+not masked (FP8 values excepted), as in v3: a key past the sequence reads its tile's block (or
+block 0, per-key ids) and gets a ``-inf`` score. Writes the split buffers of ``_attn_reduce_kernel``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attn_common import LOG2E, apply_softcap, key_range, pdl_enter, segment_tiles, to_dot
+from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
+from ._jit import dual_jit
+
+
+@triton.jit
+def _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
+                U: tl.constexpr, NOUT: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
+    """Query parts ``[HG, U, GP]`` (part x: dim ``NOUT * u + x``; INT4: ``_prep_q_kernel``'s
+    rotated parts at ``x * U + u``) times ``softmax_scale``; ``head`` is ``[HG, GP]``."""
+    offs_u = tl.arange(0, U)
+    q_row = q_ptr + tok.to(tl.int64) * stride_q_t + head[:, None, :] * stride_q_h   # [HG, 1, GP]
+    m = g_ok[:, None, :]
+    if MODE == MODE_INT4:
+        q_u = q_row + offs_u[None, :, None]
+        q0 = tl.load(q_u, mask=m, other=0.0) * softmax_scale
+        q1 = tl.load(q_u + U, mask=m, other=0.0) * softmax_scale
+        q2 = tl.load(q_u + 2 * U, mask=m, other=0.0) * softmax_scale
+        q3 = tl.load(q_u + 3 * U, mask=m, other=0.0) * softmax_scale
+    else:
+        q_u = q_row + (NOUT * offs_u[None, :, None]) * stride_q_d
+        q0 = tl.load(q_u, mask=m, other=0.0).to(tl.float32) * softmax_scale
+        q1 = tl.load(q_u + stride_q_d, mask=m, other=0.0).to(tl.float32) * softmax_scale
+        q2, q3 = q0, q1
+    return to_dot(q0, DOT), to_dot(q1, DOT), to_dot(q2, DOT), to_dot(q3, DOT)
+
+
+@triton.jit
+def _v4_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.constexpr,
+                  OFF: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """``decode_tile_softmax`` over ``[HG, TILE, GP]``: scale words ``kw``, ``vw`` ``[HG, TILE]``
+    (INT4: scale | zero point bits), ``q_sum``, ``m_i``, ``l_i`` ``[HG, GP]``. Returns the value
+    dot's operand ``pv [HG, TILE, GP]``, ``alpha``, the new max and sum ``[HG, GP]``, the largest
+    value scale ``[HG]`` and the zero-point term ``[HG, GP]``."""
+    if MODE == MODE_INT4:
+        k_zp = (kw & 0xF).to(tl.float32) + OFF
+        k_sc = (kw & -16).to(tl.float32, bitcast=True)
+        v_zp = (vw & 0xF).to(tl.float32) + OFF
+        v_sc = (vw & -16).to(tl.float32, bitcast=True)
+    else:
+        k_zp = tl.zeros(kw.shape, tl.float32) + OFF
+        k_sc = kw.to(tl.float32, bitcast=True)
+        v_zp = tl.zeros(vw.shape, tl.float32) + OFF
+        v_sc = vw.to(tl.float32, bitcast=True)
+    s = (s - k_zp[:, :, None] * q_sum[:, None, :]) * (k_sc * col_scale)[:, :, None]
+    if USE_SOFTCAP:
+        s = apply_softcap(s, softcap) * LOG2E
+    s = tl.where(n_ok[None, :, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vs_max = tl.maximum(tl.max(v_sc, 1), 1e-30)  # keeps p * v_scale inside fp16's range
+    pv = to_dot(p * (v_sc / vs_max[:, None])[:, :, None], DOT)
+    zp_term = tl.sum(pv.to(tl.float32) * v_zp[:, :, None], 1)
+    return pv, alpha, m_new, l_i, vs_max, zp_term
+
+
+# Grid: (num_seqs, num_kv_heads // HG, NUM_SEGMENTS).
+@dual_jit
+def _attn_decode_v4_kernel(
+    q_ptr,                          # [T, Hq, HEAD]; INT4: fp32, rotated, 4 parts (``_prep_q_kernel``)
+    k_ptr, v_ptr,                   # [num_blocks, block_size, num_kv_heads, U] int16 code units
+    k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, num_kv_heads] int32 (scale bits; INT4: | zp)
+    segm_out_ptr, segm_max_ptr, segm_sum_ptr,
+    block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    softmax_scale, col_scale, softcap, window_left, window_right,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s,         # units, divided by ALIGN_BS
+    stride_v_b, stride_v_s,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_bt_s,
+    NUM_Q_HEADS: tl.constexpr,
+    HG: tl.constexpr,               # KV heads per program (a power of two dividing num_kv_heads)
+    GROUP: tl.constexpr, GP: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
+    OFF: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride
+    HEAD_UNITS: tl.constexpr,       # K and V head stride in units (a multiple of 2: 4-byte rows)
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    seq_idx = tl.program_id(0)
+    seg_idx = tl.program_id(2)
+    tok = tl.load(cu_seqlens_q_ptr + seq_idx)
+    if tl.load(cu_seqlens_q_ptr + seq_idx + 1) == tok:
+        return
+    seq_len = tl.load(seqused_k_ptr + seq_idx)
+    k_lo, k_hi = key_range(seq_len, seq_len - 1, seq_len - 1, window_left, window_right, CAUSAL)
+    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
+
+    NOUT: tl.constexpr = 4 if MODE == MODE_INT4 else 2
+    U: tl.constexpr = HEAD // NOUT
+    offs_h = tl.program_id(1) * HG + tl.arange(0, HG)                    # this program's KV heads
+    offs_g = tl.arange(0, GP)
+    offs_u = tl.arange(0, U)
+    g_ok = (offs_g < GROUP)[None, :] & (offs_h >= 0)[:, None]         # [HG, GP]
+    head = offs_h[:, None] * GROUP + offs_g[None, :]                    # [HG, GP]
+    q0, q1, q2, q3 = _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
+                                 U, NOUT, MODE, DOT)
+    q_sum = tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)  # [HG, GP], of the rounded operands
+    if MODE == MODE_INT4:
+        q_sum += tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1)
+
+    bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    k_hu = offs_h[:, None, None] * HEAD_UNITS + offs_u[None, None, :]   # [HG, 1, U]
+    v_hu = offs_h[:, None, None] * HEAD_UNITS + offs_u[None, :, None]   # [HG, U, 1]
+    m_i = tl.full([HG, GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HG, GP], tl.float32)
+    acc0 = tl.zeros([HG, U, GP], tl.float32)
+    acc1 = tl.zeros([HG, U, GP], tl.float32)
+    acc2 = tl.zeros([HG, U, GP], tl.float32)
+    acc3 = tl.zeros([HG, U, GP], tl.float32)
+    slot = tl.arange(0, TILE) % BLOCK_SIZE
+    k_off = (slot * (stride_k_s * ALIGN_BS))[None, :, None] + k_hu                 # [HG, TILE, U]
+    v_off = (slot * (stride_v_s * ALIGN_BS))[None, None, :] + v_hu                 # [HG, U, TILE]
+    ks_off = (slot * stride_ks_s)[None, :] + offs_h[:, None] * stride_ks_h          # [HG, TILE]
+    vs_off = (slot * stride_vs_s)[None, :] + offs_h[:, None] * stride_vs_h
+    for t in range(t0, t1):
+        k_pos = t * TILE + tl.arange(0, TILE)
+        n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
+        if TILE == BLOCK_SIZE:  # one block per tile (tiles start at multiples of TILE): one id
+            blk = tl.load(bt_row + t).to(tl.int64)
+            kc = tl.load(k_ptr + blk * (stride_k_b * ALIGN_BS) + k_off)
+            if MODE == MODE_FP8:  # an e4m3 byte can be NaN, and NaN * (p = 0) is NaN: mask V
+                vc = tl.load(v_ptr + blk * (stride_v_b * ALIGN_BS) + v_off, mask=n_ok[None, None, :], other=0)
+            else:
+                vc = tl.load(v_ptr + blk * (stride_v_b * ALIGN_BS) + v_off)
+            kw = tl.load(k_scale_ptr + blk * stride_ks_b + ks_off, mask=n_ok[None, :], other=0)
+            vw = tl.load(v_scale_ptr + blk * stride_vs_b + vs_off, mask=n_ok[None, :], other=0)
+        elif TILE % BLOCK_SIZE == 0:  # whole blocks: the slot offsets do not change
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            kc = tl.load(k_ptr + (blk * (stride_k_b * ALIGN_BS))[None, :, None] + k_off)
+            if MODE == MODE_FP8:
+                vc = tl.load(v_ptr + (blk * (stride_v_b * ALIGN_BS))[None, None, :] + v_off,
+                             mask=n_ok[None, None, :], other=0)
+            else:
+                vc = tl.load(v_ptr + (blk * (stride_v_b * ALIGN_BS))[None, None, :] + v_off)
+            kw = tl.load(k_scale_ptr + (blk * stride_ks_b)[None, :] + ks_off, mask=n_ok[None, :], other=0)
+            vw = tl.load(v_scale_ptr + (blk * stride_vs_b)[None, :] + vs_off, mask=n_ok[None, :], other=0)
+        else:  # tiles smaller than a block
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            sl = k_pos % BLOCK_SIZE
+            k_row = blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS)
+            v_row = blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS)
+            kc = tl.load(k_ptr + k_row[None, :, None] + k_hu)
+            if MODE == MODE_FP8:
+                vc = tl.load(v_ptr + v_row[None, None, :] + v_hu, mask=n_ok[None, None, :], other=0)
+            else:
+                vc = tl.load(v_ptr + v_row[None, None, :] + v_hu)
+            kw = tl.load(k_scale_ptr + (blk * stride_ks_b + sl * stride_ks_s)[None, :] + offs_h[:, None] * stride_ks_h,
+                         mask=n_ok[None, :], other=0)
+            vw = tl.load(v_scale_ptr + (blk * stride_vs_b + sl * stride_vs_s)[None, :] + offs_h[:, None] * stride_vs_h,
+                         mask=n_ok[None, :], other=0)
+        k0, k1, k2, k3 = units_to_dot(kc, MODE, DOT, ASM)
+        s = tl.dot(k0, q0)
+        s = tl.dot(k1, q1, s)
+        if MODE == MODE_INT4:
+            s = tl.dot(k2, q2, s)
+            s = tl.dot(k3, q3, s)                                                    # [HG, TILE, GP]
+        pv, alpha, m_i, l_i, vs_max, zp_term = _v4_softmax(
+            s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE, OFF, USE_SOFTCAP, DOT)
+        a = alpha[:, None, :]
+        zp = zp_term[:, None, :]
+        vm = vs_max[:, None, None]
+        v0, v1, v2, v3 = units_to_dot(vc, MODE, DOT, ASM)
+        acc0 = acc0 * a + (tl.dot(v0, pv) - zp) * vm
+        acc1 = acc1 * a + (tl.dot(v1, pv) - zp) * vm
+        if MODE == MODE_INT4:
+            acc2 = acc2 * a + (tl.dot(v2, pv) - zp) * vm
+            acc3 = acc3 * a + (tl.dot(v3, pv) - zp) * vm
+
+    row = (tok.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx      # [HG, GP]
+    base = segm_out_ptr + row[:, None, :] * HEAD + NOUT * offs_u[None, :, None]  # dim NOUT * u + x <- acc x
+    ok = g_ok[:, None, :]
+    tl.store(base, acc0, mask=ok)
+    tl.store(base + 1, acc1, mask=ok)
+    if MODE == MODE_INT4:
+        tl.store(base + 2, acc2, mask=ok)
+        tl.store(base + 3, acc3, mask=ok)
+    tl.store(segm_max_ptr + row, m_i, mask=g_ok)
+    tl.store(segm_sum_ptr + row, l_i, mask=g_ok)

@@ -1,0 +1,76 @@
+"""Time variants of the v4 decode kernel (``AttnConfig.v2 = 4``) against the launcher's default and bf16.
+
+Every configuration is checked against the oracle first (``tools.bench_attention.check``), then
+timed with CUDA graphs (``time_us``), all in one process on the same caches. Run:
+``PYTHONPATH=. python3 tools/bench_decode_v4.py [--out FILE]`` (H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from kernels._attn_launch import AttnConfig  # noqa: E402
+from layouts import KVQuantMode  # noqa: E402
+from tools import bench_attention as ba  # noqa: E402
+
+QUANT = {"int4": KVQuantMode.INT4_PER_TOKEN_HEAD, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
+         "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD}
+# tile, warps, stages, resident programs per SM aimed at, KV heads per program (0 = all)
+VARIANTS = {"int4": ((16, 4, 2, 2, 0), (16, 1, 2, 8, 1), (16, 1, 2, 16, 1), (32, 1, 2, 8, 1), (32, 2, 2, 8, 1),
+                     (64, 2, 2, 8, 1), (16, 1, 3, 8, 1)),
+            "int8": ((16, 1, 2, 4, 1), (16, 1, 2, 8, 1), (16, 1, 2, 16, 1), (32, 1, 2, 8, 1), (32, 2, 2, 8, 1),
+                     (16, 1, 3, 8, 1), (16, 2, 2, 8, 1))}
+VARIANTS["fp8"] = VARIANTS["int8"]
+
+
+def v4_cfg(base: AttnConfig, batch: int, ctx: int, heads: int, tile: int, warps: int, stages: int, per_sm: int,
+             hg: int) -> AttnConfig:
+    groups = heads // (hg or heads)
+    segs = max(2, min(per_sm * 132 // (batch * groups), ctx // tile))
+    return AttnConfig(base.block_m, tile, 1 << (segs.bit_length() - 1), warps, stages, 4, heads_per_program=hg)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8x32768,32x32768,1x32768,8x4096,1x4096,2x4096,1x2048", help="batch x context, comma separated")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    def log(msg):
+        print(msg, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(msg + "\n")
+
+    ba.REP_MS = 30
+    p = dict(ba.FULL)
+    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for shape in args.shapes.split(","):
+        batch, ctx = map(int, shape.split("x"))
+        pb = ba.make_problem(KVQuantMode.NONE, batch, ctx, 1, p, "cuda")
+        bf = ba.time_us(pb, ba.default_cfg(pb))
+        del pb
+        log(f"b{batch}@{ctx} bf16 {bf:.1f} us")
+        for name, mode in QUANT.items():
+            pb = ba.make_problem(mode, batch, ctx, 1, p, "cuda")
+            base = ba.default_cfg(pb)
+            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], *v) for v in VARIANTS[name]]
+            for cfg in dict.fromkeys([base] + variants):
+                err = ba.check(pb, cfg)
+                if not err <= 1e-2:
+                    raise AssertionError(f"{name} {cfg}: relative L2 {err:.2e}")
+                us = ba.time_us(pb, cfg)
+                kind = {3: "v3", 4: "v4"}.get(cfg.v2, f"v{cfg.v2}")
+                log(f"  {name} b{batch}@{ctx} {kind} tile {cfg.tile} warps {cfg.num_warps} stages {cfg.num_stages} "
+                    f"segs {cfg.num_segments} heads/program {cfg.heads_per_program}: {us:.1f} us (rel. L2 {err:.1e}), {bf / us:.2f}x bf16")
+            del pb
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
