@@ -103,6 +103,26 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     return qp, 1.0, use_softcap, col_scale
 
 
+def decode_args(q, units, ks, vs, segm_output, segm_max, segm_expsum, block_table, cu_seqlens_q, seqused_k,
+                q_scale, col_scale, softcap, window_size) -> dict:
+    """The keyword arguments the v3 and v4 decode kernels share: tensors, scalars and strides
+    (block / slot code strides divided by the units' alignment, ``ALIGN_BS``)."""
+    k16, v16, align = units
+    return dict(
+        q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
+        segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
+        block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
+        seqused_k_ptr=seqused_k.contiguous(),
+        softmax_scale=q_scale, col_scale=col_scale, softcap=float(softcap or 0.0),
+        window_left=int(window_size[0]), window_right=int(window_size[1]),
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_b=k16.stride(0) // align, stride_k_s=k16.stride(1) // align,
+        stride_v_b=v16.stride(0) // align, stride_v_s=v16.stride(1) // align,
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_bt_s=block_table.stride(0))
+
+
 def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
               mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs, use_pdl):
     """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments) on ``units``, the
@@ -117,18 +137,9 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
                                                       interp, parts=4, use_pdl=use_pdl,
                                                       release=2 * math.prod(grid) <= fill, prepare=not rotate_q)
     _attn_decode_v3_kernel[grid](
-        q_ptr=q, signs_ptr=signs if rotate_q else q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
-        segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
-        block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
-        seqused_k_ptr=seqused_k.contiguous(),
-        softmax_scale=q_scale, col_scale=col_scale, softcap=float(softcap or 0.0),
-        window_left=int(window_size[0]), window_right=int(window_size[1]),
-        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_k_b=k16.stride(0) // align, stride_k_s=k16.stride(1) // align, stride_k_h=k16.stride(2),
-        stride_v_b=v16.stride(0) // align, stride_v_s=v16.stride(1) // align, stride_v_h=v16.stride(2),
-        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
-        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
-        stride_bt_s=block_table.stride(0),
+        **decode_args(q, units, ks, vs, segm_output, segm_max, segm_expsum, block_table, cu_seqlens_q, seqused_k,
+                      q_scale, col_scale, softcap, window_size),
+        signs_ptr=signs if rotate_q else q, stride_k_h=k16.stride(2), stride_v_h=v16.stride(2),
         NUM_Q_HEADS=q.shape[1], GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,

@@ -16,7 +16,7 @@ from layouts import KVQuantMode
 
 from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_v4 import _attn_decode_v4_kernel
-from ._attn_launch_v3 import DECODE_MODES, decode_query
+from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
 
 # mode -> (keys per tile, warps, stages, programs per SM, KV heads per program)
 V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1), KVQuantMode.FP8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1),
@@ -59,8 +59,7 @@ def v4_fit(units, num_kv_heads: int, wanted: int = 0) -> bool:
 
 
 def launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-                mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs,
-                use_pdl):
+              mode, ks, vs, cfg, head_size, group, segm_output, segm_max, segm_expsum, interp, gp, signs, use_pdl):
     """Launch ``_attn_decode_v4_kernel`` (grid: sequences x head groups x segments) on ``units``, the
     :func:`code_units` of the cache (:func:`v4_fit` true); ``ks`` / ``vs`` are the scale caches
     as int32 bits. INT4 queries are rotated first by ``_prep_q_kernel``."""
@@ -71,18 +70,8 @@ def launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp,
                                                       parts=4, use_pdl=use_pdl, release=False)
     _attn_decode_v4_kernel[grid](
-        q_ptr=q, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
-        segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
-        block_table_ptr=block_table, cu_seqlens_q_ptr=cu_seqlens_q.contiguous(),
-        seqused_k_ptr=seqused_k.contiguous(),
-        softmax_scale=q_scale, col_scale=col_scale, softcap=float(softcap or 0.0),
-        window_left=int(window_size[0]), window_right=int(window_size[1]),
-        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_k_b=k16.stride(0) // align, stride_k_s=k16.stride(1) // align,
-        stride_v_b=v16.stride(0) // align, stride_v_s=v16.stride(1) // align,
-        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
-        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
-        stride_bt_s=block_table.stride(0),
+        **decode_args(q, units, ks, vs, segm_output, segm_max, segm_expsum, block_table, cu_seqlens_q, seqused_k,
+                      q_scale, col_scale, softcap, window_size),
         NUM_Q_HEADS=q.shape[1], HG=hg, GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
