@@ -28,6 +28,8 @@ def test_sweep_configs_default_first_old_default_and_segment_scaling():
     assert len(got) == len(set(got))
     explicit = S.configs(base, B.MODES["int4"], [(64, 2, 2, 3)], [1], [3, 5], True, pb)
     assert [c.num_segments for c in explicit[1:]] == [3, 5]  # no old default for INT4
+    v4 = S.configs(base, B.MODES["int8"], [(16, 1, 2, 4, 1), (16, 4, 2, 4)], [1], [8], False, pb)
+    assert [(c.v2, c.heads_per_program) for c in v4[1:]] == [(4, 1), (4, 0)]  # optional 5th field
 
 
 def test_write_versions_loads_a_commit_and_swaps_the_launcher():

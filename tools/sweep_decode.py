@@ -8,7 +8,8 @@ the same problems as ``tools/bench_attention.py`` (32 query / 8 KV heads, head_s
         --shapes 8x32768,32x32768,1x32768,8x4096,1x4096,1x2048 \\
         --variants 64:2:2:3,32:1:2:3,64:2:3:3,128:4:2:3 --seg-mults 0.5,1,2 --old-default
 
-``--variants`` items are ``tile:warps:stages:kernel`` (kernel: 0 = v1, 1 = v2, 3 = v3); for each,
+``--variants`` items are ``tile:warps:stages:kernel[:heads]`` (kernel: 0 = v1, 1 = v2, 3 = v3, 4 = v4;
+``heads``: v4's KV heads per program, 0 = all, the default); for each,
 the segment count is the launcher default's times each ``--seg-mults`` value, scaled by
 ``64 / tile`` (at least 2), or the explicit ``--segs`` list.
 """
@@ -33,9 +34,10 @@ def configs(base: AttnConfig, mode, variants, mults, segs, old_default, pb):
         L.DECODE_V2[mode] = 0
         out.append(B.default_cfg(pb))
         L.DECODE_V2[mode] = keep
-    for tile, warps, stages, kernel in variants:
+    for tile, warps, stages, kernel, *heads in variants:
         counts = segs or [max(2, int(base.num_segments * m * 64 // tile)) for m in mults]
-        out += [AttnConfig(16, tile, s, warps, stages, kernel) for s in counts]
+        out += [AttnConfig(16, tile, s, warps, stages, kernel, heads_per_program=heads[0] if heads else 0)
+                for s in counts]
     return list(dict.fromkeys(out))
 
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="int4,int8,fp8")
     p.add_argument("--shapes", default="8x32768,32x32768,1x32768,8x4096,1x4096,1x2048", help="batch x context")
-    p.add_argument("--variants", default="64:2:2:3,32:1:2:3", help="tile:warps:stages:kernel, comma-separated")
+    p.add_argument("--variants", default="64:2:2:3,32:1:2:3", help="tile:warps:stages:kernel[:heads], comma-separated")
     p.add_argument("--seg-mults", default="0.5,1,2")
     p.add_argument("--segs", default="", help="explicit segment counts (instead of --seg-mults)")
     p.add_argument("--old-default", action="store_true", help="also time INT8/FP8's previous (v1) default")
