@@ -36,7 +36,7 @@ from ._jit import dual_jit
 
 @triton.jit
 def _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
-                U: tl.constexpr, NOUT: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
+              U: tl.constexpr, NOUT: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
     """Query parts ``[HG, U, GP]`` (part x: dim ``NOUT * u + x``; INT4: ``_prep_q_kernel``'s
     rotated parts at ``x * U + u``) times ``softmax_scale``; ``head`` is ``[HG, GP]``."""
     offs_u = tl.arange(0, U)
@@ -58,7 +58,7 @@ def _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, str
 
 @triton.jit
 def _v4_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.constexpr,
-                  OFF: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+                OFF: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     """``decode_tile_softmax`` over ``[HG, TILE, GP]``: scale words ``kw``, ``vw`` ``[HG, TILE]``
     (INT4: scale | zero point bits), ``q_sum``, ``m_i``, ``l_i`` ``[HG, GP]``. Returns the value
     dot's operand ``pv [HG, TILE, GP]``, ``alpha``, the new max and sum ``[HG, GP]``, the largest
@@ -128,10 +128,10 @@ def _attn_decode_v4_kernel(
     offs_h = tl.program_id(1) * HG + tl.arange(0, HG)                    # this program's KV heads
     offs_g = tl.arange(0, GP)
     offs_u = tl.arange(0, U)
-    g_ok = (offs_g < GROUP)[None, :] & (offs_h >= 0)[:, None]         # [HG, GP]
+    g_ok = (offs_g < GROUP)[None, :] & (offs_h >= 0)[:, None]           # [HG, GP] (the heads: always true)
     head = offs_h[:, None] * GROUP + offs_g[None, :]                    # [HG, GP]
     q0, q1, q2, q3 = _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
-                                 U, NOUT, MODE, DOT)
+                               U, NOUT, MODE, DOT)
     q_sum = tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)  # [HG, GP], of the rounded operands
     if MODE == MODE_INT4:
         q_sum += tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1)
