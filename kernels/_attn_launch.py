@@ -152,8 +152,9 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         segs = num_segments
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if v4:
-            want, cap = v4_segments(num_sms(q.device), pairs, max_seqlen_k, v4[0], v4[3]), max_seqlen_k
+        if v4:  # programs per sequence: KV heads / heads per program
+            groups = max(1, num_seqs * (q.shape[1] // group) // max(1, v4[4] or q.shape[1] // group))
+            want, cap = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3]), max_seqlen_k
         elif v3:
             want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, v3[0], v3[3]), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
@@ -260,9 +261,9 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
     if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
         launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-                    mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
-                    segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
-                    signs, use_pdl)
+                  mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
+                  segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
+                  signs, use_pdl)
     elif units is not None:
         launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                   mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,

@@ -4,10 +4,10 @@ Tiling from the H200 sweeps in docs/bench/attention.md (session 6; 32 query / 8 
 head_size 128, block 16; ``tools/bench_decode_v4.py``): one KV head per program and one warp;
 INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4 with 32. Several heads per
 program (whole token rows) were slower, except INT4 with all 8 heads and 4 warps at batch 8-32
-and 32k context, which 32-key one-head programs beat. Segments aim at 8
-resident programs per SM (``v4_segments``). Only head_size 128 was measured, so
-only it takes this kernel by default. INT4 rotates its query in a separate kernel here (v3 does
-it in its prologue), which costs about 2 µs: INT4 keeps v3 for small decode batches.
+and 32k context, which 32-key one-head programs beat. Segments aim at 8 resident programs per
+SM (``v4_segments``). Only head_size 128 was measured, so only it takes this kernel by default.
+INT4 rotates its query in a separate kernel here (v3 does it in its prologue), which costs about
+2 µs: INT4 keeps v3 for small decode batches.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
 
 # mode -> (keys per tile, warps, stages, programs per SM, KV heads per program)
 V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1), KVQuantMode.FP8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1),
-               KVQuantMode.INT4_PER_TOKEN_HEAD: (32, 1, 2, 8, 1)}
+             KVQuantMode.INT4_PER_TOKEN_HEAD: (32, 1, 2, 8, 1)}
 V4_HEAD_SIZES = (128,)  # measured on the H200; other head sizes keep v3
 # INT4 takes the v4 kernel from this many keys in the batch (sequences x context) on; below it
 # v3's fused query rotation wins (H200, b1 @ 4k: v3 13.7 us, v4 16.1; b1 @ 32k: 32.9 vs 31.1)
@@ -28,8 +28,8 @@ V4_INT4_MIN_KEYS = 32768
 
 
 def v4_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int) -> int:
-    """Segments per (sequence, KV head) for the v4 kernel: about ``programs_per_sm`` programs per
-    SM (``pairs`` = sequences x KV heads), at least 2, at most one per tile, a power of two (as
+    """Segments per (sequence, head group) for the v4 kernel: about ``programs_per_sm`` programs
+    per SM (``pairs`` = sequences x head groups), at least 2, at most one per tile, a power of two (as
     measured; unlike v3 no cap on the keys per segment)."""
     segs = max(2, min(programs_per_sm * num_sms // max(1, pairs), max(1, max_seqlen_k // tile)))
     return 1 << (segs.bit_length() - 1)
