@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import LOG2E, apply_softcap, key_range, pdl_enter, segment_tiles, to_dot
+from ._attn_common import LOG2E, apply_softcap, decode_program, to_dot
 from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
 from ._jit import dual_jit
 
@@ -88,6 +88,22 @@ def _v4_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.c
     return pv, alpha, m_new, l_i, vs_max, zp_term
 
 
+@triton.jit
+def _v4_tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, k_off, v_base, v_off, ks_base, ks_off, vs_base, vs_off,
+                   n_ok, MODE: tl.constexpr):
+    """One tile's code units K ``[HG, TILE, U]``, V^T ``[HG, U, TILE]`` and scale words
+    ``[HG, TILE]``, each at ``ptr + base + off`` (base: a scalar for a one-block tile, else per
+    key). An e4m3 byte can be NaN, and NaN * (p = 0) is NaN: FP8 masks V."""
+    kc = tl.load(k_ptr + k_base + k_off)
+    if MODE == MODE_FP8:
+        vc = tl.load(v_ptr + v_base + v_off, mask=n_ok[None, None, :], other=0)
+    else:
+        vc = tl.load(v_ptr + v_base + v_off)
+    kw = tl.load(ks_ptr + ks_base + ks_off, mask=n_ok[None, :], other=0)
+    vw = tl.load(vs_ptr + vs_base + vs_off, mask=n_ok[None, :], other=0)
+    return kc, vc, kw, vw
+
+
 # Grid: (num_seqs, num_kv_heads // HG, NUM_SEGMENTS).
 @dual_jit
 def _attn_decode_v4_kernel(
@@ -113,19 +129,15 @@ def _attn_decode_v4_kernel(
     HEAD_UNITS: tl.constexpr,       # K and V head stride in units (a multiple of 2: 4-byte rows)
     PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
-    seq_idx = tl.program_id(0)
-    seg_idx = tl.program_id(2)
-    tok = tl.load(cu_seqlens_q_ptr + seq_idx)
-    if tl.load(cu_seqlens_q_ptr + seq_idx + 1) == tok:
+    # the grid's second axis is the head group here (decode_program calls it kv_head)
+    seq_idx, group_idx, seg_idx, tok, has_query, k_lo, k_hi, t0, t1 = decode_program(
+        cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS, PDL)
+    if not has_query:
         return
-    seq_len = tl.load(seqused_k_ptr + seq_idx)
-    k_lo, k_hi = key_range(seq_len, seq_len - 1, seq_len - 1, window_left, window_right, CAUSAL)
-    t0, t1 = segment_tiles(k_lo, k_hi, seg_idx, TILE, NUM_SEGMENTS)
 
     NOUT: tl.constexpr = 4 if MODE == MODE_INT4 else 2
     U: tl.constexpr = HEAD // NOUT
-    offs_h = tl.program_id(1) * HG + tl.arange(0, HG)                    # this program's KV heads
+    offs_h = group_idx * HG + tl.arange(0, HG)                          # this program's KV heads
     offs_g = tl.arange(0, GP)
     offs_u = tl.arange(0, U)
     g_ok = (offs_g < GROUP)[None, :] & (offs_h >= 0)[:, None]           # [HG, GP] (the heads: always true)
@@ -155,37 +167,24 @@ def _attn_decode_v4_kernel(
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
         if TILE == BLOCK_SIZE:  # one block per tile (tiles start at multiples of TILE): one id
             blk = tl.load(bt_row + t).to(tl.int64)
-            kc = tl.load(k_ptr + blk * (stride_k_b * ALIGN_BS) + k_off)
-            if MODE == MODE_FP8:  # an e4m3 byte can be NaN, and NaN * (p = 0) is NaN: mask V
-                vc = tl.load(v_ptr + blk * (stride_v_b * ALIGN_BS) + v_off, mask=n_ok[None, None, :], other=0)
-            else:
-                vc = tl.load(v_ptr + blk * (stride_v_b * ALIGN_BS) + v_off)
-            kw = tl.load(k_scale_ptr + blk * stride_ks_b + ks_off, mask=n_ok[None, :], other=0)
-            vw = tl.load(v_scale_ptr + blk * stride_vs_b + vs_off, mask=n_ok[None, :], other=0)
+            kc, vc, kw, vw = _v4_tile_loads(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * (stride_k_b * ALIGN_BS), k_off,
+                blk * (stride_v_b * ALIGN_BS), v_off, blk * stride_ks_b, ks_off, blk * stride_vs_b, vs_off, n_ok, MODE)
         elif TILE % BLOCK_SIZE == 0:  # whole blocks: the slot offsets do not change
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-            kc = tl.load(k_ptr + (blk * (stride_k_b * ALIGN_BS))[None, :, None] + k_off)
-            if MODE == MODE_FP8:
-                vc = tl.load(v_ptr + (blk * (stride_v_b * ALIGN_BS))[None, None, :] + v_off,
-                             mask=n_ok[None, None, :], other=0)
-            else:
-                vc = tl.load(v_ptr + (blk * (stride_v_b * ALIGN_BS))[None, None, :] + v_off)
-            kw = tl.load(k_scale_ptr + (blk * stride_ks_b)[None, :] + ks_off, mask=n_ok[None, :], other=0)
-            vw = tl.load(v_scale_ptr + (blk * stride_vs_b)[None, :] + vs_off, mask=n_ok[None, :], other=0)
+            kc, vc, kw, vw = _v4_tile_loads(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, (blk * (stride_k_b * ALIGN_BS))[None, :, None], k_off,
+                (blk * (stride_v_b * ALIGN_BS))[None, None, :], v_off, (blk * stride_ks_b)[None, :], ks_off,
+                (blk * stride_vs_b)[None, :], vs_off, n_ok, MODE)
         else:  # tiles smaller than a block
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             sl = k_pos % BLOCK_SIZE
-            k_row = blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS)
-            v_row = blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS)
-            kc = tl.load(k_ptr + k_row[None, :, None] + k_hu)
-            if MODE == MODE_FP8:
-                vc = tl.load(v_ptr + v_row[None, None, :] + v_hu, mask=n_ok[None, None, :], other=0)
-            else:
-                vc = tl.load(v_ptr + v_row[None, None, :] + v_hu)
-            kw = tl.load(k_scale_ptr + (blk * stride_ks_b + sl * stride_ks_s)[None, :] + offs_h[:, None] * stride_ks_h,
-                         mask=n_ok[None, :], other=0)
-            vw = tl.load(v_scale_ptr + (blk * stride_vs_b + sl * stride_vs_s)[None, :] + offs_h[:, None] * stride_vs_h,
-                         mask=n_ok[None, :], other=0)
+            kc, vc, kw, vw = _v4_tile_loads(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+                (blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS))[None, :, None], k_hu,
+                (blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS))[None, None, :], v_hu,
+                (blk * stride_ks_b + sl * stride_ks_s)[None, :], offs_h[:, None] * stride_ks_h,
+                (blk * stride_vs_b + sl * stride_vs_s)[None, :], offs_h[:, None] * stride_vs_h, n_ok, MODE)
         k0, k1, k2, k3 = units_to_dot(kc, MODE, DOT, ASM)
         s = tl.dot(k0, q0)
         s = tl.dot(k1, q1, s)

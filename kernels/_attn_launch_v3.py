@@ -74,7 +74,7 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
 
 def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, parts, use_pdl, release,
                  prepare=True):
-    """What the swapped-operand decode kernels (v2, v3) read as the query, and the scales around it.
+    """What the swapped-operand decode kernels (v2, v3, v4) read as the query, and the scales around it.
 
     Returns ``(q, q_scale, use_softcap, col_scale)``: INT4 runs ``_prep_q_kernel`` once per token
     and head (``[T, Hq, HEAD]`` fp32, ``softmax_scale * H(s * q)`` in ``parts`` parts of rotated
