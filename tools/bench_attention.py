@@ -51,6 +51,13 @@ def fill_cache(mode, geo, num_blocks, device, gen):
     raw = cache.view(torch.uint8)
     raw.random_(0, 256, generator=gen)
     views = split_kv_cache(cache, mode, geo.head_size)
+    fill_values(views, mode, device, gen)
+    return cache, views
+
+
+def fill_values(views, mode, device, gen) -> None:
+    """Over random code bytes: finite e4m3 codes (FP8) and plausible per-row scales, INT4's with a
+    zero point in the low 4 bits; ``views`` as :func:`layouts.split_kv_cache` returns them."""
     if mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
         for t in (views.key_cache, views.value_cache):
             t.copy_(torch.randn(t.shape, device=device, generator=gen).mul(100).clamp(-448, 448).to(t.dtype))
@@ -60,7 +67,6 @@ def fill_cache(mode, geo, num_blocks, device, gen):
             zp = torch.randint(0, 16, t.shape, device=device, generator=gen, dtype=torch.int32)
             s = ((s.view(torch.int32) & ~0xF) | zp).view(torch.float32)
         t.copy_(s)
-    return cache, views
 
 
 def make_problem(mode, batch, ctx, q_len, p, device, seed=0):

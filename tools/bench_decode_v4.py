@@ -14,6 +14,8 @@ import torch
 
 sys.path.insert(0, ".")
 from kernels._attn_launch import AttnConfig  # noqa: E402
+from kernels._attn_launch_v4 import v4_segments  # noqa: E402
+from kernels._jit import num_sms  # noqa: E402
 from layouts import KVQuantMode  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
 
@@ -28,10 +30,11 @@ VARIANTS["fp8"] = VARIANTS["int8"]
 
 
 def v4_cfg(base: AttnConfig, batch: int, ctx: int, heads: int, tile: int, warps: int, stages: int, per_sm: int,
-             hg: int) -> AttnConfig:
-    groups = heads // (hg or heads)
-    segs = max(2, min(per_sm * 132 // (batch * groups), ctx // tile))
-    return AttnConfig(base.block_m, tile, 1 << (segs.bit_length() - 1), warps, stages, 4, heads_per_program=hg)
+           hg: int) -> AttnConfig:
+    """A v4 configuration with the launcher's segment rule (:func:`v4_segments`) for ``per_sm``."""
+    segs = v4_segments(num_sms(torch.device("cuda", torch.cuda.current_device())), batch * (heads // (hg or heads)),
+                       ctx, tile, per_sm)
+    return AttnConfig(base.block_m, tile, segs, warps, stages, 4, heads_per_program=hg)
 
 
 def main(argv=None) -> int:

@@ -169,15 +169,11 @@ def padded_decode(mode, batch, ctx, R, device, log=print):
     k, v = back[:, 0, ..., :data].view(cdt), back[:, 1, ..., :data].view(cdt)
     ks = back[:, 0, ..., data:data + 4].view(torch.float32)[..., 0]
     vs = back[:, 1, ..., data:data + 4].view(torch.float32)[..., 0]
-    for t in (ks, vs):
-        s = torch.rand(t.shape, device=device, generator=g) * 0.05 + 0.01
-        if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-            zp = torch.randint(0, 16, t.shape, device=device, generator=g, dtype=torch.int32)
-            s = ((s.view(torch.int32) & ~0xF) | zp).view(torch.float32)
-        t.copy_(s)
+    views = KVCacheViews(k, v, ks, vs)
+    ba.fill_values(views, mode, device, g)
     perm = torch.randperm(nb, device=device, generator=g).to(torch.int32).view(batch, -1)
     q = torch.randn(batch, p["num_q_heads"], hs, device=device, generator=g).to(torch.bfloat16)
-    pb = dict(mode=mode, views=KVCacheViews(k, v, ks, vs), tables=[perm], q=q, q_len=1, ctx=ctx, batch=batch,
+    pb = dict(mode=mode, views=views, tables=[perm], q=q, q_len=1, ctx=ctx, batch=batch,
               cu=torch.arange(batch + 1, dtype=torch.int32, device=device), out=torch.empty_like(q),
               seqused_k=torch.full((batch,), ctx, dtype=torch.int32, device=device))
     cfg = ba.default_cfg(pb)
