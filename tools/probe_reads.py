@@ -8,15 +8,18 @@ decode kernel without its maths:
   and scale word of each token, as the v3 decode kernel does (branching once on the row's 16-,
   8- or 4-byte alignment, as v3);
 - ``row3d``: one program per (sequence, segment), reading ``[TILE, heads, U]`` code words and
-  ``[TILE, heads]`` scale words, i.e. whole token rows.
+  ``[TILE, heads]`` scale words, i.e. whole token rows;
+- ``block``: one program per (sequence, KV head, segment) addressed as the v4 decode kernel
+  (``_attn_decode_v4``) does: tiles of whole cache blocks, one block id per tile when the tile
+  is one block, loop-invariant slot / head offsets, 4-byte words, no alignment branch.
 
 Rows are ``R`` 4-byte words apart (INT4 head_size 128: 17 words = 68 bytes, 16 of them codes;
 INT8: 33 and 32; bf16: 64 and 64 with no scale word). Each probe's result is checked against a
 torch sum on the first run. ``--padded`` also times the real INT4 / INT8 decode on caches whose
 rows are padded (same useful bytes, other alignment).
 
-Run: ``PYTHONPATH=. python3 tools/probe_reads.py`` (H200), ``--quick`` (tiny, CPU interpreter:
-checks the addressing, times nothing).
+Run: ``PYTHONPATH=. python3 tools/probe_reads.py`` (H200; ``--block`` times only the ``block``
+probe's sweep), ``--quick`` (tiny, CPU interpreter: checks the addressing, times nothing).
 """
 
 from __future__ import annotations
@@ -93,6 +96,33 @@ def _probe_row3d(w_ptr, bt_ptr, out_ptr, stride_b, stride_s, v_off, stride_bt, p
     tl.store(out_ptr + seq * tl.num_programs(1) + seg, tl.sum(tl.sum(tl.sum(acc, 2), 1), 0))
 
 
+@dual_jit
+def _probe_block(w_ptr, bt_ptr, out_ptr, stride_b, stride_s, v_off, stride_bt, per_seg, R: tl.constexpr,
+                 U: tl.constexpr, TILE: tl.constexpr, BS: tl.constexpr, SC: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    seg = tl.program_id(2)
+    slot = tl.arange(0, TILE) % BS
+    off = slot[:, None] * stride_s + h * R + tl.arange(0, U)[None, :]      # loop invariant
+    s_off = slot * stride_s + h * R + U
+    bt_row = bt_ptr + seq * stride_bt
+    acc = tl.zeros([TILE, U], tl.int32)
+    t0 = seg * per_seg
+    for t in range(t0, t0 + per_seg):
+        if TILE == BS:  # one block id per tile
+            base = tl.load(bt_row + t).to(tl.int64) * stride_b
+            x = tl.load(w_ptr + base + off) ^ tl.load(w_ptr + v_off + base + off)
+            if SC:
+                x += (tl.load(w_ptr + base + s_off) ^ tl.load(w_ptr + v_off + base + s_off))[:, None]
+        else:  # whole blocks, one id per key
+            base = tl.load(bt_row + (t * TILE + tl.arange(0, TILE)) // BS).to(tl.int64) * stride_b
+            x = tl.load(w_ptr + base[:, None] + off) ^ tl.load(w_ptr + v_off + base[:, None] + off)
+            if SC:
+                x += (tl.load(w_ptr + base + s_off) ^ tl.load(w_ptr + v_off + base + s_off))[:, None]
+        acc += x
+    tl.store(out_ptr + (seq * tl.num_programs(1) + h) * tl.num_programs(2) + seg, tl.sum(tl.sum(acc, 1), 0))
+
+
 def _time_us(fn, device) -> float:
     if device == "cpu":
         t0 = time.perf_counter()
@@ -117,9 +147,11 @@ def _expected(back, table, R, U, segs, per_head):
     return ((s + 2**31) % 2**32 - 2**31).reshape(-1).to(torch.int32)
 
 
-def probe(batch, ctx, R, U, device, heads=8, bs=16, head_cfg=(64, 16, 2), row_cfgs=((16, 64, 4),), log=print):
-    """Time both probes; ``R``, ``U`` in 4-byte words; ``head_cfg`` (tile, segments, warps),
-    ``row_cfgs`` [(tile, segments, warps)]. Returns {name: µs}."""
+def probe(batch, ctx, R, U, device, heads=8, bs=16, head_cfg=(64, 16, 2), row_cfgs=((16, 64, 4),), block_cfgs=(),
+          log=print):
+    """Time the probes; ``R``, ``U`` in 4-byte words; ``head_cfg`` (tile, segments, warps; None:
+    skipped), ``row_cfgs`` [(tile, segments, warps)], ``block_cfgs`` [(tile, segments, warps,
+    stages)]. Returns {name: µs}."""
     nb = batch * ctx // bs
     g = torch.Generator(device=device).manual_seed(0)
     back = torch.empty(nb, 2, bs, heads, R, dtype=torch.int32, device=device).random_(generator=g)
@@ -129,6 +161,19 @@ def probe(batch, ctx, R, U, device, heads=8, bs=16, head_cfg=(64, 16, 2), row_cf
     ab = 4 if sb % 4 == 0 and ss % 4 == 0 and sv % 4 == 0 else 1
     useful = batch * ctx * heads * 2 * (U + (R > U)) * 4
     res = {}
+    for tile, segs, warps, stages in block_cfgs:
+        out = torch.empty(batch * heads * segs, dtype=torch.int32, device=device)
+        fn = lambda: _probe_block[(batch, heads, segs)](  # noqa: E731
+            w, table, out, sb, ss, sv, table.stride(0), ctx // tile // segs, R=R, U=U, TILE=tile, BS=bs,
+            SC=R > U, num_warps=warps, num_stages=stages)
+        fn()
+        if not torch.equal(out, _expected(back, table, R, U, segs, True)):
+            raise AssertionError(f"probe 'block' R={R} U={U} tile {tile}: sum differs from torch")
+        res[f"block {tile}/{segs}/{warps}/{stages}"] = us = _time_us(fn, device)
+        log(f"R={4 * R}B U={4 * U}B b{batch}@{ctx} block tile {tile} segs {segs} warps {warps} stages {stages}: "
+            f"{us:.1f} us, {useful / us / 1e3:.0f} GB/s useful")
+    if head_cfg is None:
+        return res
     tile, segs, warps = head_cfg
     out = torch.empty(batch * heads * segs, dtype=torch.int32, device=device)
     fn = lambda: _probe_head[(batch, heads, segs)](  # noqa: E731
@@ -189,6 +234,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU interpreter (addressing check)")
     ap.add_argument("--padded", action="store_true", help="also time the decode on padded-row caches")
+    ap.add_argument("--block", action="store_true", help="only the 'block' probe (v4's addressing), b8 and b32 @ 32k")
     ap.add_argument("--out", default=None, help="also append the lines to this file")
     args = ap.parse_args(argv)
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
@@ -201,9 +247,19 @@ def main(argv=None) -> int:
 
     if device == "cpu":
         for R, U in ((17, 16), (64, 64)):
-            probe(2, 128, R, U, device, heads=4, head_cfg=(16, 2, 1), row_cfgs=((16, 2, 1),), log=log)
+            probe(2, 128, R, U, device, heads=4, head_cfg=(16, 2, 1), row_cfgs=((16, 2, 1),),
+                  block_cfgs=((16, 2, 1, 2), (32, 2, 1, 2)), log=log)
         return 0
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.block:
+        cfgs = ((16, 1, 2, 8), (32, 1, 2, 8), (16, 1, 3, 8), (16, 1, 2, 16), (32, 1, 2, 16), (64, 1, 2, 8),
+                (16, 2, 2, 8), (32, 2, 2, 8))  # tile, warps, stages, programs per SM
+        for batch in (8, 32):
+            for R, U in ((17, 16), (33, 32), (64, 64)):
+                segs = [max(2, min(per_sm * 132 // (batch * 8), 32768 // t)) for t, _, _, per_sm in cfgs]
+                block = [(t, 1 << (n.bit_length() - 1), w, st) for (t, w, st, _), n in zip(cfgs, segs)]
+                probe(batch, 32768, R, U, device, head_cfg=None, row_cfgs=(), block_cfgs=block, log=log)
+        return 0
     rows = ((16, 16, 8), (16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 64, 8), (16, 128, 2), (32, 128, 4))
     for R, U in ((17, 16), (20, 16), (33, 32), (36, 32), (64, 64)):
         probe(8, 32768, R, U, device, row_cfgs=rows, log=log)
