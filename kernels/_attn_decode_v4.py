@@ -104,6 +104,23 @@ def _v4_tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, k_off, v_base, v_off, k
     return kc, vc, kw, vw
 
 
+@triton.jit
+def _v4_row_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, v_base, ks_base, vs_base, hu, hks, hvs, n_ok,
+                  MODE: tl.constexpr):
+    """Like :func:`_v4_tile_loads`, but addressed token-major: ``[TILE, HG, U]`` (``hu``: the
+    ``[HG, U]`` head / unit offsets, ``hks`` / ``hvs`` the ``[HG]`` scale offsets; bases ``[TILE]``), so
+    the lanes of a load walk each token's adjacent heads (whole rows when ``HG`` is every KV
+    head); the tiles are then permuted to the dots' ``[HG, ...]`` order."""
+    kc = tl.load(k_ptr + k_base[:, None, None] + hu[None, :, :])
+    if MODE == MODE_FP8:
+        vc = tl.load(v_ptr + v_base[:, None, None] + hu[None, :, :], mask=n_ok[:, None, None], other=0)
+    else:
+        vc = tl.load(v_ptr + v_base[:, None, None] + hu[None, :, :])
+    kw = tl.load(ks_ptr + ks_base[:, None] + hks[None, :], mask=n_ok[:, None], other=0)
+    vw = tl.load(vs_ptr + vs_base[:, None] + hvs[None, :], mask=n_ok[:, None], other=0)
+    return tl.permute(kc, (1, 0, 2)), tl.permute(vc, (1, 2, 0)), tl.trans(kw), tl.trans(vw)
+
+
 # Grid: (num_seqs, num_kv_heads // HG, NUM_SEGMENTS).
 @dual_jit
 def _attn_decode_v4_kernel(
@@ -127,6 +144,7 @@ def _attn_decode_v4_kernel(
     USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride
     HEAD_UNITS: tl.constexpr,       # K and V head stride in units (a multiple of 2: 4-byte rows)
+    ROWS: tl.constexpr,             # token-major loads (adjacent heads of a token together)
     PDL: tl.constexpr,
 ):
     # the grid's second axis is the head group here (decode_program calls it kv_head)
@@ -162,10 +180,21 @@ def _attn_decode_v4_kernel(
     v_off = (slot * (stride_v_s * ALIGN_BS))[None, None, :] + v_hu                 # [HG, U, TILE]
     ks_off = (slot * stride_ks_s)[None, :] + offs_h[:, None] * stride_ks_h          # [HG, TILE]
     vs_off = (slot * stride_vs_s)[None, :] + offs_h[:, None] * stride_vs_h
+    hu = offs_h[:, None] * HEAD_UNITS + offs_u[None, :]                  # [HG, U] (ROWS)
     for t in range(t0, t1):
         k_pos = t * TILE + tl.arange(0, TILE)
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
-        if TILE == BLOCK_SIZE:  # one block per tile (tiles start at multiples of TILE): one id
+        if ROWS:  # token-major loads
+            if TILE == BLOCK_SIZE:
+                blk = tl.load(bt_row + t).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            sl = k_pos % BLOCK_SIZE
+            kc, vc, kw, vw = _v4_row_loads(
+                k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS),
+                blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS), blk * stride_ks_b + sl * stride_ks_s,
+                blk * stride_vs_b + sl * stride_vs_s, hu, offs_h * stride_ks_h, offs_h * stride_vs_h, n_ok, MODE)
+        elif TILE == BLOCK_SIZE:  # one block per tile (tiles start at multiples of TILE): one id
             blk = tl.load(bt_row + t).to(tl.int64)
             kc, vc, kw, vw = _v4_tile_loads(
                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * (stride_k_b * ALIGN_BS), k_off,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from layouts import KVQuantMode, LayoutError
 
@@ -19,7 +20,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
-from ._attn_launch_v4 import V4_TILING, launch_v4, v4_default, v4_fit, v4_segments
+from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import DECODE_MODES, code_units, decode_query, launch_v3, v3_segments, v3_tiling
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, num_sms, pdl
@@ -46,6 +47,8 @@ class AttnConfig:
                         # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
                         # 4 = _attn_decode_v4_kernel (block-aligned tiles; where it cannot read the cache, as 3)
     heads_per_program: int = 0  # v2 = 4: KV heads per program (0 = all)
+    row_loads: bool = True      # v2 = 4 with several heads per program: token-major loads
+    max_registers: int = 0      # v2 = 4 on a GPU: ptxas register cap per thread (0 = none)
 
 
 # Decode defaults from the H200 sweep in docs/bench/attention.md (quantized tiles: 128 keys
@@ -58,7 +61,7 @@ PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
 # Quantized decode kernel per mode: 0 = _attn_kernel / _attn_int4_kernel (v1), 1 = _attn_decode_kernel
 # (v2), 3 = _attn_decode_v3_kernel (tiling and segments in _attn_launch_v3). Where v3 applies,
-# _attn_launch_v4.v4_default picks the v4 kernel instead (head_size 128; INT4 above a batch size).
+# _attn_launch_v4.v4_default picks the v4 kernel instead (head_size 64 / 128 / 256; INT4 above a batch size).
 # H200, docs/bench/attention.md (session 3): v3 beats v2 by 1.5x for INT4 at b8@32k (159 vs 235 us) and
 # v1 by 1.5-2.4x for INT8/FP8. Register prefetch of the next tile was slower everywhere, in v2 (session 2)
 # and in v3 (session 4), and was removed.
@@ -145,7 +148,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     tile = DECODE_TILE[mode]
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     v3 = v3_tiling(mode, q.shape[2]) if DECODE_V2.get(mode, 0) == 3 and pow2 else None  # (tile, warps, stages, per SM)
-    v4 = V4_TILING[mode] if v3 and v4_default(mode, q.shape[2], num_seqs, max_seqlen_k) else None
+    v4 = v4_tiling(mode, q.shape[2]) if v3 and v4_default(mode, q.shape[2], num_seqs, max_seqlen_k) else None
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
@@ -154,7 +157,8 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         pairs = max(1, num_seqs * (q.shape[1] // group))
         if v4:  # programs per sequence: KV heads / heads per program
             groups = max(1, num_seqs * (q.shape[1] // group) // max(1, v4[4] or q.shape[1] // group))
-            want, cap = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3]), max_seqlen_k
+            want = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3], q.shape[2])
+            cap = max_seqlen_k
         elif v3:
             want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, v3[0], v3[3]), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
@@ -259,32 +263,35 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
-    if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
-        launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-                  mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
-                  segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
-                  signs, use_pdl)
-    elif units is not None:
-        launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
-                  mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
-                  segm_max, segm_expsum, dot == DOT_FP32.value, max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
-                  signs, use_pdl)
-    elif split and cfg.v2 and mode != KVQuantMode.NONE:
-        if cfg.v2 >= 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
-            cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
-                                      num_stages=DECODE_STAGES, v2=1)
-        _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
-                   softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-                   align, dot == DOT_FP32.value, use_pdl)
-    else:
-        _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
-                   softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
-                   align, dot, head_pad, split, use_pdl)
+    gp, interp = max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)), dot == DOT_FP32.value
+    try:
+        if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
+            launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+                      mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
+                      segm_max, segm_expsum, interp, gp, signs, use_pdl)
+        elif units is not None:
+            launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
+                      mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
+                      segm_max, segm_expsum, interp, gp, signs, use_pdl)
+        elif split and cfg.v2 and mode != KVQuantMode.NONE:
+            if cfg.v2 >= 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
+                cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
+                                          num_stages=DECODE_STAGES, v2=1)
+            _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+                       softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+                       align, interp, use_pdl)
+        else:
+            _launch_v1(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
+                       softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
+                       align, dot, head_pad, split, use_pdl)
+    except OutOfResources as e:  # a caller's AttnConfig too large for this GPU: say which, before any output
+        raise ValueError(f"{cfg} does not fit this GPU ({e}); use fewer keys per tile, KV heads per "
+                         "program or stages") from e
     if split:
         # one load of every segment while the tile holds at most 16K values, else chunks of 4K values;
         # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
         seg_pad = triton.next_power_of_2(cfg.num_segments)
-        seg_chunk = seg_pad if seg_pad * head_pad <= 16384 else max(1, 4096 // head_pad)
+        seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
         rot_chunk = head_size if head_size * head_size <= 16384 else max(1, 8192 // head_size)
         _attn_reduce_kernel[(num_tokens, num_q_heads)](
             out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,

@@ -1,13 +1,13 @@
 """Launch of the v4 decode kernel (``_attn_decode_v4``), its tiling and when it is the default.
 
-Tiling from the H200 sweeps in docs/bench/attention.md (session 6; 32 query / 8 KV heads,
-head_size 128, block 16; ``tools/bench_decode_v4.py``): one KV head per program and one warp;
-INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4 with 32. Several heads per
-program (whole token rows) were slower, except INT4 with all 8 heads and 4 warps at batch 8-32
-and 32k context, which 32-key one-head programs beat. Segments aim at 8 resident programs per
-SM (``v4_segments``). Only head_size 128 was measured, so only it takes this kernel by default.
-INT4 rotates its query in a separate kernel here (v3 does it in its prologue), which costs about
-2 µs: INT4 keeps v3 for small decode batches.
+Tiling from the H200 sweeps in docs/bench/attention.md (sessions 6 and 7; 32 query / 8 KV heads,
+block 16; ``tools/bench_decode_v4.py``): one KV head per program and one warp at every head size;
+INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4 with 64 keys at head_size 64,
+32 at 128 and 16 at 256. Several heads per program (whole token rows, token-major loads included)
+were slower. Segments aim at 8 resident programs per SM (16 for INT8 / FP8 at head_size 64, whose
+programs hold half the registers; ``v4_segments``). INT4 rotates its query in a separate kernel
+here (v3 does it in its prologue), which costs about 2 µs: INT4 keeps v3 for small decode
+batches (``V4_INT4_MIN_KEYS``).
 """
 
 from __future__ import annotations
@@ -18,28 +18,43 @@ from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_v4 import _attn_decode_v4_kernel
 from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
 
-# mode -> (keys per tile, warps, stages, programs per SM, KV heads per program)
-V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1), KVQuantMode.FP8_PER_TOKEN_HEAD: (16, 1, 2, 8, 1),
-             KVQuantMode.INT4_PER_TOKEN_HEAD: (32, 1, 2, 8, 1)}
-V4_HEAD_SIZES = (128,)  # measured on the H200; other head sizes keep v3
+# mode -> head_size -> (keys per tile, warps, stages, programs per SM, KV heads per program)
+_INT8_V4 = {64: (16, 1, 2, 16, 1), 128: (16, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}
+V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_V4, KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_V4,
+             KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (64, 1, 2, 8, 1), 128: (32, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}}
 # INT4 takes the v4 kernel from this many keys in the batch (sequences x context) on; below it
-# v3's fused query rotation wins (H200, b1 @ 4k: v3 13.7 us, v4 16.1; b1 @ 32k: 32.9 vs 31.1)
-V4_INT4_MIN_KEYS = 32768
+# v3's fused query rotation wins or ties (H200, head_size 128: b1 @ 4k v3 13.7 us, v4 16.1;
+# 256: b2 @ 4k 30.9 vs 31.4; 64: v4 faster at b2 @ 4k, 11.7 vs 12.9, smaller batches not timed)
+V4_INT4_MIN_KEYS = {64: 8192, 128: 32768, 256: 32768}
+# the reduction merges every segment of a head in one load up to this many values (segments x
+# padded head size), in chunks above it (``_attn_launch``)
+REDUCE_ONE_LOAD = 16384
 
 
-def v4_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int) -> int:
+def v4_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,
+                head_size: int = 128) -> int:
     """Segments per (sequence, head group) for the v4 kernel: about ``programs_per_sm`` programs
-    per SM (``pairs`` = sequences x head groups), at least 2, at most one per tile, a power of two (as
-    measured; unlike v3 no cap on the keys per segment)."""
+    per SM (``pairs`` = sequences x head groups), at least 2, at most one per tile, a power of two
+    (as measured; unlike v3 no cap on the keys per segment). Past the reduction's one load
+    (``REDUCE_ONE_LOAD`` values: 64 segments at head_size 256) segments must hold 8 tiles or more:
+    on the H200 at head_size 256, b1 @ 4k took 25.2 µs with 128 segments of 2 tiles and 17.7 with
+    64, while b1 @ 32k took 65.4 with 128 segments of 16 tiles and 80.8 with 64."""
     segs = max(2, min(programs_per_sm * num_sms // max(1, pairs), max(1, max_seqlen_k // tile)))
+    one_load = REDUCE_ONE_LOAD // max(16, 1 << (head_size - 1).bit_length())
+    segs = min(segs, max(one_load, max_seqlen_k // (8 * tile), 2))
     return 1 << (segs.bit_length() - 1)
+
+
+def v4_tiling(mode: KVQuantMode, head_size: int):
+    """The measured v4 tiling of ``mode`` at ``head_size`` (see ``V4_TILING``), or None."""
+    return V4_TILING.get(mode, {}).get(head_size)
 
 
 def v4_default(mode: KVQuantMode, head_size: int, num_seqs: int, max_seqlen_k: int) -> bool:
     """Whether a decode batch takes the v4 kernel by default (else v3)."""
-    if mode not in V4_TILING or head_size not in V4_HEAD_SIZES:
+    if v4_tiling(mode, head_size) is None:
         return False
-    return mode != KVQuantMode.INT4_PER_TOKEN_HEAD or num_seqs * max_seqlen_k >= V4_INT4_MIN_KEYS
+    return mode != KVQuantMode.INT4_PER_TOKEN_HEAD or num_seqs * max_seqlen_k >= V4_INT4_MIN_KEYS[head_size]
 
 
 def heads_per_program(num_kv_heads: int, wanted: int) -> int:
@@ -75,6 +90,8 @@ def launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         NUM_Q_HEADS=q.shape[1], HG=hg, GROUP=group, GP=gp, HEAD=head_size, BLOCK_SIZE=k16.shape[1],
         TILE=cfg.tile, MODE=kernel_mode, OFF=off, DOT=DOT_FP32.value if interp else DOT_FP16.value,
         ASM=not interp, CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments,
-        ALIGN_BS=align, HEAD_UNITS=k16.stride(2), PDL=use_pdl, launch_pdl=use_pdl,
+        ALIGN_BS=align, HEAD_UNITS=k16.stride(2), ROWS=bool(cfg.row_loads and hg > 1), PDL=use_pdl,
+        launch_pdl=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interp else {}),
     )

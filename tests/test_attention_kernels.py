@@ -212,7 +212,8 @@ def test_quantized_decode_kernels(mode, dtype, kernel, stages):
 def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, device):
     """The v4 decode kernel vs the oracle: GQA 1 / 4 / 8, sequences of different lengths, partial
     last blocks; tiles of one block (one id per tile), of two (ids per key) and of half a block
-    (block 32); one, two or all KV heads per program; window and non-causal softcap."""
+    (block 32); one, two or all KV heads per program, token-major loads or not; window and
+    non-causal softcap."""
     c = make_case(mode, dtype, q_lens=[1, 1, 1], k_lens=[75, 9, 140], head_size=head_size,
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size + num_kv_heads, device=device)
     cfg = AttnConfig(16, 16, 4, 4, 2, 4)
@@ -221,6 +222,7 @@ def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, dev
     run_and_check(c, config=cfg, causal=False, softcap=3.0)
     run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
     run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))
+    run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads), row_loads=False))
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 140], head_size=head_size, block_size=32,
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size, device=device)
     run_and_check(c, config=AttnConfig(16, 16, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
@@ -277,6 +279,12 @@ def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
     cfg = AttnConfig(16, 128, 4, 4, stages, kernel, heads_per_program=1 if kernel == 4 else 0)
     run_and_check(c, config=cfg)
     run_and_check(c, config=cfg, causal=False, window=(200, -1), softcap=30.0)
+    if kernel == 4:  # a register cap, and two heads per program with token-major loads
+        run_and_check(c, config=AttnConfig(16, 32, 4, 1, stages, 4, heads_per_program=1, max_registers=168))
+        run_and_check(c, config=AttnConfig(16, 16, 4, 2, stages, 4, heads_per_program=2))
+        if mode != KVQuantMode.INT4_PER_TOKEN_HEAD:  # 8 heads x 128 keys of INT8 rows: 287 KB of shared memory
+            with pytest.raises(ValueError, match="does not fit this GPU"):  # was Triton's OutOfResources
+                run_and_check(c, config=AttnConfig(16, 128, 4, 4, 4, 4, heads_per_program=8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -318,37 +326,45 @@ def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
 
 def test_decode_config_keeps_its_tiling_with_a_given_segment_count():
     """A caller-fixed segment count (num_par_softmax_segments or segment buffers) changes only the
-    split, not the measured tiling: v4 for INT8 / FP8 at head_size 128, v3 elsewhere (INT4 with
-    2 x 4,096 keys stays below v4's threshold)."""
+    split, not the measured tiling: v4 for INT8 / FP8 at head_size 64 / 128 / 256 and INT4 at 64,
+    v3 elsewhere (INT4 with 2 x 4,096 keys stays below v4's threshold at 128 and 256)."""
     from kernels._attn_launch import pick_config
     from kernels._attn_launch_v3 import v3_tiling
-    from kernels._attn_launch_v4 import V4_TILING
+    from kernels._attn_launch_v4 import v4_tiling
     for head_size in (64, 128, 256):
         q = torch.zeros(2, 8, head_size)
         for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
-            v4 = head_size == 128 and mode != KVQuantMode.INT4_PER_TOKEN_HEAD
+            v4 = v4_tiling(mode, head_size) if head_size == 64 or mode != KVQuantMode.INT4_PER_TOKEN_HEAD else None
             for given in (None, 8):
                 cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
                 got = (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2, cfg.heads_per_program)
-                want = (*V4_TILING[mode][:3], 4, V4_TILING[mode][4]) if v4 else (*v3_tiling(mode, head_size)[:3], 3, 0)
+                want = (*v4[:3], 4, v4[4]) if v4 else (*v3_tiling(mode, head_size)[:3], 3, 0)
                 assert got == want, (mode, head_size, given)
             assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
 
 
 def test_v4_default_and_segments():
-    """v4 is the default at head_size 128 only; INT4 from 32,768 keys in the batch on. Its segments
-    aim at the programs per SM, are a power of two, at least 2 and at most one per tile."""
-    from kernels._attn_launch_v4 import v4_default, v4_segments
+    """v4 is the default at the measured head sizes (64, 128, 256); INT4 from 8,192 keys in the
+    batch on at 64 and 32,768 at 128 / 256. Its segments aim at the programs per SM, are a power
+    of two, at least 2, at most one per tile, and past 16,384 / head_size of 8 tiles at least."""
+    from kernels._attn_launch_v4 import v4_default, v4_segments, v4_tiling
     int4, int8, fp8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
-    assert v4_default(int8, 128, 1, 16) and v4_default(fp8, 128, 1, 16)
-    assert not v4_default(int8, 64, 8, 32768) and not v4_default(int4, 256, 8, 32768)
+    for hs in (64, 128, 256):
+        assert v4_default(int8, hs, 1, 16) and v4_default(fp8, hs, 1, 16)
+    assert not v4_default(int8, 32, 8, 32768) and not v4_default(fp8, 512, 8, 32768)
+    assert v4_tiling(int8, 96) is None and v4_tiling(KVQuantMode.NONE, 128) is None
     assert not v4_default(int4, 128, 1, 4096) and not v4_default(int4, 128, 2, 8192)
+    assert not v4_default(int4, 256, 2, 8192) and v4_default(int4, 256, 8, 4096)
+    assert v4_default(int4, 64, 2, 4096) and not v4_default(int4, 64, 1, 4096)
     assert v4_default(int4, 128, 1, 32768) and v4_default(int4, 128, 8, 4096)
     assert not v4_default(KVQuantMode.NONE, 128, 8, 32768)
     assert v4_segments(132, 64, 32768, 16, 8) == 16     # b8 x 8 heads: 8 x 132 / 64 = 16.5
     assert v4_segments(132, 256, 32768, 16, 8) == 4     # b32: 4.1 -> 4 (no keys-per-segment cap)
     assert v4_segments(132, 8, 2048, 16, 8) == 128      # at most one per tile
     assert v4_segments(132, 4096, 100, 16, 8) == 2      # at least 2
+    # past the reduction's one load (segments x head_size <= 16K), segments of 8 tiles at least
+    assert v4_segments(132, 8, 4096, 16, 8, 128) == 128 and v4_segments(132, 8, 4096, 16, 8, 256) == 64
+    assert v4_segments(132, 8, 32768, 16, 8, 256) == 128 and v4_segments(132, 8, 2048, 16, 8, 512) == 32
 
 
 def test_v3_tiling_per_head_size_and_segments():

@@ -22,6 +22,7 @@ from tools import bench_attention as ba  # noqa: E402
 QUANT = {"int4": KVQuantMode.INT4_PER_TOKEN_HEAD, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
          "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD}
 # tile, warps, stages, resident programs per SM aimed at, KV heads per program (0 = all)
+# [, token-major loads [, register cap]]
 VARIANTS = {"int4": ((16, 4, 2, 2, 0), (16, 1, 2, 8, 1), (16, 1, 2, 16, 1), (32, 1, 2, 8, 1), (32, 2, 2, 8, 1),
                      (64, 2, 2, 8, 1), (16, 1, 3, 8, 1)),
             "int8": ((16, 1, 2, 4, 1), (16, 1, 2, 8, 1), (16, 1, 2, 16, 1), (32, 1, 2, 8, 1), (32, 2, 2, 8, 1),
@@ -29,17 +30,23 @@ VARIANTS = {"int4": ((16, 4, 2, 2, 0), (16, 1, 2, 8, 1), (16, 1, 2, 16, 1), (32,
 VARIANTS["fp8"] = VARIANTS["int8"]
 
 
-def v4_cfg(base: AttnConfig, batch: int, ctx: int, heads: int, tile: int, warps: int, stages: int, per_sm: int,
-           hg: int) -> AttnConfig:
+def v4_cfg(base: AttnConfig, batch: int, ctx: int, heads: int, head_size: int, tile: int, warps: int, stages: int,
+           per_sm: int, hg: int, rows: int = 1, regs: int = 0) -> AttnConfig:
     """A v4 configuration with the launcher's segment rule (:func:`v4_segments`) for ``per_sm``."""
     segs = v4_segments(num_sms(torch.device("cuda", torch.cuda.current_device())), batch * (heads // (hg or heads)),
-                       ctx, tile, per_sm)
-    return AttnConfig(base.block_m, tile, segs, warps, stages, 4, heads_per_program=hg)
+                       ctx, tile, per_sm, head_size)
+    return AttnConfig(base.block_m, tile, segs, warps, stages, 4, heads_per_program=hg, row_loads=bool(rows),
+                      max_registers=regs)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8x32768,32x32768,1x32768,8x4096,1x4096,2x4096,1x2048", help="batch x context, comma separated")
+    ap.add_argument("--shapes", default="8x32768,32x32768,1x32768,8x4096,1x4096,2x4096,1x2048",
+                    help="batch x context, comma separated")
+    ap.add_argument("--modes", default="int4,int8,fp8", help="comma separated, of " + ",".join(QUANT))
+    ap.add_argument("--variants", default=None,
+                    help="space separated tile:warps:stages:per_sm:heads[:rows[:max registers]] (default: VARIANTS)")
+    ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -50,18 +57,20 @@ def main(argv=None) -> int:
                 f.write(msg + "\n")
 
     ba.REP_MS = 30
-    p = dict(ba.FULL)
-    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    p = dict(ba.FULL, head_size=args.head_size)
+    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, head_size {args.head_size}")
     for shape in args.shapes.split(","):
         batch, ctx = map(int, shape.split("x"))
         pb = ba.make_problem(KVQuantMode.NONE, batch, ctx, 1, p, "cuda")
         bf = ba.time_us(pb, ba.default_cfg(pb))
         del pb
         log(f"b{batch}@{ctx} bf16 {bf:.1f} us")
-        for name, mode in QUANT.items():
-            pb = ba.make_problem(mode, batch, ctx, 1, p, "cuda")
+        for name in args.modes.split(","):
+            pb = ba.make_problem(QUANT[name], batch, ctx, 1, p, "cuda")
             base = ba.default_cfg(pb)
-            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], *v) for v in VARIANTS[name]]
+            spec = ([tuple(map(int, v.split(":"))) for v in args.variants.split()] if args.variants
+                    else VARIANTS[name])
+            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], p["head_size"], *v) for v in spec]
             for cfg in dict.fromkeys([base] + variants):
                 err = ba.check(pb, cfg)
                 if not err <= 1e-2:
@@ -69,7 +78,8 @@ def main(argv=None) -> int:
                 us = ba.time_us(pb, cfg)
                 kind = {3: "v3", 4: "v4"}.get(cfg.v2, f"v{cfg.v2}")
                 log(f"  {name} b{batch}@{ctx} {kind} tile {cfg.tile} warps {cfg.num_warps} stages {cfg.num_stages} "
-                    f"segs {cfg.num_segments} heads/program {cfg.heads_per_program}: {us:.1f} us (rel. L2 {err:.1e}), {bf / us:.2f}x bf16")
+                    f"segs {cfg.num_segments} heads/program {cfg.heads_per_program} rows {int(cfg.row_loads)} "
+                    f"regs {cfg.max_registers}: {us:.1f} us (rel. L2 {err:.1e}), {bf / us:.2f}x bf16")
             del pb
             torch.cuda.empty_cache()
     return 0
