@@ -50,6 +50,11 @@ def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
     assert P.parse_cfg("32:1:2:3:8", base) == AttnConfig(16, 32, 8, 1, 2, 3)
     assert P.parse_cfg("32:1:2:3", base).num_segments == 32  # the default's keys per segment kept
     assert P.parse_cfg("128:4:3:0", base).num_segments == 8
+    # v4: one KV head per program unless asked (0 = all heads), or the launcher's own v4 choice
+    assert P.parse_cfg("16:1:2:4", base).heads_per_program == 1
+    assert P.parse_cfg("16:4:2:4:8:0", base).heads_per_program == 0
+    v4 = AttnConfig(16, 32, 16, 1, 2, 4, heads_per_program=2)
+    assert P.parse_cfg("16:1:2:4", v4).heads_per_program == 2 and P.parse_cfg("16:1:2:3", v4).heads_per_program == 0
     monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
     assert P.main(["--mode", "int4"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out

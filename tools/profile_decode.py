@@ -7,7 +7,8 @@ each on its own block-table copy. Profile the last one, e.g.::
     ncu --clock-control none -k regex:decode_v3 --launch-skip 2 --launch-count 1 --set full \\
         -o /tmp/int4 python3 tools/profile_decode.py --mode int4 --batch 8 --ctx 32768 --calls 2
 
-``--cfg tile:warps:stages:kernel[:segments]`` overrides the launcher's default tiling.
+``--cfg tile:warps:stages:kernel[:segments[:heads]]`` overrides the launcher's default tiling
+(``heads``: KV heads per program of the v4 kernel, ``kernel`` 4; default the launcher's, else 1).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def parse_cfg(text: str, base: AttnConfig) -> AttnConfig:
     parts = [int(x) for x in text.split(":")]
     tile, warps, stages, kernel = parts[:4]
     segs = parts[4] if len(parts) > 4 else max(2, base.num_segments * base.tile // tile)
-    return AttnConfig(base.block_m, tile, segs, warps, stages, kernel)
+    heads = parts[5] if len(parts) > 5 else (base.heads_per_program if base.v2 == 4 else 1)
+    return AttnConfig(base.block_m, tile, segs, warps, stages, kernel, heads_per_program=heads if kernel == 4 else 0)
 
 
 def main(argv=None) -> int:
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="int4", choices=sorted(B.MODES))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=32768)
-    p.add_argument("--cfg", default="", help="tile:warps:stages:kernel[:segments] (default: the launcher's)")
+    p.add_argument("--cfg", default="", help="tile:warps:stages:kernel[:segments[:heads]] (default: the launcher's)")
     p.add_argument("--calls", type=int, default=2, help="launches after the checked first one")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
