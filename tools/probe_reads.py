@@ -161,41 +161,34 @@ def probe(batch, ctx, R, U, device, heads=8, bs=16, head_cfg=(64, 16, 2), row_cf
     ab = 4 if sb % 4 == 0 and ss % 4 == 0 and sv % 4 == 0 else 1
     useful = batch * ctx * heads * 2 * (U + (R > U)) * 4
     res = {}
+
+    def run(name, fn, out, segs, per_head, line):
+        fn()
+        if not torch.equal(out, _expected(back, table, R, U, segs, per_head)):
+            raise AssertionError(f"probe {name} R={R} U={U}: sum differs from torch ({line})")
+        res[name] = us = _time_us(fn, device)
+        log(f"R={4 * R}B U={4 * U}B b{batch}@{ctx} {line}: {us:.1f} us, {useful / us / 1e3:.0f} GB/s useful")
+
     for tile, segs, warps, stages in block_cfgs:
         out = torch.empty(batch * heads * segs, dtype=torch.int32, device=device)
         fn = lambda: _probe_block[(batch, heads, segs)](  # noqa: E731
             w, table, out, sb, ss, sv, table.stride(0), ctx // tile // segs, R=R, U=U, TILE=tile, BS=bs,
             SC=R > U, num_warps=warps, num_stages=stages)
-        fn()
-        if not torch.equal(out, _expected(back, table, R, U, segs, True)):
-            raise AssertionError(f"probe 'block' R={R} U={U} tile {tile}: sum differs from torch")
-        res[f"block {tile}/{segs}/{warps}/{stages}"] = us = _time_us(fn, device)
-        log(f"R={4 * R}B U={4 * U}B b{batch}@{ctx} block tile {tile} segs {segs} warps {warps} stages {stages}: "
-            f"{us:.1f} us, {useful / us / 1e3:.0f} GB/s useful")
-    if head_cfg is None:
-        return res
-    tile, segs, warps = head_cfg
-    out = torch.empty(batch * heads * segs, dtype=torch.int32, device=device)
-    fn = lambda: _probe_head[(batch, heads, segs)](  # noqa: E731
-        w, table, out, sb // ab, ss // ab, R, sv // ab, table.stride(0), ctx // tile // segs,
-        TILE=tile, U=U, BS=bs, AB=ab, SC=R > U, num_warps=warps)
-    fn()
-    if not torch.equal(out, _expected(back, table, R, U, segs, True)):
-        raise AssertionError(f"probe 'head' R={R} U={U}: sum differs from torch")
-    res["head"] = us = _time_us(fn, device)
-    log(f"R={4 * R}B U={4 * U}B b{batch}@{ctx} head  tile {tile} segs {segs} warps {warps}: "
-        f"{us:.1f} us, {useful / us / 1e3:.0f} GB/s useful")
+        run(f"block {tile}/{segs}/{warps}/{stages}", fn, out, segs, True,
+            f"block tile {tile} segs {segs} warps {warps} stages {stages}")
+    if head_cfg is not None:
+        tile, segs, warps = head_cfg
+        out = torch.empty(batch * heads * segs, dtype=torch.int32, device=device)
+        fn = lambda: _probe_head[(batch, heads, segs)](  # noqa: E731
+            w, table, out, sb // ab, ss // ab, R, sv // ab, table.stride(0), ctx // tile // segs,
+            TILE=tile, U=U, BS=bs, AB=ab, SC=R > U, num_warps=warps)
+        run("head", fn, out, segs, True, f"head  tile {tile} segs {segs} warps {warps}")
     for tile, segs, warps in row_cfgs:
         out = torch.empty(batch * segs, dtype=torch.int32, device=device)
         fn = lambda: _probe_row3d[(batch, segs)](  # noqa: E731
             w, table, out, sb // ab, ss // ab, sv // ab, table.stride(0), ctx // tile // segs,
             R=R, H=heads, U=U, TILE=tile, BS=bs, AB=ab, SC=R > U, num_warps=warps)
-        fn()
-        if not torch.equal(out, _expected(back, table, R, U, segs, False)):
-            raise AssertionError(f"probe 'row3d' R={R} U={U}: sum differs from torch")
-        res[f"row3d {tile}/{segs}/{warps}"] = us = _time_us(fn, device)
-        log(f"R={4 * R}B U={4 * U}B b{batch}@{ctx} row3d tile {tile} segs {segs} warps {warps}: "
-            f"{us:.1f} us, {useful / us / 1e3:.0f} GB/s useful")
+        run(f"row3d {tile}/{segs}/{warps}", fn, out, segs, False, f"row3d tile {tile} segs {segs} warps {warps}")
     return res
 
 
