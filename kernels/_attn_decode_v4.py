@@ -15,9 +15,11 @@ heads a program holds:
   or 4-byte loop.
 - **HG KV heads per program** (grid ``(sequences, num_kv_heads / HG, segments)``): tensors are
   ``[HG, TILE, ...]`` and the dots are batched over the heads. ``HG = num_kv_heads`` reads
-  whole token rows (contiguous ``num_kv_heads * (data + 4)`` bytes); on the H200 one head per
-  program (``HG = 1``) and one warp was fastest for every mode (docs/bench/attention.md,
-  session 6), and that is the launcher's default (``_attn_launch_v4``).
+  whole token rows (contiguous ``num_kv_heads * (data + 4)`` bytes); with ``ROWS`` the tiles
+  are loaded token-major (``[TILE, HG, U]``, a warp's lanes on a token's adjacent heads) and
+  permuted. On the H200 one head per program (``HG = 1``) and one warp was fastest for every
+  mode, token-major loads or not (docs/bench/attention.md, sessions 6 and 7), and that is the
+  launcher's default (``_attn_launch_v4``).
 
 The INT4 query arrives rotated, in four parts of ``U`` dims (``_prep_q_kernel``). Code loads are
 not masked (FP8 values excepted), as in v3: a key past the sequence reads its tile's block (or
