@@ -223,9 +223,11 @@ def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, dev
     run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
     run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))
     run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads), row_loads=False))
+    run_and_check(c, config=AttnConfig(16, 32, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))  # ids per key
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 140], head_size=head_size, block_size=32,
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size, device=device)
     run_and_check(c, config=AttnConfig(16, 16, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
+    run_and_check(c, config=AttnConfig(16, 16, 4, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))  # token-major
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
