@@ -7,6 +7,8 @@ Run: python -m pytest tests/test_sweep_tools.py -q
 
 import tempfile
 
+import pytest
+
 import kernels._write_int4 as W
 from kernels._attn_launch import AttnConfig
 from tools import bench_attention as B
@@ -57,6 +59,19 @@ def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
     assert P.parse_cfg("16:1:2:4", v4).heads_per_program == 2 and P.parse_cfg("16:1:2:3", v4).heads_per_program == 0
     monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
     assert P.main(["--mode", "int4"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
+    """tools/bench_decode_v4.py: malformed shapes, variants or modes are argparse errors (exit 2)
+    before any GPU work; without a GPU it says so and returns 1."""
+    from tools import bench_decode_v4 as V4
+    for bad in (["--variants", "16:1:2"], ["--variants", "16:1:x:8:1"], ["--shapes", "8"], ["--modes", "int5"]):
+        with pytest.raises(SystemExit) as e:
+            V4.main(bad)
+        assert e.value.code == 2, bad
+    monkeypatch.setattr(V4.torch.cuda, "is_available", lambda: False)
+    assert V4.main(["--variants", "16:1:2:8:1 32:1:2:8:1:0:168"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 

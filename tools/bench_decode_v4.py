@@ -49,6 +49,18 @@ def main(argv=None) -> int:
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")]
+        spec = [tuple(map(int, v.split(":"))) for v in args.variants.split()] if args.variants else None
+    except ValueError as e:
+        ap.error(f"--shapes / --variants must be integers: {e}")
+    if any(len(sh) != 2 for sh in shapes) or any(not 5 <= len(v) <= 7 for v in spec or ()):
+        ap.error("--shapes takes BATCHxCONTEXT, --variants tile:warps:stages:per_sm:heads[:rows[:registers]]")
+    if unknown := set(args.modes.split(",")) - set(QUANT):
+        ap.error(f"unknown modes {sorted(unknown)}; choose from {sorted(QUANT)}")
+    if not torch.cuda.is_available():
+        print("bench_decode_v4 needs a CUDA GPU")
+        return 1
 
     def log(msg):
         print(msg, flush=True)
@@ -59,8 +71,7 @@ def main(argv=None) -> int:
     ba.REP_MS = 30
     p = dict(ba.FULL, head_size=args.head_size)
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, head_size {args.head_size}")
-    for shape in args.shapes.split(","):
-        batch, ctx = map(int, shape.split("x"))
+    for batch, ctx in shapes:
         pb = ba.make_problem(KVQuantMode.NONE, batch, ctx, 1, p, "cuda")
         bf = ba.time_us(pb, ba.default_cfg(pb))
         del pb
@@ -68,9 +79,7 @@ def main(argv=None) -> int:
         for name in args.modes.split(","):
             pb = ba.make_problem(QUANT[name], batch, ctx, 1, p, "cuda")
             base = ba.default_cfg(pb)
-            spec = ([tuple(map(int, v.split(":"))) for v in args.variants.split()] if args.variants
-                    else VARIANTS[name])
-            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], p["head_size"], *v) for v in spec]
+            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], p["head_size"], *v) for v in spec or VARIANTS[name]]
             for cfg in dict.fromkeys([base] + variants):
                 err = ba.check(pb, cfg)
                 if not err <= 1e-2:
