@@ -156,7 +156,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
         if v4:  # programs per sequence: KV heads / heads per program
-            groups = max(1, num_seqs * (q.shape[1] // group) // max(1, v4[4] or q.shape[1] // group))
+            groups = max(1, pairs // max(1, v4[4] or q.shape[1] // group))
             want = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3], q.shape[2])
             cap = max_seqlen_k
         elif v3:
@@ -292,7 +292,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
         seg_pad = triton.next_power_of_2(cfg.num_segments)
         seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
-        rot_chunk = head_size if head_size * head_size <= 16384 else max(1, 8192 // head_size)
+        rot_chunk = head_size if head_size * head_size <= REDUCE_ONE_LOAD else max(1, 8192 // head_size)
         _attn_reduce_kernel[(num_tokens, num_q_heads)](
             out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
             signs_ptr=signs if is_int4 else segm_max,

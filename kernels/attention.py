@@ -8,10 +8,10 @@ Paths (picked by :func:`kernels._attn_launch.pick_config`):
   ``num_segments`` segments, one program each, and a reduction kernel merges them. Used when
   the caller passes the segment buffers (vLLM's ``softmax_segm_*``), or when the heuristic
   finds that the 2D grid would leave SMs idle; buffers are then allocated here. Quantized
-  caches use the v4 decode kernel there at head_size 128 (``_attn_decode_v4``: one cache block
-  per tile, one warp per KV head; INT4 from 32k keys in the batch on) and the v3 kernel
-  otherwise (``_attn_decode_v3``: 16-bit code units, one loop per row-alignment class, 1-2
-  warps per program); docs/bench/attention.md.
+  caches use the v4 decode kernel there at head_size 64, 128 and 256 (``_attn_decode_v4``:
+  one cache block per tile, one warp per KV head; INT4 only from 8k / 32k keys in the batch on)
+  and the v3 kernel otherwise (``_attn_decode_v3``: 16-bit code units, one loop per
+  row-alignment class, 1-4 warps per program); docs/bench/attention.md.
 
 Modes: NONE (bf16/fp16 cache, dots in the model dtype), INT8 / FP8 per-token-head (codes
 converted exactly to fp16 for the dots, per-token scales applied to score columns and folded
