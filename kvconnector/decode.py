@@ -219,6 +219,11 @@ class DecodeEndpoint:
         wait(list(h.jobs), timeout=10)   # verified writes still running: let them end before blocks are reported failed
         h.fail(err)
 
+    def _fail_corrupt(self, h: PullHandle, err: CorruptFrameError) -> None:
+        """Fail a pull on a frame that did not pass its checks; the metrics reason is
+        ``checksum`` for a checksum mismatch, else ``corrupt_frame``."""
+        self._fail(h, err, "checksum" if "checksum" in str(err) else "corrupt_frame")
+
     def _abort(self, tid: str) -> None:
         h = self._pending.get(tid)
         if h is not None:
@@ -319,14 +324,14 @@ class DecodeEndpoint:
             try:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
-                return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
+                return self._fail_corrupt(p, e)
             self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
                 self._write(p, h, payloads, local)
             except CorruptFrameError as e:
-                return self._fail(p, e, "checksum" if "checksum" in str(e) else "corrupt_frame")
+                return self._fail_corrupt(p, e)
             return self._landed_all(p, h)
         job = self._workers.submit(self._write_cuda if self.cuda else self._write, p, h, payloads, local)
         p.jobs.add(job)
@@ -355,7 +360,7 @@ class DecodeEndpoint:
         if err is None:
             return self._landed_all(p, h)
         if isinstance(err, CorruptFrameError):
-            return self._fail(p, err, "checksum" if "checksum" in str(err) else "corrupt_frame")
+            return self._fail_corrupt(p, err)
         self._on_error(err)
         self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
 

@@ -73,19 +73,22 @@ class BufferPool:
         self._views: dict = {}    # id(cache) -> (cache, numpy byte view); one endpoint's caches
         self._rows: dict = {}     # id(cache) -> (cache, torch row view), CUDA caches
 
+    @staticmethod
+    def _once(table: dict, cache: torch.Tensor, make):
+        """``make()`` for ``cache``, made once per cache (keyed by identity; a new tensor at a
+        reused address is a new cache)."""
+        hit = table.get(id(cache))
+        if hit is None or hit[0] is not cache:
+            hit = table[id(cache)] = (cache, make())
+        return hit[1]
+
     def cpu_view(self, cache: torch.Tensor, geo: CacheGeometry):
         """Numpy byte view ``[num_blocks, 2, N, H, P]`` of a CPU cache, made once per cache."""
-        hit = self._views.get(id(cache))
-        if hit is None or hit[0] is not cache:
-            hit = self._views[id(cache)] = (cache, as_bytes(cache, geo).numpy())
-        return hit[1]
+        return self._once(self._views, cache, lambda: as_bytes(cache, geo).numpy())
 
     def device_rows(self, cache: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:
         """Row view ``[num_blocks, block_bytes]`` of a CUDA cache (:func:`blocks.device_rows`), made once per cache."""
-        hit = self._rows.get(id(cache))
-        if hit is None or hit[0] is not cache:
-            hit = self._rows[id(cache)] = (cache, device_rows(cache, geo))
-        return hit[1]
+        return self._once(self._rows, cache, lambda: device_rows(cache, geo))
 
     def acquire(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         for i, (buf, tracker) in enumerate(self._free):
@@ -264,7 +267,7 @@ class Stream:
 
     def _stage(self) -> None:
         layer, nlay, first = self._plan.popleft()
-        k = len(self.block_ids[first:first + self.chunk_blocks])
+        k = min(self.chunk_blocks, len(self.block_ids) - first)
         if self.copy_stream is None:
             frames, gather = self._cpu_payload(layer, nlay, first)
             buf, device = (gather[0] if gather else None), None
