@@ -5,7 +5,11 @@ Two kernels share the SPEC §3 math (the oracle is ``kernels.reference.quantize_
 bytes of codes + 4 bytes of scale), the fewest bytes the format allows (vLLM rotates in a
 separate pass first):
 
-- ``kernel="lanes"`` (``_write_int4_lanes``, the GPU default for head_size 16..256): the
+- ``kernel="mma"`` (``_write_int4_mma`` inside the lanes kernel, the GPU default for head_size
+  64..256): each 32-column part rotated by ``mma.sync`` on tensor cores, the parts joined by
+  in-lane adds; the tensor cores add in their own order, so a rare row differs from the oracle
+  by one rounding of a rotated value (a tie row, within one code step; docs/bench/write.md);
+- ``kernel="lanes"`` (``_write_int4_lanes``, the GPU default for head_size 16 and 32): the
   oracle's butterfly in registers and warp shuffles, bit-identical to the oracle;
 - ``kernel="fused"`` (``_write_int4_fused``, the CPU default; on the GPU for the MSE encoder and
   wider rows) with two rotations: ``"butterfly"`` (the oracle's stages, exact) or ``"dot"``
@@ -30,6 +34,7 @@ from layouts import KVQuantMode
 from ._jit import interpreting
 from ._write_checks import cache_alignment, check_write_args, scale_bits_view
 from ._write_int4_fused import _reshape_and_cache_int4_kernel
+from ._write_int4_mma import MMA_COLS, mma_table
 from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
 from .reference import rht_signs
 
@@ -60,26 +65,40 @@ def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
     return torch.tensor(shrink, dtype=torch.float32, device=device)
 
 
-def default_int4_config(head_size: int, on_cpu: bool) -> dict:
-    """Kernel, tile rows, warps, rotation, division and programs per SM used when the caller names none."""
+# (parts, rows, warps) of the shuffle kernel, fastest on the H200 at 65,536 tokens x 8 heads
+# (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 77.8 / 143.8 / 295.2 us; docs/bench/write.md, session 2)
+LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1), 256: (8, 16, 2)}
+# (rows, warps, packed_range) of the tensor-core kernel, the GPU default from head_size 64: at 65,536
+# tokens x 8 heads 64.1-64.4 / 115.5-116.5 / 241-242 us against the shuffle kernel's 73.4-73.8 /
+# 145.6-147.0 / 278-280 at head_size 64 / 128 / 256 (docs/bench/write.md, session 8)
+MMA_TILING = {64: (32, 2, True), 128: (32, 2, False), 256: (32, 2, False)}
+
+
+def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None) -> dict:
+    """Tile rows, warps, rotation, division, programs per SM... of ``kernel`` (None: the kernel
+    used when the caller names none: "mma" on the GPU from head_size 64, "lanes" below, "fused"
+    on CPU and for rows wider than 256)."""
+    if kernel is None:
+        kernel = ("fused" if on_cpu or head_size not in LANE_BITS else "mma" if head_size in MMA_TILING
+                  else "lanes")
+    cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
+               parts=1, packed_range=False)
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
-        return dict(rows=64, num_warps=4, rotation="butterfly", div="markstein", programs_per_sm=0,
-                    kernel="fused", num_stages=None, parts=1)
-    if head_size in LANE_BITS:
-        # GPU default: the shuffle kernel (bit-identical to the oracle, bf16 and fp16), with the
-        # (parts, rows, warps) that measured fastest on the H200 at 65,536 tokens x 8 heads
-        # (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 77.8 / 143.8 / 295.2 us; the fused
-        # tl.dot kernel 114.8 / 230.8 / 498.4 us at 64 / 128 / 256; docs/bench/write.md, 2026-11-29)
-        parts, rows, warps = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1)}.get(head_size, (8, 16, 2))
-        return dict(rows=rows, num_warps=warps, rotation="butterfly", div="markstein", programs_per_sm=0,
-                    kernel="lanes", num_stages=None, parts=parts)
+        return dict(cfg, rows=64, num_warps=4, parts=max(1, head_size // MMA_COLS) if kernel == "mma" else 1)
+    if kernel == "mma":
+        rows, warps, packed = MMA_TILING.get(head_size, (32, 2, False))
+        return dict(cfg, rows=rows, num_warps=warps, parts=max(1, head_size // MMA_COLS), packed_range=packed)
+    if kernel == "lanes":
+        parts, rows, warps = LANES_TILING.get(head_size, (8, 16, 2))
+        return dict(cfg, rows=rows, num_warps=warps, parts=parts)
     return fused_int4_config(head_size)
 
 
 def fused_int4_config(head_size: int) -> dict:
     """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
-                rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1)
+                rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1,
+                packed_range=False)
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -104,10 +123,12 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ``(1.0,)`` (default) is the SPEC/vLLM encoder. The first factor must be 1.0.
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
         The kernel never writes outside the cache either way: unchecked bad slots are skipped.
-    **tuning : ``kernel`` ("lanes": the shuffle kernel of ``_write_int4_lanes``, bit-identical to
-        the oracle, the GPU default for head_size 16..256; "fused": ``tl.dot`` or butterfly rotation,
-        the CPU default and the GPU kernel for the MSE encoder and wider rows; naming a ``rotation``
-        or a ``div`` selects it), ``rows``, ``num_warps``, ``num_stages``, ``rotation``
+    **tuning : ``kernel`` ("mma": tensor-core rotation, the GPU default for head_size 64..256,
+        rare tie rows; "lanes": the shuffle kernel of ``_write_int4_lanes``, bit-identical to the
+        oracle, the GPU default below 64; "fused": ``tl.dot`` or butterfly rotation, the CPU default
+        and the GPU kernel for the MSE encoder and wider rows; naming a ``rotation`` or a ``div``
+        selects it), ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range``
+        (mma: the row range on rounded bf16x2/f16x2 pairs), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
         programs resident per SM; 0: one tile per program); benchmarks only. Naming
         ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
@@ -131,12 +152,16 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     if kernel is None:  # naming a rotation or a division selects the fused kernel, which has them
         fused_only = "rotation" in tuning or tuning.get("div", "markstein") != "markstein"
         kernel = "fused" if fused_only else cfg["kernel"]
-    if kernel not in ("fused", "lanes"):
-        raise ValueError(f"kernel: expected 'fused' or 'lanes', got {kernel!r}")
-    if kernel == "lanes" and (len(shrink) > 1 or shape.head_size not in LANE_BITS):
+    if kernel not in ("fused", "lanes", "mma"):
+        raise ValueError(f"kernel: expected 'fused', 'lanes' or 'mma', got {kernel!r}")
+    if kernel == "mma" and shape.head_size < MMA_COLS:
+        kernel = "lanes"  # tensor-core parts are 32 columns wide
+    if kernel != "fused" and (len(shrink) > 1 or shape.head_size not in LANE_BITS):
         kernel = "fused"  # the MSE encoder and rows wider than one warp's 32 lanes x 8 stay fused
-    if kernel != cfg["kernel"]:
-        cfg = fused_int4_config(shape.head_size) if not cpu and kernel == "fused" else dict(cfg)
+    if kernel == "mma" and tuning.get("parts") not in (None, shape.head_size // MMA_COLS):
+        raise ValueError(f"mma kernel: parts is head_size / {MMA_COLS} = {shape.head_size // MMA_COLS}, "
+                         f"got {tuning['parts']}")
+    cfg = default_int4_config(shape.head_size, cpu, kernel)
     cfg.update({k: v for k, v in tuning.items() if v is not None}, kernel=kernel)
     if cfg["rotation"] not in ROTATIONS or cfg["div"] not in DIVISIONS:
         raise ValueError(f"rotation/div: expected one of {ROTATIONS} / {tuple(DIVISIONS)}, got "
@@ -150,23 +175,26 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     num_tiles = triton.cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
-    if cfg["kernel"] == "lanes":
+    if cfg["kernel"] in ("lanes", "mma"):
+        mma = cfg["kernel"] == "mma"
         # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers
-        cover = cfg["num_warps"] * 32 * 8 * cfg["parts"] // d
+        # (mma: of twice that, each lane's rows taken in pairs as one 16-row tile)
+        cover = cfg["num_warps"] * 32 * 8 * cfg["parts"] // d * (2 if mma else 1)
         if cfg["parts"] not in (1, 2, 4, 8) or d // cfg["parts"] < 8 or (rows % cover and not cpu):
-            raise ValueError(f"lanes kernel: parts in (1, 2, 4, 8) with head_size/parts >= 8 and rows a multiple "
-                             f"of {cover} (num_warps x 32 lanes / lanes per row), got parts={cfg['parts']}, "
-                             f"rows={rows}, num_warps={cfg['num_warps']}")
+            raise ValueError(f"{cfg['kernel']} kernel: parts in (1, 2, 4, 8) with head_size/parts >= 8 and rows a "
+                             f"multiple of {cover} (num_warps x 32 lanes / lanes per row), got "
+                             f"parts={cfg['parts']}, rows={rows}, num_warps={cfg['num_warps']}")
         contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
         _reshape_and_cache_int4_lanes_kernel[(num_tiles, 2)](
             key, value, key_cache, value_cache, ks, vs, slot_mapping, rht_signs(d, dev),
-            num_rows, shape.num_blocks * shape.block_size,
+            mma_table(d, key.dtype, dev) if mma else rht_signs(d, dev), num_rows, shape.num_blocks * shape.block_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
             ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
             ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1,
             FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
+            MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]),
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
         return
     ch = chunk_size(d)

@@ -22,6 +22,12 @@ by construction. On the GPU the sign flip and the widening to fp32 are inside th
 and one asm per part divides, codes and packs (``CODES_ASM``). A later variant that took the row
 range on rounded bf16x2 / f16x2 pairs (fdc8619) cut the SASS further but ran 6% slower at
 head_size 128 on the H200 and was reverted. Measurements: docs/bench/write.md.
+
+``MMA`` (``kernel="mma"``, the GPU default from head_size 64) keeps this kernel's frame (parts of
+32 columns, the in-lane stages across parts, the codes asm) and rotates each part on tensor cores
+instead (``_write_int4_mma``); its row range folds the parts in-lane before one row reduction,
+and ``PACKED`` takes it on rounded pairs (that variant's code, back from fdc8619; faster at
+head_size 64 only).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ._jit import dual_jit
-from ._write_math import fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
+from ._write_int4_mma import mma_b_operands, mma_part, packed_codes_text, packed_range
+from ._write_math import _max_nan, _min_nan, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
 
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
@@ -109,14 +116,20 @@ CODES_ASM = tl.constexpr(_codes_text())
 @triton.jit
 def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.constexpr, N: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """Codes of ``r: [ROWS, N]`` (rotated, fp32) packed into ``N // 2`` bytes per row at ``c_row``."""
-    rr = round_to_model_f32(r, DTYPE, INTERPRET)
+    """Codes of ``r: [ROWS, N]`` (rotated, fp32; or already rounded to the model dtype on the
+    GPU) packed into ``N // 2`` bytes per row at ``c_row``."""
     if INTERPRET:
-        packed = pack_nibbles(int4_codes_fast(rr, scale, zph, rcp, INTERPRET), ROWS, N)
+        packed = pack_nibbles(int4_codes_fast(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET),
+                              ROWS, N)
     else:
         nb = (0.0 - scale)[:, None]
-        y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 31 + "f", [rr, rcp[:, None], nb, zph[:, None]],
-                                      dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
+        if r.dtype == tl.float32:
+            y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 31 + "f",
+                                          [round_to_model_f32(r, DTYPE, INTERPRET), rcp[:, None], nb, zph[:, None]],
+                                          dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
+        else:
+            y = tl.inline_asm_elementwise(packed_codes_text(r.dtype == tl.float16), "=r,=r," + "r," * 4 + "f," * 23 + "f",
+                                          [r, rcp[:, None], nb, zph[:, None]], dtype=tl.uint8, is_pure=True, pack=8)
         y = tl.permute(tl.reshape(y, (ROWS, N // 8, 2, 4)), (0, 1, 3, 2))
         packed = tl.reshape(tl.split(y)[0], (ROWS, N // 2))
     tl.store(c_row + tl.arange(0, N // 2)[None, :], packed, mask=mask[:, None])
@@ -124,15 +137,18 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
-    ``FWHT_ASM`` (the launcher's bf16 text) is not used: the kernel builds its dtype's variant."""
+    ``FWHT_ASM`` (the launcher's bf16 text) is not used: the kernel builds its dtype's variant.
+    ``MMA`` (N = 32): the transform on tensor cores (``_write_int4_mma``; ``b0``/``b1`` its B words)."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, N] model dtype
     sgn = tl.load(sign_ptr + cols)[None, :]
     if INTERPRET:
         r = fwht_rows(x.to(tl.float32) * sgn, ROWS, N, LOG2_N)
+    elif MMA:
+        r = mma_part(x, tab_ptr, first, b0, b1)
     else:
         r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
                                       [x, sgn.to(tl.int32, bitcast=True)], dtype=tl.float32, is_pure=True, pack=8)
@@ -141,12 +157,12 @@ def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
 
 @triton.jit
 def _rotated_quad(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr):
+                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
-    r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-    r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
-    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+    r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
@@ -160,18 +176,72 @@ def _min_max2(lo, hi, r, INTERPRET: tl.constexpr):
     return tl.minimum(lo, lo2, propagate_nan=tl.PropagateNan.ALL), tl.maximum(hi, hi2, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def _codes_stores(r0, r1, r2, r3, r4, r5, r6, r7, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr,
+                  ROWS: tl.constexpr, N: tl.constexpr, PARTS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Each part's codes stored by itself (N // 2 bytes per row and part)."""
+    _codes_store(r0, scale, zph, rcp, c_row, mask, DTYPE, ROWS, N, INTERPRET)
+    if PARTS >= 2:
+        _codes_store(r1, scale, zph, rcp, c_row + N // 2, mask, DTYPE, ROWS, N, INTERPRET)
+    if PARTS >= 4:
+        _codes_store(r2, scale, zph, rcp, c_row + N, mask, DTYPE, ROWS, N, INTERPRET)
+        _codes_store(r3, scale, zph, rcp, c_row + 3 * N // 2, mask, DTYPE, ROWS, N, INTERPRET)
+    if PARTS == 8:
+        _codes_store(r4, scale, zph, rcp, c_row + 2 * N, mask, DTYPE, ROWS, N, INTERPRET)
+        _codes_store(r5, scale, zph, rcp, c_row + 5 * N // 2, mask, DTYPE, ROWS, N, INTERPRET)
+        _codes_store(r6, scale, zph, rcp, c_row + 3 * N, mask, DTYPE, ROWS, N, INTERPRET)
+        _codes_store(r7, scale, zph, rcp, c_row + 7 * N // 2, mask, DTYPE, ROWS, N, INTERPRET)
+
+
+@triton.jit
+def _parts_range_each(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-row (min, max) over the first PARTS parts, one row reduction per part (NaN-propagating)."""
+    lo, hi = row_min_max(r0, INTERPRET)
+    if PARTS >= 2:
+        lo, hi = _min_max2(lo, hi, r1, INTERPRET)
+    if PARTS >= 4:
+        lo, hi = _min_max2(lo, hi, r2, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r3, INTERPRET)
+    if PARTS == 8:
+        lo, hi = _min_max2(lo, hi, r4, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r5, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r6, INTERPRET)
+        lo, hi = _min_max2(lo, hi, r7, INTERPRET)
+    return lo, hi
+
+
+@triton.jit
+def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
+    """The same on the GPU with the parts folded elementwise first (in-lane) and one row
+    reduction at the end: fewer cross-lane steps when several lanes share a row."""
+    lo = r0
+    hi = r0
+    if PARTS >= 2:
+        lo = _min_nan(lo, r1)
+        hi = _max_nan(hi, r1)
+    if PARTS >= 4:
+        lo = _min_nan(lo, _min_nan(r2, r3))
+        hi = _max_nan(hi, _max_nan(r2, r3))
+    if PARTS == 8:
+        lo = _min_nan(lo, _min_nan(_min_nan(r4, r5), _min_nan(r6, r7)))
+        hi = _max_nan(hi, _max_nan(_max_nan(r4, r5), _max_nan(r6, r7)))
+    return tl.reduce(lo, 1, _min_nan), tl.reduce(hi, 1, _max_nan)
+
+
 @dual_jit
 def _reshape_and_cache_int4_lanes_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
     slot_mapping_ptr,                # as in _reshape_and_cache_int4_kernel
     sign_ptr,                        # [head_size] fp32 RHT signs
+    tab_ptr,                         # MMA: _write_int4_mma.mma_table in the input dtype (else unused)
     num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, FWHT_ASM: tl.constexpr,
     INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr, MMA: tl.constexpr = False, WARPS: tl.constexpr = 1,
+    PACKED: tl.constexpr = False,
 ):
     """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
     ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
@@ -186,6 +256,11 @@ def _reshape_and_cache_int4_lanes_kernel(
     x_ptr = tl.where(kv, key_ptr, value_ptr)
     cache_ptr = tl.where(kv, key_cache_ptr, value_cache_ptr)
     scale_ptr = tl.where(kv, k_scale_ptr, v_scale_ptr)
+    dtype = x_ptr.dtype.element_ty
+    b0 = 0
+    b1 = 0
+    if MMA and not INTERPRET:  # once per program: every part uses the same B words
+        b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the launcher keeps rows < 2**31
     valid = rows < num_rows
     token = rows // NUM_KV_HEADS
@@ -195,38 +270,35 @@ def _reshape_and_cache_int4_lanes_kernel(
     else:
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
-    dtype = x_ptr.dtype.element_ty
     if PARTS <= 2:
-        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)  # [ROWS, N] fp32
+        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
-            r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+            r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
-        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
-        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET)
+        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6
         r3, r7 = r3 + r7, r3 - r7
-    lo, hi = row_min_max(r0, INTERPRET)
-    if PARTS >= 2:
-        lo, hi = _min_max2(lo, hi, r1, INTERPRET)
-    if PARTS >= 4:
-        lo, hi = _min_max2(lo, hi, r2, INTERPRET)
-        lo, hi = _min_max2(lo, hi, r3, INTERPRET)
-    if PARTS == 8:
-        lo, hi = _min_max2(lo, hi, r4, INTERPRET)
-        lo, hi = _min_max2(lo, hi, r5, INTERPRET)
-        lo, hi = _min_max2(lo, hi, r6, INTERPRET)
-        lo, hi = _min_max2(lo, hi, r7, INTERPRET)
+    if MMA and PACKED and not INTERPRET:  # round once (pairs), the range of the rounded parts
+        r0, r1, r2, r3 = r0.to(dtype), r1.to(dtype), r2.to(dtype), r3.to(dtype)  # RNE, cvt.rn.*x2 pairs
+        r4, r5, r6, r7 = r4.to(dtype), r5.to(dtype), r6.to(dtype), r7.to(dtype)
+        hi, nlo = packed_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)
+        lo = 0.0 - nlo  # -max(-min) == min; rounded already: the rounding below changes nothing
+    elif MMA and not INTERPRET:  # elementwise across parts first: one cross-lane reduction per row
+        lo, hi = _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)
+    else:
+        lo, hi = _parts_range_each(r0, r1, r2, r3, r4, r5, r6, r7, PARTS, INTERPRET)
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
     slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
@@ -242,17 +314,7 @@ def _reshape_and_cache_int4_lanes_kernel(
     c_row = cache_ptr + ((blk * tl.where(kv, stride_kc_block, stride_vc_block)
                           + off * tl.where(kv, stride_kc_slot, stride_vc_slot)
                           + head * tl.where(kv, stride_kc_head, stride_vc_head)) * CACHE_ALIGN)[:, None]
-    _codes_store(r0, scale, zph, rcp, c_row, mask, dtype, ROWS, N, INTERPRET)
-    if PARTS >= 2:
-        _codes_store(r1, scale, zph, rcp, c_row + N // 2, mask, dtype, ROWS, N, INTERPRET)
-    if PARTS >= 4:
-        _codes_store(r2, scale, zph, rcp, c_row + N, mask, dtype, ROWS, N, INTERPRET)
-        _codes_store(r3, scale, zph, rcp, c_row + 3 * N // 2, mask, dtype, ROWS, N, INTERPRET)
-    if PARTS == 8:
-        _codes_store(r4, scale, zph, rcp, c_row + 2 * N, mask, dtype, ROWS, N, INTERPRET)
-        _codes_store(r5, scale, zph, rcp, c_row + 5 * N // 2, mask, dtype, ROWS, N, INTERPRET)
-        _codes_store(r6, scale, zph, rcp, c_row + 3 * N, mask, dtype, ROWS, N, INTERPRET)
-        _codes_store(r7, scale, zph, rcp, c_row + 7 * N // 2, mask, dtype, ROWS, N, INTERPRET)
+    _codes_stores(r0, r1, r2, r3, r4, r5, r6, r7, scale, zph, rcp, c_row, mask, dtype, ROWS, N, PARTS, INTERPRET)
     bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
     bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
     s_off = (blk * tl.where(kv, stride_ks_block, stride_vs_block) + off * tl.where(kv, stride_ks_slot, stride_vs_slot)

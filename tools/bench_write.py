@@ -190,7 +190,8 @@ def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
     return _compare(mode_name, geo, ref, cache, num_tokens * NUM_KV_HEADS)
 
 
-COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", {}), ("int4", dict(kernel="fused")),
+COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", {}), ("int4", dict(kernel="lanes")),
+                    ("int4", dict(kernel="fused")),
                     ("int8", dict(rows=32, num_warps=4)), ("fp8", dict(rows=32, num_warps=4))]
 
 
@@ -227,7 +228,8 @@ def run_check(args, device):
     print("\n| mode | dtype | head_size | tokens | options | rows differing | codes differing | max Δ (scales) |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
     cases = [(m, torch.bfloat16, d, {}) for d in args.head_sizes for m in args.modes]
-    cases += [("int4", torch.float16, 128, {}), ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
+    cases += [("int4", torch.float16, 128, {}), ("int4", torch.bfloat16, 128, dict(kernel="lanes")),
+              ("int4", torch.float16, 128, dict(kernel="lanes")), ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
               ("int8", torch.float16, 128, {}), ("fp8", torch.float16, 128, {})]
     worst = 0
     for mode_name, dtype, head_size, kw in cases:

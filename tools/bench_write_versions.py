@@ -7,6 +7,10 @@ public API in one process. Each version is first checked byte for byte against t
 timed next to a device copy of the same bytes, interleaved, ``--reps`` times::
 
     PYTHONPATH=. python3 tools/bench_write_versions.py HEAD 430b719 65324f4 71e181d
+
+``--kernel`` picks the path through the file ("lanes", default, or "mma", the tensor-core
+rotation). Since session 8 the launcher passes the kernel a table argument and the MMA flags, so
+only files from that change on load into today's launcher; older ones need their own tree.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--kernel", choices=("lanes", "mma"), default="lanes")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_write_versions needs a CUDA GPU")
@@ -60,14 +65,14 @@ def main(argv=None) -> int:
         for d in a.head_sizes:
             for c, m in mods.items():
                 use(m)
-                check = BW.check_case("int4", torch.bfloat16, d, 4096, dev)
+                check = BW.check_case("int4", torch.bfloat16, d, 4096, dev, kernel=a.kernel)
                 print(d, c, "check (rows, codes, max err)", check, flush=True)
             for rep in range(a.reps):
-                _, nbytes = BW.time_write("int4", a.tokens, d, dev)
+                _, nbytes = BW.time_write("int4", a.tokens, d, dev, kernel=a.kernel)
                 copy_us = BW.time_copy(nbytes, dev)
                 for c, m in mods.items():
                     use(m)
-                    us, _ = BW.time_write("int4", a.tokens, d, dev)
+                    us, _ = BW.time_write("int4", a.tokens, d, dev, kernel=a.kernel)
                     print(f"d={d} rep={rep} {c} us={us:.1f} copy_us={copy_us:.1f} "
                           f"pct={100 * copy_us / us:.0f}%", flush=True)
     return 0

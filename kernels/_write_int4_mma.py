@@ -1,0 +1,170 @@
+"""INT4 write's rotation on tensor cores: one ``mma.sync`` tile per 32 columns of 16 rows.
+
+``H_d = H_{d/32} ⊗ H_32`` (Sylvester order: column ``i = 32·b + a``), so the rotation of a row
+is a 32-point transform of each 32-column *part* ``b`` followed by the ``d/32``-point transform
+across parts. The lanes kernel already does the second step with in-lane fp32 adds; here the
+first is a matrix product on tensor cores instead of 5 butterfly stages and 2 shuffle stages:
+``D_b = (s ⊙ x)[:, part b] · H_32`` with ``mma.sync.m16n8k16`` (bf16 or fp16 operands, fp32
+accumulation), 2 k-steps × 4 n-tiles = 8 instructions per part of 16 rows.
+
+Where the values are, with Triton's coalesced layout of a ``[ROWS, 32]`` 16-bit load
+(``sizePerThread [1, 8]``, ``threadsPerWarp [8, 4]``): lane ``l = 4g + t`` holds columns
+``8t .. 8t+7`` of rows ``g`` and ``g + 8`` (of each 16-row group), as 4 + 4 packed pairs, which
+``inline_asm_elementwise(pack=16)`` hands over in that order. Those registers *are* the mma's A
+fragments if the k index is permuted: in k-step ``ks`` fragment column ``2t + e`` is part
+column ``8t + 4ks + e`` and ``2t + 8 + e`` is ``8t + 4ks + 2 + e`` — no data moves. The output
+columns are permuted so that the D fragment lands where the load put its inputs: n-tile ``nn``,
+fragment column ``2t + e`` is part column ``σ = 8t + 2nn + e``, i.e. lane ``4g + t`` again holds
+columns ``8t .. 8t+7`` of its two rows, in order. Both permutations live in the constant B
+operand, ``B[k][n] = H_32[a(k)][σ(n)]``: 16 words per lane (:func:`b_words`), loaded once per
+program from a small table in the lane's own layout. The sign flip ``s ⊙ x`` is one XOR per
+packed pair with the signs' bit 15 (a 16-bit table after B).
+
+Exactness: products are exact (±x) but the tensor core adds 32 of them in its own order (and
+its own rounding), not the oracle's butterfly order, so a rotated value can rarely round to the
+neighbouring bf16/fp16 — a tie row, as with the fused ``tl.dot`` kernel. Rows whose partial
+sums are exact in fp32 (narrow exponent range) come out bit-identical. NaN/Inf propagate (a row
+with one non-finite value rotates to all non-finite values) and the kernel stores such rows as
+the oracle does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .reference import rht_signs
+
+MMA_COLS = 32  # columns per part (one H_32)
+MMA_N = tl.constexpr(MMA_COLS)
+B_HALVES = tl.constexpr(32 * 32)  # the B table: 32 lanes × 16 words × 2 halves
+_ONE = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # bits of 1.0
+
+
+def b_word(lane: int, q: int, one: int) -> int:
+    """Word ``q`` (0..15) of lane ``lane``'s B fragments: k-step ``q >> 3``, n-tile ``(q >> 1) & 3``,
+    register ``q & 1``; two ±1 halves of ``H_32[a][σ]`` (even k in the low half)."""
+    g, t = lane >> 2, lane & 3
+    ks, nn, r = q >> 3, (q >> 1) & 3, q & 1
+    c = 8 * (g >> 1) + 2 * nn + (g & 1)  # σ(8·nn + g): the output column of fragment column g
+    word = 0
+    for e in (0, 1):
+        a = 8 * t + 4 * ks + 2 * r + e  # the part column of fragment row 2t + 8r + e
+        word |= (one | (bin(a & c).count("1") & 1) << 15) << (16 * e)
+    return word
+
+
+@functools.lru_cache(maxsize=None)
+def mma_table(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``[B_HALVES + head_size]`` 16-bit table in ``dtype``: lane ``l``'s B words at ``l·32 ..``
+    (half ``2q + e`` of word ``q``), then the sign bits (``0x8000`` where ``s = -1``) per column.
+    Made once per (head_size, dtype, device); bit patterns, not values."""
+    one = _ONE[dtype]
+    halves = [(b_word(lane, q, one) >> (16 * e)) & 0xFFFF for lane in range(32) for q in range(16) for e in (0, 1)]
+    halves += [0x8000 if s < 0 else 0 for s in rht_signs(head_size).tolist()]
+    return torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).to(device)
+
+
+@triton.constexpr_function
+def mma_text(f16):
+    """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23),
+    the sign bits $24..$31 and B words $32..$47 in; ``H_32 · (s ⊙ x)`` out in $0..$15 (row g's
+    columns 8t..8t+7, then row g+8's), fp32."""
+    ty = "f16" if f16 else "bf16"
+    lines = ["{", ".reg .b32 a<8>;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
+    lines += [f"xor.b32 a{w}, ${16 + w}, ${24 + w};" for w in range(8)]  # a0..3 row g, a4..7 row g+8
+    for nn in range(4):
+        d = f"${2 * nn}, ${2 * nn + 1}, ${8 + 2 * nn}, ${9 + 2 * nn}"
+        for ks in range(2):
+            a = f"a{2 * ks}, a{4 + 2 * ks}, a{2 * ks + 1}, a{5 + 2 * ks}"
+            b = f"${32 + 8 * ks + 2 * nn}, ${33 + 8 * ks + 2 * nn}"
+            c = "z, z, z, z" if ks == 0 else d
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+@triton.jit
+def mma_b_operands(tab_ptr, ROWS: tl.constexpr, WARPS: tl.constexpr):
+    """The B words as two ``[ROWS, 32]`` 16-bit tensors in the parts' layout: element (row, col)
+    sits in lane ``4·(row % 8) + col // 8`` as half ``col % 8`` of that lane's words 0..3 (first
+    row of the pair) or 4..7 (second); the second tensor holds words 8..15."""
+    rows = tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, MMA_N)[None, :]
+    off = ((rows % 8) * 4 + cols // 8) * 32 + ((rows // (8 * WARPS)) % 2) * 8 + cols % 8
+    return tl.load(tab_ptr + off), tl.load(tab_ptr + off + 16)
+
+
+@triton.jit
+def mma_part(x, tab_ptr, first, b0, b1):
+    """``H_32 · (s ⊙ x)`` of a loaded part ``x: [ROWS, 32]`` (columns ``first ..``), fp32."""
+    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, x.shape[0])[:, None]
+    m = tl.load(tab_ptr + B_HALVES + cols)  # loaded in the parts' 2D layout (a 1D load would be converted)
+    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
+                                     [x, m, b0, b1], dtype=tl.float32, is_pure=True, pack=16)
+
+
+# --- the row range on rounded pairs (an option of the MMA path; first tried as fdc8619) ---
+
+
+@triton.constexpr_function
+def packed_codes_text(f16):
+    """PTX for 8 values rounded to the model dtype, packed in pairs $2..$5, and their row's
+    ``RN(1/scale)`` $6, ``-scale`` $14, ``zp + 0.5`` $22: the lanes kernel's ``CODES_ASM`` after
+    an exact widening of each value to fp32; the packed word in $0 ($1 unset)."""
+    lines = ["{", ".reg .f32 r<8>, t0, e, t;", ".reg .b32 q<8>, w;", ".reg .b16 h<2>;"]
+    for j in range(4):
+        if f16:
+            lines += [f"mov.b32 {{h0, h1}}, ${2 + j};", f"cvt.f32.f16 r{2 * j}, h0;", f"cvt.f32.f16 r{2 * j + 1}, h1;"]
+        else:
+            lines += [f"shl.b32 r{2 * j}, ${2 + j}, 16;", f"and.b32 r{2 * j + 1}, ${2 + j}, 0xFFFF0000;"]
+    for i in range(8):
+        lines += [f"mul.rn.f32 t0, r{i}, $6;", f"fma.rn.f32 e, t0, $14, r{i};", "fma.rn.f32 t, e, $6, t0;",
+                  "add.rn.f32 t, t, $22;", f"cvt.rzi.s32.f32 q{i}, t;"]
+    lines += ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
+              "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", "cvt.pack.sat.u4.s32.b32 $0, q1, q0, w;", "}"]
+    return "\n".join(lines)
+
+
+@triton.constexpr_function
+def range_text(parts, f16):
+    """PTX for one lane's ``parts`` x 8 rounded values (packed pairs from $16 on, one row): the
+    row's max in $0..$7 and minus its min in $8..$15 (fp32; NaN in all if any value of the row is
+    NaN). ``max.NaN`` / ``min.NaN`` on .bf16x2 / .f16x2 pairs (exact, NaN-propagating per half);
+    the max and the negated min (sign bits flipped: exact) are paired so one more ``max.NaN``
+    folds the halves, and two shuffles combine the row's 4 lanes."""
+    ty = "f16x2" if f16 else "bf16x2"
+    lines = ["{", ".reg .b32 mx, mn, a, b;", ".reg .b16 h<2>;", "mov.b32 mx, $16;", "mov.b32 mn, $16;"]
+    for k in range(1, 4 * parts):
+        lines += [f"max.NaN.{ty} mx, mx, ${16 + k};", f"min.NaN.{ty} mn, mn, ${16 + k};"]
+    lines += ["xor.b32 mn, mn, 0x80008000;", "prmt.b32 a, mx, mn, 0x5410;", "prmt.b32 b, mx, mn, 0x7632;",
+              f"max.NaN.{ty} a, a, b;"]
+    for j in range(2):
+        lines += [f"shfl.sync.bfly.b32 b, a, {1 << j}, 31, -1;", f"max.NaN.{ty} a, a, b;"]
+    if f16:
+        lines += ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 $0, h0;", "cvt.f32.f16 $8, h1;"]
+    else:
+        lines += ["shl.b32 $0, a, 16;", "and.b32 $8, a, 0xFFFF0000;"]
+    lines += [f"mov.b32 ${i}, $0;" for i in range(1, 8)] + [f"mov.b32 ${i}, $8;" for i in range(9, 16)] + ["}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def _first(a, b):
+    return a
+
+
+@triton.jit
+def packed_range(q0, q1, q2, q3, q4, q5, q6, q7, PARTS: tl.constexpr):
+    """Row ``(max, -min)`` [ROWS] fp32 of the rounded parts (model dtype [ROWS, 32]), NaN-propagating.
+    All 8 tensors always: parts past PARTS alias part 0 and the text leaves them unread."""
+    asm: tl.constexpr = range_text(PARTS, q0.dtype == tl.float16)
+    mx, nmn = tl.inline_asm_elementwise(asm, "=f," * 16 + "r," * 31 + "r", [q0, q1, q2, q3, q4, q5, q6, q7],
+                                        dtype=(tl.float32, tl.float32), is_pure=True, pack=8)
+    # every value of a row is already the row's: the reduction only changes the layout to [ROWS]
+    return tl.reduce(mx, 1, _first), tl.reduce(nmn, 1, _first)
+
