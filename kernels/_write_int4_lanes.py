@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from ._jit import dual_jit
-from ._write_int4_mma import mma_b_operands, mma_part, packed_codes_text, packed_range
-from ._write_math import _max_nan, _min_nan, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
+from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
+from ._write_math import _max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
 
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
@@ -94,20 +94,10 @@ def fwht_asm(lane_bits: int) -> str:
 
 def _codes_text():
     """PTX for 8 rounded values $2..$9 (fp32) and their row's ``RN(1/scale)`` $10, ``-scale`` $18,
-    ``zp + 0.5`` $26: ``int4_codes_fast``'s division and code, packed into one word $0 ($1, the
-    other four bytes of the pack, is left unset). Per value: Markstein's ``RN(r / scale)`` (one
-    multiply, two FMAs), ``+ zph``, ``cvt.rzi.s32`` (NaN and -inf give 0, truncation is floor on
-    >= 0); then ``cvt.pack.sat.u4.s32`` clamps two codes to [0, 15] and packs them into a byte
-    (even element low), shifting the word so far up 8 bits. ``sat_u4(trunc_s32(v))`` equals the
-    previous ``min(trunc_u32_sat(v), 15)`` for every v: both are 0 for v < 1, NaN and -inf,
-    ``floor(v)`` on [0, 15] and 15 above."""
+    ``zp + 0.5`` $26: ``int4_codes_fast``'s division and code (:func:`codes_ptx`), packed into one
+    word $0 ($1, the other four bytes of the pack, is left unset)."""
     lines = ["{", ".reg .f32 t0, e, t;", ".reg .b32 q<8>, w;"]
-    for i in range(8):
-        lines += [f"mul.rn.f32 t0, ${2 + i}, $10;", f"fma.rn.f32 e, t0, $18, ${2 + i};", "fma.rn.f32 t, e, $10, t0;",
-                  "add.rn.f32 t, t, $26;", f"cvt.rzi.s32.f32 q{i}, t;"]
-    lines += ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
-              "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", "cvt.pack.sat.u4.s32.b32 $0, q1, q0, w;", "}"]
-    return "\n".join(lines)
+    return "\n".join(lines + codes_ptx([f"${2 + i}" for i in range(8)], "$10", "$18", "$26", "$0") + ["}"])
 
 
 CODES_ASM = tl.constexpr(_codes_text())
@@ -128,7 +118,8 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
                                           [round_to_model_f32(r, DTYPE, INTERPRET), rcp[:, None], nb, zph[:, None]],
                                           dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
         else:
-            y = tl.inline_asm_elementwise(packed_codes_text(r.dtype == tl.float16), "=r,=r," + "r," * 4 + "f," * 23 + "f",
+            asm: tl.constexpr = PACKED_CODES_F16 if r.dtype == tl.float16 else PACKED_CODES_BF16
+            y = tl.inline_asm_elementwise(asm, "=r,=r," + "r," * 4 + "f," * 23 + "f",
                                           [r, rcp[:, None], nb, zph[:, None]], dtype=tl.uint8, is_pure=True, pack=8)
         y = tl.permute(tl.reshape(y, (ROWS, N // 8, 2, 4)), (0, 1, 3, 2))
         packed = tl.reshape(tl.split(y)[0], (ROWS, N // 2))

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._write_math import codes_ptx
 from .reference import rht_signs
 
 MMA_COLS = 32  # columns per part (one H_32)
@@ -111,8 +112,7 @@ def mma_part(x, tab_ptr, first, b0, b1):
 # --- the row range on rounded pairs (an option of the MMA path; first tried as fdc8619) ---
 
 
-@triton.constexpr_function
-def packed_codes_text(f16):
+def _packed_codes_text(f16):
     """PTX for 8 values rounded to the model dtype, packed in pairs $2..$5, and their row's
     ``RN(1/scale)`` $6, ``-scale`` $14, ``zp + 0.5`` $22: the lanes kernel's ``CODES_ASM`` after
     an exact widening of each value to fp32; the packed word in $0 ($1 unset)."""
@@ -122,12 +122,11 @@ def packed_codes_text(f16):
             lines += [f"mov.b32 {{h0, h1}}, ${2 + j};", f"cvt.f32.f16 r{2 * j}, h0;", f"cvt.f32.f16 r{2 * j + 1}, h1;"]
         else:
             lines += [f"shl.b32 r{2 * j}, ${2 + j}, 16;", f"and.b32 r{2 * j + 1}, ${2 + j}, 0xFFFF0000;"]
-    for i in range(8):
-        lines += [f"mul.rn.f32 t0, r{i}, $6;", f"fma.rn.f32 e, t0, $14, r{i};", "fma.rn.f32 t, e, $6, t0;",
-                  "add.rn.f32 t, t, $22;", f"cvt.rzi.s32.f32 q{i}, t;"]
-    lines += ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
-              "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", "cvt.pack.sat.u4.s32.b32 $0, q1, q0, w;", "}"]
-    return "\n".join(lines)
+    return "\n".join(lines + codes_ptx([f"r{i}" for i in range(8)], "$6", "$14", "$22", "$0") + ["}"])
+
+
+PACKED_CODES_BF16 = tl.constexpr(_packed_codes_text(False))
+PACKED_CODES_F16 = tl.constexpr(_packed_codes_text(True))
 
 
 @triton.constexpr_function

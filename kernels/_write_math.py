@@ -213,3 +213,19 @@ def int4_codes_fast(r, scale, zph, rcp, INTERPRET: tl.constexpr):
                                       is_pure=True, pack=1)
         q = tl.minimum(u.to(tl.uint32, bitcast=True), 15).to(tl.int32, bitcast=True)
     return q
+
+
+def codes_ptx(vals, rcp: str, neg_scale: str, zph: str, out: str) -> list[str]:
+    """PTX lines of :func:`int4_codes_fast` for 8 fp32 values (register names ``vals``) of one
+    row: Markstein's ``RN(v / scale)`` from ``rcp`` and ``neg_scale`` (one multiply, two FMAs),
+    ``+ zph``, ``cvt.rzi.s32`` (NaN and -inf give 0; truncation is floor on >= 0), then
+    ``cvt.pack.sat.u4.s32`` clamps pairs to [0, 15] into one word ``out`` (element 0 in the low
+    nibble). ``sat_u4(trunc_s32(v))`` equals ``min(trunc_u32_sat(v), 15)`` for every v. Uses the
+    registers ``t0, e, t`` (.f32) and ``q0..q7, w`` (.b32), which the caller declares."""
+    lines = []
+    for i, v in enumerate(vals):
+        lines += [f"mul.rn.f32 t0, {v}, {rcp};", f"fma.rn.f32 e, t0, {neg_scale}, {v};", f"fma.rn.f32 t, e, {rcp}, t0;",
+                  f"add.rn.f32 t, t, {zph};", f"cvt.rzi.s32.f32 q{i}, t;"]
+    return lines + ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
+                    "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", f"cvt.pack.sat.u4.s32.b32 {out}, q1, q0, w;"]
+
