@@ -29,9 +29,11 @@ V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs pe
 }
 V3_MAX_KEYS_PER_SEGMENT = 2048
 # INT4 up to ROTATE_Q_MAX_HEAD: the v3 decode kernel rotates the query in its prologue (one launch
-# fewer) instead of reading _prep_q_kernel's output. At head_size 256 the prologue would raise the
-# kernel from 128 to 151 registers (sm_90 ptxas), i.e. 3 resident programs per SM instead of 4.
-# False restores the rotation kernel everywhere (bench_attention --q-rotation kernel).
+# fewer) instead of reading _prep_q_kernel's output. At head_size 256 the prologue raises the
+# kernel from 128 to 151 registers (sm_90 ptxas), 3 resident programs per SM instead of 4, so
+# there it rotates in the prologue only when the grid fills at most half the resident slots
+# (small batches, where the launch saved matters and the lost slot does not; v3_segments aims
+# there). False restores the rotation kernel everywhere (bench_attention --q-rotation kernel).
 ROTATE_Q_IN_DECODE = True
 ROTATE_Q_MAX_HEAD = 128
 # kernel MODE and code offset OFF of the swapped-operand decode kernels (v2 and v3)
@@ -47,10 +49,16 @@ def v3_tiling(mode: KVQuantMode, head_size: int) -> tuple:
     return table[min(table, key=lambda h: (abs(math.log2(h) - math.log2(head_size)), h))]
 
 
-def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int) -> int:
-    """Segments per (sequence, KV head): about ``programs_per_sm`` programs per SM, segments of at
-    most V3_MAX_KEYS_PER_SEGMENT keys, at least 2 and at most one per tile, a power of two."""
-    want = max(programs_per_sm * num_sms // max(1, pairs), -(-max_seqlen_k // V3_MAX_KEYS_PER_SEGMENT))
+def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,
+                half: bool = False) -> int:
+    """Segments per (sequence, KV head): about ``programs_per_sm`` programs per SM (``half``: half
+    that, so that the INT4 query rotation runs in the prologue above ROTATE_Q_MAX_HEAD), segments
+    of at most V3_MAX_KEYS_PER_SEGMENT keys, at least 2 and at most one per tile, a power of two.
+
+    ``half`` at head_size 256 on the H200 (bench/attention.md, session 8): b1 @ 4k 25.7 -> 20.1 µs
+    (32 segments instead of 64), b2 @ 4k 31.0 -> 26.7 and b2 @ 2k 26.0 -> 20.4 (16 instead of 32)."""
+    target = programs_per_sm * num_sms // (2 if half else 1)
+    want = max(target // max(1, pairs), -(-max_seqlen_k // V3_MAX_KEYS_PER_SEGMENT))
     segs = max(2, min(want, max(1, max_seqlen_k // tile)))
     return 1 << (segs.bit_length() - 1)
 
@@ -131,11 +139,12 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     k16, v16, align = units
     grid = (cu_seqlens_q.numel() - 1, k16.shape[2], cfg.num_segments)
     fill = v3_tiling(mode, head_size)[3] * num_sms(q.device)  # programs resident at once, about
+    small = 2 * math.prod(grid) <= fill
     rotate_q = (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and ROTATE_Q_IN_DECODE
-                and head_size <= ROTATE_Q_MAX_HEAD)
+                and (head_size <= ROTATE_Q_MAX_HEAD or small))
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
                                                       interp, parts=4, use_pdl=use_pdl,
-                                                      release=2 * math.prod(grid) <= fill, prepare=not rotate_q)
+                                                      release=small, prepare=not rotate_q)
     _attn_decode_v3_kernel[grid](
         **decode_args(q, units, ks, vs, segm_output, segm_max, segm_expsum, block_table, cu_seqlens_q, seqused_k,
                       q_scale, col_scale, softcap, window_size),

@@ -1,8 +1,9 @@
 """Paged attention straight on INT4 per-token-head caches (rotated nibble codes, SPEC §3, §5).
 
 The query is rotated with the cache's signed Hadamard (``single_rht`` semantics, in the kernel;
-on the split-KV decode path in the v3 decode kernel's prologue up to head_size 128, else, and
-for the v4 decode kernel, by a small pre-kernel once per query), ``1/head_size`` is folded into
+on the split-KV decode path in the v3 decode kernel's prologue up to head_size 128 and, above
+that, when the grid fills at most half the GPU's resident slots; else, and for the v4 decode
+kernel, by a small pre-kernel once per query), ``1/head_size`` is folded into
 the softmax scale, scores and values are computed on raw nibble codes with the per-token scale
 and zero point applied to the score and probability tiles, and the output is inverse-rotated
 once per query row. Causal and non-causal.

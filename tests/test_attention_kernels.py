@@ -20,6 +20,8 @@ query in bf16 for INT4; measured errors sit near 3e-3.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -232,15 +234,19 @@ def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, dev
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("head_size", [64, 128])
-def test_int4_query_rotation_in_decode_or_kernel(device, head_size):
-    """INT4 v3 decode: the query rotated in the decode kernel's prologue (the default) and by the
-    separate rotation kernel agree (only the fp32 order of the rotation's sums differs) and both
-    match the oracle; GQA 4, sequences of different lengths, a partial last block."""
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_int4_query_rotation_in_decode_or_kernel(device, head_size, monkeypatch):
+    """INT4 v3 decode: the query rotated in the decode kernel's prologue (the default; at head_size
+    256 for small grids like this one) and by the separate rotation kernel agree (only the fp32
+    order of the rotation's sums differs) and both match the oracle; GQA 4, sequences of
+    different lengths, a partial last block."""
     import kernels._attn_launch_v3 as v3
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1, 1], k_lens=[75, 9, 140],
                   head_size=head_size, seed=11, device=device)
     cfg = AttnConfig(16, 32, 3, 2, 2, 3)
+    monkeypatch.setattr(v3, "num_sms", lambda dev: 132)  # an H200's resident slots: this grid is small
+    prepared, real = [], v3.decode_query
+    monkeypatch.setattr(v3, "decode_query", lambda *a, **kw: prepared.append(kw["prepare"]) or real(*a, **kw))
     keep = v3.ROTATE_Q_IN_DECODE
     try:
         outs = []
@@ -249,6 +255,7 @@ def test_int4_query_rotation_in_decode_or_kernel(device, head_size):
             outs.append(run_and_check(c, config=cfg).float())
     finally:
         v3.ROTATE_Q_IN_DECODE = keep
+    assert prepared == [False, True]  # the prologue, then the rotation kernel
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * outs[1].abs().max().item()
 
 
@@ -383,6 +390,14 @@ def test_v3_tiling_per_head_size_and_segments():
     assert v3_segments(132, 64, 32768, 64, 4) == 16      # 8 programs' worth, but 2,048 keys at most
     assert v3_segments(132, 8, 2048, 64, 8) == 32        # one tile per segment at most
     assert v3_segments(132, 4096, 100, 64, 8) == 2       # at least 2
+    # half: INT4 above ROTATE_Q_MAX_HEAD aims at half the slots (the prologue rotation's condition)
+    assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
+    assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
+    for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
+        q = torch.empty(b, 32, 256)
+        with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132):
+            cfg = pick_config(int4, q, 4, b, 1, ctx, None, None, None)
+        assert (cfg.v2, cfg.num_segments) == (3, segs) and 2 * b * 8 * segs <= 4 * 132
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
