@@ -137,3 +137,18 @@ def cache_alignment(*caches: torch.Tensor) -> int:
 def scale_bits_view(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The float32 scale tensor reinterpreted as int32 words (same storage, same strides)."""
     return None if scale is None else scale.view(torch.int32)
+
+
+def lane_layout_ok(*inputs: torch.Tensor) -> bool:
+    """Whether Triton will load ``[num_tokens, num_kv_heads, head_size]`` rows of ``inputs`` in
+    16-byte vectors, the layout the shuffle and tensor-core INT4 writers hand to their inline
+    asm: every base address 16-byte aligned, and rows contiguous (``[T, H, d]`` packed) or both
+    row strides multiples of 16 elements (the divisibility Triton specializes on). Otherwise the
+    compiler may spread a row's columns over other lanes and the asm would combine wrong values,
+    so the launcher takes the layout-agnostic fused kernel instead."""
+    for t in inputs:
+        packed = t.stride(0) == t.shape[1] * t.shape[2] and t.stride(1) == t.shape[2]
+        if t.data_ptr() % 16 or not (packed or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0)):
+            return False
+    return True
+

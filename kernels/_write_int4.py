@@ -32,7 +32,7 @@ import triton
 from layouts import KVQuantMode
 
 from ._jit import interpreting
-from ._write_checks import cache_alignment, check_write_args, scale_bits_view
+from ._write_checks import cache_alignment, check_write_args, lane_layout_ok, scale_bits_view
 from ._write_int4_fused import _reshape_and_cache_int4_kernel
 from ._write_int4_mma import MMA_COLS, mma_table
 from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
@@ -126,8 +126,8 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     **tuning : ``kernel`` ("mma": tensor-core rotation, the GPU default for head_size 64..256,
         rare tie rows; "lanes": the shuffle kernel of ``_write_int4_lanes``, bit-identical to the
         oracle, the GPU default below 64; "fused": ``tl.dot`` or butterfly rotation, the CPU default
-        and the GPU kernel for the MSE encoder and wider rows; naming a ``rotation`` or a ``div``
-        selects it), ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range``
+        and the GPU kernel for the MSE encoder, wider rows and K/V rows not 16-byte aligned
+        (``_write_checks.lane_layout_ok``); naming a ``rotation`` or a ``div`` selects it), ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range``
         (mma: the row range on rounded bf16x2/f16x2 pairs), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
         programs resident per SM; 0: one tile per program); benchmarks only. Naming
@@ -156,8 +156,9 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         raise ValueError(f"kernel: expected 'fused', 'lanes' or 'mma', got {kernel!r}")
     if kernel == "mma" and shape.head_size < MMA_COLS:
         kernel = "lanes"  # tensor-core parts are 32 columns wide
-    if kernel != "fused" and (len(shrink) > 1 or shape.head_size not in LANE_BITS):
-        kernel = "fused"  # the MSE encoder and rows wider than one warp's 32 lanes x 8 stay fused
+    if kernel != "fused" and (len(shrink) > 1 or shape.head_size not in LANE_BITS
+                              or not (cpu or lane_layout_ok(key, value))):
+        kernel = "fused"  # the MSE encoder, rows wider than one warp's 32 lanes x 8 and unaligned rows
     if kernel == "mma" and tuning.get("parts") not in (None, shape.head_size // MMA_COLS):
         raise ValueError(f"mma kernel: parts is head_size / {MMA_COLS} = {shape.head_size // MMA_COLS}, "
                          f"got {tuning['parts']}")

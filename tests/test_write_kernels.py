@@ -222,6 +222,19 @@ def test_int4_lanes_kernel_refuses_bad_parts(parts):
     assert torch.equal(_bytes(whole), before)
 
 
+def test_lane_layout_check():
+    """The shuffle / tensor-core writers need rows Triton loads in 16-byte vectors; the check that
+    sends other inputs to the fused kernel accepts packed and 16-element-strided rows only."""
+    from kernels._write_checks import lane_layout_ok
+    buf = torch.zeros(4 * 2 * H * 64 + 64, dtype=torch.bfloat16)
+    packed = buf[:4 * H * 64].view(4, H, 64)
+    stacked = buf[:4 * 2 * H * 64].view(4, 2, H, 64)[:, 0]            # [T, 2, H, d]: strides 2Hd, d
+    shifted = buf[1:1 + 4 * H * 64].view(4, H, 64)                     # 2-byte aligned base
+    padded = buf[:4 * (H * 64 + 8)].view(4, H * 64 + 8)[:, :H * 64].view(4, H, 64)  # token stride Hd + 8
+    assert lane_layout_ok(packed, stacked) and buf.data_ptr() % 16 == 0
+    assert not lane_layout_ok(packed, shifted) and not lane_layout_ok(padded)
+
+
 def test_int4_mma_kernel_refuses_other_parts():
     """The tensor-core kernel's parts are 32 columns wide: another part count is a clear error, nothing written."""
     key, value = _inputs(8, 128, torch.bfloat16)
@@ -374,6 +387,33 @@ def test_cuda_matches_oracle(mode_name, d, dtype):
         reshape_and_cache_int4(key, value, vs[2].key_cache, vs[2].value_cache, slots, vs[2].k_scale_cache,
                                vs[2].v_scale_cache, kernel=kernel)
         _assert_ties(geo, caches[0], c, bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", [None, "lanes", "mma"], ids=["default", "lanes", "mma"])
+@pytest.mark.parametrize("layout", ["shifted", "padded"])
+def test_cuda_int4_unaligned_rows(kernel, layout):
+    """K/V rows Triton cannot load in 16-byte vectors (a base 2 bytes off, a token stride of
+    H·d + 8) go to the fused kernel whatever kernel is named: the oracle's bytes up to its ties."""
+    d, n = 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if layout == "shifted":
+        key, value = (torch.randn(n * H * d + 1, device="cuda", generator=g).to(torch.bfloat16)[1:].view(n, H, d)
+                      for _ in range(2))
+    else:
+        key, value = (torch.randn(n, H * d + 8, device="cuda", generator=g).to(torch.bfloat16)[:, :H * d].view(n, H, d)
+                      for _ in range(2))
+    slots = torch.randperm(n + BS, device="cuda")[:n]
+    geo = CacheGeometry(M.INT4_PER_TOKEN_HEAD, d, H, BS, torch.bfloat16)
+    caches = [geo.new_cache(n // BS + 1, "cuda") for _ in range(2)]
+    vs = [split_kv_cache(c, geo.mode, d) for c in caches]
+    for c in caches:
+        c.view(torch.uint8).fill_(POISON)
+    reference_reshape_and_cache(key, value, vs[0].key_cache, vs[0].value_cache, slots, geo.mode,
+                                vs[0].k_scale_cache, vs[0].v_scale_cache)
+    reshape_and_cache_int4(key, value, vs[1].key_cache, vs[1].value_cache, slots, vs[1].k_scale_cache,
+                           vs[1].v_scale_cache, kernel=kernel)
+    _assert_ties(geo, caches[0], caches[1], bound=2 * n * H * 1e-3)
 
 
 def _assert_ties(geo, ref, out, bound):
