@@ -327,6 +327,26 @@ def test_launcher_errors_write_nothing(kind):
     assert torch.equal(before, _bytes(holder)), "a refused call must not write"
 
 
+def test_bench_slot_orders():
+    """bench_write's slot mappings: distinct slots either way; ``blocks`` keeps each block's tokens
+    in order (as a prefill writes), ``tokens`` scatters them."""
+    from tools import bench_write
+    keep = dict(bench_write.SLOTS)
+    try:
+        got = {}
+        for order in ("tokens", "blocks"):
+            bench_write.SLOTS["order"] = order
+            torch.manual_seed(0)
+            got[order] = bench_write._setup(160, 64, "int4", torch.device("cpu"))[1][0][2]
+    finally:
+        bench_write.SLOTS.update(keep)
+    for slots in got.values():
+        assert slots.unique().numel() == 160 and int(slots.max()) < 160
+    b = got["blocks"].view(10, 16)
+    assert torch.equal(b - b[:, :1], torch.arange(16).expand(10, 16)) and (b[:, 0] % 16 == 0).all()
+    assert not torch.equal(got["tokens"].view(10, 16) - got["tokens"].view(10, 16)[:, :1], torch.arange(16).expand(10, 16))
+
+
 def test_mode_and_option_errors():
     key, value = _inputs(4, 64, torch.bfloat16)
     _, v = _cache(M.INT8_PER_TOKEN_HEAD, 64, 1, torch.bfloat16, packed=True)

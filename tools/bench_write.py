@@ -30,6 +30,9 @@ NUM_KV_HEADS, BLOCK_SIZE = 8, 16
 L2_FLUSH_BYTES = 256 << 20  # rotate input sets until one pass touches several L2s (60 MB)
 
 
+SLOTS = {"order": "tokens"}  # --slots: "tokens" (random per token) or "blocks" (random blocks, in order within)
+
+
 def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_sets=1, offset_blocks=1):
     """Input sets and a packed cache per set (views at a nonzero storage offset)."""
     mode = MODES[mode_name]
@@ -39,7 +42,11 @@ def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_s
     for _ in range(num_sets):
         key = torch.randn(num_tokens, NUM_KV_HEADS, head_size, dtype=dtype, device=device)
         value = torch.randn_like(key)
-        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:num_tokens]
+        if SLOTS["order"] == "blocks":  # as a prefill writes: whole blocks at random places, tokens in order
+            blocks = torch.randperm(num_blocks, device=device)
+            slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).flatten()[:num_tokens]
+        else:  # every token at a random slot (the worst case for the stores)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:num_tokens]
         whole = geo.new_cache(num_blocks + offset_blocks, device)
         cache = whole[offset_blocks:]
         sets.append((key, value, slots, cache, split_kv_cache(cache, mode, head_size)))
@@ -109,7 +116,8 @@ def time_copy(nbytes, device):
 def run_table(args, device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"\n## write kernels on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
-          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views; GB/s = (bytes read + written) / time\n")
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}; "
+          f"GB/s = (bytes read + written) / time\n")
     print("| tokens | head_size | mode | µs | GB/s | copy µs | copy GB/s | % of copy |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     results = []
@@ -214,7 +222,7 @@ def run_compare(args, device):
                             f"{cus:.1f} | {cgbs:.0f} | {100 * gbs / cgbs:.0f}% |")
                 print(rows[-1], flush=True)
     print(f"\n## write kernels, defaults vs previous, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
-          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, poisoned cache with NaN/Inf/zero rows "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}, poisoned cache with NaN/Inf/zero rows "
           f"and negative slots for the check\n")
     print("| mode | options | head_size | tokens | rows differing | codes differing | max Δ (scales) |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -249,6 +257,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="defaults vs previous kernels (INT4 fused, INT8/FP8 big tiles), each checked, instead of the main table")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--slots", choices=("tokens", "blocks"), default="tokens",
+                   help="slot_mapping: each token at a random slot (default, the worst case) or whole blocks "
+                        "at random places with their tokens in order (as a prefill writes)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 262144])
     p.add_argument("--head-sizes", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -258,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     device = torch.device(args.device)
+    SLOTS["order"] = getattr(args, "slots", "tokens")
     if args.quick:
         args.tokens, args.head_sizes, args.check_tokens = [64], [64], 48
     if args.check:
