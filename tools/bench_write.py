@@ -5,8 +5,10 @@ the MSE encoder) prints µs per call and GB/s counting bytes read (K, V, slot_ma
 written (codes and scales), next to ``torch`` copying the same number of bytes (read + write)
 in the same run. ``--check`` first compares every mode with the PyTorch oracle on realistic
 shapes; ``--sweep`` times INT4 tile/rotation/division variants; ``--compare`` checks and times the
-default INT4 kernel (shuffles) against the fused tl.dot one and the INT8/FP8 tiles against the previous ones, next to bf16. Run:
-``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep] [--compare]``.
+default INT4 kernel (tensor-core rotation) against the shuffle and fused tl.dot ones and the
+INT8/FP8 tiles against the previous ones, next to bf16. ``--slots blocks`` writes whole blocks in
+order instead of a random slot per token. Run:
+``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep] [--compare] [--slots blocks]``.
 """
 
 from __future__ import annotations
@@ -154,22 +156,41 @@ def run_sweep(args, device):
                   flush=True)
 
 
-def _compare(mode_name, geo, ref, out, n_rows):
-    """Row-level comparison of two packed caches: (rows differing, codes differing, max |Δdeq|/scale)."""
+def _compare(mode_name, geo, ref, out):
+    """Row-level comparison of two packed caches: (rows differing, codes differing, max |Δdeq|/scale
+    over the K and the V rows)."""
     a, b = ref.view(torch.uint8).flatten(0, 3), out.view(torch.uint8).flatten(0, 3)
     rows_diff = int((a != b).any(-1).sum())
     if MODES[mode_name] == M.NONE or rows_diff == 0:
         return rows_diff, int((a != b).sum()), 0.0
     va, vb = split_kv_cache(ref, geo.mode, geo.head_size), split_kv_cache(out, geo.mode, geo.head_size)
-    deq = [dequantize_rows(v.key_cache, v.k_scale_cache, geo.mode, rotated=True) for v in (va, vb)]
-    scale = va.k_scale_cache.abs().clamp(min=1e-30)[..., None]
-    err = ((deq[0] - deq[1]).abs() / scale).nan_to_num(0.0).max().item()
+    err = 0.0
+    for (ca, sa), (cb, sb) in zip(((va.key_cache, va.k_scale_cache), (va.value_cache, va.v_scale_cache)),
+                                  ((vb.key_cache, vb.k_scale_cache), (vb.value_cache, vb.v_scale_cache))):
+        da, db = (dequantize_rows(c, sc, geo.mode, rotated=True) for c, sc in ((ca, sa), (cb, sb)))
+        err = max(err, ((da - db).abs() / sa.abs().clamp(min=1e-30)[..., None]).nan_to_num(0.0).max().item())
     if geo.mode == M.INT4_PER_TOKEN_HEAD:
         from kernels.reference import unpack_int4_nibbles
         codes = int((unpack_int4_nibbles(a[:, :geo.data_bytes]) != unpack_int4_nibbles(b[:, :geo.data_bytes])).sum())
     else:
         codes = int((a[:, :geo.data_bytes] != b[:, :geo.data_bytes]).sum())
     return rows_diff, codes, err
+
+
+def oracle_write(mode_name, key, value, slots, views):
+    """The PyTorch oracle's write of ``key``/``value`` at ``slots`` into ``views`` (negative slots
+    skipped; "int4-mse": the MSE encoder)."""
+    mode = MODES[mode_name]
+    if mode != M.INT4_PER_TOKEN_HEAD:
+        return reference_reshape_and_cache(key, value, views.key_cache, views.value_cache, slots, mode,
+                                           views.k_scale_cache, views.v_scale_cache)
+    from kernels.reference import quantize_int4_rows
+    shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
+    block_size = views.key_cache.shape[1]
+    keep = slots >= 0
+    blk, off = slots[keep] // block_size, slots[keep] % block_size
+    for x, kc, sc in ((key, views.key_cache, views.k_scale_cache), (value, views.value_cache, views.v_scale_cache)):
+        kc[blk, off], sc[blk, off] = quantize_int4_rows(x[keep], shrink=shrink)
 
 
 def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
@@ -182,20 +203,9 @@ def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
     slots[::97] = -1
     cache.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows must stay 0xA5
     ref = cache.clone()
-    rv = split_kv_cache(ref, geo.mode, head_size)
-    shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
-    if geo.mode == M.INT4_PER_TOKEN_HEAD:
-        from kernels.reference import quantize_int4_rows
-        keep = slots >= 0
-        blk, off = slots[keep] // BLOCK_SIZE, slots[keep] % BLOCK_SIZE
-        for x, kc, sc in ((key, rv.key_cache, rv.k_scale_cache), (value, rv.value_cache, rv.v_scale_cache)):
-            p, s = quantize_int4_rows(x[keep], shrink=shrink)
-            kc[blk, off], sc[blk, off] = p, s
-    else:
-        reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, geo.mode,
-                                    rv.k_scale_cache, rv.v_scale_cache)
+    oracle_write(mode_name, key, value, slots, split_kv_cache(ref, geo.mode, head_size))
     _write(mode_name, key, value, slots, views, **kw)
-    return _compare(mode_name, geo, ref, cache, num_tokens * NUM_KV_HEADS)
+    return _compare(mode_name, geo, ref, cache)
 
 
 COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", {}), ("int4", dict(kernel="lanes")),
@@ -204,8 +214,9 @@ COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", {}), ("int
 
 
 def run_compare(args, device):
-    """Defaults against the previous kernels/tiles (INT4 fused tl.dot, INT8/FP8 32 rows x 4 warps): each variant checked against the
-    oracle at the first token count, then timed with a copy of the same bytes; table printed last."""
+    """Defaults against the other kernels/tiles (INT4 shuffle and fused tl.dot, INT8/FP8 32 rows x 4
+    warps): each variant checked against the oracle at the first token count, then timed with a
+    copy of the same bytes; table printed last."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     checks, rows = [], []
     for head_size in args.head_sizes:
@@ -222,7 +233,8 @@ def run_compare(args, device):
                             f"{cus:.1f} | {cgbs:.0f} | {100 * gbs / cgbs:.0f}% |")
                 print(rows[-1], flush=True)
     print(f"\n## write kernels, defaults vs previous, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
-          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}, poisoned cache with NaN/Inf/zero rows "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}, "
+          f"poisoned cache with NaN/Inf/zero rows "
           f"and negative slots for the check\n")
     print("| mode | options | head_size | tokens | rows differing | codes differing | max Δ (scales) |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -237,7 +249,8 @@ def run_check(args, device):
     print("|---|---|---:|---:|---|---:|---:|---:|")
     cases = [(m, torch.bfloat16, d, {}) for d in args.head_sizes for m in args.modes]
     cases += [("int4", torch.float16, 128, {}), ("int4", torch.bfloat16, 128, dict(kernel="lanes")),
-              ("int4", torch.float16, 128, dict(kernel="lanes")), ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
+              ("int4", torch.float16, 128, dict(kernel="lanes")),
+              ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
               ("int8", torch.float16, 128, {}), ("fp8", torch.float16, 128, {})]
     worst = 0
     for mode_name, dtype, head_size, kw in cases:
@@ -254,7 +267,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="compare with the PyTorch oracle first")
     p.add_argument("--sweep", action="store_true", help="time INT4 tile/rotation/division variants")
     p.add_argument("--compare", action="store_true",
-                   help="defaults vs previous kernels (INT4 fused, INT8/FP8 big tiles), each checked, instead of the main table")
+                   help="defaults vs other kernels (INT4 shuffle and fused, INT8/FP8 big tiles), each checked, "
+                        "instead of the main table")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--slots", choices=("tokens", "blocks"), default="tokens",

@@ -24,10 +24,9 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from kernels.reference import quantize_int4_rows  # noqa: E402
 from kernels.write import reshape_and_cache_int4  # noqa: E402
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache  # noqa: E402
-from tools.bench_write import _compare  # noqa: E402
+from tools.bench_write import _compare, oracle_write  # noqa: E402
 
 KERNELS = ("mma", "lanes")
 BS = 16
@@ -43,12 +42,10 @@ def count(key: torch.Tensor, value: torch.Tensor, **kw) -> tuple[int, int, float
     for c in (ref, got):
         c.view(torch.uint8).fill_(0xA5)
     slots = torch.randperm(nb * BS, device=key.device)[:n]
-    rv, gv = split_kv_cache(ref, geo.mode, d), split_kv_cache(got, geo.mode, d)
-    blk, off = slots // BS, slots % BS
-    for x, kc, sc in ((key, rv.key_cache, rv.k_scale_cache), (value, rv.value_cache, rv.v_scale_cache)):
-        kc[blk, off], sc[blk, off] = quantize_int4_rows(x)
+    gv = split_kv_cache(got, geo.mode, d)
+    oracle_write("int4", key, value, slots, split_kv_cache(ref, geo.mode, d))
     reshape_and_cache_int4(key, value, gv.key_cache, gv.value_cache, slots, gv.k_scale_cache, gv.v_scale_cache, **kw)
-    return _compare("int4", geo, ref, got, 2 * n * h)
+    return _compare("int4", geo, ref, got)
 
 
 def synthetic(kind: str, tokens: int, heads: int, d: int, dtype, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,13 +109,11 @@ def main(argv=None) -> int:
     if a.kv_file:
         kv = torch.load(a.kv_file)
         for kernel in a.kernels:
-            rows = rd_sum = cd_sum = 0
-            worst = 0.0
-            for k, v in zip(kv["k"], kv["v"]):
-                rd, cd, err = count(k.to(dev), v.to(dev), kernel=kernel)
-                rows, rd_sum, cd_sum, worst = rows + 2 * k.shape[0] * k.shape[1], rd_sum + rd, cd_sum + cd, max(worst, err)
+            per_layer = [count(k.to(dev), v.to(dev), kernel=kernel) for k, v in zip(kv["k"], kv["v"])]
+            rows = 2 * kv["k"].shape[0] * kv["k"].shape[1] * kv["k"].shape[2]
+            rd, cd, err = (sum(r[0] for r in per_layer), sum(r[1] for r in per_layer), max(r[2] for r in per_layer))
             print(f"| {kv.get('model', '?')}: {kv['k'].shape[0]} layers x {kv['tokens']} tokens | bf16 | "
-                  f"{kv['k'].shape[-1]} | {rows} | {kernel} | {rd_sum} | {cd_sum} | {worst:.3f} |", flush=True)
+                  f"{kv['k'].shape[-1]} | {rows} | {kernel} | {rd} | {cd} | {err:.3f} |", flush=True)
     return 0
 
 
