@@ -139,16 +139,18 @@ def scale_bits_view(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if scale is None else scale.view(torch.int32)
 
 
+def packed_rows(t: torch.Tensor) -> bool:
+    """Whether ``[num_tokens, num_kv_heads, head_size]`` ``t`` is one stretch of rows (head stride
+    ``head_size``, token stride ``num_kv_heads · head_size``)."""
+    return t.stride(0) == t.shape[1] * t.shape[2] and t.stride(1) == t.shape[2]
+
+
 def lane_layout_ok(*inputs: torch.Tensor) -> bool:
     """Whether Triton will load ``[num_tokens, num_kv_heads, head_size]`` rows of ``inputs`` in
     16-byte vectors, the layout the shuffle and tensor-core INT4 writers hand to their inline
-    asm: every base address 16-byte aligned, and rows contiguous (``[T, H, d]`` packed) or both
-    row strides multiples of 16 elements (the divisibility Triton specializes on). Otherwise the
+    asm: every base address 16-byte aligned, and rows packed (:func:`packed_rows`) or both row
+    strides multiples of 16 elements (the divisibility Triton specializes on). Otherwise the
     compiler may spread a row's columns over other lanes and the asm would combine wrong values,
     so the launcher takes the layout-agnostic fused kernel instead."""
-    for t in inputs:
-        packed = t.stride(0) == t.shape[1] * t.shape[2] and t.stride(1) == t.shape[2]
-        if t.data_ptr() % 16 or not (packed or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0)):
-            return False
-    return True
-
+    return all(t.data_ptr() % 16 == 0 and (packed_rows(t) or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0))
+               for t in inputs)

@@ -32,7 +32,7 @@ import triton
 from layouts import KVQuantMode
 
 from ._jit import interpreting
-from ._write_checks import cache_alignment, check_write_args, lane_layout_ok, scale_bits_view
+from ._write_checks import cache_alignment, check_write_args, lane_layout_ok, packed_rows, scale_bits_view
 from ._write_int4_fused import _reshape_and_cache_int4_kernel
 from ._write_int4_mma import MMA_COLS, mma_table
 from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
@@ -83,11 +83,12 @@ def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None)
                   else "lanes")
     cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
                parts=1, packed_range=False)
+    mma_parts = max(1, head_size // MMA_COLS)
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
-        return dict(cfg, rows=64, num_warps=4, parts=max(1, head_size // MMA_COLS) if kernel == "mma" else 1)
+        return dict(cfg, rows=64, num_warps=4, parts=mma_parts if kernel == "mma" else 1)
     if kernel == "mma":
         rows, warps, packed = MMA_TILING.get(head_size, (32, 2, False))
-        return dict(cfg, rows=rows, num_warps=warps, parts=max(1, head_size // MMA_COLS), packed_range=packed)
+        return dict(cfg, rows=rows, num_warps=warps, parts=mma_parts, packed_range=packed)
     if kernel == "lanes":
         parts, rows, warps = LANES_TILING.get(head_size, (8, 16, 2))
         return dict(cfg, rows=rows, num_warps=warps, parts=parts)
@@ -127,8 +128,9 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         rare tie rows; "lanes": the shuffle kernel of ``_write_int4_lanes``, bit-identical to the
         oracle, the GPU default below 64; "fused": ``tl.dot`` or butterfly rotation, the CPU default
         and the GPU kernel for the MSE encoder, wider rows and K/V rows not 16-byte aligned
-        (``_write_checks.lane_layout_ok``); naming a ``rotation`` or a ``div`` selects it), ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range``
-        (mma: the row range on rounded bf16x2/f16x2 pairs), ``rotation``
+        (``_write_checks.lane_layout_ok``); naming a ``rotation`` or a ``div`` selects it),
+        ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range`` (mma: the
+        row range on rounded bf16x2/f16x2 pairs), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
         programs resident per SM; 0: one tile per program); benchmarks only. Naming
         ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
@@ -185,7 +187,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
             raise ValueError(f"{cfg['kernel']} kernel: parts in (1, 2, 4, 8) with head_size/parts >= 8 and rows a "
                              f"multiple of {cover} (num_warps x 32 lanes / lanes per row), got "
                              f"parts={cfg['parts']}, rows={rows}, num_warps={cfg['num_warps']}")
-        contig = all(t.stride(0) == shape.num_kv_heads * d and t.stride(1) == d for t in (key, value))
+        contig = packed_rows(key) and packed_rows(value)
         _reshape_and_cache_int4_lanes_kernel[(num_tiles, 2)](
             key, value, key_cache, value_cache, ks, vs, slot_mapping, rht_signs(d, dev),
             mma_table(d, key.dtype, dev) if mma else rht_signs(d, dev), num_rows, shape.num_blocks * shape.block_size,

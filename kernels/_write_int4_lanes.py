@@ -39,7 +39,8 @@ import triton.language as tl
 
 from ._jit import dual_jit
 from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
-from ._write_math import _max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles, round_to_model_f32, row_min_max
+from ._write_math import (_max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles,
+                          round_to_model_f32, row_min_max)
 
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
@@ -152,8 +153,10 @@ def _rotated_quad(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
     r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
     r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+                       b0, b1)
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+                       b0, b1)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
@@ -262,7 +265,8 @@ def _reshape_and_cache_int4_lanes_kernel(
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
-        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)  # [ROWS, N] fp32
+        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+                           b0, b1)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
             r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
@@ -270,13 +274,15 @@ def _reshape_and_cache_int4_lanes_kernel(
         r2 = r0
         r3 = r0
     else:
-        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+                                       tab_ptr, b0, b1)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
-        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+                                       tab_ptr, b0, b1)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6

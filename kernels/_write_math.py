@@ -228,4 +228,3 @@ def codes_ptx(vals, rcp: str, neg_scale: str, zph: str, out: str) -> list[str]:
                   f"add.rn.f32 t, t, {zph};", f"cvt.rzi.s32.f32 q{i}, t;"]
     return lines + ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
                     "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", f"cvt.pack.sat.u4.s32.b32 {out}, q1, q0, w;"]
-
