@@ -21,8 +21,8 @@ from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
-from ._attn_launch_v3 import (DECODE_MODES, ROTATE_Q_MAX_HEAD, code_units, decode_query, launch_v3, v3_segments,
-                              v3_tiling)
+from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
+                              v3_segments, v3_tiling)
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, num_sms, pdl
 from .reference import rht_signs
@@ -161,7 +161,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             want = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3], q.shape[2])
             cap = max_seqlen_k
         elif v3:
-            half = mode == KVQuantMode.INT4_PER_TOKEN_HEAD and q.shape[2] > ROTATE_Q_MAX_HEAD
+            half = rotate_q_needs_small_grid(mode, q.shape[2])
             want, cap = v3_segments(num_sms(q.device), pairs, max_seqlen_k, v3[0], v3[3], half), max_seqlen_k
         elif DECODE_V2.get(mode, 0) and pow2:  # ~2 resident programs per SM; one tile per segment at least
             want = max(2, V2_PROGRAMS_PER_SM * num_sms(q.device) // pairs)

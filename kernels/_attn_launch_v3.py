@@ -49,6 +49,12 @@ def v3_tiling(mode: KVQuantMode, head_size: int) -> tuple:
     return table[min(table, key=lambda h: (abs(math.log2(h) - math.log2(head_size)), h))]
 
 
+def rotate_q_needs_small_grid(mode: KVQuantMode, head_size: int) -> bool:
+    """INT4 above ROTATE_Q_MAX_HEAD: v3 rotates the query in its prologue only on grids that fill
+    at most half the resident slots (``launch_v3``), so ``v3_segments`` aims there (``half``)."""
+    return mode == KVQuantMode.INT4_PER_TOKEN_HEAD and head_size > ROTATE_Q_MAX_HEAD
+
+
 def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,
                 half: bool = False) -> int:
     """Segments per (sequence, KV head): about ``programs_per_sm`` programs per SM (``half``: half
@@ -141,7 +147,7 @@ def launch_v3(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
     fill = v3_tiling(mode, head_size)[3] * num_sms(q.device)  # programs resident at once, about
     small = 2 * math.prod(grid) <= fill
     rotate_q = (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and ROTATE_Q_IN_DECODE
-                and (head_size <= ROTATE_Q_MAX_HEAD or small))
+                and (small or not rotate_q_needs_small_grid(mode, head_size)))
     q, q_scale, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap,
                                                       interp, parts=4, use_pdl=use_pdl,
                                                       release=small, prepare=not rotate_q)
