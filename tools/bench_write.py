@@ -9,11 +9,15 @@ default INT4 kernel (tensor-core rotation) against the shuffle and fused tl.dot 
 INT8/FP8 tiles against the previous ones, next to bf16. ``--slots blocks`` writes whole blocks in
 order instead of a random slot per token. Run:
 ``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep] [--compare] [--slots blocks]``.
+On CUDA every time is the median of CUDA-graph replays (since session 9; before, plain launches,
+whose host time hid kernels shorter than ~60-90 µs); the table ends with the launcher's host
+time per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,24 +76,29 @@ def _bytes(geo, num_tokens, dtype=torch.bfloat16) -> int:
     return 2 * rows * geo.head_size * dtype.itemsize + 8 * num_tokens + 2 * rows * geo.row_bytes
 
 
-def _time_us(fn, device) -> float:
+def _time_us(fn, device, calls: int = 1) -> float:
+    """µs per call of ``fn``, which makes ``calls`` calls. CUDA: the median of CUDA-graph replays, so
+    the time is the GPU's alone: without a graph, calls shorter than the launcher's host time
+    (tens of µs of Python per call, see :func:`host_us`) measure the host, not the kernel."""
     if device.type == "cuda":
         import triton.testing
-        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        fn()
+        if not os.environ.get("BW_NOSYNC"):
+            torch.cuda.synchronize(device)  # the inputs' set-up and this call, before the graph's side stream
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / calls
     times = []
     for _ in range(3):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(times) / calls
 
 
-def _rotating(sets, call):
-    state = {"i": 0}
-
+def _each(sets, call):
+    """One call per input set, in order (one graph replay rotates through all of them)."""
     def fn():
-        state["i"] = (state["i"] + 1) % len(sets)
-        call(*sets[state["i"]])
+        for s in sets:
+            call(*s)
     return fn
 
 
@@ -102,8 +111,26 @@ def time_write(mode_name, num_tokens, head_size, device, **kw):
     nbytes = _bytes(geo, num_tokens)
     del probe
     _, sets = _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))
-    us = _time_us(_rotating(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device)
+    us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device, len(sets))
     return us, nbytes
+
+
+def host_us(mode_name, head_size, device, calls: int = 200, **kw) -> float:
+    """Host time per call of one write of 1 token (argument checks, launch), calls queued back to
+    back without waiting for the GPU: what a caller pays per layer and step outside a CUDA graph."""
+    _, sets = _setup(1, head_size, mode_name, device)
+    k, v, s, _, views = sets[0]
+    for _ in range(10):
+        _write(mode_name, k, v, s, views, **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        _write(mode_name, k, v, s, views, **kw)
+    us = (time.perf_counter() - t) / calls * 1e6
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return us
 
 
 def time_copy(nbytes, device):
@@ -112,7 +139,12 @@ def time_copy(nbytes, device):
     n = _num_sets(nbytes, device)
     bufs = [(torch.empty(half, dtype=torch.uint8, device=device).random_(),
              torch.empty(half, dtype=torch.uint8, device=device)) for _ in range(n)]
-    return _time_us(_rotating(bufs, lambda src, dst: dst.copy_(src)), device)
+    fn = _each(bufs, lambda src, dst: dst.copy_(src))
+    us = _time_us(fn, device, len(bufs))
+    if device.type == "cuda":  # a graph runs a large copy_ as a memcpy node, measured at ~2.8 TB/s
+        import triton.testing       # where the launched copy reaches ~4.2: the faster of the two
+        us = min(us, 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / len(bufs))
+    return us
 
 
 def run_table(args, device):
@@ -132,6 +164,10 @@ def run_table(args, device):
                 results.append((num_tokens, head_size, mode_name, us, gbs, cus, cgbs))
                 print(f"| {num_tokens} | {head_size} | {mode_name} | {us:.1f} | {gbs:.0f} | {cus:.1f} | "
                       f"{cgbs:.0f} | {100 * gbs / cgbs:.0f}% |", flush=True)
+    if device.type == "cuda":
+        print("\nhost time per call outside a CUDA graph (1 token, head_size "
+              f"{args.head_sizes[0]}; checks + launch, not waiting for the GPU): "
+              + ", ".join(f"{m} {host_us(m, args.head_sizes[0], device):.1f} µs" for m in args.modes), flush=True)
     return results
 
 
