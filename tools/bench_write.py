@@ -85,6 +85,7 @@ def _time_us(fn, device, calls: int = 1) -> float:
         fn()
         if not os.environ.get("BW_NOSYNC"):
             torch.cuda.synchronize(device)  # the inputs' set-up and this call, before the graph's side stream
+            # (BW_NOSYNC=1 skips it: session 9's two stops with an illegal memory access, bench/write.md)
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / calls
     times = []
     for _ in range(3):
