@@ -136,12 +136,12 @@ def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
     ``MMA`` (N = 32): the transform on tensor cores (``_write_int4_mma``; ``b0``/``b1`` its B words)."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, N] model dtype
-    sgn = tl.load(sign_ptr + cols)[None, :]
     if INTERPRET:
-        r = fwht_rows(x.to(tl.float32) * sgn, ROWS, N, LOG2_N)
-    elif MMA:
+        r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
+    elif MMA:  # the signs come with the B table
         r = mma_part(x, tab_ptr, first, b0, b1)
     else:
+        sgn = tl.load(sign_ptr + cols)[None, :]
         r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
                                       [x, sgn.to(tl.int32, bitcast=True)], dtype=tl.float32, is_pure=True, pack=8)
     return r

@@ -11,6 +11,7 @@ Run: ``python -m pytest tests/test_write_kernels.py -q``
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -362,6 +363,17 @@ def test_mode_and_option_errors():
     with pytest.raises(ValueError, match="shrink: expected factors in \\(0, 1\\] starting with 1.0"):
         reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
                                v4.v_scale_cache, shrink=(0.9, 1.0))
+
+
+def test_bench_timing_helpers():
+    """bench_write's timed function calls every input set once, and the time is per call."""
+    from tools import bench_write
+    calls = []
+    fn = bench_write._each([(1,), (2,), (3,)], lambda i: (calls.append(i), time.sleep(0.002)))
+    us = bench_write._time_us(fn, torch.device("cpu"), calls=3)
+    assert calls == [1, 2, 3] * 3  # three timed rounds of the three sets
+    assert 1500 < us < 20000  # ~2 ms of sleep per call, not ~6 per round
+    assert bench_write.host_us("int4", 64, torch.device("cpu"), calls=2) > 0
 
 
 def test_bench_quick_smoke(capsys):
