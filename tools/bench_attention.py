@@ -127,6 +127,7 @@ def time_us(pb, cfg) -> float:
         for t in tables:
             call(pb, cfg, t)
     fn()
+    torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for the set-up (bench/write.md, session 9)
     return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3 / len(tables)
 
 
