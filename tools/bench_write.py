@@ -10,8 +10,8 @@ INT8/FP8 tiles against the previous ones, next to bf16. ``--slots blocks`` write
 order instead of a random slot per token. Run:
 ``PYTHONPATH=. python tools/bench_write.py [--quick] [--check] [--sweep] [--compare] [--slots blocks]``.
 On CUDA every time is the median of CUDA-graph replays (since session 9; before, plain launches,
-whose host time hid kernels shorter than ~60-90 µs); the table ends with the launcher's host
-time per call.
+whose host time, 90-150 µs per call on the H200 machine, hid shorter kernels); the table ends
+with the launcher's host time per call.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _time_us(fn, device, calls: int = 1) -> float:
         fn()
         if not os.environ.get("BW_NOSYNC"):
             torch.cuda.synchronize(device)  # the inputs' set-up and this call, before the graph's side stream
-            # (BW_NOSYNC=1 skips it: session 9's two stops with an illegal memory access, bench/write.md)
+            # (BW_NOSYNC=1 skips it, to reproduce session 9's stops: illegal addresses, bench/write.md)
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / calls
     times = []
     for _ in range(3):
