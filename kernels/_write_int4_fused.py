@@ -47,23 +47,23 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
     hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
     # false for NaN/Inf rows: those store codes 0 and a quiet-NaN scale, never plausible numbers
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
-    scale, zp, rcp = int4_scale_zp(lo, hi)
+    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET)
     zph = tl.where(ok, zp + 0.5, float("-inf"))
-    qa = int4_codes(ra, scale, zph, rcp, DIV)
+    qa = int4_codes(ra, scale, zph, rcp, DIV, INTERPRET)
     if SPLIT:
-        qb = int4_codes(rb, scale, zph, rcp, DIV)
+        qb = int4_codes(rb, scale, zph, rcp, DIV, INTERPRET)
     if NUM_SHRINK > 1:  # SPEC §8: per row, keep the shrunk range with the least squared error
         err = int4_sq_err(qa, ra, scale, zp)
         if SPLIT:
             err += int4_sq_err(qb, rb, scale, zp)
         for i in tl.static_range(1, NUM_SHRINK):
             f = tl.load(shrink_ptr + i)
-            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f)
+            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f, INTERPRET)
             zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
-            qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV)
+            qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV, INTERPRET)
             err2 = int4_sq_err(qa2, ra, scale2, zp2)
             if SPLIT:
-                qb2 = int4_codes(rb, scale2, zph2, rcp2, DIV)
+                qb2 = int4_codes(rb, scale2, zph2, rcp2, DIV, INTERPRET)
                 err2 += int4_sq_err(qb2, rb, scale2, zp2)
             take = err2 < err
             if SPLIT:

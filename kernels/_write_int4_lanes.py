@@ -306,7 +306,7 @@ def _reshape_and_cache_int4_lanes_kernel(
     lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
-    scale, zp, rcp = int4_scale_zp(lo, hi)
+    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET)
     zph = tl.where(ok, zp + 0.5, float("-inf"))  # -inf: every code clamps to 0
     c_row = cache_ptr + ((blk * tl.where(kv, stride_kc_block, stride_vc_block)
                           + off * tl.where(kv, stride_kc_slot, stride_vc_slot)

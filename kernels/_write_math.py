@@ -106,26 +106,34 @@ def row_min_max(r, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def markstein_div(a, b, rcp_b):
+def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr = False):
     """``RN(a / b)`` given ``rcp_b = RN(1 / b)``: Markstein's correction of ``a·rcp_b`` is exact
-    (no overflow or underflow here). The residual is written ``-(q·b - a)`` so ``a = ±0`` keeps its sign."""
-    q = a * rcp_b
-    return tl.fma(-tl.fma(q, b, -a), rcp_b, q)
+    (no overflow or underflow here). The residual is written ``-(q·b - a)`` so ``a = ±0`` keeps its sign.
+
+    The correction needs a fused multiply-add. Triton 3.6's interpreter computes ``tl.fma`` as a
+    multiply and an add, two roundings (3.9's is fused), so interpreted kernels divide instead:
+    the interpreter's ``/`` is NumPy's float32 division, correctly rounded, the same ``RN(a / b)``."""
+    if INTERPRET:
+        q = a / b
+    else:
+        q = a * rcp_b
+        q = tl.fma(-tl.fma(q, b, -a), rcp_b, q)
+    return q
 
 
 @triton.jit
-def int4_scale_zp(lo, hi):
+def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr = False):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One ``div_rn`` per row; the other divisions are exact Markstein corrections."""
-    scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0), 1e-6)
+    scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0, INTERPRET), 1e-6)
     rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     # rha(w) for w = -lo / scale >= 0 is floor(w + 0.5); fmax/fmin also map NaN to 0
-    zp = tl.floor(tl.minimum(tl.maximum(markstein_div(-lo, scale, rcp) + 0.5, 0.0), 15.0))
+    zp = tl.floor(tl.minimum(tl.maximum(markstein_div(-lo, scale, rcp, INTERPRET) + 0.5, 0.0), 15.0))
     return scale, zp, rcp
 
 
 @triton.jit
-def divide_rows(x, scale, rcp, DIV: tl.constexpr):
+def divide_rows(x, scale, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr = False):
     """``x / scale[:, None]`` for ``x: [ROWS, N]`` fp32, correctly rounded unless DIV == 2.
 
     DIV 0: ``div_rn`` per element. DIV 1: Markstein's correction of ``x·rcp`` with
@@ -136,19 +144,19 @@ def divide_rows(x, scale, rcp, DIV: tl.constexpr):
     if DIV == 0:
         t = tl.div_rn(x, scale[:, None])
     elif DIV == 1:
-        t = markstein_div(x, scale[:, None], rcp[:, None])
+        t = markstein_div(x, scale[:, None], rcp[:, None], INTERPRET)
     else:
         t = x / scale[:, None]
     return t
 
 
 @triton.jit
-def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr):
+def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr = False):
     """Codes ``clamp(rha(r / scale + zp), 0, 15)`` as int32 [ROWS, N], given ``zph = zp + 0.5``
     per row (``-inf`` for a row that must store codes 0: every code then clamps to 0).
 
     """
-    t = divide_rows(r, scale, rcp, DIV)
+    t = divide_rows(r, scale, rcp, DIV, INTERPRET)
     # rha(t + zp) on the clamped range is floor(t + zp + 0.5). One rounding of t + (zp + 0.5)
     # floors like the oracle's two: t + zp and t + zp + 0.5 share a binade whose ulp divides
     # 0.5, or straddle a power of two >= 1 that both reach; the one window where they differ
@@ -202,7 +210,7 @@ def int4_codes_fast(r, scale, zph, rcp, INTERPRET: tl.constexpr):
     saturating ``cvt.rzi.u32.f32`` (negative, -inf and NaN give 0) plus an integer ``min``.
     """
     if INTERPRET:
-        q = int4_codes(r, scale, zph, rcp, 1)
+        q = int4_codes(r, scale, zph, rcp, 1, INTERPRET)
     else:
         nb = (0.0 - scale)[:, None]
         c = rcp[:, None]

@@ -59,11 +59,11 @@ def _symmetric_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, mask,
     amax = tl.maximum(-lo, hi)
     ok = amax <= 3.4028234663852886e38  # false for NaN/Inf rows: codes 0, quiet-NaN scale
     if FP8:
-        scale = tl.maximum(markstein_div(amax, 448.0, 1.0 / 448.0), 1e-6)
+        scale = tl.maximum(markstein_div(amax, 448.0, 1.0 / 448.0, INTERPRET), 1e-6)
     else:
-        scale = tl.maximum(markstein_div(amax, 127.0, 1.0 / 127.0), 1e-6)
+        scale = tl.maximum(markstein_div(amax, 127.0, 1.0 / 127.0, INTERPRET), 1e-6)
     rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    v = tl.where(ok[:, None], divide_rows(x, scale, rcp, DIV), 0.0)
+    v = tl.where(ok[:, None], divide_rows(x, scale, rcp, DIV, INTERPRET), 0.0)
     if FP8:
         q = to_fp8e4m3_bits(tl.minimum(tl.maximum(v, -448.0), 448.0), INTERPRET)
     else:
