@@ -153,20 +153,6 @@ class PagedKVCache:
         return self.caches[layer_idx][block_id].view(torch.uint8).reshape(-1)
 
 
-def _reference_write_int4_shrink(key, value, views, slot_mapping, shrink):
-    from .reference import quantize_int4_rows
-
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    bs = views.key_cache.shape[1]
-    blk, off = slots // bs, slots % bs
-    for x, cache, scales in ((key, views.key_cache, views.k_scale_cache),
-                             (value, views.value_cache, views.v_scale_cache)):
-        packed, scale = quantize_int4_rows(x[keep], shrink=shrink)
-        cache[blk, off] = packed
-        scales[blk, off] = scale
-
-
 def _kernels(backend: str):
     """(write, attend) callables with one signature for every back end."""
     write = _reference_write if backend == "reference" else _triton_write
@@ -177,10 +163,8 @@ def _kernels(backend: str):
 def _reference_write(key, value, v, slot_mapping, mode, shrink=None):
     from .reference import reference_reshape_and_cache
 
-    if shrink is not None:
-        return _reference_write_int4_shrink(key, value, v, slot_mapping, shrink)
     reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
-                                v.k_scale_cache, v.v_scale_cache)
+                                v.k_scale_cache, v.v_scale_cache, shrink=shrink or (1.0,))
 
 
 def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):

@@ -217,7 +217,8 @@ def dequantize_rows(data: torch.Tensor, scale, mode: KVQuantMode, rotated: bool 
 
 
 def reference_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None):
+                                kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None,
+                                shrink: tuple[float, ...] = (1.0,)):
     """Oracle of the write kernels: quantize ``key``/``value`` rows into the cache by slot.
 
     Parameters
@@ -226,14 +227,20 @@ def reference_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, data_head_size], written in place
     slot_mapping : [num_tokens] int; slot = block_idx * block_size + offset; negative = skip
     k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, written in place
+    shrink : INT4 only: the MSE encoder's range factors (:func:`quantize_int4_rows`)
     """
     mode = KVQuantMode(kv_quant_mode)
+    if tuple(shrink) != (1.0,) and mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        raise ValueError(f"shrink: only the INT4 encoder has range factors, got {shrink} for {mode.name}")
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
     for x, cache, scales in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
-        data, scale = quantize_rows(x[keep], mode)
+        if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+            data, scale = quantize_int4_rows(x[keep], shrink=shrink)
+        else:
+            data, scale = quantize_rows(x[keep], mode)
         cache[blk, off] = data.to(cache.dtype)
         if scale is not None:
             scales[blk, off] = scale

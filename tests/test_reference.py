@@ -176,6 +176,26 @@ def test_mse_optimal_encoder_never_worse():
     assert (e(best) <= e(base) + 1e-6).all() and e(best).sum() < 0.95 * e(base).sum()
 
 
+def test_reference_write_with_shrink():
+    """The write oracle's ``shrink`` stores :func:`quantize_int4_rows`' MSE rows at their slots
+    (negative slots skipped) and is refused for modes without range factors."""
+    from kernels.reference import reference_reshape_and_cache
+    shrink = (1.0, 0.9, 0.8)
+    k, v = torch.randn(6, 2, 64).bfloat16(), torch.randn(6, 2, 64).bfloat16()
+    slots = torch.tensor([5, -1, 0, 7, 2, 3])
+    kc, vc = torch.zeros(2, 4, 2, 32, dtype=torch.uint8), torch.zeros(2, 4, 2, 32, dtype=torch.uint8)
+    ks, vs = torch.zeros(2, 4, 2), torch.zeros(2, 4, 2)
+    reference_reshape_and_cache(k, v, kc, vc, slots, KVQuantMode.INT4_PER_TOKEN_HEAD, ks, vs, shrink=shrink)
+    for x, c, s in ((k, kc, ks), (v, vc, vs)):
+        want_c, want_s = quantize_int4_rows(x[slots >= 0], shrink=shrink)
+        keep = slots[slots >= 0]
+        assert torch.equal(c.view(8, 2, 32)[keep], want_c)
+        assert torch.equal(s.view(8, 2)[keep].view(torch.int32), want_s.view(torch.int32))
+        assert (c.view(8, 2, 32)[[1, 4, 6]] == 0).all()  # slots no token maps to
+    with pytest.raises(ValueError, match="only the INT4 encoder"):
+        reference_reshape_and_cache(k, v, kc, vc, slots, KVQuantMode.INT8_PER_TOKEN_HEAD, ks, vs, shrink=shrink)
+
+
 def test_reference_attention_matches_dense_softmax():
     # one sequence, whole cache in order: paged oracle == plain dense causal attention
     torch.manual_seed(1)

@@ -217,17 +217,9 @@ def _compare(mode_name, geo, ref, out):
 def oracle_write(mode_name, key, value, slots, views):
     """The PyTorch oracle's write of ``key``/``value`` at ``slots`` into ``views`` (negative slots
     skipped; "int4-mse": the MSE encoder)."""
-    mode = MODES[mode_name]
-    if mode != M.INT4_PER_TOKEN_HEAD:
-        return reference_reshape_and_cache(key, value, views.key_cache, views.value_cache, slots, mode,
-                                           views.k_scale_cache, views.v_scale_cache)
-    from kernels.reference import quantize_int4_rows
-    shrink = MSE_SHRINK if mode_name == "int4-mse" else (1.0,)
-    block_size = views.key_cache.shape[1]
-    keep = slots >= 0
-    blk, off = slots[keep] // block_size, slots[keep] % block_size
-    for x, kc, sc in ((key, views.key_cache, views.k_scale_cache), (value, views.value_cache, views.v_scale_cache)):
-        kc[blk, off], sc[blk, off] = quantize_int4_rows(x[keep], shrink=shrink)
+    reference_reshape_and_cache(key, value, views.key_cache, views.value_cache, slots, MODES[mode_name],
+                                views.k_scale_cache, views.v_scale_cache,
+                                shrink=MSE_SHRINK if mode_name == "int4-mse" else (1.0,))
 
 
 def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
