@@ -28,6 +28,7 @@ from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnC
 from kernels.attention import unified_attention
 from kernels.reference_attention import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
+from tools.timing import graph_us
 
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
          "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD, "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
@@ -121,14 +122,10 @@ def time_us(pb, cfg) -> float:
         call(pb, cfg, tables[0])
         return (time.perf_counter() - t0) * 1e6
 
-    import triton.testing
-
     def fn():  # one replay runs every copy once: rotation through more than the L2
         for t in tables:
             call(pb, cfg, t)
-    fn()
-    torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for the set-up (bench/write.md, session 9)
-    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3 / len(tables)
+    return graph_us(fn, REP_MS, len(tables))
 
 
 def copy_gbps(device) -> float:

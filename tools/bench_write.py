@@ -27,6 +27,7 @@ import torch
 from kernels.reference import dequantize_rows, reference_reshape_and_cache
 from kernels.write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
+from tools.timing import graph_us
 
 M = KVQuantMode
 MODES = {"bf16": M.NONE, "int8": M.INT8_PER_TOKEN_HEAD, "fp8": M.FP8_PER_TOKEN_HEAD,
@@ -80,13 +81,8 @@ def _time_us(fn, device, calls: int = 1) -> float:
     """µs per call of ``fn``, which makes ``calls`` calls. CUDA: the median of CUDA-graph replays, so
     the time is the GPU's alone: without a graph, calls shorter than the launcher's host time
     (tens of µs of Python per call, see :func:`host_us`) measure the host, not the kernel."""
-    if device.type == "cuda":
-        import triton.testing
-        fn()
-        if not os.environ.get("BW_NOSYNC"):
-            torch.cuda.synchronize(device)  # the inputs' set-up and this call, before the graph's side stream
-            # (BW_NOSYNC=1 skips it, to reproduce session 9's stops: illegal addresses, bench/write.md)
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / calls
+    if device.type == "cuda":  # BW_NOSYNC=1 skips graph_us's sync: session 9's stops, bench/write.md
+        return graph_us(fn, 100, calls, sync=not os.environ.get("BW_NOSYNC"))
     times = []
     for _ in range(3):
         t = time.perf_counter()

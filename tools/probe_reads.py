@@ -35,6 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, ".")
 from kernels._jit import dual_jit  # noqa: E402
+from tools.timing import graph_us  # noqa: E402
 
 
 @triton.jit
@@ -128,9 +129,7 @@ def _time_us(fn, device) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    import triton.testing
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
+    return graph_us(fn, 40)
 
 
 def _expected(back, table, R, U, segs, per_head):

@@ -1,0 +1,21 @@
+"""CUDA-graph timing shared by the kernel benchmarks (``bench_write``, ``bench_attention``,
+``probe_reads``)."""
+
+from __future__ import annotations
+
+
+def graph_us(fn, rep_ms: float, calls: int = 1, sync: bool = True) -> float:
+    """µs per call of ``fn``, which makes ``calls`` calls: the median of CUDA-graph replays
+    (``triton.testing.do_bench_cudagraph``), so the time is the GPU's alone.
+
+    ``fn`` runs once first, then the device is synchronized: ``do_bench_cudagraph`` runs on a new
+    side stream that does not wait for the inputs' set-up on the current one. Without the sync,
+    ``bench_write``'s tables stopped on illegal addresses (docs/bench/write.md, session 9);
+    ``sync=False`` exists only to reproduce that."""
+    import torch
+    import triton.testing
+
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3 / calls
