@@ -106,7 +106,7 @@ def row_min_max(r, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr = False):
+def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr):
     """``RN(a / b)`` given ``rcp_b = RN(1 / b)``: Markstein's correction of ``a·rcp_b`` is exact
     (no overflow or underflow here). The residual is written ``-(q·b - a)`` so ``a = ±0`` keeps its sign.
 
@@ -122,7 +122,7 @@ def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr = False):
 
 
 @triton.jit
-def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr = False):
+def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One ``div_rn`` per row; the other divisions are exact Markstein corrections."""
     scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0, INTERPRET), 1e-6)
@@ -133,7 +133,7 @@ def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr = False):
 
 
 @triton.jit
-def divide_rows(x, scale, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr = False):
+def divide_rows(x, scale, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr):
     """``x / scale[:, None]`` for ``x: [ROWS, N]`` fp32, correctly rounded unless DIV == 2.
 
     DIV 0: ``div_rn`` per element. DIV 1: Markstein's correction of ``x·rcp`` with
@@ -151,7 +151,7 @@ def divide_rows(x, scale, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr = Fals
 
 
 @triton.jit
-def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr = False):
+def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr):
     """Codes ``clamp(rha(r / scale + zp), 0, 15)`` as int32 [ROWS, N], given ``zph = zp + 0.5``
     per row (``-inf`` for a row that must store codes 0: every code then clamps to 0).
 
