@@ -4,8 +4,9 @@ Tiling from the H200 sweeps in docs/bench/attention.md (sessions 6 and 7; 32 que
 block 16; ``tools/bench_decode_v4.py``): one KV head per program and one warp at every head size;
 INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4 with 64 keys at head_size 64,
 32 at 128 and 16 at 256. Several heads per program (whole token rows, token-major loads included)
-were slower. Segments aim at 8 resident programs per SM (16 for INT8 / FP8 at head_size 64, whose
-programs hold half the registers; ``v4_segments``). INT4 rotates its query in a separate kernel
+were slower. FP8 at head_size 128 pipelines 3 stages (session 10), the others 2. Segments aim
+at 8 resident programs per SM (16 for INT8 / FP8 at head_size 64, whose programs hold half the
+registers; ``v4_segments``). INT4 rotates its query in a separate kernel
 here (v3 does it in its prologue), which costs about 2 µs: INT4 keeps v3 for small decode
 batches (``V4_INT4_MIN_KEYS``).
 """
@@ -20,7 +21,10 @@ from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
 
 # mode -> head_size -> (keys per tile, warps, stages, programs per SM, KV heads per program)
 _INT8_V4 = {64: (16, 1, 2, 16, 1), 128: (16, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}
-V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_V4, KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_V4,
+# FP8 at head_size 128 with 3 stages (session 10, H200, same process): b8@32k 180.8 vs 187.2 us,
+# b32@32k 750 vs 784, b32@4k 95 vs 99, within 1% elsewhere; INT8 and the other head sizes: no gain
+_FP8_V4 = {**_INT8_V4, 128: (16, 1, 3, 8, 1)}
+V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_V4, KVQuantMode.FP8_PER_TOKEN_HEAD: _FP8_V4,
              KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (64, 1, 2, 8, 1), 128: (32, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}}
 # INT4 takes the v4 kernel from this many keys in the batch (sequences x context) on; below it
 # v3's fused query rotation wins or ties (H200, head_size 128: b1 @ 4k v3 13.7 us, v4 16.1;
