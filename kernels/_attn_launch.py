@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from layouts import KVQuantMode, LayoutError
@@ -24,7 +23,7 @@ from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
 from ._attn_reduce import _attn_reduce_kernel
-from ._jit import interpreting, num_sms, pdl
+from ._jit import interpreting, next_pow2, num_sms, pdl
 from .reference import rht_signs
 
 _CODE_DTYPES = {
@@ -140,7 +139,7 @@ def validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode, k_scale_c
 def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_output, num_segments,
                 seq_threshold_3d) -> AttnConfig:
     """2D tiles for prefill / mixed batches; split-KV for decode when it fills the GPU better."""
-    block_m = max(16, triton.next_power_of_2(group))
+    block_m = max(16, next_pow2(group))
     decode = max_seqlen_q == 1
     if decode and seq_threshold_3d is not None and num_seqs > seq_threshold_3d:
         decode = False
@@ -244,7 +243,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     if num_tokens == 0:
         return out
     is_int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
-    head_pad = max(16, triton.next_power_of_2(head_size))
+    head_pad = max(16, next_pow2(head_size))
     if interpreting(q):
         dot = DOT_FP32.value
     elif mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
@@ -265,7 +264,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
-    gp, interp = max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)), dot == DOT_FP32.value
+    gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
         if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
@@ -292,7 +291,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     if split:
         # one load of every segment while the tile holds at most 16K values, else chunks of 4K values;
         # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
-        seg_pad = triton.next_power_of_2(cfg.num_segments)
+        seg_pad = next_pow2(cfg.num_segments)
         seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
         rot_chunk = head_size if head_size * head_size <= REDUCE_ONE_LOAD else max(1, 8192 // head_size)
         _attn_reduce_kernel[(num_tokens, num_q_heads)](
@@ -330,7 +329,7 @@ def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, cau
         stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
         stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
         stride_bt_s=block_table.stride(0),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, GP=max(DECODE_V2_MIN_GP, triton.next_power_of_2(group)),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, GP=max(DECODE_V2_MIN_GP, next_pow2(group)),
         HEAD=head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=cfg.tile, MODE=mode_id,
         DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp and DECODE_V2_ASM,
         CAUSAL=bool(causal), USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, KV_ALIGN=align,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from layouts import KVQuantMode
 
@@ -19,7 +18,7 @@ from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _prep_q_kernel
 from ._attn_decode_v3 import _attn_decode_v3_kernel
 from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
-from ._jit import num_sms
+from ._jit import cdiv, num_sms
 
 _INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
 V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM)
@@ -107,7 +106,7 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     if not is_int4 or not prepare:
         return q, float(softmax_scale), use_softcap, col_scale
     qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
-    _prep_q_kernel[(q.shape[0], triton.cdiv(q.shape[1], 16))](
+    _prep_q_kernel[(q.shape[0], cdiv(q.shape[1], 16))](
         q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         NUM_Q_HEADS=q.shape[1], HEAD=head_size, BLOCK_H=16,

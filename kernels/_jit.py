@@ -85,6 +85,18 @@ def dual_jit(fn=None, **jit_kwargs):
     return DualKernel(fn, **jit_kwargs)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the launchers' grids. ``triton.cdiv`` is a constexpr function in Triton
+    3.6+, and calling it from Python goes through its argument unwrapping: 2-7 µs a call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2`` computes it,
+    without its constexpr-function wrapper (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def interpreting(t: torch.Tensor) -> bool:
     """True when a kernel launched on ``t`` runs through the interpreter (CPU tensor).
 

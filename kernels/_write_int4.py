@@ -27,11 +27,10 @@ import functools
 from typing import Sequence
 
 import torch
-import triton
 
 from layouts import KVQuantMode
 
-from ._jit import interpreting
+from ._jit import cdiv, interpreting
 from ._write_checks import cache_alignment, check_write_args, lane_layout_ok, packed_rows, scale_bits_view
 from ._write_int4_fused import _reshape_and_cache_int4_kernel
 from ._write_int4_mma import MMA_COLS, mma_table
@@ -175,7 +174,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     d, rows = shape.head_size, cfg["rows"]
     dev = str(key.device)
     ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
-    num_tiles = triton.cdiv(num_rows, rows)
+    num_tiles = cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
     if cfg["kernel"] in ("lanes", "mma"):

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from layouts import KVQuantMode, LayoutError
 
-from ._jit import dual_jit, interpreting
+from ._jit import cdiv, dual_jit, interpreting, next_pow2
 from ._write_checks import cache_alignment, check_write_args
 from ._write_int4 import DIVISIONS, reshape_and_cache_int4
 from ._write_math import divide_rows, markstein_div, round_half_even, row_min_max, to_fp8e4m3_bits, to_model_dtype
@@ -110,7 +110,7 @@ def _symmetric_tiles(head_size: int, on_cpu: bool, rows, num_warps) -> tuple:
     214 / 197 us with 32 rows and 4 warps; docs/bench/write.md, 2026-11-29). The bf16/fp16 writer
     passes its own ``num_warps`` (default 4) and so gets these rows with 4 warps: 94-95% of copy
     at head_size 64/128/256 in the same runs, as with its earlier 4096 // head_size rows."""
-    d = triton.next_power_of_2(head_size)
+    d = next_pow2(head_size)
     if on_cpu:
         return rows or max(1, 4096 // d), num_warps or 4
     return rows or max(8, 1024 // d), num_warps or 1
@@ -163,13 +163,13 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     rows, num_warps = _symmetric_tiles(shape.head_size, cpu, rows, num_warps)
     align = cache_alignment(key_cache, value_cache)
     ks, vs = k_scale_cache.view(torch.int32), v_scale_cache.view(torch.int32)
-    _reshape_and_cache_symmetric_kernel[(triton.cdiv(num_rows, rows),)](
+    _reshape_and_cache_symmetric_kernel[(cdiv(num_rows, rows),)](
         key, value, key_cache.view(torch.uint8), value_cache.view(torch.uint8), ks, vs, slot_mapping,
         num_rows, shape.num_blocks * shape.block_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *(st // align for st in key_cache.stride()[:3]), *(st // align for st in value_cache.stride()[:3]),
         *ks.stride(), *vs.stride(),
-        ROWS=rows, HEAD_SIZE=shape.head_size, BLOCK_D=triton.next_power_of_2(shape.head_size),
+        ROWS=rows, HEAD_SIZE=shape.head_size, BLOCK_D=next_pow2(shape.head_size),
         FP8=mode == KVQuantMode.FP8_PER_TOKEN_HEAD, DIV=DIVISIONS[div], INTERPRET=cpu,
         CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         num_warps=num_warps, enable_fp_fusion=False,
@@ -234,11 +234,11 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
         return
     cpu = interpreting(key)
     rows, num_warps = _symmetric_tiles(shape.head_size, cpu, rows, num_warps)
-    _reshape_and_cache_flash_kernel[(triton.cdiv(num_rows, rows),)](
+    _reshape_and_cache_flash_kernel[(cdiv(num_rows, rows),)](
         key, value, key_cache, value_cache, slot_mapping, num_rows, shape.num_blocks * shape.block_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
-        ROWS=rows, HEAD_SIZE=shape.head_size, BLOCK_D=triton.next_power_of_2(shape.head_size),
+        ROWS=rows, HEAD_SIZE=shape.head_size, BLOCK_D=next_pow2(shape.head_size),
         INTERPRET=interpreting(key), NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         num_warps=num_warps,
     )
