@@ -66,12 +66,13 @@ def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
     """tools/bench_decode_v4.py: malformed shapes, variants or modes are argparse errors (exit 2)
     before any GPU work; without a GPU it says so and returns 1."""
     from tools import bench_decode_v4 as V4
-    for bad in (["--variants", "16:1:2"], ["--variants", "16:1:x:8:1"], ["--shapes", "8"], ["--modes", "int5"]):
+    for bad in (["--variants", "16:1:2"], ["--variants", "16:1:x:8:1"], ["--shapes", "8"], ["--modes", "int5"],
+                ["--rounds", "0"], ["--placements", "0"], ["--placements", "x"]):
         with pytest.raises(SystemExit) as e:
             V4.main(bad)
         assert e.value.code == 2, bad
     monkeypatch.setattr(V4.torch.cuda, "is_available", lambda: False)
-    assert V4.main(["--variants", "16:1:2:8:1 32:1:2:8:1:0:168"]) == 1
+    assert V4.main(["--variants", "16:1:2:8:1 32:1:2:8:1:0:168", "--rounds", "2", "--placements", "3"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 

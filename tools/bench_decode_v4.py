@@ -1,8 +1,11 @@
 """Time variants of the v4 decode kernel (``AttnConfig.v2 = 4``) against the launcher's default and bf16.
 
 Every configuration is checked against the oracle first (``tools.bench_attention.check``), then
-timed with CUDA graphs (``time_us``), all in one process on the same caches. Run:
-``PYTHONPATH=. python3 tools/bench_decode_v4.py [--out FILE]`` (H200).
+timed with CUDA graphs (``time_us``), all in one process on the same caches. ``--rounds R`` times
+the variants R times, interleaved; ``--placements P`` repeats everything on P fresh caches at
+other addresses and prints, per variant, its speed-up over the first one in each placement:
+differences of a few percent can depend on where the cache lands (docs/bench/attention.md,
+session 10). Run: ``PYTHONPATH=. python3 tools/bench_decode_v4.py [--out FILE]`` (H200).
 """
 
 from __future__ import annotations
@@ -39,6 +42,41 @@ def v4_cfg(base: AttnConfig, batch: int, ctx: int, heads: int, head_size: int, t
                       max_registers=regs)
 
 
+def label(cfg: AttnConfig) -> str:
+    kind = {3: "v3", 4: "v4"}.get(cfg.v2, f"v{cfg.v2}")
+    return (f"{kind} tile {cfg.tile} warps {cfg.num_warps} stages {cfg.num_stages} segs {cfg.num_segments} "
+            f"heads/program {cfg.heads_per_program} rows {int(cfg.row_loads)} regs {cfg.max_registers}")
+
+
+def time_variants(name, batch, ctx, p, spec, place, rounds, bf, log) -> dict:
+    """Check, then time (best of ``rounds``, interleaved) the launcher's default and the variants of
+    ``name`` on a fresh problem; ``place`` > 0 allocates ``place`` x 37.3 MB first, so the cache
+    lands elsewhere. Returns {config: µs}."""
+    pad = torch.empty(int(place * 37.3e6) + 1, dtype=torch.uint8, device="cuda")
+    pb = ba.make_problem(QUANT[name], batch, ctx, 1, p, "cuda", seed=place)
+    base = ba.default_cfg(pb)
+    cfgs = list(dict.fromkeys([base] + [v4_cfg(base, batch, ctx, p["num_kv_heads"], p["head_size"], *v)
+                                        for v in spec or VARIANTS[name]]))
+    errs = {}
+    for cfg in cfgs:
+        errs[cfg] = err = ba.check(pb, cfg)
+        if not err <= 1e-2:
+            raise AssertionError(f"{name} {cfg}: relative L2 {err:.2e}")
+    times = {cfg: [] for cfg in cfgs}
+    for _ in range(rounds):
+        for cfg in cfgs:
+            times[cfg].append(ba.time_us(pb, cfg))
+    at = f" placement {place}" if place else ""
+    for cfg, ts in times.items():
+        us = min(ts)
+        spread = f" ({min(ts):.1f}-{max(ts):.1f} over {rounds} rounds)" if rounds > 1 else ""
+        log(f"  {name} b{batch}@{ctx}{at} {label(cfg)}: {us:.1f} us{spread} (rel. L2 {errs[cfg]:.1e}), "
+            f"{bf / us:.2f}x bf16")
+    del pb, pad
+    torch.cuda.empty_cache()
+    return {cfg: min(ts) for cfg, ts in times.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8x32768,32x32768,1x32768,8x4096,1x4096,2x4096,1x2048",
@@ -47,8 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=None,
                     help="space separated tile:warps:stages:per_sm:heads[:rows[:max registers]] (default: VARIANTS)")
     ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved timings of every variant")
+    ap.add_argument("--placements", type=int, default=1, help="fresh caches at other addresses")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.placements < 1:
+        ap.error("--rounds and --placements must be at least 1")
     try:
         shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")]
         spec = [tuple(map(int, v.split(":"))) for v in args.variants.split()] if args.variants else None
@@ -77,20 +119,16 @@ def main(argv=None) -> int:
         del pb
         log(f"b{batch}@{ctx} bf16 {bf:.1f} us")
         for name in args.modes.split(","):
-            pb = ba.make_problem(QUANT[name], batch, ctx, 1, p, "cuda")
-            base = ba.default_cfg(pb)
-            variants = [v4_cfg(base, batch, ctx, p["num_kv_heads"], p["head_size"], *v) for v in spec or VARIANTS[name]]
-            for cfg in dict.fromkeys([base] + variants):
-                err = ba.check(pb, cfg)
-                if not err <= 1e-2:
-                    raise AssertionError(f"{name} {cfg}: relative L2 {err:.2e}")
-                us = ba.time_us(pb, cfg)
-                kind = {3: "v3", 4: "v4"}.get(cfg.v2, f"v{cfg.v2}")
-                log(f"  {name} b{batch}@{ctx} {kind} tile {cfg.tile} warps {cfg.num_warps} stages {cfg.num_stages} "
-                    f"segs {cfg.num_segments} heads/program {cfg.heads_per_program} rows {int(cfg.row_loads)} "
-                    f"regs {cfg.max_registers}: {us:.1f} us (rel. L2 {err:.1e}), {bf / us:.2f}x bf16")
-            del pb
-            torch.cuda.empty_cache()
+            speedups = {}
+            for place in range(args.placements):
+                times = time_variants(name, batch, ctx, p, spec, place, args.rounds, bf, log)
+                first = next(iter(times.values()))
+                for cfg, us in times.items():
+                    speedups.setdefault(cfg, []).append(first / us)
+            if args.placements > 1:
+                for cfg, r in speedups.items():
+                    log(f"  {name} b{batch}@{ctx} {label(cfg)}: {min(r):.3f}-{max(r):.3f}x the first variant's speed "
+                        f"over {args.placements} placements")
     return 0
 
 
