@@ -63,7 +63,7 @@ def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs
     ``half`` at head_size 256 on the H200 (bench/attention.md, session 8): b1 @ 4k 25.7 -> 20.1 µs
     (32 segments instead of 64), b2 @ 4k 31.0 -> 26.7 and b2 @ 2k 26.0 -> 20.4 (16 instead of 32)."""
     target = programs_per_sm * num_sms // (2 if half else 1)
-    want = max(target // max(1, pairs), -(-max_seqlen_k // V3_MAX_KEYS_PER_SEGMENT))
+    want = max(target // max(1, pairs), cdiv(max_seqlen_k, V3_MAX_KEYS_PER_SEGMENT))
     segs = max(2, min(want, max(1, max_seqlen_k // tile)))
     return 1 << (segs.bit_length() - 1)
 

@@ -73,13 +73,18 @@ LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1),
 MMA_TILING = {64: (32, 2, True), 128: (32, 2, False), 256: (32, 2, False)}
 
 
+def default_int4_kernel(head_size: int, on_cpu: bool) -> str:
+    """The kernel used when the caller names none: "mma" on the GPU from head_size 64, "lanes"
+    below, "fused" on CPU and for rows wider than 256."""
+    return "fused" if on_cpu or head_size not in LANE_BITS else "mma" if head_size in MMA_TILING else "lanes"
+
+
 def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None) -> dict:
     """Tile rows, warps, rotation, division, programs per SM... of ``kernel`` (None: the kernel
     used when the caller names none: "mma" on the GPU from head_size 64, "lanes" below, "fused"
     on CPU and for rows wider than 256)."""
     if kernel is None:
-        kernel = ("fused" if on_cpu or head_size not in LANE_BITS else "mma" if head_size in MMA_TILING
-                  else "lanes")
+        kernel = default_int4_kernel(head_size, on_cpu)
     cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
                parts=1, packed_range=False)
     mma_parts = max(1, head_size // MMA_COLS)
@@ -99,6 +104,10 @@ def fused_int4_config(head_size: int) -> dict:
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
                 rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1,
                 packed_range=False)
+
+
+# the tuning keywords of every kernel's config (the same keys for all of them)
+TUNING_KEYS = frozenset(default_int4_config(128, False))
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -145,14 +154,13 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     if not shrink or shrink[0] != 1.0 or not all(0.0 < f <= 1.0 for f in shrink):
         raise ValueError(f"shrink: expected factors in (0, 1] starting with 1.0, got {shrink}")
     cpu = interpreting(key)
-    cfg = default_int4_config(shape.head_size, cpu)
-    unknown = set(tuning) - set(cfg)
+    unknown = set(tuning) - TUNING_KEYS
     if unknown:
         raise TypeError(f"reshape_and_cache_int4: unknown tuning keywords {sorted(unknown)}")
     kernel = tuning.get("kernel")
     if kernel is None:  # naming a rotation or a division selects the fused kernel, which has them
         fused_only = "rotation" in tuning or tuning.get("div", "markstein") != "markstein"
-        kernel = "fused" if fused_only else cfg["kernel"]
+        kernel = "fused" if fused_only else default_int4_kernel(shape.head_size, cpu)
     if kernel not in ("fused", "lanes", "mma"):
         raise ValueError(f"kernel: expected 'fused', 'lanes' or 'mma', got {kernel!r}")
     if kernel == "mma" and shape.head_size < MMA_COLS:

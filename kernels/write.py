@@ -239,6 +239,6 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         ROWS=rows, HEAD_SIZE=shape.head_size, BLOCK_D=next_pow2(shape.head_size),
-        INTERPRET=interpreting(key), NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        INTERPRET=cpu, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         num_warps=num_warps,
     )

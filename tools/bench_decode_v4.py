@@ -67,14 +67,14 @@ def time_variants(name, batch, ctx, p, spec, place, rounds, bf, log) -> dict:
         for cfg in cfgs:
             times[cfg].append(ba.time_us(pb, cfg))
     at = f" placement {place}" if place else ""
+    best = {cfg: min(ts) for cfg, ts in times.items()}
     for cfg, ts in times.items():
-        us = min(ts)
-        spread = f" ({min(ts):.1f}-{max(ts):.1f} over {rounds} rounds)" if rounds > 1 else ""
-        log(f"  {name} b{batch}@{ctx}{at} {label(cfg)}: {us:.1f} us{spread} (rel. L2 {errs[cfg]:.1e}), "
-            f"{bf / us:.2f}x bf16")
+        spread = f" ({best[cfg]:.1f}-{max(ts):.1f} over {rounds} rounds)" if rounds > 1 else ""
+        log(f"  {name} b{batch}@{ctx}{at} {label(cfg)}: {best[cfg]:.1f} us{spread} (rel. L2 {errs[cfg]:.1e}), "
+            f"{bf / best[cfg]:.2f}x bf16")
     del pb, pad
     torch.cuda.empty_cache()
-    return {cfg: min(ts) for cfg, ts in times.items()}
+    return best
 
 
 def main(argv=None) -> int:
