@@ -383,6 +383,14 @@ def test_mode_and_option_errors():
     with pytest.raises(ValueError, match="shrink: expected factors in \\(0, 1\\] starting with 1.0"):
         reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
                                v4.v_scale_cache, shrink=(0.9, 1.0))
+    before = v4.key_cache.clone()
+    with pytest.raises(TypeError, match=r"unknown tuning keywords \['tile'\]"):
+        reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
+                               v4.v_scale_cache, tile=16)
+    with pytest.raises(ValueError, match="kernel: expected 'fused', 'lanes' or 'mma', got 'shuffle'"):
+        reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
+                               v4.v_scale_cache, kernel="shuffle")
+    assert torch.equal(v4.key_cache, before)  # nothing written
 
 
 def test_bench_timing_helpers():
