@@ -19,6 +19,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
+from ._attn_launch_v6 import launch_v6, v6_default, v6_fit, v6_segments
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
@@ -46,6 +47,8 @@ class AttnConfig:
     v2: int = 0         # quantized decode (max_seqlen_q == 1): 1 = _attn_decode_kernel,
                         # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
                         # 4 = _attn_decode_v4_kernel (block-aligned tiles; where it cannot read the cache, as 3)
+                        # 6 = _attn_decode_v6_kernel (INT4, Gluon: whole blocks, every KV head; where it
+                        # cannot read the cache, as 4 with v4's tiling)
     heads_per_program: int = 0  # v2 = 4: KV heads per program (0 = all)
     row_loads: bool = True      # v2 = 4 with several heads per program: token-major loads
     max_registers: int = 0      # v2 = 4 on a GPU: ptxas register cap per thread (0 = none)
@@ -149,13 +152,16 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     v3 = v3_tiling(mode, q.shape[2]) if DECODE_V2.get(mode, 0) == 3 and pow2 else None  # (tile, warps, stages, per SM)
     v4 = v4_tiling(mode, q.shape[2]) if v3 and v4_default(mode, q.shape[2], num_seqs, max_seqlen_k) else None
+    v6 = v6_default(mode, q, group, num_seqs, max_seqlen_k)
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
         segs = num_segments
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if v4:  # programs per sequence: KV heads / heads per program
+        if v6:
+            want, cap = v6_segments(num_sms(q.device), num_seqs, max_seqlen_k), max_seqlen_k
+        elif v4:  # programs per sequence: KV heads / heads per program
             groups = max(1, pairs // max(1, v4[4] or q.shape[1] // group))
             want = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3], q.shape[2])
             cap = max_seqlen_k
@@ -170,6 +176,9 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
+    if v2 == 3 and v6:
+        return AttnConfig(block_m=block_m, tile=16, num_segments=int(segs), num_warps=q.shape[1] // group,
+                          num_stages=2, v2=6)
     if v2 == 3 and v4:  # also when the caller fixed the segment count
         return AttnConfig(block_m=block_m, tile=v4[0], num_segments=int(segs), num_warps=v4[1],
                           num_stages=v4[2], v2=4, heads_per_program=v4[4])
@@ -237,8 +246,8 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                      window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
     """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
-    if cfg.v2 not in (0, 1, 3, 4):
-        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2), 3 (v3) or 4 (v4), got {cfg.v2}")
+    if cfg.v2 not in (0, 1, 3, 4, 6):
+        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2), 3 (v3), 4 (v4) or 6 (v6), got {cfg.v2}")
     num_tokens, num_q_heads = q.shape[:2]
     if num_tokens == 0:
         return out
@@ -263,10 +272,23 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
+    v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs)
+    if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 (else v3) with its own tiling
+        t = v4_tiling(mode, head_size)
+        cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
+               if t else dataclasses.replace(cfg, v2=3))
+        if cfg.v2 == 3:
+            t = v3_tiling(mode, head_size)
+            cfg = dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2])
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
-        if cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
+        if v6:
+            qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
+                                                         parts=4, use_pdl=False, release=False)
+            launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
+                      segm_max, segm_expsum, qp, col_scale, use_softcap)
+        elif cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                       mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
                       segm_max, segm_expsum, interp, gp, signs, use_pdl)

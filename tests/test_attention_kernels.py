@@ -232,6 +232,70 @@ def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, dev
     run_and_check(c, config=AttnConfig(16, 16, 4, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))  # token-major
 
 
+def _v6_available():
+    from kernels import _attn_launch_v6
+    return torch.cuda.is_available() and _attn_launch_v6.available(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_v6_falls_back_where_it_cannot_read(device):
+    """AttnConfig.v2 = 6 (the Gluon INT4 decode) on a cache it cannot read takes v4 with v4's
+    tiling and still matches the oracle: the CPU (interpreter), four separate tensors, head_size
+    64; and the launcher never picks v6 on the CPU."""
+    from kernels import _attn_launch_v6
+    cfg = AttnConfig(16, 16, 4, 8, 2, 6)
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
+                  num_q_heads=32, num_kv_heads=8, head_size=128, seed=21, device=device, packed=False)
+    v = c["views"]
+    assert not _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
+                                      v.v_scale_cache)
+    run_and_check(c, config=cfg)
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
+                  seed=22, device=device)  # head_size 64
+    run_and_check(c, config=cfg, window=(40, -1))
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    assert pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 8, 1, 32768, None, None, None).v2 != 6
+
+
+@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (64, 8), (16, 4), (4, 1), (8, 2)])
+def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
+    """The v6 decode kernel reads the packed cache itself (``v6_fit``) and matches the oracle and
+    v4: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
+    100-key window, softcap, 3 to 32 segments (empty ones included); the unused rows of each
+    last block hold 0xFF poison (scale words NaN), which must not reach the output."""
+    from kernels import _attn_launch_v6
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
+                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=128, device="cuda",
+                  seed=num_q_heads + num_kv_heads)
+    v = c["views"]
+    assert _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
+                                  v.v_scale_cache)
+    v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
+    for segs in (3, 32):
+        for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
+            got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, 2, 6), **opts).float()
+            ref = run_and_check(c, config=v4, **opts).float()
+            assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
+
+
+@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+def test_cuda_v6_is_the_default_for_large_int4_batches():
+    """The launcher picks v6 for INT4 decode at head_size 128 from ``V6_MIN_KEYS`` keys in the
+    batch (GQA up to 8, up to 8 KV heads), and v4 / v3 below it or for other shapes."""
+    from kernels import _attn_launch_v6
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
+    int4 = KVQuantMode.INT4_PER_TOKEN_HEAD
+    big = _attn_launch_v6.V6_MIN_KEYS // 8
+    cfg = pick_config(int4, q, 4, 8, 1, big, None, None, None)
+    assert cfg.v2 == 6 and cfg.num_segments >= 2
+    assert pick_config(int4, q, 4, 8, 1, big // 2, None, None, None).v2 != 6
+    assert pick_config(KVQuantMode.INT8_PER_TOKEN_HEAD, q, 4, 8, 1, big, None, None, None).v2 != 6
+    q16 = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
+    assert pick_config(int4, q16, 16, 8, 1, big, None, None, None).v2 != 6  # GQA 16
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
@@ -452,8 +516,8 @@ def test_reduction_in_chunks(mode, dtype):
 
 
 def test_decode_kernel_choice_is_checked():
-    """AttnConfig.v2 names a decode kernel (0, 1, 3 or 4; 2, a register-prefetch variant, was
-    removed): anything else is refused before a launch."""
+    """AttnConfig.v2 names a decode kernel (0, 1, 3, 4 or 6; 2, a register-prefetch variant, was
+    removed, and 5 stayed on a branch): anything else is refused before a launch."""
     c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1], k_lens=[40])
     for bad in (2, 5):
         with pytest.raises(ValueError, match="AttnConfig.v2"):

@@ -1,0 +1,121 @@
+"""Launch of the INT4 decode kernel v6 (``_attn_decode_v6``): where it applies, its grid, and when
+it is the default.
+
+v6 needs a CUDA GPU of compute capability 8.0 or newer, Triton with the Gluon dialect, and one
+cache layout: the packed INT4 cache of SPEC §4 at head_size 128 and block size 16, as
+``layouts.split_kv_cache`` views it (V half right after the K half; each row's scale word right
+after its 64 code bytes; blocks 16-byte aligned), with at most 8 KV heads (a power of two) and at most 8
+query heads per KV head. Anything else goes to v4 / v3 (and on CPU to the interpreter).
+
+Defaults measured on the H200 (docs/bench/attention.md, "Session 11"; 32 query / 8 KV heads):
+two stages (all the 48 KB of static shared memory holds), a 128-register cap (two programs of
+8 warps per SM), and segments for about two programs per SM. v6 is the INT4 default from
+``V6_MIN_KEYS`` keys in the batch (sequences x context), where it measured 10-22% faster than v4
+(b8@32k, b16@16k, b64@4k, b32@32k). At 131,072 keys it ranged from 5% slower (b32@4k) to 5% faster,
+and below that v4 was faster: v4's 8 resident programs per SM fill the GPU better.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from layouts import KVQuantMode
+
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+ROW_BYTES = HEAD_SIZE // 2 + 4      # 68: 64 code bytes, then the scale word
+MAX_KV_HEADS = 8                    # one warp per KV head; the ring holds two 8-head blocks
+MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
+STAGES = 2
+MAX_REGISTERS = 128                 # two programs of 8 warps per SM (uncapped: 161 registers, one)
+PROGRAMS_PER_SM = 2
+V6_MIN_KEYS = 262144                # sequences x context from which v6 is the INT4 default
+PROBE = False                       # benchmarks only: copies without the maths (a read probe)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The Gluon kernel, or None where this Triton has no Gluon dialect (or a different one)."""
+    try:
+        from ._attn_decode_v6 import _attn_decode_v6_kernel
+    except Exception:  # no triton.experimental.gluon, or an API this code does not know
+        return None
+    return _attn_decode_v6_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def available(device: torch.device) -> bool:
+    """Whether v6 can run on ``device`` at all (CUDA, sm_80+, Gluon)."""
+    return device.type == "cuda" and _capable(device.index or 0) and _kernel() is not None
+
+
+class _Words:
+    """The packed cache's base as an int32 pointer argument (Triton reads ``data_ptr`` and ``dtype``)."""
+
+    dtype = torch.int32
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
+           vs: torch.Tensor) -> bool:
+    """Whether v6 can read this cache (see the module docstring); ``ks`` / ``vs`` are the scale
+    caches as int32 or float32 words."""
+    if mode != KVQuantMode.INT4_PER_TOKEN_HEAD or q.device.type != "cuda" or q.shape[2] != HEAD_SIZE:
+        return False
+    nkv = k.shape[2]
+    if k.dtype != torch.uint8 or k.shape[1] != BLOCK_SIZE or k.shape[3] != HEAD_SIZE // 2:
+        return False
+    if nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv or q.shape[1] // nkv > MAX_GROUP:
+        return False
+    half = BLOCK_SIZE * nkv * ROW_BYTES
+    rows = (nkv * ROW_BYTES, ROW_BYTES, 1)
+    if k.stride()[1:] != rows or v.stride()[1:] != rows or k.stride(0) != v.stride(0):
+        return False
+    if v.data_ptr() - k.data_ptr() != half or k.stride(0) < 2 * half or k.stride(0) % 16 or k.data_ptr() % 16:
+        return False  # blocks copied whole, 16 bytes at a time
+    words = (k.stride(0) // 4, nkv * ROW_BYTES // 4, ROW_BYTES // 4)
+    if ks.stride() != words or vs.stride() != words:
+        return False
+    if ks.data_ptr() != k.data_ptr() + HEAD_SIZE // 2 or vs.data_ptr() != v.data_ptr() + HEAD_SIZE // 2:
+        return False
+    return available(q.device)
+
+
+def v6_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:
+    """Whether a decode batch takes v6 by default (the cache layout is checked at launch:
+    :func:`v6_fit`, else v4)."""
+    return (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and q.shape[2] == HEAD_SIZE and group <= MAX_GROUP
+            and q.shape[1] // group <= MAX_KV_HEADS and num_seqs * max_seqlen_k >= V6_MIN_KEYS
+            and available(q.device))
+
+
+def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
+    """Segments per sequence: about ``PROGRAMS_PER_SM`` programs per SM, a power of two, at least
+    2, at most one per block (H200: b8@32k 32 segments, b32@32k 8)."""
+    segs = max(2, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), max(1, max_seqlen_k // BLOCK_SIZE)))
+    return 1 << (segs.bit_length() - 1)
+
+
+def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
+              segm_output, segm_max, segm_expsum, qp, col_scale, use_softcap):
+    """Launch ``_attn_decode_v6_kernel`` (grid: sequences x segments, one warp per KV head) on a
+    cache :func:`v6_fit` accepts; ``qp`` is ``_prep_q_kernel``'s rotated query (4 parts)."""
+    regs = cfg.max_registers or MAX_REGISTERS
+    _kernel()[(cu_seqlens_q.numel() - 1, cfg.num_segments)](
+        qp, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
+        cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(col_scale), float(softcap or 0.0),
+        int(window_size[0]), int(window_size[1]), qp.stride(0), qp.stride(1), k.stride(0) // 4,
+        block_table.stride(0),
+        NUM_Q_HEADS=q.shape[1], NKV=k.shape[2], GROUP=group, USE_SOFTCAP=use_softcap,
+        NUM_SEGMENTS=cfg.num_segments, STAGES=STAGES, PROBE=PROBE, num_warps=k.shape[2], maxnreg=regs)
