@@ -76,6 +76,23 @@ def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
+    """tools/bench_decode_v6.py: malformed shapes or rounds are argparse errors (exit 2) before
+    any GPU work; without a GPU it says so and returns 1; its v6 segment counts bracket the
+    launcher's."""
+    from tools import bench_decode_v6 as V6
+    for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as e:
+            V6.main(bad)
+        assert e.value.code == 2, bad
+    monkeypatch.setattr(V6.torch.cuda, "is_available", lambda: False)
+    assert V6.main(["--shapes", "8x32768", "--probe"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    v4, s6, v6s = V6.configs(132, 8, 32768, 8)
+    assert (v4.v2, s6, [c.num_segments for c in v6s]) == (4, 32, [16, 32, 64])
+    assert all(c.v2 == 6 and c.tile == 16 for c in v6s)
+
+
 def test_probe_reads_quick():
     """tools/probe_reads.py --quick: both read probes on tiny caches through the interpreter; each
     probe's sum is compared with a torch sum of the same rows (the tool raises on a mismatch)."""
