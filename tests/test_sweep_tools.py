@@ -99,3 +99,15 @@ def test_probe_reads_quick():
     from tools import probe_reads
 
     assert probe_reads.main(["--quick"]) == 0
+
+
+def test_tee_prints_and_appends(tmp_path, capsys):
+    """tools.timing.tee: each message is printed, and appended as a line to the file when one is given."""
+    from tools.timing import tee
+    out = tmp_path / "log.txt"
+    log = tee(str(out))
+    log("first")
+    log("second")
+    tee(None)("only printed")
+    assert out.read_text() == "first\nsecond\n"
+    assert capsys.readouterr().out == "first\nsecond\nonly printed\n"

@@ -21,6 +21,7 @@ from kernels._attn_launch_v4 import v4_segments  # noqa: E402
 from kernels._jit import num_sms  # noqa: E402
 from layouts import KVQuantMode  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
+from tools.timing import tee  # noqa: E402
 
 QUANT = {"int4": KVQuantMode.INT4_PER_TOKEN_HEAD, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
          "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD}
@@ -104,12 +105,7 @@ def main(argv=None) -> int:
         print("bench_decode_v4 needs a CUDA GPU")
         return 1
 
-    def log(msg):
-        print(msg, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(msg + "\n")
-
+    log = tee(args.out)
     ba.REP_MS = 30
     p = dict(ba.FULL, head_size=args.head_size)
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, head_size {args.head_size}")

@@ -24,6 +24,7 @@ from kernels._attn_launch_v4 import v4_segments, v4_tiling  # noqa: E402
 from kernels._jit import num_sms  # noqa: E402
 from layouts import KVQuantMode  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
+from tools.timing import tee  # noqa: E402
 
 INT4 = KVQuantMode.INT4_PER_TOKEN_HEAD
 SHAPES = "1x32768,2x32768,4x32768,8x8192,8x16384,16x8192,4x16384,16x16384,32x4096,64x4096,8x32768,32x32768"
@@ -60,12 +61,7 @@ def main(argv=None) -> int:
         print("bench_decode_v6 needs compute capability 8.0+ and Triton's Gluon")
         return 1
 
-    def log(msg):
-        print(msg, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(msg + "\n")
-
+    log = tee(args.out)
     ba.REP_MS = 30
     p = dict(ba.FULL)
     sms = num_sms(torch.device("cuda"))

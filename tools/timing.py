@@ -19,3 +19,14 @@ def graph_us(fn, rep_ms: float, calls: int = 1, sync: bool = True) -> float:
     if sync:
         torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3 / calls
+
+
+def tee(path):
+    """A ``log(msg)`` that prints ``msg`` (flushed) and, when ``path`` is set, appends it to that
+    file as a line: the benchmarks' ``--out``."""
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(msg + "\n")
+    return log
