@@ -48,7 +48,7 @@ class AttnConfig:
                         # 3 = _attn_decode_v3_kernel (16-bit code units; where it cannot read the cache, as 1),
                         # 4 = _attn_decode_v4_kernel (block-aligned tiles; where it cannot read the cache, as 3)
                         # 6 = _attn_decode_v6_kernel (INT4, Gluon: whole blocks, every KV head; where it
-                        # cannot read the cache, as 4 with v4's tiling)
+                        # cannot read the cache, as 4 with v4's tiling, else as 1, or 0 for other head sizes)
     heads_per_program: int = 0  # v2 = 4: KV heads per program (0 = all)
     row_loads: bool = True      # v2 = 4 with several heads per program: token-major loads
     max_registers: int = 0      # v2 = 4 on a GPU: ptxas register cap per thread (0 = none)
@@ -273,13 +273,12 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
     v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs)
-    if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 (else v3) with its own tiling
+    if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
+        pow2 = head_size & (head_size - 1) == 0
         cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
-               if t else dataclasses.replace(cfg, v2=3))
-        if cfg.v2 == 3:
-            t = v3_tiling(mode, head_size)
-            cfg = dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2])
+               if t else dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
+                                             num_stages=DECODE_STAGES, v2=1 if pow2 else 0))
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:

@@ -254,6 +254,10 @@ def test_v6_falls_back_where_it_cannot_read(device):
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
                   seed=22, device=device)  # head_size 64
     run_and_check(c, config=cfg, window=(40, -1))
+    for mode, dtype, head_size in ((KVQuantMode.NONE, torch.bfloat16, 64), (KVQuantMode.INT8_PER_TOKEN_HEAD,
+                                                                           torch.bfloat16, 96)):
+        c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 40], head_size=head_size, seed=23, device=device)
+        run_and_check(c, config=cfg)  # no v4 tiling (bf16, head_size 96): the generic kernels
     q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
     assert pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 8, 1, 32768, None, None, None).v2 != 6
 
