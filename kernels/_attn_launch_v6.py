@@ -67,14 +67,13 @@ class _Words:
         return self._ptr
 
 
-def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
-           vs: torch.Tensor) -> bool:
-    """Whether v6 can read this cache (see the module docstring); ``ks`` / ``vs`` are the scale
-    caches as int32 or float32 words."""
-    if mode != KVQuantMode.INT4_PER_TOKEN_HEAD or q.device.type != "cuda" or q.shape[2] != HEAD_SIZE:
-        return False
+def reads_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> bool:
+    """Whether the four views are the packed INT4 cache v6 reads (any device): head_size 128,
+    block size 16, 1-8 KV heads (a power of two), at most 8 query heads per KV head, V half right
+    after the K half, each row's scale word right after its 64 code bytes, blocks at 16-byte
+    aligned addresses. ``ks`` / ``vs``: the scale caches as 4-byte words."""
     nkv = k.shape[2]
-    if k.dtype != torch.uint8 or k.shape[1] != BLOCK_SIZE or k.shape[3] != HEAD_SIZE // 2:
+    if q.shape[2] != HEAD_SIZE or k.dtype != torch.uint8 or k.shape[1] != BLOCK_SIZE or k.shape[3] != HEAD_SIZE // 2:
         return False
     if nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv or q.shape[1] // nkv > MAX_GROUP:
         return False
@@ -85,11 +84,17 @@ def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if v.data_ptr() - k.data_ptr() != half or k.stride(0) < 2 * half or k.stride(0) % 16 or k.data_ptr() % 16:
         return False  # blocks copied whole, 16 bytes at a time
     words = (k.stride(0) // 4, nkv * ROW_BYTES // 4, ROW_BYTES // 4)
-    if ks.stride() != words or vs.stride() != words:
+    if ks.element_size() != 4 or ks.stride() != words or vs.stride() != words:
         return False
-    if ks.data_ptr() != k.data_ptr() + HEAD_SIZE // 2 or vs.data_ptr() != v.data_ptr() + HEAD_SIZE // 2:
-        return False
-    return available(q.device)
+    return ks.data_ptr() == k.data_ptr() + HEAD_SIZE // 2 and vs.data_ptr() == v.data_ptr() + HEAD_SIZE // 2
+
+
+def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
+           vs: torch.Tensor) -> bool:
+    """Whether v6 runs on this call: INT4, a CUDA tensor on a GPU v6 supports (:func:`available`),
+    and a cache it reads (:func:`reads_layout`)."""
+    return (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and q.device.type == "cuda"
+            and reads_layout(q, k, v, ks, vs) and available(q.device))
 
 
 def v6_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:

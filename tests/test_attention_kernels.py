@@ -20,6 +20,7 @@ query in bf16 for INT4; measured errors sit near 3e-3.
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -545,3 +546,30 @@ def test_pdl_switch_and_cpu_launch():
         _jit.PDL_ENABLED = keep
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[90, 40], seed=2)
     run_and_check(c, num_par_softmax_segments=3)  # rotation, decode and reduction kernels, all given launch_pdl
+
+
+def test_v6_reads_only_the_packed_int4_layout():
+    """``_attn_launch_v6.reads_layout`` (device independent) accepts the views ``split_kv_cache``
+    makes of a packed INT4 cache at head_size 128, block 16, 1-8 KV heads, GQA up to 8, and
+    refuses separate tensors, a misaligned cache, block size 32, 16 KV heads and GQA 16."""
+    from kernels._attn_launch_v6 import reads_layout
+
+    def views(num_kv_heads, block_size=16, offset=0):
+        geo = CacheGeometry(KVQuantMode.INT4_PER_TOKEN_HEAD, 128, num_kv_heads, block_size, torch.bfloat16)
+        shape = geo.new_cache(3).shape
+        flat = torch.zeros(math.prod(shape) + 64, dtype=torch.uint8)
+        assert flat.data_ptr() % 16 == 0  # PyTorch's CPU allocator aligns to 64 bytes
+        cache = flat[offset:offset + math.prod(shape)].view(shape)
+        return split_kv_cache(cache, KVQuantMode.INT4_PER_TOKEN_HEAD, 128)
+
+    def q(heads):
+        return torch.zeros(1, heads, 128)
+
+    for nkv, hq in ((1, 4), (2, 8), (4, 16), (8, 32), (8, 64), (8, 8)):
+        assert reads_layout(q(hq), *views(nkv)), (nkv, hq)
+    v = views(8)
+    assert not reads_layout(q(32), *(t.clone() for t in v))  # four separate tensors
+    assert not reads_layout(q(128), *v)                     # GQA 16
+    assert not reads_layout(q(32), *views(8, offset=4))    # blocks not 16-byte aligned
+    assert not reads_layout(q(32), *views(8, block_size=32))
+    assert not reads_layout(q(64), *views(16))
