@@ -19,7 +19,8 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
-from ._attn_launch_v6 import launch_v6, v6_default, v6_fit, v6_segments
+from ._attn_launch_v6 import V6_COMPILE_ERRORS, launch_v6, v6_default, v6_fit, v6_segments
+from ._attn_launch_v6 import disable as disable_v6
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
@@ -272,7 +273,9 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs)
+    v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs) and _v6_launched(
+        q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg, head_size, group,
+        signs, segm_output, segm_max, segm_expsum)
     if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
         pow2 = head_size & (head_size - 1) == 0
@@ -283,10 +286,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
         if v6:
-            qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
-                                                         parts=4, use_pdl=False, release=False)
-            launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
-                      segm_max, segm_expsum, qp, col_scale, use_softcap)
+            pass  # the Gluon INT4 decode ran (_v6_launched); the reduction follows
         elif cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                       mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
@@ -325,6 +325,28 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
             num_warps=8 if is_int4 else 4,
         )
     return out
+
+
+def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg,
+                 head_size, group, signs, segm_output, segm_max, segm_expsum) -> bool:
+    """Run the v6 decode (the query rotation, then the kernel) on a cache :func:`v6_fit` accepts.
+    If the kernel does not compile with this Triton (its Gluon API may differ from 3.6's), v6 is
+    switched off for the process with one warning (``_attn_launch_v6.disable``), and False sends
+    this call to v4."""
+    qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
+                                                 parts=4, use_pdl=False, release=False)
+    try:
+        launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
+                  segm_max, segm_expsum, qp, col_scale, use_softcap)
+    except V6_COMPILE_ERRORS as e:
+        disable_v6(e)
+        return False
+    except RuntimeError as e:  # an MLIR pass that does not lower a layout: a compile failure too
+        if "PassManager::run failed" not in str(e):
+            raise  # e.g. a CUDA error: not a reason to switch v6 off
+        disable_v6(e)
+        return False
+    return True
 
 
 def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,

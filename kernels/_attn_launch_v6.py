@@ -5,7 +5,9 @@ v6 needs a CUDA GPU of compute capability 8.0 or newer, Triton with the Gluon di
 cache layout: the packed INT4 cache of SPEC §4 at head_size 128 and block size 16, as
 ``layouts.split_kv_cache`` views it (V half right after the K half; each row's scale word right
 after its 64 code bytes; blocks 16-byte aligned), with at most 8 KV heads (a power of two) and at most 8
-query heads per KV head. Anything else goes to v4 / v3 (and on CPU to the interpreter).
+query heads per KV head. Anything else goes to v4 / v3 (and on CPU to the interpreter). A kernel
+that does not compile with the installed Triton switches v6 off for the process, with one
+warning (:func:`disable`).
 
 Defaults measured on the H200 (docs/bench/attention.md, "Session 11"; 32 query / 8 KV heads):
 two stages (all the 48 KB of static shared memory holds), a 128-register cap (two programs of
@@ -18,8 +20,11 @@ and below that v4 was faster: v4's 8 resident programs per SM fill the GPU bette
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import PTXASError
 
 from layouts import KVQuantMode
 
@@ -33,6 +38,9 @@ MAX_REGISTERS = 128                 # two programs of 8 warps per SM (uncapped: 
 PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 262144                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
+# what a Triton whose Gluon differs from the one v6 was written for (3.6) raises at the first launch
+V6_COMPILE_ERRORS = (CompilationError, PTXASError)
+_DISABLED: list = []                # why v6 was switched off in this process, if it was
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +59,17 @@ def _capable(index: int) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether v6 can run on ``device`` at all (CUDA, sm_80+, Gluon)."""
-    return device.type == "cuda" and _capable(device.index or 0) and _kernel() is not None
+    """Whether v6 can run on ``device`` at all (CUDA, sm_80+, Gluon, not switched off by :func:`disable`)."""
+    return not _DISABLED and device.type == "cuda" and _capable(device.index or 0) and _kernel() is not None
+
+
+def disable(error: Exception) -> None:
+    """Switch v6 off for this process after ``error`` (it did not compile here), with one warning."""
+    if not _DISABLED:
+        last = (str(error).strip().splitlines() or [""])[-1]
+        _DISABLED.append(f"{type(error).__name__}: {last}")
+        warnings.warn(f"kernels: the Gluon INT4 decode kernel (v6) did not compile with this Triton "
+                      f"({_DISABLED[0]}); INT4 decode uses the v4 kernel instead", RuntimeWarning, stacklevel=3)
 
 
 class _Words:

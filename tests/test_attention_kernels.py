@@ -21,6 +21,7 @@ query in bf16 for INT4; measured errors sit near 3e-3.
 from __future__ import annotations
 
 import math
+import warnings
 from unittest import mock
 
 import pytest
@@ -546,6 +547,44 @@ def test_pdl_switch_and_cpu_launch():
         _jit.PDL_ENABLED = keep
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[90, 40], seed=2)
     run_and_check(c, num_par_softmax_segments=3)  # rotation, decode and reduction kernels, all given launch_pdl
+
+
+def test_v6_that_does_not_compile_is_switched_off_once(monkeypatch):
+    """A v6 kernel that does not compile with this Triton (another Gluon API) costs one
+    RuntimeWarning: the call falls back to v4 and still matches the oracle, v6 is switched off
+    for the process, and a CUDA error is not mistaken for a compile failure."""
+    from triton.compiler.errors import CompilationError
+
+    import kernels._attn_launch as launch
+    from kernels import _attn_launch_v6
+    monkeypatch.setattr(_attn_launch_v6, "_DISABLED", [])
+    monkeypatch.setattr(launch, "v6_fit", lambda *a: _attn_launch_v6.available(torch.device("cuda", 0)))
+    monkeypatch.setattr(_attn_launch_v6, "_capable", lambda index: True)
+    monkeypatch.setattr(_attn_launch_v6, "_kernel", lambda: object())
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise CompilationError(None, None, "gluon.foo is not defined")
+    monkeypatch.setattr(launch, "launch_v6", broken)
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
+                  num_q_heads=32, num_kv_heads=8, head_size=128, seed=24)
+    cfg = AttnConfig(16, 16, 4, 8, 2, 6)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        run_and_check(c, config=cfg)
+    assert calls == [1] and _attn_launch_v6._DISABLED and not _attn_launch_v6.available(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_and_check(c, config=cfg)  # switched off: no second attempt, no second warning
+    assert calls == [1]
+
+    def cuda_error(*a, **kw):
+        raise RuntimeError("Triton Error [CUDA]: an illegal instruction was encountered")
+    monkeypatch.setattr(_attn_launch_v6, "_DISABLED", [])
+    monkeypatch.setattr(launch, "launch_v6", cuda_error)
+    with pytest.raises(RuntimeError, match="illegal instruction"):
+        run_and_check(c, config=cfg)
+    assert not _attn_launch_v6._DISABLED
 
 
 def test_v6_reads_only_the_packed_int4_layout():
