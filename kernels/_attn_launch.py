@@ -25,7 +25,7 @@ from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
 from ._attn_reduce import _attn_reduce_kernel
-from ._jit import interpreting, next_pow2, num_sms, pdl
+from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
 from .reference import rht_signs
 
 _CODE_DTYPES = {
@@ -175,7 +175,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         else:
             want = TARGET_PROGRAMS_PER_SM * num_sms(q.device) // pairs
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
-        segs = 1 << (max(1, min(want, cap)).bit_length() - 1)  # round down to a power of two
+        segs = prev_pow2(max(1, min(want, cap)))
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3 and v6:
         return AttnConfig(block_m=block_m, tile=16, num_segments=int(segs), num_warps=q.shape[1] // group,
@@ -278,10 +278,8 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         signs, segm_output, segm_max, segm_expsum)
     if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
-        pow2 = head_size & (head_size - 1) == 0
         cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
-               if t else dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
-                                             num_stages=DECODE_STAGES, v2=1 if pow2 else 0))
+               if t else _generic_decode(cfg, mode, v2=1 if head_size & (head_size - 1) == 0 else 0))
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
@@ -297,8 +295,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                       segm_max, segm_expsum, interp, gp, signs, use_pdl)
         elif split and cfg.v2 and mode != KVQuantMode.NONE:
             if cfg.v2 >= 3:  # v3 cannot read this cache (head_size, alignment): v2 with its own tiling
-                cfg = dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS,
-                                          num_stages=DECODE_STAGES, v2=1)
+                cfg = _generic_decode(cfg, mode, v2=1)
             _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,
                        softcap, mode, ks, vs, cfg, head_size, group, signs, segm_output, segm_max, segm_expsum,
                        align, interp, use_pdl)
@@ -325,6 +322,12 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
             num_warps=8 if is_int4 else 4,
         )
     return out
+
+
+def _generic_decode(cfg: AttnConfig, mode: KVQuantMode, v2: int) -> AttnConfig:
+    """``cfg`` with the generic decode kernel ``v2`` (1 or 0) and its default tiling: where the
+    chosen kernel (v3, v4, v6) cannot read the cache."""
+    return dataclasses.replace(cfg, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, v2=v2)
 
 
 def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg,

@@ -18,7 +18,7 @@ from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _prep_q_kernel
 from ._attn_decode_v3 import _attn_decode_v3_kernel
 from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
-from ._jit import cdiv, num_sms
+from ._jit import cdiv, num_sms, prev_pow2
 
 _INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
 V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM)
@@ -65,7 +65,7 @@ def v3_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs
     target = programs_per_sm * num_sms // (2 if half else 1)
     want = max(target // max(1, pairs), cdiv(max_seqlen_k, V3_MAX_KEYS_PER_SEGMENT))
     segs = max(2, min(want, max(1, max_seqlen_k // tile)))
-    return 1 << (segs.bit_length() - 1)
+    return prev_pow2(segs)
 
 
 def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):

@@ -28,6 +28,8 @@ from triton.runtime.errors import PTXASError
 
 from layouts import KVQuantMode
 
+from ._jit import prev_pow2
+
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
 ROW_BYTES = HEAD_SIZE // 2 + 4      # 68: 64 code bytes, then the scale word
@@ -126,7 +128,7 @@ def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     """Segments per sequence: about ``PROGRAMS_PER_SM`` programs per SM, a power of two, at least
     2, at most one per block (H200: b8@32k 32 segments, b32@32k 8)."""
     segs = max(2, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), max(1, max_seqlen_k // BLOCK_SIZE)))
-    return 1 << (segs.bit_length() - 1)
+    return prev_pow2(segs)
 
 
 def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,

@@ -97,6 +97,11 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= ``n`` (``n >= 1``): the launchers round segment counts down to it."""
+    return 1 << (n.bit_length() - 1)
+
+
 def interpreting(t: torch.Tensor) -> bool:
     """True when a kernel launched on ``t`` runs through the interpreter (CPU tensor).
 

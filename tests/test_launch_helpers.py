@@ -2,7 +2,7 @@
 
 import triton
 
-from kernels._jit import cdiv, next_pow2
+from kernels._jit import cdiv, next_pow2, prev_pow2
 
 
 def test_cdiv_and_next_pow2_match_triton():
@@ -14,3 +14,10 @@ def test_cdiv_and_next_pow2_match_triton():
     for a in values[:700] + values[-4:]:
         for b in (1, 2, 3, 16, 17, 64, 4096):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_prev_pow2():
+    """The largest power of two <= n, for the segment counts: exact powers stay, others round down."""
+    for n in list(range(1, 2100)) + [2**31 - 1, 2**31, 2**31 + 1]:
+        p = prev_pow2(n)
+        assert p & (p - 1) == 0 and p <= n < 2 * p, n
