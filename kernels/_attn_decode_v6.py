@@ -7,13 +7,14 @@ for the shared-memory ring; the Triton kernels v3 / v4 serve everything else (an
 runs at that access pattern's rate (docs/bench/attention.md, sessions 6-10). Here one program
 per (sequence, segment) holds every KV head, and each cache block is copied as it lies in the
 packed cache (SPEC §4: ``2 x 16 x num_kv_heads x 68`` contiguous bytes: K half, then V half) by
-16-byte ``cp.async`` into a two-stage ring. Each warp then reads its head's rows, codes and
-scale words, with ``ld.shared.b32`` at their 4-byte offsets. Gluon's shared layouts cannot state
-the 17-word row pitch in Triton 3.6 (the padded layout is not lowered on NVIDIA, and TMA boxes
-cannot start at 68-byte offsets), so the ring is a PTX ``.shared`` array (``kv6_ring``) declared
-and addressed by the kernel's own inline PTX. Triton's allocator never sees it: the kernel's
-other shared memory (layout conversions) is Triton's dynamic shared memory, a separate region.
-A static array is limited to 48 KB: two stages of 8-head blocks (34,816 bytes).
+16-byte ``cp.async`` into a ring of ``STAGES`` blocks; each thread copies 4.25 chunks with
+immediate offsets from one address. Each warp then reads its head's rows, codes and scale words,
+with ``ld.shared.b32`` at immediate offsets from one address per thread. Gluon's shared layouts
+cannot state the 17-word row pitch in Triton 3.6 (the padded layout is not lowered on NVIDIA,
+and TMA boxes cannot start at 68-byte offsets), so the ring is addressed by the kernel's own
+inline PTX, in dynamic shared memory after Triton's own: the launcher reserves it
+(``_attn_launch_v6._reserve_ring``) and passes its offset (``ring_off``); a small Triton
+allocation (``anchor``) makes the kernel declare ``global_smem``, the base it is addressed from.
 
 **Maths** (as v4; SPEC §3). The query arrives rotated and scaled (``_prep_q_kernel``, 4
 parts). Nibble ``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores are
@@ -23,11 +24,15 @@ shared memory straight into the A operand's registers. One PTX block turns two w
 fp16x2 registers: ``1024 + c`` for even ``n``, ``1024 + 16 c`` for odd ``n`` (the query's odd
 parts are pre-divided by 16). Each dot starts from minus its offset and zero-point share: per key
 for the scores, per tile for the values. The tensor cores add that share to the products, so no
-large offset is left to cancel in the fp32 sums. Cancelling it once per segment instead gave a
-relative L2 of 2.9e-3 at b32@32k against v4's 1.6e-3. The per-token scale is applied to the
-score tile. The value product is ``N_n^T . P'`` per nibble position, with the keys as the K axis and
-``P' = p * v_scale / max(v_scale)``. The query heads of a KV head are the N axis (8, ``GROUP``
-used).
+large offset is left to cancel in the fp32 sums (cancelling it once per segment instead gave a
+relative L2 of 2.9e-3 at b32@32k against v4's 1.6e-3). The values' share is itself a dot:
+the probabilities times a row of ``-(1024 + zp)`` per key (``-(1024 + 16 zp)`` for odd ``n``), so
+its result has the accumulator's layout with no reduction across lanes. The per-token key scale
+is applied to the score tile. The online softmax keeps its running max over
+``s + log2(v_scale)``: then ``P' = p * v_scale <= 1`` goes to fp16 with no per-tile
+normaliser, and the accumulators and the sum share the max's units (the reduction kernel sees
+that max). The value product is ``N_n^T . P'`` per nibble position, with the keys as the K axis.
+The query heads of a KV head are the N axis (8, ``GROUP`` used).
 
 Writes the split buffers of ``_attn_reduce_kernel`` (rotated dims, natural order). Masked keys
 (past the sequence, outside the window) get a ``-inf`` score and a zero value scale, so
@@ -44,33 +49,151 @@ HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
 ROW = gl.constexpr(17)          # words per row: the codes and the scale word
 BLOCK = gl.constexpr(16)        # tokens per cache block (the tile)
-# the ring: 2 stages of 8-head blocks, 34,816 bytes (a static array stops at 48 KB); the size is
-# also written out in _ring_base's PTX
-RING_BYTES = gl.constexpr(2 * 2 * 16 * 8 * 68)
+@gluon.jit
+def _ring_base(ring_off):
+    """Shared-window address of the ring: ``ring_off`` bytes into the dynamic shared memory (an
+    unsized ``.extern .shared`` array starts where every such array does, at its base)."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .u32 b; mov.u32 b, global_smem; add.u32 $0, b, $1; }",
+        constraints="=r,r", args=[ring_off], dtype=gl.int32, is_pure=False, pack=1)
+
+
+def _copy_asm(step: int) -> str:
+    """PTX of one thread's share of a block copy: 16-byte ``cp.async.cg`` at ``$1`` / ``$2`` and
+    three more ``step`` bytes apart where ``$3`` (the block is copied), one more where ``$4``
+    (the tail: 4.25 chunks per thread for every head count)."""
+    lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(4)]
+    return ("{ .reg .pred p; setp.ne.b32 p, $3, 0; " + " ".join(lines) + " setp.ne.b32 p, $4, 0; "
+            f"@p cp.async.cg.shared.global [$1+{4 * step}], [$2+{4 * step}], 16; mov.b32 $0, 0; }}")
+
+
+# per KV head count: chunks of 16 bytes are thread-major, a step of 32 x NKV threads x 16 bytes
+COPY_1 = gl.constexpr(_copy_asm(512))
+COPY_2 = gl.constexpr(_copy_asm(1024))
+COPY_4 = gl.constexpr(_copy_asm(2048))
+COPY_8 = gl.constexpr(_copy_asm(4096))
 
 
 @gluon.jit
-def _ring_base(x):
-    """Shared-window address of the ring ``kv6_ring`` (declares it: called once, first).
-    ``x`` is any scalar (inline PTX takes at least one operand)."""
-    return gl.inline_asm_elementwise(
-        asm=".shared .align 16 .b8 kv6_ring[34816];\n\tmov.u32 $0, kv6_ring;",
-        constraints="=r,r", args=[x], dtype=gl.int32, is_pure=False, pack=1)
+def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr):
+    """Queue one thread's 16-byte copies of a block (``136 x NKV`` chunks over ``32 x NKV`` threads)."""
+    if NKV == 8:
+        asm: gl.constexpr = COPY_8
+    elif NKV == 4:
+        asm: gl.constexpr = COPY_4
+    elif NKV == 2:
+        asm: gl.constexpr = COPY_2
+    else:
+        asm: gl.constexpr = COPY_1
+    return gl.inline_asm_elementwise(asm=asm, constraints="=r,r,l,r,r",
+                                     args=[saddr, gaddr, ok.to(gl.int32), (tail & ok).to(gl.int32)],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+def _lds_asm(offsets) -> str:
+    """PTX of ``ld.shared.b32`` of a thread's words at ``offsets`` bytes from its first address."""
+    n = len(offsets)
+    return " ".join(f"ld.shared.b32 ${i}, [${n}+{o}];" for i, o in enumerate(offsets))
+
+
+def _k_offsets(ks: int):
+    """A thread's 8 key-code words (dot operand A: keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9,
+    in register order) from its first, for a key pitch of ``ks`` bytes (``NKV x 68``)."""
+    return [0, 4, 8 * ks, 8 * ks + 4, 32, 36, 8 * ks + 32, 8 * ks + 36]
+
+
+def _v_offsets(ks: int):
+    """A thread's 8 value-code words (operand A: words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9)."""
+    return [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks]
+
+
+# per KV head count (key pitch 68 x NKV bytes): the word loads with immediate offsets, from one
+# address per thread (its elements' addresses are that address plus these constants)
+LDK_1, LDK_2, LDK_4, LDK_8 = (gl.constexpr(_lds_asm(_k_offsets(68 * n))) for n in (1, 2, 4, 8))
+LDV_1, LDV_2, LDV_4, LDV_8 = (gl.constexpr(_lds_asm(_v_offsets(68 * n))) for n in (1, 2, 4, 8))
+LDS_1, LDS_2, LDS_4, LDS_8 = (gl.constexpr(_lds_asm([0, 8 * 68 * n])) for n in (1, 2, 4, 8))
+LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
 
 
 @gluon.jit
-def _copy16(saddr, gaddr, ok):
-    """``cp.async.cg`` of 16 bytes from ``gaddr`` to shared ``saddr`` where ``ok``."""
-    return gl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.cg.shared.global [$1], [$2], 16; mov.b32 $0, 0; }",
-        constraints="=r,r,l,r", args=[saddr, gaddr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+def _ld_codes(addr, NKV: gl.constexpr, VALUES: gl.constexpr):
+    """A warp's code words of one block (K: ``[NKV, TILE, WORDS]``, V: ``[NKV, WORDS, TILE]``, dot
+    operand A); ``addr`` holds each thread's first address in all its elements. Not pure: ordered
+    after the ring's barrier."""
+    if VALUES:
+        if NKV == 8:
+            asm: gl.constexpr = LDV_8
+        elif NKV == 4:
+            asm: gl.constexpr = LDV_4
+        elif NKV == 2:
+            asm: gl.constexpr = LDV_2
+        else:
+            asm: gl.constexpr = LDV_1
+    else:
+        if NKV == 8:
+            asm: gl.constexpr = LDK_8
+        elif NKV == 4:
+            asm: gl.constexpr = LDK_4
+        elif NKV == 2:
+            asm: gl.constexpr = LDK_2
+        else:
+            asm: gl.constexpr = LDK_1
+    return gl.inline_asm_elementwise(asm=asm, constraints=LD8, args=[addr], dtype=gl.int32, is_pure=False, pack=8)
+
+
+def _zp_asm(ks: int) -> str:
+    """PTX: the value scale words of keys 2c, 2c + 1, 2c + 8, 2c + 9 (``ks`` bytes apart) -> dot
+    operand A registers of ``-(1024 + zp)`` (even nibbles) and ``-(1024 + 16 zp)`` (odd), fp16x2,
+    the same in rows r and r + 8."""
+    half = []
+    for reg, (lo, hi) in enumerate(((0, ks), (8 * ks, 9 * ks))):
+        e, o = 2 * reg, 4 + 2 * reg
+        half.append(f"ld.shared.b32 a, [$8+{lo}]; ld.shared.b32 b, [$8+{hi}]; prmt.b32 x, a, b, 0x5410; "
+                    f"lop3.b32 ${e}, x, 0x000F000F, 0xE400E400, 0xEA; mov.b32 ${e + 1}, ${e}; shl.b32 x, x, 4; "
+                    f"lop3.b32 ${o}, x, 0x00F000F0, 0xE400E400, 0xEA; mov.b32 ${o + 1}, ${o};")
+    return "{ .reg .b32 a, b, x; " + " ".join(half) + " }"
+
+
+LDZ_1, LDZ_2, LDZ_4, LDZ_8 = (gl.constexpr(_zp_asm(68 * n)) for n in (1, 2, 4, 8))
 
 
 @gluon.jit
-def _lds(addr):
-    """``ld.shared.b32`` at each address (ordered after the ring's barrier: not pure)."""
-    return gl.inline_asm_elementwise(
-        asm="ld.shared.b32 $0, [$1];", constraints="=r,r", args=[addr], dtype=gl.int32, is_pure=False, pack=1)
+def _ld_zero_points(addr, NKV: gl.constexpr):
+    """The value zero points of a block as dot operand A ``[NKV, 16, TILE]`` fp16 (each row: the
+    keys' ``-(1024 + zp)``, and ``-(1024 + 16 zp)`` for odd nibbles), from each thread's first scale
+    word address: a dot with the probabilities gives each tile's offset and zero-point share."""
+    if NKV == 8:
+        asm: gl.constexpr = LDZ_8
+    elif NKV == 4:
+        asm: gl.constexpr = LDZ_4
+    elif NKV == 2:
+        asm: gl.constexpr = LDZ_2
+    else:
+        asm: gl.constexpr = LDZ_1
+    return gl.inline_asm_elementwise(asm=asm, constraints=LD8, args=[addr], dtype=(gl.float16, gl.float16),
+                                     is_pure=False, pack=8)
+
+
+@gluon.jit
+def _ld_scales(addr, NKV: gl.constexpr):
+    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first address."""
+    if NKV == 8:
+        asm: gl.constexpr = LDS_8
+    elif NKV == 4:
+        asm: gl.constexpr = LDS_4
+    elif NKV == 2:
+        asm: gl.constexpr = LDS_2
+    else:
+        asm: gl.constexpr = LDS_1
+    return gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r,r", args=[addr], dtype=gl.int32, is_pure=False,
+                                     pack=2)
+
+
+@gluon.jit
+def _lg2(x):
+    """``lg2.approx`` (MUFU; ``gl.log2`` is libdevice's polynomial): only the running max uses it."""
+    return gl.inline_asm_elementwise(asm="lg2.approx.ftz.f32 $0, $1;", constraints="=r,r", args=[x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -99,15 +222,14 @@ def _nib8(w):
 
 
 @gluon.jit
-def _issue(ring, kv_ptr, blk, ok, slot, chunk, c_ok, stride_blk, STAGE_BYTES: gl.constexpr):
-    """Queue the 16-byte copies of cache block ``blk`` into ring slot ``slot`` (nothing unless ``ok``)."""
-    g = kv_ptr + blk.to(gl.int64) * stride_blk + chunk * 4
-    _copy16(ring + slot * STAGE_BYTES + chunk * 16, g, c_ok & ok)
+def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr, NKV: gl.constexpr):
+    """Queue the copies of cache block ``blk`` into ring slot ``slot`` (nothing unless ``ok``)."""
+    _copy_block(ring + slot * STAGE_BYTES + tid * 16, kv_ptr + blk.to(gl.int64) * stride_blk + tid * 4, ok, tail, NKV)
     async_copy.commit_group()
 
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
-@gluon.jit
+@gluon.jit(do_not_specialize=["ring_off"])
 def _attn_decode_v6_kernel(
     q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_prep_q_kernel``)
     kv_ptr,                         # the packed cache as int32 words
@@ -117,16 +239,14 @@ def _attn_decode_v6_kernel(
     stride_q_t, stride_q_h,
     stride_blk,                     # words from one block to the next
     stride_bt_s,
+    ring_off,                       # bytes from the dynamic shared memory's base to the ring
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
     PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
-    CHUNKS: gl.constexpr = STAGE_BYTES // 16
-    CH_PAD: gl.constexpr = 2048 if CHUNKS > 1024 else (1024 if CHUNKS > 512 else 512)
     TILE: gl.constexpr = BLOCK
-    gl.static_assert(STAGES * STAGE_BYTES <= RING_BYTES)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NKV, 1, 1],
                                                   instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -138,7 +258,11 @@ def _attn_decode_v6_kernel(
 
     seq_idx = gl.program_id(0)
     seg_idx = gl.program_id(1)
-    ring = _ring_base(seq_idx)
+    # Triton's own shared memory, whose base the ring is addressed from: a word per thread, stored
+    # once, so that the kernel declares it
+    anchor = gl.allocate_shared_memory(gl.int32, [32 * NKV], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    anchor.store(gl.zeros([32 * NKV], gl.int32, layout=gl.BlockedLayout([1], [32], [NKV], [0])))
+    ring = _ring_base(ring_off)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
     if not has_query:
@@ -156,28 +280,36 @@ def _attn_decode_v6_kernel(
     t0 = tile_lo + seg_idx * per_seg
     t1 = gl.minimum(t0 + per_seg, tile_hi)
 
-    chunk = gl.arange(0, CH_PAD, layout=ch_l)
-    c_ok = chunk < CHUNKS
+    tid = gl.arange(0, 32 * NKV, layout=ch_l)
+    tail = tid < 8 * NKV
     # byte offsets (from a stage's start) of the rows each thread reads
     kh = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_l)))
     kt = gl.arange(0, TILE, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
     kwi = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
-    k_off = ((kt[None, :, None] * NKV + kh[:, None, None]) * ROW + kwi[None, None, :]) * 4       # [NKV, TILE, WORDS]
+    # each thread's first word address (the same in all its elements: its others are that plus
+    # the constants of _k_offsets / _v_offsets)
+    k_off = (((kt & 7)[None, :, None] * NKV + kh[:, None, None]) * ROW + (kwi & 6)[None, None, :]) * 4   # [NKV, TILE, WORDS]
     vw_ = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
     vt = gl.arange(0, TILE, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
     # [NKV, WORDS, TILE]
-    v_off = ((vt[None, None, :] * NKV + kh[:, None, None]) * ROW + vw_[None, :, None]) * 4 + HALF_B
+    v_off = (((vt & 6)[None, None, :] * NKV + kh[:, None, None]) * ROW + (vw_ & 7)[None, :, None]) * 4 + HALF_B
+    z_off = (((vt & 6)[None, None, :] * NKV + kh[:, None, None]) * ROW + WORDS) * 4 + HALF_B + (vw_ * 0)[None, :, None]
     sh = gl.arange(0, NKV, layout=gl.SliceLayout(1, tok_l))
     st = gl.arange(0, TILE, layout=gl.SliceLayout(0, tok_l))
-    s_off = ((st[None, :] * NKV + sh[:, None]) * ROW + WORDS) * 4                                # [NKV, TILE]
+    s_off = (((st & 7)[None, :] * NKV + sh[:, None]) * ROW + WORDS) * 4                          # [NKV, TILE]
 
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     for i in gl.static_range(STAGES - 1):
         ok = t0 + i < t1
         blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
-        _issue(ring, kv_ptr, blk, ok, i, chunk, c_ok, stride_blk, STAGE_BYTES)
-    # block ids one tile ahead of their copy, so the id load's latency hides behind a tile
-    blk_next = gl.load(bt_row + t0 + STAGES - 1, mask=t0 + STAGES - 1 < t1, other=0)
+        _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
+    # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
+    # longer than a tile when every SM streams the cache
+    n = t0 + STAGES - 1
+    b0 = gl.load(bt_row + n, mask=n < t1, other=0)
+    b1 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
+    b2 = gl.load(bt_row + n + 2, mask=n + 2 < t1, other=0)
+    b3 = gl.load(bt_row + n + 3, mask=n + 3 < t1, other=0)
 
     # the query, B operand: Q_n [NKV, WORDS, 8] fp16, Q_n[h, w, g] = rotated dim 8 w + n of head
     # h * GROUP + g = part n % 4, unit 2 w + n // 4; odd n over 16 (their codes come as 16 c)
@@ -200,11 +332,11 @@ def _attn_decode_v6_kernel(
     q_odd = (gl.sum(q1.to(gl.float32), 1) + gl.sum(q3.to(gl.float32), 1) + gl.sum(q5.to(gl.float32), 1)
              + gl.sum(q7.to(gl.float32), 1))
     # s_raw = sum_n Q_n . (1024 + m_n c) = q . c + 1024 (q_even + q_odd): the dot of the operands as rounded
-    q_sum = gl.convert_layout(q_even + 16.0 * q_odd, row_l)                   # [NKV, 8]
-    q_off = gl.convert_layout(1024.0 * (q_even + q_odd), row_l)
+    nq_sum = gl.convert_layout(-(q_even + 16.0 * q_odd), row_l)                # [NKV, 8]
+    nq_off = gl.convert_layout(-1024.0 * (q_even + q_odd), row_l)
 
     m_i = gl.full([NKV, 8], float("-inf"), gl.float32, layout=row_l)
-    l_i = gl.zeros([NKV, 8], gl.float32, layout=row_l)
+    l_acc = gl.zeros([NKV, TILE, 8], gl.float32, layout=mma)   # the sum of p, per key row until the end
     acc0 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     acc1 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     acc2 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
@@ -213,7 +345,6 @@ def _attn_decode_v6_kernel(
     acc5 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     acc6 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     acc7 = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
-    zero_s = gl.zeros([NKV, TILE, 8], gl.float32, layout=mma)
     zero_o = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     tok_i = gl.arange(0, TILE, layout=gl.SliceLayout(0, tok_l))
 
@@ -222,26 +353,26 @@ def _attn_decode_v6_kernel(
         slot = j % STAGES
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        _issue(ring, kv_ptr, blk_next, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, chunk, c_ok, stride_blk,
-               STAGE_BYTES)
-        blk_next = gl.load(bt_row + t + STAGES, mask=t + STAGES < t1, other=0)
+        _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
+               STAGE_BYTES, NKV)
+        n = t + STAGES + 3
+        b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:
             sb = ring + slot * STAGE_BYTES
-            ksw = _lds(sb + s_off)                                              # [NKV, TILE]
-            vsw = _lds(sb + HALF_B + s_off)
+            ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
+            vsw = _ld_scales(sb + HALF_B + s_off, NKV)
             k_pos = t * TILE + tok_i
             n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
             ksw = gl.where(n_ok, ksw, 0)
             vsw = gl.where(n_ok, vsw, 0)
             k_zp = (ksw & 0xF).to(gl.float32)
             k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
-            v_zp = (vsw & 0xF).to(gl.float32)
             v_sc = (vsw & -16).to(gl.float32, bitcast=True)
             # the dots start from minus the code offset's and the zero point's share: the tensor
             # cores sum them with the products, so no large offset is left to cancel later
-            kw = _lds(sb + k_off)                                               # [NKV, TILE, WORDS]
+            kw = _ld_codes(sb + k_off, NKV, False)                              # [NKV, TILE, WORDS]
             k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(kw)
-            s = mma_v2(k0, q0, -(q_off[:, None, :] + k_zp[:, :, None] * q_sum[:, None, :]))
+            s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
             s = mma_v2(k1, q1, s)
             s = mma_v2(k2, q2, s)
             s = mma_v2(k3, q3, s)
@@ -253,33 +384,33 @@ def _attn_decode_v6_kernel(
             if USE_SOFTCAP:
                 s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
             s = gl.where(n_ok[:, :, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # the running max is taken over s + log2(value scale): then p * v_scale <= 1 fits fp16
+            # with no per-tile normaliser, and the sum l and the accumulators share its units
+            t_sc = s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
+            m_new = gl.maximum(m_i, gl.max(t_sc, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s - m_use[:, None, :])
             alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            l_acc = l_acc * alpha[:, None, :] + p
             m_i = m_new
-            vm = gl.maximum(gl.max(v_sc[:, :, None] + zero_s, 1), 1e-30)       # [NKV, 8]: the tile's largest
-            pv = (p * v_sc[:, :, None] / vm[:, None, :]).to(gl.float16)       # value scale (fp16's range)
-            pv32 = pv.to(gl.float32)
-            p_off = 1024.0 * gl.sum(pv32, 1)                                  # [NKV, 8]: this tile's
-            z_sum = gl.sum(pv32 * v_zp[:, :, None], 1)                          # offset and zero point
-            c_even = -(p_off + z_sum)[:, None, :] + zero_o                      # even n: codes 1024 + c
-            c_odd = -(p_off + 16.0 * z_sum)[:, None, :] + zero_o                # odd n: 1024 + 16 c
+            pv = (p * v_sc[:, :, None]).to(gl.float16)
             p_b = gl.convert_layout(pv, b_l)
-            vw = _lds(sb + v_off)                                               # [NKV, WORDS, TILE]
+            # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
+            # the tensor cores: its rows are the same, as the accumulator's layout wants them
+            zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
+            c_even = mma_v2(zd_even, p_b, zero_o)
+            c_odd = mma_v2(zd_odd, p_b, zero_o)
+            vw = _ld_codes(sb + v_off, NKV, True)                               # [NKV, WORDS, TILE]
             v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
             a3 = alpha[:, None, :]
-            ve = vm[:, None, :]
-            vo = ve * 0.0625
-            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even) * ve
-            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd) * vo
-            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even) * ve
-            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd) * vo
-            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even) * ve
-            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd) * vo
-            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even) * ve
-            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd) * vo
+            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
+            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
+            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
+            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
+            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
+            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
+            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
+            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
     async_copy.wait_group(0)
 
     # out[row(h, g), 8 w + n] = acc_n[h, w, g]
@@ -290,16 +421,16 @@ def _attn_decode_v6_kernel(
     ok3 = (o_g < GROUP)[None, None, :] & (o_h >= 0)[:, None, None] & (o_w >= 0)[None, :, None]
     base = segm_out_ptr + row3 * HEAD + 8 * o_w[None, :, None]
     gl.store(base + 0, acc0, mask=ok3)
-    gl.store(base + 1, acc1, mask=ok3)
+    gl.store(base + 1, acc1 * 0.0625, mask=ok3)
     gl.store(base + 2, acc2, mask=ok3)
-    gl.store(base + 3, acc3, mask=ok3)
+    gl.store(base + 3, acc3 * 0.0625, mask=ok3)
     gl.store(base + 4, acc4, mask=ok3)
-    gl.store(base + 5, acc5, mask=ok3)
+    gl.store(base + 5, acc5 * 0.0625, mask=ok3)
     gl.store(base + 6, acc6, mask=ok3)
-    gl.store(base + 7, acc7, mask=ok3)
+    gl.store(base + 7, acc7 * 0.0625, mask=ok3)
     r_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, row_l))
     r_g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_l))
     rows = (tok.to(gl.int64) * NUM_Q_HEADS + r_h[:, None] * GROUP + r_g[None, :]) * NUM_SEGMENTS + seg_idx
     r_ok = (r_g < GROUP)[None, :] & (r_h >= 0)[:, None]
     gl.store(segm_max_ptr + rows, m_i, mask=r_ok)
-    gl.store(segm_sum_ptr + rows, l_i, mask=r_ok)
+    gl.store(segm_sum_ptr + rows, gl.sum(l_acc, 1), mask=r_ok)

@@ -19,6 +19,7 @@ from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
+from ._attn_launch_v6 import STAGES as V6_STAGES
 from ._attn_launch_v6 import V6_COMPILE_ERRORS, launch_v6, v6_default, v6_fit, v6_segments
 from ._attn_launch_v6 import disable as disable_v6
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
@@ -179,7 +180,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3 and v6:
         return AttnConfig(block_m=block_m, tile=16, num_segments=int(segs), num_warps=q.shape[1] // group,
-                          num_stages=2, v2=6)
+                          num_stages=V6_STAGES, v2=6)
     if v2 == 3 and v4:  # also when the caller fixed the segment count
         return AttnConfig(block_m=block_m, tile=v4[0], num_segments=int(segs), num_warps=v4[1],
                           num_stages=v4[2], v2=4, heads_per_program=v4[4])

@@ -9,12 +9,17 @@ query heads per KV head. Anything else goes to v4 / v3 (and on CPU to the interp
 that does not compile with the installed Triton switches v6 off for the process, with one
 warning (:func:`disable`).
 
-Defaults measured on the H200 (docs/bench/attention.md, "Session 11"; 32 query / 8 KV heads):
-two stages (all the 48 KB of static shared memory holds), a 128-register cap (two programs of
-8 warps per SM), and segments for about two programs per SM. v6 is the INT4 default from
-``V6_MIN_KEYS`` keys in the batch (sequences x context), where it measured 10-22% faster than v4
-(b8@32k, b16@16k, b64@4k, b32@32k). At 131,072 keys it ranged from 5% slower (b32@4k) to 5% faster,
-and below that v4 was faster: v4's 8 resident programs per SM fill the GPU better.
+The ring lives in dynamic shared memory after Triton's own: :func:`launch_v6` compiles each
+variant once (``warmup``), and :func:`_reserve_ring` raises the compiled kernel's shared-memory
+size by the ring before its first launch and passes the ring's offset to the kernel.
+
+Defaults measured on the H200 (docs/bench/attention.md, "Session 12"; 32 query / 8 KV heads):
+a ring of 4 blocks (3 and 4 within 1% of each other, 2 up to 2% slower; copies alone 5% slower
+with 2), a 128-register cap (two programs of 8 warps per SM; the kernel needs 127), and segments
+for about two programs per SM. v6 is the INT4 default from ``V6_MIN_KEYS`` keys in the batch
+(sequences x context), where it measured 23-38% faster than v4 (b8@32k, b16@16k, b64@4k,
+b32@32k). At 131,072 keys (b32@4k) it was 4% faster, at 65,536 (b8@8k) even, and at b1@32k
+(256 programs of 8 blocks each) 34% slower.
 """
 
 from __future__ import annotations
@@ -33,16 +38,17 @@ from ._jit import prev_pow2
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
 ROW_BYTES = HEAD_SIZE // 2 + 4      # 68: 64 code bytes, then the scale word
-MAX_KV_HEADS = 8                    # one warp per KV head; the ring holds two 8-head blocks
+MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-STAGES = 2
-MAX_REGISTERS = 128                 # two programs of 8 warps per SM (uncapped: 161 registers, one)
+STAGES = 4                          # ring depth (dynamic shared memory: 4 x 17,408 bytes at 8 heads)
+MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the kernel needs 127)
 PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 262144                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
 # what a Triton whose Gluon differs from the one v6 was written for (3.6) raises at the first launch
 V6_COMPILE_ERRORS = (CompilationError, PTXASError)
 _DISABLED: list = []                # why v6 was switched off in this process, if it was
+_RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's offset in shared memory
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,15 +137,46 @@ def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     return prev_pow2(segs)
 
 
+def ring_bytes(num_kv_heads: int, stages: int) -> int:
+    """Bytes of v6's ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads."""
+    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES
+
+
+def _reserve_ring(compiled, nbytes: int) -> int:
+    """Make ``compiled`` (a Triton ``CompiledKernel`` not yet loaded) launch with ``nbytes`` more
+    dynamic shared memory, after Triton's own, and return the ring's offset there (128-byte
+    aligned). Done once per compiled kernel: Triton's cache keeps the object, so every later
+    launch of it, CUDA graph captures included, gets the ring."""
+    off = getattr(compiled, "_kv6_ring_off", None)
+    if off is not None:
+        return off
+    if compiled.module is not None:  # loaded without the ring: its shared memory size is fixed
+        raise RuntimeError("kernels: the v6 kernel was loaded before its shared-memory ring was reserved")
+    off = -(-compiled.metadata.shared // 128) * 128
+    compiled.metadata = compiled.metadata._replace(shared=off + nbytes)
+    compiled.packed_metadata = (compiled.metadata.num_warps, compiled.metadata.num_ctas, compiled.metadata.shared)
+    compiled._kv6_ring_off = off
+    return off
+
+
 def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
               segm_output, segm_max, segm_expsum, qp, col_scale, use_softcap):
     """Launch ``_attn_decode_v6_kernel`` (grid: sequences x segments, one warp per KV head) on a
-    cache :func:`v6_fit` accepts; ``qp`` is ``_prep_q_kernel``'s rotated query (4 parts)."""
-    regs = cfg.max_registers or MAX_REGISTERS
-    _kernel()[(cu_seqlens_q.numel() - 1, cfg.num_segments)](
-        qp, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
-        cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(col_scale), float(softcap or 0.0),
-        int(window_size[0]), int(window_size[1]), qp.stride(0), qp.stride(1), k.stride(0) // 4,
-        block_table.stride(0),
-        NUM_Q_HEADS=q.shape[1], NKV=k.shape[2], GROUP=group, USE_SOFTCAP=use_softcap,
-        NUM_SEGMENTS=cfg.num_segments, STAGES=STAGES, PROBE=PROBE, num_warps=k.shape[2], maxnreg=regs)
+    cache :func:`v6_fit` accepts; ``qp`` is ``_prep_q_kernel``'s rotated query (4 parts). The
+    ring has ``cfg.num_stages`` stages (at least 2)."""
+    nkv, stages = k.shape[2], max(2, cfg.num_stages)
+    grid = (cu_seqlens_q.numel() - 1, cfg.num_segments)
+    args = [qp, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
+            cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(col_scale), float(softcap or 0.0),
+            int(window_size[0]), int(window_size[1]), qp.stride(0), qp.stride(1), k.stride(0) // 4,
+            block_table.stride(0), 0]
+    kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
+              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, num_warps=nkv,
+              maxnreg=cfg.max_registers or MAX_REGISTERS)
+    kernel = _kernel()
+    key = (id(kernel), q.device.index, tuple(sorted(kw.items())))
+    off = _RING_OFFSETS.get(key)
+    if off is None:  # compile (ring_off is not specialized on), then reserve the ring before the first launch
+        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages))
+    args[-1] = off
+    kernel[grid](*args, **kw)

@@ -279,11 +279,61 @@ def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
     assert _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
                                   v.v_scale_cache)
     v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
-    for segs in (3, 32):
+    for segs, stages in ((3, 2), (32, 2), (3, _attn_launch_v6.STAGES)):
         for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
-            got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, 2, 6), **opts).float()
+            got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, stages, 6), **opts).float()
             ref = run_and_check(c, config=v4, **opts).float()
             assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
+
+
+def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
+    """``launch_v6`` compiles each v6 variant once (``warmup``), reserves its ring in dynamic
+    shared memory after Triton's own (128-byte aligned offset, ``stages`` whole blocks), passes
+    that offset as ``ring_off``, and reuses it; each kernel object keeps its own; a kernel that
+    was loaded before its ring was reserved is refused."""
+    import collections
+
+    from kernels import _attn_launch_v6 as L6
+    meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
+
+    class Compiled:
+        def __init__(self, shared):
+            self.metadata, self.module = meta(1, 8, shared), None
+            self.packed_metadata = (8, 1, shared)
+
+    class Kernel:
+        def __init__(self, shared):
+            self.compiled, self.warmups, self.launches = Compiled(shared), 0, []
+
+        def warmup(self, *args, grid, **kw):
+            self.warmups += 1
+            return self.compiled
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: self.launches.append((grid, args[-1], kw["STAGES"]))
+
+    monkeypatch.setattr(L6, "_RING_OFFSETS", {})
+    q = torch.zeros(2, 32, 128)
+    k = torch.zeros(5, 16, 8, 64, dtype=torch.uint8)
+    bufs = [torch.zeros(1)] * 3
+    args = (torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32),
+            torch.zeros(2, 3, dtype=torch.int32), (-1, -1), None)
+    kernels = []  # alive: the offsets are keyed by kernel object
+    for shared, stages, off in ((1024, 4, 1024), (1000, 4, 1024), (0, 2, 0)):
+        kernel = Kernel(shared)
+        kernels.append(kernel)
+        monkeypatch.setattr(L6, "_kernel", lambda kernel=kernel: kernel)
+        cfg = AttnConfig(16, 16, 4, 8, stages, 6)
+        for _ in range(2):
+            L6.launch_v6(q, k, *args, cfg, 4, *bufs, q, 0.1, False)
+        ring = L6.ring_bytes(8, stages)
+        assert ring == stages * 2 * 16 * 8 * 68 and kernel.warmups == 1
+        assert kernel.compiled.metadata.shared == off + ring and kernel.compiled.packed_metadata == (8, 1, off + ring)
+        assert kernel.launches == [((2, 4), off, stages)] * 2
+    loaded = Compiled(1024)
+    loaded.module = object()
+    with pytest.raises(RuntimeError, match="loaded before"):
+        L6._reserve_ring(loaded, 4096)
 
 
 @pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")

@@ -77,11 +77,12 @@ def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
 
 
 def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """tools/bench_decode_v6.py: malformed shapes or rounds are argparse errors (exit 2) before
-    any GPU work; without a GPU it says so and returns 1; its v6 segment counts bracket the
-    launcher's."""
+    """tools/bench_decode_v6.py: malformed shapes, rounds or ring depths are argparse errors (exit
+    2) before any GPU work; without a GPU it says so and returns 1; its v6 segment counts bracket
+    the launcher's, at each ring depth asked for (only the launcher's with ``spread=False``)."""
     from tools import bench_decode_v6 as V6
-    for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"]):
+    for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"],
+                ["--stages", "1,3"], ["--stages", "x"]):
         with pytest.raises(SystemExit) as e:
             V6.main(bad)
         assert e.value.code == 2, bad
@@ -90,7 +91,9 @@ def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
     v4, s6, v6s = V6.configs(132, 8, 32768, 8)
     assert (v4.v2, s6, [c.num_segments for c in v6s]) == (4, 32, [16, 32, 64])
-    assert all(c.v2 == 6 and c.tile == 16 for c in v6s)
+    assert all(c.v2 == 6 and c.tile == 16 and c.num_stages == V6.L6.STAGES for c in v6s)
+    _, _, v6s = V6.configs(132, 8, 32768, 8, (2, 4), spread=False)
+    assert [(c.num_segments, c.num_stages) for c in v6s] == [(32, 2), (32, 4)]
 
 
 def test_probe_reads_quick():

@@ -30,13 +30,15 @@ INT4 = KVQuantMode.INT4_PER_TOKEN_HEAD
 SHAPES = "1x32768,2x32768,4x32768,8x8192,8x16384,16x8192,4x16384,16x16384,32x4096,64x4096,8x32768,32x32768"
 
 
-def configs(sms: int, batch: int, ctx: int, kv_heads: int):
-    """v4 (launcher tiling) and v6 at half / the launcher's / twice its segments."""
-    tile, warps, stages, per_sm, hg = v4_tiling(INT4, L6.HEAD_SIZE)
+def configs(sms: int, batch: int, ctx: int, kv_heads: int, stages=(L6.STAGES,), spread: bool = True):
+    """v4 (launcher tiling) and v6 at half / the launcher's / twice its segments (only the
+    launcher's unless ``spread``), for each ring depth in ``stages``."""
+    tile, warps, v4_stages, per_sm, hg = v4_tiling(INT4, L6.HEAD_SIZE)
     v4 = AttnConfig(16, tile, v4_segments(sms, batch * kv_heads // hg, ctx, tile, per_sm, L6.HEAD_SIZE), warps,
-                    stages, 4, heads_per_program=hg)
+                    v4_stages, 4, heads_per_program=hg)
     s6 = L6.v6_segments(sms, batch, ctx)
-    return v4, s6, [AttnConfig(16, 16, s, kv_heads, L6.STAGES, 6) for s in sorted({max(2, s6 // 2), s6, 2 * s6})]
+    return v4, s6, [AttnConfig(16, 16, s, kv_heads, st, 6) for st in stages
+                    for s in (sorted({max(2, s6 // 2), s6, 2 * s6}) if spread else [s6])]
 
 
 def main(argv=None) -> int:
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma separated")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timings of every configuration")
     ap.add_argument("--probe", action="store_true", help="also time v6's copies alone")
+    ap.add_argument("--launcher-segments", action="store_true", help="v6 at the launcher's segment count only")
+    ap.add_argument("--stages", default=str(L6.STAGES), help="ring depths to time, comma separated (>= 2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -54,6 +58,12 @@ def main(argv=None) -> int:
         ap.error(f"--shapes takes BATCHxCONTEXT: {e}")
     if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
         ap.error("--shapes takes BATCHxCONTEXT, both positive")
+    try:
+        stages = tuple(int(v) for v in args.stages.split(","))
+    except ValueError as e:
+        ap.error(f"--stages takes ring depths: {e}")
+    if min(stages) < 2:
+        ap.error("--stages: a ring has at least 2 stages")
     if not torch.cuda.is_available():
         print("bench_decode_v6 needs a CUDA GPU")
         return 1
@@ -69,7 +79,7 @@ def main(argv=None) -> int:
         f"{p['num_q_heads']} query / {p['num_kv_heads']} KV heads; µs, best of {args.rounds} interleaved rounds")
     for batch, ctx in shapes:
         pb = ba.make_problem(INT4, batch, ctx, 1, p, "cuda")
-        v4, s6, v6s = configs(sms, batch, ctx, p["num_kv_heads"])
+        v4, s6, v6s = configs(sms, batch, ctx, p["num_kv_heads"], stages, not args.launcher_segments)
         runs = [(v4, False)] + [(c, False) for c in v6s] + ([(c, True) for c in v6s] if args.probe else [])
         for c, _ in runs[:1 + len(v6s)]:
             err = ba.check(pb, c)
@@ -88,7 +98,7 @@ def main(argv=None) -> int:
         for (c, probe), us in zip(runs[1:], best[1:]):
             mark = "*" if c.num_segments == s6 else ""
             kind = "v6 copies only" if probe else "v6"
-            parts.append(f"{kind} segs {c.num_segments}{mark} {us:.1f} ({best[0] / us:.2f}x v4)")
+            parts.append(f"{kind} stages {c.num_stages} segs {c.num_segments}{mark} {us:.1f} ({best[0] / us:.2f}x v4)")
         log(f"b{batch}@{ctx} keys {batch * ctx}: v4 {best[0]:.1f} us (segs {v4.num_segments}); " + "; ".join(parts))
         del pb
         torch.cuda.empty_cache()
