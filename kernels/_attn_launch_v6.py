@@ -17,9 +17,9 @@ Defaults measured on the H200 (docs/bench/attention.md, "Session 12"; 32 query /
 a ring of 4 blocks (3 and 4 within 1% of each other, 2 up to 2% slower; copies alone 5% slower
 with 2), a 128-register cap (two programs of 8 warps per SM; the kernel needs 127), and segments
 for about two programs per SM. v6 is the INT4 default from ``V6_MIN_KEYS`` keys in the batch
-(sequences x context), where it measured 23-38% faster than v4 (b8@32k, b16@16k, b64@4k,
-b32@32k). At 131,072 keys (b32@4k) it was 4% faster, at 65,536 (b8@8k) even, and at b1@32k
-(256 programs of 8 blocks each) 34% slower.
+(sequences x context): 1.24-1.39x faster than v4 from 262,144 keys (b8@32k, b16@16k, b64@4k,
+b32@32k), 1.04-1.14x at 131,072 (b4@32k, b8@16k, b16@8k, b32@4k, b64@2k). At 65,536 keys it
+was 0.97-1.00x, and at b1@32k (256 programs of 8 blocks each) 0.66x.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
 STAGES = 4                          # ring depth (dynamic shared memory: 4 x 17,408 bytes at 8 heads)
 MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the kernel needs 127)
 PROGRAMS_PER_SM = 2
-V6_MIN_KEYS = 262144                # sequences x context from which v6 is the INT4 default
+V6_MIN_KEYS = 131072                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
 # what a Triton whose Gluon differs from the one v6 was written for (3.6) raises at the first launch
 V6_COMPILE_ERRORS = (CompilationError, PTXASError)
