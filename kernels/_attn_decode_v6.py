@@ -49,6 +49,8 @@ HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
 ROW = gl.constexpr(17)          # words per row: the codes and the scale word
 BLOCK = gl.constexpr(16)        # tokens per cache block (the tile)
+
+
 @gluon.jit
 def _ring_base(ring_off):
     """Shared-window address of the ring: ``ring_off`` bytes into the dynamic shared memory (an
@@ -58,103 +60,75 @@ def _ring_base(ring_off):
         constraints="=r,r", args=[ring_off], dtype=gl.int32, is_pure=False, pack=1)
 
 
-def _copy_asm(step: int) -> str:
-    """PTX of one thread's share of a block copy: 16-byte ``cp.async.cg`` at ``$1`` / ``$2`` and
-    three more ``step`` bytes apart where ``$3`` (the block is copied), one more where ``$4``
-    (the tail: 4.25 chunks per thread for every head count)."""
+@gluon.constexpr_function
+def _copy_asm(nkv):
+    """PTX of one thread's share of a block copy (``136 x nkv`` chunks of 16 bytes over ``32 x nkv``
+    threads, thread-major): ``cp.async.cg`` at ``$1`` / ``$2`` and three more a step of
+    ``32 x nkv x 16`` bytes apart where ``$3`` (the block is copied), one more where ``$4`` (the
+    tail: 4.25 chunks per thread for every head count)."""
+    step = 512 * nkv
     lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(4)]
     return ("{ .reg .pred p; setp.ne.b32 p, $3, 0; " + " ".join(lines) + " setp.ne.b32 p, $4, 0; "
             f"@p cp.async.cg.shared.global [$1+{4 * step}], [$2+{4 * step}], 16; mov.b32 $0, 0; }}")
 
 
-# per KV head count: chunks of 16 bytes are thread-major, a step of 32 x NKV threads x 16 bytes
-COPY_1 = gl.constexpr(_copy_asm(512))
-COPY_2 = gl.constexpr(_copy_asm(1024))
-COPY_4 = gl.constexpr(_copy_asm(2048))
-COPY_8 = gl.constexpr(_copy_asm(4096))
-
-
-@gluon.jit
-def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr):
-    """Queue one thread's 16-byte copies of a block (``136 x NKV`` chunks over ``32 x NKV`` threads)."""
-    if NKV == 8:
-        asm: gl.constexpr = COPY_8
-    elif NKV == 4:
-        asm: gl.constexpr = COPY_4
-    elif NKV == 2:
-        asm: gl.constexpr = COPY_2
-    else:
-        asm: gl.constexpr = COPY_1
-    return gl.inline_asm_elementwise(asm=asm, constraints="=r,r,l,r,r",
-                                     args=[saddr, gaddr, ok.to(gl.int32), (tail & ok).to(gl.int32)],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-def _lds_asm(offsets) -> str:
-    """PTX of ``ld.shared.b32`` of a thread's words at ``offsets`` bytes from its first address."""
+@gluon.constexpr_function
+def _lds_asm(nkv, kind):
+    """PTX of ``ld.shared.b32`` of a thread's words at constant offsets from its first address,
+    for a key pitch of ``ks = 68 x nkv`` bytes. ``kind``: "k" (8 key-code words, dot operand A:
+    keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9, in register order), "v" (8 value-code words:
+    words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9) or "s" (the scale words of keys r, r + 8)."""
+    ks = 68 * nkv
+    offsets = {"k": [0, 4, 8 * ks, 8 * ks + 4, 32, 36, 8 * ks + 32, 8 * ks + 36],
+               "v": [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks],
+               "s": [0, 8 * ks]}[kind]
     n = len(offsets)
-    return " ".join(f"ld.shared.b32 ${i}, [${n}+{o}];" for i, o in enumerate(offsets))
+    return " ".join(f"ld.shared.b32 ${i}, [${n}+{offsets[i]}];" for i in range(n))
 
 
-def _k_offsets(ks: int):
-    """A thread's 8 key-code words (dot operand A: keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9,
-    in register order) from its first, for a key pitch of ``ks`` bytes (``NKV x 68``)."""
-    return [0, 4, 8 * ks, 8 * ks + 4, 32, 36, 8 * ks + 32, 8 * ks + 36]
-
-
-def _v_offsets(ks: int):
-    """A thread's 8 value-code words (operand A: words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9)."""
-    return [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks]
-
-
-# per KV head count (key pitch 68 x NKV bytes): the word loads with immediate offsets, from one
-# address per thread (its elements' addresses are that address plus these constants)
-LDK_1, LDK_2, LDK_4, LDK_8 = (gl.constexpr(_lds_asm(_k_offsets(68 * n))) for n in (1, 2, 4, 8))
-LDV_1, LDV_2, LDV_4, LDV_8 = (gl.constexpr(_lds_asm(_v_offsets(68 * n))) for n in (1, 2, 4, 8))
-LDS_1, LDS_2, LDS_4, LDS_8 = (gl.constexpr(_lds_asm([0, 8 * 68 * n])) for n in (1, 2, 4, 8))
-LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
-
-
-@gluon.jit
-def _ld_codes(addr, NKV: gl.constexpr, VALUES: gl.constexpr):
-    """A warp's code words of one block (K: ``[NKV, TILE, WORDS]``, V: ``[NKV, WORDS, TILE]``, dot
-    operand A); ``addr`` holds each thread's first address in all its elements. Not pure: ordered
-    after the ring's barrier."""
-    if VALUES:
-        if NKV == 8:
-            asm: gl.constexpr = LDV_8
-        elif NKV == 4:
-            asm: gl.constexpr = LDV_4
-        elif NKV == 2:
-            asm: gl.constexpr = LDV_2
-        else:
-            asm: gl.constexpr = LDV_1
-    else:
-        if NKV == 8:
-            asm: gl.constexpr = LDK_8
-        elif NKV == 4:
-            asm: gl.constexpr = LDK_4
-        elif NKV == 2:
-            asm: gl.constexpr = LDK_2
-        else:
-            asm: gl.constexpr = LDK_1
-    return gl.inline_asm_elementwise(asm=asm, constraints=LD8, args=[addr], dtype=gl.int32, is_pure=False, pack=8)
-
-
-def _zp_asm(ks: int) -> str:
-    """PTX: the value scale words of keys 2c, 2c + 1, 2c + 8, 2c + 9 (``ks`` bytes apart) -> dot
-    operand A registers of ``-(1024 + zp)`` (even nibbles) and ``-(1024 + 16 zp)`` (odd), fp16x2,
-    the same in rows r and r + 8."""
+@gluon.constexpr_function
+def _zp_asm(nkv):
+    """PTX: the value scale words of keys 2c, 2c + 1, 2c + 8, 2c + 9 (``68 x nkv`` bytes apart) ->
+    dot operand A registers of ``-(1024 + zp)`` (even nibbles) and ``-(1024 + 16 zp)`` (odd),
+    fp16x2, the same in rows r and r + 8."""
+    ks = 68 * nkv
     half = []
-    for reg, (lo, hi) in enumerate(((0, ks), (8 * ks, 9 * ks))):
-        e, o = 2 * reg, 4 + 2 * reg
+    for reg in range(2):  # keys 2c, 2c + 1, then 2c + 8, 2c + 9 (no tuple targets: Triton parses this body)
+        lo = 8 * ks * reg
+        hi = lo + ks
+        e = 2 * reg
+        o = 4 + 2 * reg
         half.append(f"ld.shared.b32 a, [$8+{lo}]; ld.shared.b32 b, [$8+{hi}]; prmt.b32 x, a, b, 0x5410; "
                     f"lop3.b32 ${e}, x, 0x000F000F, 0xE400E400, 0xEA; mov.b32 ${e + 1}, ${e}; shl.b32 x, x, 4; "
                     f"lop3.b32 ${o}, x, 0x00F000F0, 0xE400E400, 0xEA; mov.b32 ${o + 1}, ${o};")
     return "{ .reg .b32 a, b, x; " + " ".join(half) + " }"
 
 
-LDZ_1, LDZ_2, LDZ_4, LDZ_8 = (gl.constexpr(_zp_asm(68 * n)) for n in (1, 2, 4, 8))
+LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
+
+
+@gluon.jit
+def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr):
+    """Queue one thread's 16-byte copies of a block (``136 x NKV`` chunks over ``32 x NKV`` threads)."""
+    return gl.inline_asm_elementwise(asm=_copy_asm(NKV), constraints="=r,r,l,r,r",
+                                     args=[saddr, gaddr, ok.to(gl.int32), (tail & ok).to(gl.int32)],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ld_codes(addr, NKV: gl.constexpr, KIND: gl.constexpr):
+    """A warp's code words of one block, dot operand A (``KIND`` "k": ``[NKV, TILE, WORDS]``, "v":
+    ``[NKV, WORDS, TILE]``); ``addr`` holds each thread's first address in all its elements. Not
+    pure: ordered after the ring's barrier."""
+    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, KIND), constraints=LD8, args=[addr], dtype=gl.int32,
+                                     is_pure=False, pack=8)
+
+
+@gluon.jit
+def _ld_scales(addr, NKV: gl.constexpr):
+    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first address."""
+    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, "s"), constraints="=r,=r,r,r", args=[addr], dtype=gl.int32,
+                                     is_pure=False, pack=2)
 
 
 @gluon.jit
@@ -162,31 +136,8 @@ def _ld_zero_points(addr, NKV: gl.constexpr):
     """The value zero points of a block as dot operand A ``[NKV, 16, TILE]`` fp16 (each row: the
     keys' ``-(1024 + zp)``, and ``-(1024 + 16 zp)`` for odd nibbles), from each thread's first scale
     word address: a dot with the probabilities gives each tile's offset and zero-point share."""
-    if NKV == 8:
-        asm: gl.constexpr = LDZ_8
-    elif NKV == 4:
-        asm: gl.constexpr = LDZ_4
-    elif NKV == 2:
-        asm: gl.constexpr = LDZ_2
-    else:
-        asm: gl.constexpr = LDZ_1
-    return gl.inline_asm_elementwise(asm=asm, constraints=LD8, args=[addr], dtype=(gl.float16, gl.float16),
+    return gl.inline_asm_elementwise(asm=_zp_asm(NKV), constraints=LD8, args=[addr], dtype=(gl.float16, gl.float16),
                                      is_pure=False, pack=8)
-
-
-@gluon.jit
-def _ld_scales(addr, NKV: gl.constexpr):
-    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first address."""
-    if NKV == 8:
-        asm: gl.constexpr = LDS_8
-    elif NKV == 4:
-        asm: gl.constexpr = LDS_4
-    elif NKV == 2:
-        asm: gl.constexpr = LDS_2
-    else:
-        asm: gl.constexpr = LDS_1
-    return gl.inline_asm_elementwise(asm=asm, constraints="=r,=r,r,r", args=[addr], dtype=gl.int32, is_pure=False,
-                                     pack=2)
 
 
 @gluon.jit
@@ -370,7 +321,7 @@ def _attn_decode_v6_kernel(
             v_sc = (vsw & -16).to(gl.float32, bitcast=True)
             # the dots start from minus the code offset's and the zero point's share: the tensor
             # cores sum them with the products, so no large offset is left to cancel later
-            kw = _ld_codes(sb + k_off, NKV, False)                              # [NKV, TILE, WORDS]
+            kw = _ld_codes(sb + k_off, NKV, "k")                                # [NKV, TILE, WORDS]
             k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(kw)
             s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
             s = mma_v2(k1, q1, s)
@@ -400,7 +351,7 @@ def _attn_decode_v6_kernel(
             zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
             c_even = mma_v2(zd_even, p_b, zero_o)
             c_odd = mma_v2(zd_odd, p_b, zero_o)
-            vw = _ld_codes(sb + v_off, NKV, True)                               # [NKV, WORDS, TILE]
+            vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
             v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
             a3 = alpha[:, None, :]
             acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
