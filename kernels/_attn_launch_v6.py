@@ -45,8 +45,15 @@ MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the kernel
 PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 131072                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
-# what a Triton whose Gluon differs from the one v6 was written for (3.6) raises at the first launch
-V6_COMPILE_ERRORS = (CompilationError, PTXASError)
+
+
+class RingUnsupported(RuntimeError):
+    """This Triton's compiled-kernel object is not the one :func:`_reserve_ring` knows (3.6's)."""
+
+
+# what a Triton whose Gluon (or compiled-kernel object) differs from the one v6 was written for
+# (3.6) raises at the first launch
+V6_COMPILE_ERRORS = (CompilationError, PTXASError, RingUnsupported)
 _DISABLED: list = []                # why v6 was switched off in this process, if it was
 _RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's offset in shared memory
 
@@ -152,9 +159,15 @@ def _reserve_ring(compiled, nbytes: int) -> int:
         return off
     if compiled.module is not None:  # loaded without the ring: its shared memory size is fixed
         raise RuntimeError("kernels: the v6 kernel was loaded before its shared-memory ring was reserved")
-    off = -(-compiled.metadata.shared // 128) * 128
-    compiled.metadata = compiled.metadata._replace(shared=off + nbytes)
-    compiled.packed_metadata = (compiled.metadata.num_warps, compiled.metadata.num_ctas, compiled.metadata.shared)
+    meta, packed = getattr(compiled, "metadata", None), getattr(compiled, "packed_metadata", None)
+    # Triton 3.6: a namedtuple, and the launch's (num_warps, num_ctas, shared)
+    if not (hasattr(meta, "_replace") and isinstance(getattr(meta, "shared", None), int) and isinstance(packed, tuple)
+            and packed == (meta.num_warps, meta.num_ctas, meta.shared)):
+        raise RingUnsupported(f"kernels: cannot reserve v6's shared-memory ring in this Triton's compiled kernel "
+                              f"({type(meta).__name__}, launch metadata {packed!r})")
+    off = -(-meta.shared // 128) * 128
+    compiled.metadata = meta._replace(shared=off + nbytes)
+    compiled.packed_metadata = (meta.num_warps, meta.num_ctas, off + nbytes)
     compiled._kv6_ring_off = off
     return off
 

@@ -290,7 +290,8 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     """``launch_v6`` compiles each v6 variant once (``warmup``), reserves its ring in dynamic
     shared memory after Triton's own (128-byte aligned offset, ``stages`` whole blocks), passes
     that offset as ``ring_off``, and reuses it; each kernel object keeps its own; a kernel that
-    was loaded before its ring was reserved is refused."""
+    was loaded before its ring was reserved is refused, and another Triton's compiled-kernel object
+    is a compile-type error (v6 switched off, v4 runs)."""
     import collections
 
     from kernels import _attn_launch_v6 as L6
@@ -334,6 +335,15 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     loaded.module = object()
     with pytest.raises(RuntimeError, match="loaded before"):
         L6._reserve_ring(loaded, 4096)
+    # another Triton's compiled kernel (metadata not a namedtuple, or other launch metadata): a
+    # compile-type error, so the launcher switches v6 off and runs v4 (nothing patched)
+    for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)), (meta(1, 8, 1024), (8, 1, 1024, 0))):
+        other = Compiled(1024)
+        other.metadata, other.packed_metadata = meta_, packed
+        with pytest.raises(L6.RingUnsupported):
+            L6._reserve_ring(other, 4096)
+        assert other.packed_metadata == packed and not hasattr(other, "_kv6_ring_off")
+    assert L6.RingUnsupported in L6.V6_COMPILE_ERRORS
 
 
 @pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
