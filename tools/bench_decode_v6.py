@@ -1,11 +1,12 @@
 """INT4 decode: the v6 kernel (``AttnConfig.v2 = 6``) against v4 on the same caches, by batch size.
 
 For each batch x context: v4 with its launcher tiling (``v4_segments``) and v6 at the
-launcher's segment count (``v6_segments``, marked ``*``), half of it and twice it. Every
+launcher's segment count (``v6_segments``, marked ``*``), half of it and twice it
+(``--launcher-segments``: the launcher's only), at each ring depth of ``--stages``. Every
 configuration is first checked against the oracle (``tools.bench_attention.check``). Then all
 are timed with CUDA graphs, ``--rounds`` times interleaved, best of the rounds. ``--probe``
 also times v6's copies alone (``_attn_launch_v6.PROBE``: the ring without the maths). This is
-how ``V6_MIN_KEYS`` was set (docs/bench/attention.md, "Session 11").
+how ``V6_MIN_KEYS`` and the ring depth were set (docs/bench/attention.md, "Session 11", "Session 12").
 
 Run: ``PYTHONPATH=. python3 tools/bench_decode_v6.py [--shapes 8x32768,32x4096] [--out FILE]`` (H200).
 """
