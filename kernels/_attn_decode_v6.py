@@ -53,8 +53,9 @@ BLOCK = gl.constexpr(16)        # tokens per cache block (the tile)
 
 @gluon.jit
 def _ring_base(ring_off):
-    """Shared-window address of the ring: ``ring_off`` bytes into the dynamic shared memory (an
-    unsized ``.extern .shared`` array starts where every such array does, at its base)."""
+    """Shared-window address of the ring: ``ring_off`` bytes past ``global_smem``, Triton's base of
+    the dynamic shared memory (declared because the kernel stores into ``anchor``; a function-scope
+    ``.extern .shared`` array of its own does not assemble)."""
     return gl.inline_asm_elementwise(
         asm="{ .reg .u32 b; mov.u32 b, global_smem; add.u32 $0, b, $1; }",
         constraints="=r,r", args=[ring_off], dtype=gl.int32, is_pure=False, pack=1)
