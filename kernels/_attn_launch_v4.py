@@ -18,7 +18,7 @@ from layouts import KVQuantMode
 from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_v4 import _attn_decode_v4_kernel
 from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
-from ._jit import prev_pow2
+from ._jit import next_pow2, prev_pow2
 
 # mode -> head_size -> (keys per tile, warps, stages, programs per SM, KV heads per program)
 _INT8_V4 = {64: (16, 1, 2, 16, 1), 128: (16, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}
@@ -46,7 +46,7 @@ def v4_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs
     on the H200 at head_size 256, b1 @ 4k took 25.2 µs with 128 segments of 2 tiles and 17.7 with
     64, while b1 @ 32k took 65.4 with 128 segments of 16 tiles and 80.8 with 64."""
     segs = max(2, min(programs_per_sm * num_sms // max(1, pairs), max(1, max_seqlen_k // tile)))
-    one_load = REDUCE_ONE_LOAD // max(16, 1 << (head_size - 1).bit_length())
+    one_load = REDUCE_ONE_LOAD // max(16, next_pow2(head_size))  # the reduction's head_pad
     segs = min(segs, max(one_load, max_seqlen_k // (8 * tile), 2))
     return prev_pow2(segs)
 

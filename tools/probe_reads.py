@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, ".")
-from kernels._jit import dual_jit  # noqa: E402
+from kernels._jit import dual_jit, prev_pow2  # noqa: E402
 from tools.timing import graph_us  # noqa: E402
 
 
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         for batch in (8, 32):
             for R, U in ((17, 16), (33, 32), (64, 64)):
                 segs = [max(2, min(per_sm * 132 // (batch * 8), 32768 // t)) for t, _, _, per_sm in cfgs]
-                block = [(t, 1 << (n.bit_length() - 1), w, st) for (t, w, st, _), n in zip(cfgs, segs)]
+                block = [(t, prev_pow2(n), w, st) for (t, w, st, _), n in zip(cfgs, segs)]
                 probe(batch, 32768, R, U, device, head_cfg=None, row_cfgs=(), block_cfgs=block, log=log)
         return 0
     rows = ((16, 16, 8), (16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 64, 8), (16, 128, 2), (32, 128, 4))
