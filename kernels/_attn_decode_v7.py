@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import _lg2, _ring_base
+from ._attn_decode_v6 import _bar_init, _bar_init_fence, _bar_wait, _issue_bulk, _lg2, _ring_base
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
@@ -174,6 +174,7 @@ def _attn_decode_v7_kernel(
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
     PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
+    BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -226,10 +227,20 @@ def _attn_decode_v7_kernel(
     s_off = (((st & 7)[None, :] * NKV + sh[:, None]) * ROW + 32) * 4                             # [NKV, TILE]
 
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
+    bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
+    first = tid == 0
+    if BULK:
+        for i in gl.static_range(STAGES):
+            _bar_init(bars + 8 * i, first)
+        _bar_init_fence(tid)
+        gl.thread_barrier()
     for i in gl.static_range(STAGES - 1):
         ok = t0 + i < t1
         blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
-        _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
+        if BULK:
+            _issue_bulk(ring, bars, kv_ptr, blk, ok, i, first, stride_blk, STAGE_BYTES)
+        else:
+            _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
     n = t0 + STAGES - 1
     b0 = gl.load(bt_row + n, mask=n < t1, other=0)
     b1 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
@@ -278,10 +289,16 @@ def _attn_decode_v7_kernel(
     for t in range(t0, t1):
         j = t - t0
         slot = j % STAGES
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
-               STAGE_BYTES, NKV)
+        if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
+            gl.thread_barrier()
+            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                        STAGE_BYTES)
+            _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
+        else:
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
+                   STAGE_BYTES, NKV)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:
@@ -340,7 +357,8 @@ def _attn_decode_v7_kernel(
             acc5 = acc5 * a3 + mma_v2(v5, p_b, c_v)
             acc6 = acc6 * a3 + mma_v2(v6, p_b, c_v)
             acc7 = acc7 * a3 + mma_v2(v7, p_b, c_v)
-    async_copy.wait_group(0)
+    if not BULK:
+        async_copy.wait_group(0)
 
     o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
     o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))

@@ -16,7 +16,8 @@ import torch
 
 from layouts import KVQuantMode
 
-from ._attn_launch_v6 import _RING_OFFSETS, MAX_REGISTERS, _reserve_ring, _Words, available
+from . import _attn_launch_v6 as L6
+from ._attn_launch_v6 import _RING_OFFSETS, MAX_REGISTERS, _bulk_capable, _reserve_ring, _Words, available
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -66,8 +67,9 @@ def v7_fit(mode, q, k, v, ks, vs) -> bool:
     return mode != KVQuantMode.FP8_PER_TOKEN_HEAD or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
-def ring_bytes(num_kv_heads: int, stages: int) -> int:
-    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES
+def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False) -> int:
+    """The ring's blocks, and with ``bulk`` one 8-byte mbarrier per stage (to 16 bytes)."""
+    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES + (-(-8 * stages // 16) * 16 if bulk else 0)
 
 
 def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
@@ -79,13 +81,14 @@ def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, sof
             cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(qk_scale), float(softcap or 0.0),
             int(window_size[0]), int(window_size[1]), q.stride(0), q.stride(1), k.stride(0) // 4,
             block_table.stride(0), 0]
+    bulk = L6.BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)  # v6's switch
     kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, FP8=mode == KVQuantMode.FP8_PER_TOKEN_HEAD,
-              USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=probe,
+              USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=probe, BULK=bulk,
               num_warps=nkv, maxnreg=cfg.max_registers or MAX_REGISTERS)
     kernel = _kernel()
     key = (id(kernel), q.device.index, tuple(sorted(kw.items())))
     off = _RING_OFFSETS.get(key)
     if off is None:
-        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages))
+        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages, bulk))
     args[-1] = off
     kernel[grid](*args, **kw)
