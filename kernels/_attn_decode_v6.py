@@ -180,6 +180,51 @@ def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.c
     async_copy.commit_group()
 
 
+@gluon.jit
+def _bar_init(bar, first):
+    """``mbarrier.init`` (one arrival a phase) of the barrier at shared address ``bar``, by the
+    threads where ``first``."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p mbarrier.init.shared::cta.b64 [$1], 1; mov.b32 $0, 0; }",
+        constraints="=r,r,r", args=[bar, first.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bar_init_fence(x):
+    """Make the barriers' initialisation visible (before the block-wide barrier that follows)."""
+    return gl.inline_asm_elementwise(asm="fence.mbarrier_init.release.cluster; mov.b32 $0, 0;", constraints="=r,r",
+                                     args=[x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_copy(saddr, gaddr, bar, go, nbytes):
+    """Where ``go`` (one thread): one bulk copy (TMA, no tensor map) of ``nbytes`` contiguous bytes
+    from ``gaddr`` to shared ``saddr``, completing on the barrier at ``bar`` (which expects them).
+    The proxy fence orders the ring slot's earlier ``ld.shared`` reads before the copy's writes."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $4, 0; @p fence.proxy.async.shared::cta; "
+            "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $5; "
+            "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$2], $5, [$3]; mov.b32 $0, 0; }",
+        constraints="=r,r,l,r,r,r", args=[saddr, gaddr, bar, go.to(gl.int32), nbytes], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bar_wait(bar, phase):
+    """Every thread waits until the barrier at ``bar`` has completed the phase of parity ``phase``."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; KV6_WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+            "@!p bra KV6_WAIT_${:uid}; mov.b32 $0, 0; }",
+        constraints="=r,r,r", args=[bar, phase], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTES: gl.constexpr):
+    """Queue cache block ``blk`` into ring slot ``slot`` as one bulk copy (nothing unless ``ok``)."""
+    _bulk_copy(ring + slot * STAGE_BYTES, kv_ptr + blk.to(gl.int64) * stride_blk, bars + 8 * slot, first & ok,
+               STAGE_BYTES)
+
+
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit(do_not_specialize=["ring_off"])
 def _attn_decode_v6_kernel(
@@ -195,6 +240,7 @@ def _attn_decode_v6_kernel(
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
     PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
+    BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -251,10 +297,20 @@ def _attn_decode_v6_kernel(
     s_off = (((st & 7)[None, :] * NKV + sh[:, None]) * ROW + WORDS) * 4                          # [NKV, TILE]
 
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
+    bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
+    first = tid == 0
+    if BULK:
+        for i in gl.static_range(STAGES):
+            _bar_init(bars + 8 * i, first)
+        _bar_init_fence(tid)
+        gl.thread_barrier()
     for i in gl.static_range(STAGES - 1):
         ok = t0 + i < t1
         blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
-        _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
+        if BULK:
+            _issue_bulk(ring, bars, kv_ptr, blk, ok, i, first, stride_blk, STAGE_BYTES)
+        else:
+            _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
     # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
     # longer than a tile when every SM streams the cache
     n = t0 + STAGES - 1
@@ -303,10 +359,16 @@ def _attn_decode_v6_kernel(
     for t in range(t0, t1):
         j = t - t0
         slot = j % STAGES
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
-               STAGE_BYTES, NKV)
+        if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
+            gl.thread_barrier()
+            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                        STAGE_BYTES)
+            _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
+        else:
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
+                   STAGE_BYTES, NKV)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:
@@ -363,7 +425,8 @@ def _attn_decode_v6_kernel(
             acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
             acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
             acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
-    async_copy.wait_group(0)
+    if not BULK:
+        async_copy.wait_group(0)
 
     # out[row(h, g), 8 w + n] = acc_n[h, w, g]
     o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))

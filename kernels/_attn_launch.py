@@ -22,12 +22,15 @@ from ._attn_kernel import _attn_kernel
 from ._attn_launch_v6 import STAGES as V6_STAGES
 from ._attn_launch_v6 import V6_COMPILE_ERRORS, launch_v6, v6_default, v6_fit, v6_segments
 from ._attn_launch_v6 import disable as disable_v6
+from ._attn_launch_v7 import launch_v7, v7_fit
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
 from .reference import rht_signs
+
+V7_PROBE = [False]  # benchmarks only: v7's copies without the maths (experimental)
 
 _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
@@ -248,8 +251,8 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
                      window_size, softcap, mode, k_scale_cache, v_scale_cache, cfg: AttnConfig,
                      head_size, group, signs=None, segm_output=None, segm_max=None, segm_expsum=None):
     """Launch the attention kernel (and the reduction for the split path) with keyword arguments."""
-    if cfg.v2 not in (0, 1, 3, 4, 6):
-        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2), 3 (v3), 4 (v4) or 6 (v6), got {cfg.v2}")
+    if cfg.v2 not in (0, 1, 3, 4, 6, 7):
+        raise ValueError(f"AttnConfig.v2: expected 0 (v1), 1 (v2), 3 (v3), 4 (v4), 6 (v6) or 7 (v7), got {cfg.v2}")
     num_tokens, num_q_heads = q.shape[:2]
     if num_tokens == 0:
         return out
@@ -277,7 +280,13 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs) and _v6_launched(
         q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg, head_size, group,
         signs, segm_output, segm_max, segm_expsum)
-    if split and cfg.v2 == 6 and not v6:  # v6 cannot read this cache: v4 with its tiling, else v2 / v1
+    if split and cfg.v2 == 7 and v7_fit(mode, q, k, v, ks, vs):  # experimental, opt-in: errors raise
+        use_softcap = bool(softcap and softcap > 0)
+        qk_scale = float(softmax_scale) * (1.0 if use_softcap else math.log2(math.e))
+        launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
+                  segm_max, segm_expsum, qk_scale, use_softcap, probe=V7_PROBE[0])
+        v6 = True  # a Gluon decode ran: the reduction follows
+    if split and cfg.v2 in (6, 7) and not v6:  # v6 / v7 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
         cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
                if t else _generic_decode(cfg, mode, v2=1 if head_size & (head_size - 1) == 0 else 0))
@@ -285,7 +294,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
         if v6:
-            pass  # the Gluon INT4 decode ran (_v6_launched); the reduction follows
+            pass  # the Gluon decode ran (_v6_launched, or v7); the reduction follows
         elif cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                       mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,

@@ -45,6 +45,7 @@ MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the kernel
 PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 131072                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
+BULK = True                         # sm_90+: one bulk copy (TMA) per block, mbarriers (else cp.async)
 
 
 class RingUnsupported(RuntimeError):
@@ -144,9 +145,15 @@ def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     return prev_pow2(segs)
 
 
-def ring_bytes(num_kv_heads: int, stages: int) -> int:
-    """Bytes of v6's ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads."""
-    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES
+def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False) -> int:
+    """Bytes of v6's ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads,
+    and with ``bulk`` copies one 8-byte mbarrier per stage after them (to 16 bytes)."""
+    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES + (-(-8 * stages // 16) * 16 if bulk else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _bulk_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def _reserve_ring(compiled, nbytes: int) -> int:
@@ -183,13 +190,14 @@ def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, 
             cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(col_scale), float(softcap or 0.0),
             int(window_size[0]), int(window_size[1]), qp.stride(0), qp.stride(1), k.stride(0) // 4,
             block_table.stride(0), 0]
+    bulk = BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)
     kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
-              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, num_warps=nkv,
+              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, num_warps=nkv,
               maxnreg=cfg.max_registers or MAX_REGISTERS)
     kernel = _kernel()
     key = (id(kernel), q.device.index, tuple(sorted(kw.items())))
     off = _RING_OFFSETS.get(key)
     if off is None:  # compile (ring_off is not specialized on), then reserve the ring before the first launch
-        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages))
+        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages, bulk))
     args[-1] = off
     kernel[grid](*args, **kw)

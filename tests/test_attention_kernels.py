@@ -348,6 +348,50 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
 
 
 @pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (16, 4), (4, 1), (8, 2)])
+def test_cuda_v7_decode_kernel(mode, num_q_heads, num_kv_heads):
+    """EXPERIMENTAL v7 (INT8 / FP8, ``AttnConfig.v2 = 7``) reads the packed cache itself and
+    matches the oracle and v4: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with
+    0xFF poison in the unused rows (NaN codes for FP8), a 100-key window, softcap, 3 and 32
+    segments, 2 and 3 stages."""
+    from kernels import _attn_launch_v7
+    c = make_case(mode, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640], num_q_heads=num_q_heads,
+                  num_kv_heads=num_kv_heads, head_size=128, device="cuda", seed=num_q_heads + 7 * num_kv_heads)
+    v = c["views"]
+    assert _attn_launch_v7.v7_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
+    v4 = AttnConfig(16, 16, 8, 1, 2, 4, heads_per_program=1)
+    for segs, stages in ((3, 2), (32, 3)):
+        for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
+            got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, stages, 7), **opts).float()
+            ref = run_and_check(c, config=v4, **opts).float()
+            assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
+
+
+def test_v7_reads_only_the_packed_int8_fp8_layout():
+    """``_attn_launch_v7.reads_layout``: the packed INT8 / FP8 views at head_size 128 / block 16 /
+    1-8 KV heads; not INT4, separate tensors or head_size 64. On the CPU, ``v2 = 7`` takes v4."""
+    from kernels._attn_launch_v7 import reads_layout
+    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+        for nkv in (1, 2, 8):
+            c = make_case(mode, torch.bfloat16, q_lens=[1], k_lens=[20], num_q_heads=2 * nkv, num_kv_heads=nkv,
+                          head_size=128, seed=nkv)
+            v = c["views"]
+            assert reads_layout(mode, c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
+        assert not reads_layout(KVQuantMode.INT4_PER_TOKEN_HEAD, c["q"], v.key_cache, v.value_cache,
+                                v.k_scale_cache, v.v_scale_cache)
+        c = make_case(mode, torch.bfloat16, q_lens=[1], k_lens=[20], num_q_heads=4, num_kv_heads=2, head_size=128,
+                      seed=3, packed=False)
+        v = c["views"]
+        assert not reads_layout(mode, c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
+    c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 40], head_size=64,
+                  seed=5)
+    v = c["views"]
+    assert not reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
+    run_and_check(c, config=AttnConfig(16, 16, 4, 2, 2, 7))  # CPU: falls back, matches the oracle
+
+
+@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 def test_cuda_v6_is_the_default_for_large_int4_batches():
     """The launcher picks v6 for INT4 decode at head_size 128 from ``V6_MIN_KEYS`` keys in the
     batch (GQA up to 8, up to 8 KV heads), and v4 / v3 below it or for other shapes."""

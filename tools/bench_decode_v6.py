@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma separated")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timings of every configuration")
     ap.add_argument("--probe", action="store_true", help="also time v6's copies alone")
+    ap.add_argument("--copies", choices=("bulk", "cp.async", "both"), default="both",
+                    help="v6's block copies: one bulk copy (TMA) per block (sm_90), cp.async, or both")
     ap.add_argument("--launcher-segments", action="store_true", help="v6 at the launcher's segment count only")
     ap.add_argument("--stages", default=str(L6.STAGES), help="ring depths to time, comma separated (>= 2)")
     ap.add_argument("--out", default=None)
@@ -81,24 +83,28 @@ def main(argv=None) -> int:
     for batch, ctx in shapes:
         pb = ba.make_problem(INT4, batch, ctx, 1, p, "cuda")
         v4, s6, v6s = configs(sms, batch, ctx, p["num_kv_heads"], stages, not args.launcher_segments)
-        runs = [(v4, False)] + [(c, False) for c in v6s] + ([(c, True) for c in v6s] if args.probe else [])
-        for c, _ in runs[:1 + len(v6s)]:
-            err = ba.check(pb, c)
-            if not err <= 1e-2:
-                raise AssertionError(f"b{batch}@{ctx} {c}: relative L2 {err:.2e}")
+        bulks = (True, False) if args.copies == "both" else (args.copies == "bulk",)
+        v6runs = [(c, b) for c in v6s for b in bulks]
+        runs = [(v4, False, True)] + [(c, False, b) for c, b in v6runs] + (
+            [(c, True, b) for c, b in v6runs] if args.probe else [])
         times = [[] for _ in runs]
         try:
+            for c, probe, bulk in runs[:1 + len(v6runs)]:
+                L6.BULK = bulk
+                err = ba.check(pb, c)
+                if not err <= 1e-2:
+                    raise AssertionError(f"b{batch}@{ctx} {c} bulk {bulk}: relative L2 {err:.2e}")
             for _ in range(args.rounds):
-                for i, (c, probe) in enumerate(runs):
-                    L6.PROBE = probe
+                for i, (c, probe, bulk) in enumerate(runs):
+                    L6.PROBE, L6.BULK = probe, bulk
                     times[i].append(ba.time_us(pb, c))
         finally:
-            L6.PROBE = False
+            L6.PROBE, L6.BULK = False, True
         best = [min(t) for t in times]
         parts = []
-        for (c, probe), us in zip(runs[1:], best[1:]):
+        for (c, probe, bulk), us in zip(runs[1:], best[1:]):
             mark = "*" if c.num_segments == s6 else ""
-            kind = "v6 copies only" if probe else "v6"
+            kind = ("v6 copies only" if probe else "v6") + (" bulk" if bulk else " cp.async")
             parts.append(f"{kind} stages {c.num_stages} segs {c.num_segments}{mark} {us:.1f} ({best[0] / us:.2f}x v4)")
         log(f"b{batch}@{ctx} keys {batch * ctx}: v4 {best[0]:.1f} us (segs {v4.num_segments}); " + "; ".join(parts))
         del pb
