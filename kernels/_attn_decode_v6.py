@@ -190,6 +190,14 @@ def _bar_init(bar, first):
 
 
 @gluon.jit
+def _gdc_wait(x):
+    """``griddepcontrol.wait``: the previous kernel of the stream has finished and its writes are
+    visible (launched with ``launch_pdl``; a no-op without)."""
+    return gl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r,r", args=[x],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _bar_init_fence(x):
     """Make the barriers' initialisation visible (before the block-wide barrier that follows)."""
     return gl.inline_asm_elementwise(asm="fence.mbarrier_init.release.cluster; mov.b32 $0, 0;", constraints="=r,r",
@@ -241,6 +249,7 @@ def _attn_decode_v6_kernel(
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
     PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
+    PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -319,6 +328,8 @@ def _attn_decode_v6_kernel(
     b2 = gl.load(bt_row + n + 2, mask=n + 2 < t1, other=0)
     b3 = gl.load(bt_row + n + 3, mask=n + 3 < t1, other=0)
 
+    if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
+        _gdc_wait(ring_off)
     # the query, B operand: Q_n [NKV, WORDS, 8] fp16, Q_n[h, w, g] = rotated dim 8 w + n of head
     # h * GROUP + g = part n % 4, unit 2 w + n // 4; odd n over 16 (their codes come as 16 c)
     q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))

@@ -1,7 +1,7 @@
 """Split-KV INT8 / FP8 decode kernel "v7": v6's design (``_attn_decode_v6``) for 132-byte rows.
 
-EXPERIMENTAL (branch ``exp/session12-v7-int8``): written and compiled offline for sm_90 in
-session 12, not yet run on a GPU.
+Written in session 12 (compiled offline for sm_90), first run on the H200 in session 13: the
+INT8 / FP8 default at head_size 128 for large decode batches (``_attn_launch_v7``).
 
 One program per (sequence, segment) holds every KV head, one warp each; each cache block (SPEC
 §4: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then V half; a row is 128 code

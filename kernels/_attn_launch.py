@@ -15,6 +15,7 @@ from triton.runtime.errors import OutOfResources
 
 from layouts import KVQuantMode, LayoutError
 
+from . import _attn_launch_v6 as L6
 from ._attn_common import DOT_BF16, DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
@@ -22,15 +23,15 @@ from ._attn_kernel import _attn_kernel
 from ._attn_launch_v6 import STAGES as V6_STAGES
 from ._attn_launch_v6 import V6_COMPILE_ERRORS, launch_v6, v6_default, v6_fit, v6_segments
 from ._attn_launch_v6 import disable as disable_v6
-from ._attn_launch_v7 import launch_v7, v7_fit
+from ._attn_launch_v7 import STAGES as V7_STAGES
+from ._attn_launch_v7 import disable as disable_v7
+from ._attn_launch_v7 import launch_v7, v7_default, v7_fit
 from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
 from .reference import rht_signs
-
-V7_PROBE = [False]  # benchmarks only: v7's copies without the maths (experimental)
 
 _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
@@ -54,6 +55,7 @@ class AttnConfig:
                         # 4 = _attn_decode_v4_kernel (block-aligned tiles; where it cannot read the cache, as 3)
                         # 6 = _attn_decode_v6_kernel (INT4, Gluon: whole blocks, every KV head; where it
                         # cannot read the cache, as 4 with v4's tiling, else as 1, or 0 for other head sizes)
+                        # 7 = _attn_decode_v7_kernel (INT8 / FP8, Gluon, v6's design; fallbacks as 6)
     heads_per_program: int = 0  # v2 = 4: KV heads per program (0 = all)
     row_loads: bool = True      # v2 = 4 with several heads per program: token-major loads
     max_registers: int = 0      # v2 = 4 on a GPU: ptxas register cap per thread (0 = none)
@@ -157,7 +159,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
     pow2 = q.shape[2] & (q.shape[2] - 1) == 0
     v3 = v3_tiling(mode, q.shape[2]) if DECODE_V2.get(mode, 0) == 3 and pow2 else None  # (tile, warps, stages, per SM)
     v4 = v4_tiling(mode, q.shape[2]) if v3 and v4_default(mode, q.shape[2], num_seqs, max_seqlen_k) else None
-    v6 = v6_default(mode, q, group, num_seqs, max_seqlen_k)
+    v6 = v6_default(mode, q, group, num_seqs, max_seqlen_k) or v7_default(mode, q, group, num_seqs, max_seqlen_k)
     if segm_output is not None:
         segs = segm_output.shape[2]
     elif num_segments is not None:
@@ -181,9 +183,10 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
         segs = prev_pow2(max(1, min(want, cap)))
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
-    if v2 == 3 and v6:
+    if v2 == 3 and v6:  # the Gluon kernels: v6 (INT4), v7 (INT8 / FP8)
+        int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
         return AttnConfig(block_m=block_m, tile=16, num_segments=int(segs), num_warps=q.shape[1] // group,
-                          num_stages=V6_STAGES, v2=6)
+                          num_stages=V6_STAGES if int4 else V7_STAGES, v2=6 if int4 else 7)
     if v2 == 3 and v4:  # also when the caller fixed the segment count
         return AttnConfig(block_m=block_m, tile=v4[0], num_segments=int(segs), num_warps=v4[1],
                           num_stages=v4[2], v2=4, heads_per_program=v4[4])
@@ -279,13 +282,13 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     align = _kv_align(k, v)
     v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs) and _v6_launched(
         q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg, head_size, group,
-        signs, segm_output, segm_max, segm_expsum)
-    if split and cfg.v2 == 7 and v7_fit(mode, q, k, v, ks, vs):  # experimental, opt-in: errors raise
+        signs, segm_output, segm_max, segm_expsum, use_pdl)
+    if split and cfg.v2 == 7 and v7_fit(mode, q, k, v, ks, vs):
         use_softcap = bool(softcap and softcap > 0)
         qk_scale = float(softmax_scale) * (1.0 if use_softcap else math.log2(math.e))
-        launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
-                  segm_max, segm_expsum, qk_scale, use_softcap, probe=V7_PROBE[0])
-        v6 = True  # a Gluon decode ran: the reduction follows
+        v6 = _gluon_ran(disable_v7, lambda: launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size,
+                                                      softcap, cfg, group, segm_output, segm_max, segm_expsum,
+                                                      qk_scale, use_softcap))
     if split and cfg.v2 in (6, 7) and not v6:  # v6 / v7 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
         cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
@@ -294,7 +297,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
         if v6:
-            pass  # the Gluon decode ran (_v6_launched, or v7); the reduction follows
+            pass  # a Gluon decode ran (v6 or v7); the reduction follows
         elif cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,
                       mode, ks.view(torch.int32), vs.view(torch.int32), cfg, head_size, group, segm_output,
@@ -317,21 +320,32 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         raise ValueError(f"{cfg} does not fit this GPU ({e}); use fewer keys per tile, KV heads per "
                          "program or stages") from e
     if split:
-        # one load of every segment while the tile holds at most 16K values, else chunks of 4K values;
-        # the INT4 inverse rotation in [HEAD, 8K / HEAD] pieces above head_size 128 (measured: bench/attention.md)
-        seg_pad = next_pow2(cfg.num_segments)
-        seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
-        rot_chunk = head_size if head_size * head_size <= REDUCE_ONE_LOAD else max(1, 8192 // head_size)
-        _attn_reduce_kernel[(num_tokens, num_q_heads)](
-            out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
-            signs_ptr=signs if is_int4 else segm_max,
-            stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-            NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
-            NUM_SEGMENTS=cfg.num_segments, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
-            ROTATE=is_int4, ROT_CHUNK=rot_chunk, PDL=use_pdl, launch_pdl=use_pdl,
-            num_warps=8 if is_int4 else 4,
-        )
+        launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, cfg.num_segments,
+                      signs if is_int4 else None, use_pdl)
     return out
+
+
+def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segments, signs=None, use_pdl=False):
+    """Merge the split path's segments into ``out`` [T, Hq, head_size] (``_attn_reduce_kernel``):
+    ``segm_output`` [>= T, Hq, segments, head_pad] fp32, ``segm_max`` / ``segm_expsum``
+    [>= T, Hq, segments] fp32 (max in log2 units); ``signs`` (INT4, [head_size] fp32): apply the
+    inverse rotation."""
+    num_tokens, num_q_heads = out.shape[:2]
+    head_pad = segm_output.shape[-1]
+    # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
+    # (measured: bench/attention.md)
+    seg_pad = next_pow2(num_segments)
+    seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
+    lo = 1 << (head_pad.bit_length() // 2)  # INT4's Kronecker split: LO >= HI
+    _attn_reduce_kernel[(num_tokens, num_q_heads)](
+        out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
+        signs_ptr=segm_max if signs is None else signs,
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
+        NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
+        ROTATE=signs is not None, HI=head_pad // lo, LO=lo, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=4,
+    )
 
 
 def _generic_decode(cfg: AttnConfig, mode: KVQuantMode, v2: int) -> AttnConfig:
@@ -341,23 +355,32 @@ def _generic_decode(cfg: AttnConfig, mode: KVQuantMode, v2: int) -> AttnConfig:
 
 
 def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg,
-                 head_size, group, signs, segm_output, segm_max, segm_expsum) -> bool:
-    """Run the v6 decode (the query rotation, then the kernel) on a cache :func:`v6_fit` accepts.
-    If the kernel does not compile with this Triton (its Gluon API may differ from 3.6's), v6 is
-    switched off for the process with one warning (``_attn_launch_v6.disable``), and False sends
-    this call to v4."""
+                 head_size, group, signs, segm_output, segm_max, segm_expsum, use_pdl) -> bool:
+    """Run the v6 decode (the query rotation, then the kernel) on a cache :func:`v6_fit` accepts;
+    False (and v6 switched off) where the kernel does not compile here (:func:`_gluon_ran`).
+    ``use_pdl``: both launched with programmatic dependent launch; the rotation waits for the
+    previous kernel before anything, v6 before it reads the rotated query (its first block copies
+    start earlier: the cache's writer finished before the rotation did)."""
     qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
-                                                 parts=4, use_pdl=False, release=False)
+                                                 parts=4, use_pdl=use_pdl, release=False)
+    return _gluon_ran(disable_v6, lambda: launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap,
+                                                    cfg, group, segm_output, segm_max, segm_expsum, qp, col_scale,
+                                                    use_softcap, use_pdl and L6.PDL))
+
+
+def _gluon_ran(disable, launch) -> bool:
+    """Run ``launch`` (a Gluon decode: v6, v7). If the kernel does not compile with this Triton
+    (its Gluon API may differ from 3.6's), ``disable`` switches that kernel off for the process
+    with one warning, and False sends this call to v4. Other errors (a CUDA error) raise."""
     try:
-        launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group, segm_output,
-                  segm_max, segm_expsum, qp, col_scale, use_softcap)
+        launch()
     except V6_COMPILE_ERRORS as e:
-        disable_v6(e)
+        disable(e)
         return False
     except RuntimeError as e:  # an MLIR pass that does not lower a layout: a compile failure too
         if "PassManager::run failed" not in str(e):
-            raise  # e.g. a CUDA error: not a reason to switch v6 off
-        disable_v6(e)
+            raise  # e.g. a CUDA error: not a reason to switch the kernel off
+        disable(e)
         return False
     return True
 

@@ -9,6 +9,10 @@ query heads per KV head. Anything else goes to v4 / v3 (and on CPU to the interp
 that does not compile with the installed Triton switches v6 off for the process, with one
 warning (:func:`disable`).
 
+On sm_90+ each block is one bulk copy (``cp.async.bulk``, an mbarrier per ring slot; ``BULK``),
+and v6 is launched with programmatic dependent launch where the launcher uses it (``PDL``): its
+first block copies start before ``griddepcontrol.wait``, the rotated query is read after it.
+
 The ring lives in dynamic shared memory after Triton's own: :func:`launch_v6` compiles each
 variant once (``warmup``), and :func:`_reserve_ring` raises the compiled kernel's shared-memory
 size by the ring before its first launch and passes the ring's offset to the kernel.
@@ -19,7 +23,8 @@ with 2), a 128-register cap (two programs of 8 warps per SM; the kernel needs 12
 for about two programs per SM. v6 is the INT4 default from ``V6_MIN_KEYS`` keys in the batch
 (sequences x context): 1.24-1.39x faster than v4 from 262,144 keys (b8@32k, b16@16k, b64@4k,
 b32@32k), 1.04-1.14x at 131,072 (b4@32k, b8@16k, b16@8k, b32@4k, b64@2k). At 65,536 keys it
-was 0.97-1.00x, and at b1@32k (256 programs of 8 blocks each) 0.66x.
+was 0.97-1.00x, and at b1@32k (256 programs of 8 blocks each) 0.66x. Session 13: bulk copies
+0-2.5% faster than 16-byte ``cp.async``, PDL 1-3% faster (docs/bench/attention.md, "Session 13").
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 131072                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
 BULK = True                         # sm_90+: one bulk copy (TMA) per block, mbarriers (else cp.async)
+PDL = True                          # programmatic dependent launch where the launcher uses it (sm_90+)
 
 
 class RingUnsupported(RuntimeError):
@@ -79,13 +85,16 @@ def available(device: torch.device) -> bool:
     return not _DISABLED and device.type == "cuda" and _capable(device.index or 0) and _kernel() is not None
 
 
-def disable(error: Exception) -> None:
-    """Switch v6 off for this process after ``error`` (it did not compile here), with one warning."""
-    if not _DISABLED:
+def disable(error: Exception, disabled: "list | None" = None, what: str = "INT4 decode kernel (v6)",
+            instead: str = "INT4") -> None:
+    """Switch a Gluon kernel off for this process after ``error`` (it did not compile here), with
+    one warning: v6 by default; v7 passes its own ``disabled`` list and names."""
+    disabled = _DISABLED if disabled is None else disabled
+    if not disabled:
         last = (str(error).strip().splitlines() or [""])[-1]
-        _DISABLED.append(f"{type(error).__name__}: {last}")
-        warnings.warn(f"kernels: the Gluon INT4 decode kernel (v6) did not compile with this Triton "
-                      f"({_DISABLED[0]}); INT4 decode uses the v4 kernel instead", RuntimeWarning, stacklevel=3)
+        disabled.append(f"{type(error).__name__}: {last}")
+        warnings.warn(f"kernels: the Gluon {what} did not compile with this Triton ({disabled[0]}); "
+                      f"{instead} decode uses the v4 kernel instead", RuntimeWarning, stacklevel=3)
 
 
 class _Words:
@@ -180,10 +189,11 @@ def _reserve_ring(compiled, nbytes: int) -> int:
 
 
 def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
-              segm_output, segm_max, segm_expsum, qp, col_scale, use_softcap):
+              segm_output, segm_max, segm_expsum, qp, col_scale, use_softcap, use_pdl=False):
     """Launch ``_attn_decode_v6_kernel`` (grid: sequences x segments, one warp per KV head) on a
     cache :func:`v6_fit` accepts; ``qp`` is ``_prep_q_kernel``'s rotated query (4 parts). The
-    ring has ``cfg.num_stages`` stages (at least 2)."""
+    ring has ``cfg.num_stages`` stages (at least 2). ``use_pdl``: launched with programmatic
+    dependent launch (the kernel waits for ``qp``'s writer before reading it)."""
     nkv, stages = k.shape[2], max(2, cfg.num_stages)
     grid = (cu_seqlens_q.numel() - 1, cfg.num_segments)
     args = [qp, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
@@ -192,7 +202,8 @@ def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, 
             block_table.stride(0), 0]
     bulk = BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)
     kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
-              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, num_warps=nkv,
+              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl,
+              launch_pdl=use_pdl, num_warps=nkv,
               maxnreg=cfg.max_registers or MAX_REGISTERS)
     kernel = _kernel()
     key = (id(kernel), q.device.index, tuple(sorted(kw.items())))

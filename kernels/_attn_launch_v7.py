@@ -1,11 +1,18 @@
-"""Launch of the INT8 / FP8 decode kernel v7 (``_attn_decode_v7``; EXPERIMENTAL, branch
-``exp/session12-v7-int8``: not yet run on a GPU). Opt-in only: ``AttnConfig.v2 = 7``.
+"""Launch of the INT8 / FP8 decode kernel v7 (``_attn_decode_v7``): where it applies, its grid,
+and when it is the default.
 
 v7 reads the packed INT8 / FP8 cache of SPEC §4 at head_size 128 and block size 16, as
 ``layouts.split_kv_cache`` views it (V half right after the K half; each row's f32 scale right
 after its 128 code bytes; blocks 16-byte aligned), with at most 8 KV heads (a power of two), at
-most 8 query heads per KV head, and a query whose last dim is contiguous. It shares v6's ring
-reservation and its switch-off on compile failure.
+most 8 query heads per KV head, and a query whose last dim is contiguous; FP8 needs sm_89+ (its
+conversion instruction). It shares v6's ring reservation and bulk copies, and has its own
+switch-off on compile failure (:func:`available`; one warning, then v4).
+
+Defaults measured on the H200 (docs/bench/attention.md, "Session 13"; 32 query / 8 KV heads):
+a ring of 2 blocks (3 was 1-4% slower), bulk copies (0-2% faster than ``cp.async``), segments
+for two programs per SM as v6. v7 is the INT8 / FP8 default from ``V7_MIN_KEYS`` keys in the
+batch: 1.31-1.50x faster than v4 from 262,144 keys (b8@32k, b16@16k, b64@4k, b32@32k); at
+65,536 keys (b2@32k) equal to v4 (0.99-1.01x).
 """
 
 from __future__ import annotations
@@ -17,15 +24,18 @@ import torch
 from layouts import KVQuantMode
 
 from . import _attn_launch_v6 as L6
-from ._attn_launch_v6 import _RING_OFFSETS, MAX_REGISTERS, _bulk_capable, _reserve_ring, _Words, available
+from ._attn_launch_v6 import _RING_OFFSETS, MAX_REGISTERS, _bulk_capable, _capable, _reserve_ring, _Words
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
 ROW_BYTES = HEAD_SIZE + 4           # 132: 128 code bytes, then the f32 scale
 MAX_KV_HEADS = 8
 MAX_GROUP = 8
-STAGES = 3                          # 3 x 33,792 bytes at 8 heads: two programs per SM fit
+STAGES = 2                          # ring depth: 2 x 33,792 bytes at 8 heads
+V7_MIN_KEYS = 131072                # sequences x context from which v7 is the INT8 / FP8 default
+PROBE = False                       # benchmarks only: copies without the maths (a read probe)
 MODES = (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+_DISABLED: list = []                # why v7 was switched off in this process, if it was
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +45,24 @@ def _kernel():
     except Exception:
         return None
     return _attn_decode_v7_kernel
+
+
+def available(device: torch.device) -> bool:
+    """Whether v7 can run on ``device`` at all (CUDA, sm_80+, Gluon, not switched off by :func:`disable`)."""
+    return not _DISABLED and device.type == "cuda" and _capable(device.index or 0) and _kernel() is not None
+
+
+def disable(error: Exception) -> None:
+    """Switch v7 off for this process after ``error`` (it did not compile here), with one warning."""
+    L6.disable(error, _DISABLED, "INT8 / FP8 decode kernel (v7)", "INT8 / FP8")
+
+
+def v7_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:
+    """Whether a decode batch takes v7 by default (the cache layout is checked at launch:
+    :func:`v7_fit`, else v4)."""
+    return (mode in MODES and q.shape[2] == HEAD_SIZE and group <= MAX_GROUP
+            and q.shape[1] // group <= MAX_KV_HEADS and num_seqs * max_seqlen_k >= V7_MIN_KEYS
+            and available(q.device))
 
 
 def reads_layout(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
@@ -73,8 +101,10 @@ def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False) -> int:
 
 
 def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
-              segm_output, segm_max, segm_expsum, qk_scale, use_softcap, probe=False):
-    """Launch ``_attn_decode_v7_kernel`` (grid: sequences x segments, one warp per KV head)."""
+              segm_output, segm_max, segm_expsum, qk_scale, use_softcap):
+    """Launch ``_attn_decode_v7_kernel`` (grid: sequences x segments, one warp per KV head) on a
+    cache :func:`v7_fit` accepts; ``qk_scale`` is the softmax scale (times ``log2 e`` without
+    softcap). The ring has ``cfg.num_stages`` stages (at least 2)."""
     nkv, stages = k.shape[2], max(2, cfg.num_stages)
     grid = (cu_seqlens_q.numel() - 1, cfg.num_segments)
     args = [q, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
@@ -83,7 +113,7 @@ def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, sof
             block_table.stride(0), 0]
     bulk = L6.BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)  # v6's switch
     kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, FP8=mode == KVQuantMode.FP8_PER_TOKEN_HEAD,
-              USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=probe, BULK=bulk,
+              USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk,
               num_warps=nkv, maxnreg=cfg.max_registers or MAX_REGISTERS)
     kernel = _kernel()
     key = (id(kernel), q.device.index, tuple(sorted(kw.items())))

@@ -351,21 +351,27 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
 @pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (16, 4), (4, 1), (8, 2)])
 def test_cuda_v7_decode_kernel(mode, num_q_heads, num_kv_heads):
-    """EXPERIMENTAL v7 (INT8 / FP8, ``AttnConfig.v2 = 7``) reads the packed cache itself and
-    matches the oracle and v4: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with
-    0xFF poison in the unused rows (NaN codes for FP8), a 100-key window, softcap, 3 and 32
-    segments, 2 and 3 stages."""
+    """v7 (INT8 / FP8, ``AttnConfig.v2 = 7``) reads the packed cache itself and matches the
+    oracle and v4: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with 0xFF poison in
+    the unused rows (NaN codes for FP8), a 100-key window, softcap, 3 and 32 segments, 2 and 3
+    stages, bulk and ``cp.async`` copies (sm_90+)."""
     from kernels import _attn_launch_v7
     c = make_case(mode, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640], num_q_heads=num_q_heads,
                   num_kv_heads=num_kv_heads, head_size=128, device="cuda", seed=num_q_heads + 7 * num_kv_heads)
     v = c["views"]
     assert _attn_launch_v7.v7_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
     v4 = AttnConfig(16, 16, 8, 1, 2, 4, heads_per_program=1)
-    for segs, stages in ((3, 2), (32, 3)):
-        for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
-            got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, stages, 7), **opts).float()
-            ref = run_and_check(c, config=v4, **opts).float()
-            assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
+    from kernels import _attn_launch_v6
+    for segs, stages, bulk in ((3, 2, True), (32, 3, True), (32, 2, False)):
+        _attn_launch_v6.BULK = bulk
+        try:
+            for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
+                got = run_and_check(c, config=AttnConfig(16, 16, segs, num_kv_heads, stages, 7), **opts).float()
+                ref = run_and_check(c, config=v4, **opts).float()
+                assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
+        finally:
+            _attn_launch_v6.BULK = True
+    assert not _attn_launch_v7._DISABLED  # v7 ran (a kernel that fails to compile falls back to v4)
 
 
 def test_v7_reads_only_the_packed_int8_fp8_layout():
@@ -405,6 +411,27 @@ def test_cuda_v6_is_the_default_for_large_int4_batches():
     assert pick_config(KVQuantMode.INT8_PER_TOKEN_HEAD, q, 4, 8, 1, big, None, None, None).v2 != 6
     q16 = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
     assert pick_config(int4, q16, 16, 8, 1, big, None, None, None).v2 != 6  # GQA 16
+
+
+@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
+def test_cuda_v7_is_the_default_for_large_int8_fp8_batches(mode):
+    """The launcher picks v7 (its ring depth, v6's segments) for INT8 / FP8 decode at head_size
+    128 from ``V7_MIN_KEYS`` keys in the batch, and v4 below it, for GQA 16 and head_size 64;
+    the default call matches the oracle."""
+    from kernels import _attn_launch_v7
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
+    big = _attn_launch_v7.V7_MIN_KEYS // 8
+    cfg = pick_config(mode, q, 4, 8, 1, big, None, None, None)
+    assert cfg.v2 == 7 and cfg.num_stages == _attn_launch_v7.STAGES and cfg.num_segments >= 2
+    assert pick_config(mode, q, 4, 8, 1, big // 2, None, None, None).v2 == 4
+    assert pick_config(mode, q, 16, 8, 1, big, None, None, None).v2 != 7  # GQA 16
+    assert pick_config(mode, q[..., :64], 4, 8, 1, big, None, None, None).v2 != 7
+    assert pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 8, 1, big, None, None, None).v2 != 7
+    c = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[2 * big, 2 * big - 5, 700, big // 3],
+                  num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=13)
+    run_and_check(c)  # pick_config: 4 sequences x 2 big keys, v7
+    assert not _attn_launch_v7._DISABLED
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -627,7 +654,7 @@ def test_reduction_in_chunks(mode, dtype):
 
 
 def test_decode_kernel_choice_is_checked():
-    """AttnConfig.v2 names a decode kernel (0, 1, 3, 4 or 6; 2, a register-prefetch variant, was
+    """AttnConfig.v2 names a decode kernel (0, 1, 3, 4, 6 or 7; 2, a register-prefetch variant, was
     removed, and 5 stayed on a branch): anything else is refused before a launch."""
     c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1], k_lens=[40])
     for bad in (2, 5):
@@ -654,30 +681,36 @@ def test_pdl_switch_and_cpu_launch():
     run_and_check(c, num_par_softmax_segments=3)  # rotation, decode and reduction kernels, all given launch_pdl
 
 
-def test_v6_that_does_not_compile_is_switched_off_once(monkeypatch):
-    """A v6 kernel that does not compile with this Triton (another Gluon API) costs one
-    RuntimeWarning: the call falls back to v4 and still matches the oracle, v6 is switched off
-    for the process, and a CUDA error is not mistaken for a compile failure."""
+@pytest.mark.parametrize("which", [6, 7])
+def test_gluon_kernel_that_does_not_compile_is_switched_off_once(which, monkeypatch):
+    """A v6 (INT4) or v7 (INT8) kernel that does not compile with this Triton (another Gluon API)
+    costs one RuntimeWarning naming it: the call falls back to v4 and still matches the oracle,
+    that kernel alone is switched off for the process, and a CUDA error is not mistaken for a
+    compile failure."""
     from triton.compiler.errors import CompilationError
 
     import kernels._attn_launch as launch
-    from kernels import _attn_launch_v6
-    monkeypatch.setattr(_attn_launch_v6, "_DISABLED", [])
-    monkeypatch.setattr(launch, "v6_fit", lambda *a: _attn_launch_v6.available(torch.device("cuda", 0)))
-    monkeypatch.setattr(_attn_launch_v6, "_capable", lambda index: True)
-    monkeypatch.setattr(_attn_launch_v6, "_kernel", lambda: object())
+    from kernels import _attn_launch_v6, _attn_launch_v7
+    mod, other = (_attn_launch_v6, _attn_launch_v7) if which == 6 else (_attn_launch_v7, _attn_launch_v6)
+    mode = KVQuantMode.INT4_PER_TOKEN_HEAD if which == 6 else KVQuantMode.INT8_PER_TOKEN_HEAD
+    monkeypatch.setattr(mod, "_DISABLED", [])
+    monkeypatch.setattr(other, "_DISABLED", [])
+    monkeypatch.setattr(launch, f"v{which}_fit", lambda *a: mod.available(torch.device("cuda", 0)))
+    monkeypatch.setattr(mod, "_capable", lambda index: True)
+    monkeypatch.setattr(mod, "_kernel", lambda: object())
     calls = []
 
     def broken(*a, **kw):
         calls.append(1)
         raise CompilationError(None, None, "gluon.foo is not defined")
-    monkeypatch.setattr(launch, "launch_v6", broken)
-    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
-                  num_q_heads=32, num_kv_heads=8, head_size=128, seed=24)
-    cfg = AttnConfig(16, 16, 4, 8, 2, 6)
-    with pytest.warns(RuntimeWarning, match="did not compile"):
+    monkeypatch.setattr(launch, f"launch_v{which}", broken)
+    c = make_case(mode, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140], num_q_heads=32, num_kv_heads=8,
+                  head_size=128, seed=24)
+    cfg = AttnConfig(16, 16, 4, 8, 2, which)
+    with pytest.warns(RuntimeWarning, match=rf"\(v{which}\) did not compile"):
         run_and_check(c, config=cfg)
-    assert calls == [1] and _attn_launch_v6._DISABLED and not _attn_launch_v6.available(torch.device("cuda", 0))
+    assert calls == [1] and mod._DISABLED and not mod.available(torch.device("cuda", 0))
+    assert not other._DISABLED
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_and_check(c, config=cfg)  # switched off: no second attempt, no second warning
@@ -685,11 +718,11 @@ def test_v6_that_does_not_compile_is_switched_off_once(monkeypatch):
 
     def cuda_error(*a, **kw):
         raise RuntimeError("Triton Error [CUDA]: an illegal instruction was encountered")
-    monkeypatch.setattr(_attn_launch_v6, "_DISABLED", [])
-    monkeypatch.setattr(launch, "launch_v6", cuda_error)
+    monkeypatch.setattr(mod, "_DISABLED", [])
+    monkeypatch.setattr(launch, f"launch_v{which}", cuda_error)
     with pytest.raises(RuntimeError, match="illegal instruction"):
         run_and_check(c, config=cfg)
-    assert not _attn_launch_v6._DISABLED
+    assert not mod._DISABLED
 
 
 def test_v6_reads_only_the_packed_int4_layout():
@@ -717,3 +750,38 @@ def test_v6_reads_only_the_packed_int4_layout():
     assert not reads_layout(q(32), *views(8, offset=4))    # blocks not 16-byte aligned
     assert not reads_layout(q(32), *views(8, block_size=32))
     assert not reads_layout(q(64), *views(16))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("head_size,segments", [(16, 3), (32, 8), (64, 2), (128, 8), (128, 160), (256, 5)])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "int4-rotation"])
+def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segments, rotate):
+    """``launch_reduce`` against a float64 merge of the segments (weights ``exp2(max_s - max)``,
+    an empty segment with max ``-inf``, a row with no visible key -> 0) and, for INT4, the inverse
+    rotation ``s * H acc / d`` by butterflies (``reference.fwht``): the kernel's Kronecker split
+    of the Hadamard matrix (``HI x LO``) at head sizes 16-256, one load and chunked segments (160)."""
+    from kernels._attn_launch import launch_reduce
+    from kernels.reference import fwht, rht_signs
+    g = torch.Generator().manual_seed(head_size + segments)
+    t, hq, pad = 3, 4, max(16, head_size)
+    part = torch.randn(t, hq, segments, pad, generator=g)
+    mx = torch.randn(t, hq, segments, generator=g) * 4
+    sm = torch.rand(t, hq, segments, generator=g) + 0.5
+    mx[0, 1, segments // 2] = float("-inf")  # an empty segment
+    sm[0, 1, segments // 2] = 0.0
+    mx[2, 3] = float("-inf")                 # no visible key in any segment
+    sm[2, 3] = 0.0
+    signs = rht_signs(head_size, device) if rotate else None
+    out = torch.full((t, hq, head_size), float("nan"), device=device)
+    launch_reduce(out, part.to(device), mx.to(device), sm.to(device), head_size, segments, signs)
+    m = mx.double().amax(-1, keepdim=True)
+    w = torch.exp2(mx.double() - torch.where(m == float("-inf"), 0.0, m))
+    total = (sm.double() * w).sum(-1, keepdim=True)
+    ref = torch.where(total > 0, (part.double()[..., :head_size] * w[..., None]).sum(-2) / total, 0.0)
+    if rotate:
+        ref = fwht(ref.float()).double() * rht_signs(head_size).double() / head_size
+    assert torch.isfinite(out).all()
+    diff = (out.double().cpu() - ref).abs()
+    assert torch.allclose(out.double().cpu(), ref, atol=1e-5, rtol=1e-4), (diff.max().item(), diff.argmax().item())
+    assert (out[2, 3] == 0).all()

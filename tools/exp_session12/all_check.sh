@@ -1,6 +1,7 @@
-# Session 12's prepared checks for one H200 call (branch exp/session12-v7-bulk: v6 and v7 with
-# bulk copies on sm_90, cp.async otherwise): the v6 and v7 CUDA tests (bulk on; a switched-off
-# v6 is an error), then v6 bulk vs cp.async, then v7 (bulk / cp.async) vs v4 and bf16.
+# Session 12's prepared checks for one H200 call (then branch exp/session12-v7-bulk, merged in
+# session 13: v6 and v7 with bulk copies on sm_90, cp.async otherwise): the v6 and v7 CUDA tests
+# (bulk on; a switched-off kernel is an error), then v6 bulk vs cp.async, then v7 (bulk /
+# cp.async) vs v4 and bf16. Session 13's run: docs/bench/raw/session13_all_check.txt.
 # Run from the repository root: OUT=... bash tools/exp_session12/all_check.sh
 export PYTHONPATH=.
 OUT=${OUT:-/tmp}

@@ -7,7 +7,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from kernels import _attn_launch as launch  # noqa: E402
+from kernels import _attn_launch_v7 as L7  # noqa: E402
 from kernels import _attn_launch_v6 as L6  # noqa: E402
 from kernels._attn_launch import AttnConfig, pick_config  # noqa: E402
 from kernels._attn_launch_v6 import v6_segments  # noqa: E402
@@ -44,9 +44,9 @@ for batch, ctx in ((8, 32768), (32, 32768), (16, 16384), (64, 4096), (2, 32768))
                 res[name] = [float("nan")]
         for _ in range(2):
             for name, c, probe, bulk in cfgs:
-                launch.V7_PROBE[0], L6.BULK = probe, bulk
+                L7.PROBE, L6.BULK = probe, bulk
                 res[name].append(ba.time_us(pb, c))
-        launch.V7_PROBE[0], L6.BULK = False, True
+        L7.PROBE, L6.BULK = False, True
         line = (f"{mode.name} b{batch}@{ctx}: bf16 {t_bf16:.1f} us; "
                 + "; ".join(f"{n} {min(v[1:]):.1f} us ({t_bf16 / min(v[1:]):.2f}x bf16, L2 {v[0]:.1e})"
                             for n, v in res.items()))
