@@ -360,9 +360,12 @@ def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, wind
     False (and v6 switched off) where the kernel does not compile here (:func:`_gluon_ran`).
     ``use_pdl``: both launched with programmatic dependent launch; the rotation waits for the
     previous kernel before anything, v6 before it reads the rotated query (its first block copies
-    start earlier: the cache's writer finished before the rotation did)."""
+    start earlier: the cache's writer finished before the rotation did). With ``L6.PDL_EARLY``
+    the rotation releases v6 right after its own wait (v6's programs may start while it runs;
+    its grid is a handful of programs, all resident at once)."""
+    early = use_pdl and L6.PDL and L6.PDL_EARLY
     qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
-                                                 parts=4, use_pdl=use_pdl, release=False)
+                                                 parts=4, use_pdl=use_pdl, release=early)
     return _gluon_ran(disable_v6, lambda: launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap,
                                                     cfg, group, segm_output, segm_max, segm_expsum, qp, col_scale,
                                                     use_softcap, use_pdl and L6.PDL))

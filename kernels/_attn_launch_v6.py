@@ -52,6 +52,7 @@ V6_MIN_KEYS = 131072                # sequences x context from which v6 is the I
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
 BULK = True                         # sm_90+: one bulk copy (TMA) per block, mbarriers (else cp.async)
 PDL = True                          # programmatic dependent launch where the launcher uses it (sm_90+)
+PDL_EARLY = True                    # with PDL: the query rotation releases v6 at its start
 
 
 class RingUnsupported(RuntimeError):

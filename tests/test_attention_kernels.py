@@ -640,13 +640,51 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
     assert not torch.equal(with_pdl[0], with_pdl[1])  # the queries differ, so must the outputs
 
 
+@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.parametrize("mode", [KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD])
+def test_cuda_gluon_decode_pdl_back_to_back(mode):
+    """As ``test_cuda_pdl_back_to_back`` for the Gluon decode kernels (v6 INT4: its first block
+    copies start before ``griddepcontrol.wait`` and the query rotation releases it early; v7
+    INT8), forced at 32 segments: six calls queued with no sync equal the same calls with PDL
+    off, bit for bit."""
+    from kernels import _jit
+    c = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[700 + 300 * i for i in range(4)], num_q_heads=32,
+                  num_kv_heads=8, head_size=128, device="cuda", seed=6)
+    views = c["views"]
+    cfg = AttnConfig(16, 16, 32, 8, 4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 2,
+                     6 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 7)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    qs = [torch.randn(c["q"].shape, device="cuda", generator=gen).to(c["q"].dtype) for _ in range(6)]
+
+    def calls():
+        outs = [torch.empty_like(q) for q in qs]
+        for q, out in zip(qs, outs):
+            unified_attention(q, views.key_cache, views.value_cache, out, c["cu"], c["seqused_k"], 1, c["max_k"],
+                              128 ** -0.5, True, (-1, -1), c["block_table"], 0.0, None, None, None,
+                              kv_quant_mode=c["mode"], k_scale_cache=views.k_scale_cache,
+                              v_scale_cache=views.v_scale_cache, config=cfg)
+        torch.cuda.synchronize()
+        return outs
+    with_pdl = calls()
+    keep = _jit.PDL_ENABLED
+    _jit.PDL_ENABLED = False
+    try:
+        without = calls()
+    finally:
+        _jit.PDL_ENABLED = keep
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b)
+    assert not torch.equal(with_pdl[0], with_pdl[1])
+    c["q"] = qs[0]
+    assert torch.equal(run_and_check(c, config=cfg), with_pdl[0])  # and the first matches the oracle
+
+
 @pytest.mark.parametrize("mode,dtype", [MODES[0], MODES[4]])
 def test_reduction_in_chunks(mode, dtype):
-    """Past 16K values the split-KV reduction merges segments 4096 // head_size at a time, and above
-    head_size 128 (INT4) inverse-rotates 8192 // head_size outputs at a time: head_size 256 with 80
-    segments takes five chunks of 16 segments, the last partly masked (80 of 128 padded rows), and
-    eight rotation chunks of 32 (5,120 keys: exactly one 64-key tile per segment); 3 segments take
-    the single-load path."""
+    """Past 16K values the split-KV reduction merges segments 4096 // head_size at a time: head_size
+    256 with 80 segments takes five chunks of 16 segments, the last partly masked (80 of 128 padded
+    rows), then (INT4) the inverse rotation as a 16 x 16 Kronecker split (5,120 keys: exactly one
+    64-key tile per segment); 3 segments take the single-load path."""
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[5120, 250], num_q_heads=4, num_kv_heads=2, head_size=256,
                   seed=13)
     run_and_check(c, num_par_softmax_segments=80)
