@@ -62,15 +62,16 @@ def _ring_base(ring_off):
 
 
 @gluon.constexpr_function
-def _copy_asm(nkv):
-    """PTX of one thread's share of a block copy (``136 x nkv`` chunks of 16 bytes over ``32 x nkv``
-    threads, thread-major): ``cp.async.cg`` at ``$1`` / ``$2`` and three more a step of
-    ``32 x nkv x 16`` bytes apart where ``$3`` (the block is copied), one more where ``$4`` (the
-    tail: 4.25 chunks per thread for every head count)."""
+def _copy_asm(nkv, rounds):
+    """PTX of one thread's share of a block copy (``2 x 16 x nkv`` rows of ``4 rounds + 1`` words:
+    ``8 x nkv x (4 rounds + 1)`` chunks of 16 bytes over ``32 x nkv`` threads, thread-major):
+    ``cp.async.cg`` at ``$1`` / ``$2`` and ``rounds - 1`` more a step of ``32 x nkv x 16`` bytes
+    apart where ``$3`` (the block is copied), one more where ``$4`` (the tail: the first
+    ``8 x nkv`` threads). v6's 68-byte rows: 4 rounds; v7's 132-byte rows: 8."""
     step = 512 * nkv
-    lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(4)]
+    lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(rounds)]
     return ("{ .reg .pred p; setp.ne.b32 p, $3, 0; " + " ".join(lines) + " setp.ne.b32 p, $4, 0; "
-            f"@p cp.async.cg.shared.global [$1+{4 * step}], [$2+{4 * step}], 16; mov.b32 $0, 0; }}")
+            f"@p cp.async.cg.shared.global [$1+{rounds * step}], [$2+{rounds * step}], 16; mov.b32 $0, 0; }}")
 
 
 @gluon.constexpr_function
@@ -109,9 +110,9 @@ LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
 
 
 @gluon.jit
-def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr):
-    """Queue one thread's 16-byte copies of a block (``136 x NKV`` chunks over ``32 x NKV`` threads)."""
-    return gl.inline_asm_elementwise(asm=_copy_asm(NKV), constraints="=r,r,l,r,r",
+def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr, ROUNDS: gl.constexpr):
+    """Queue one thread's 16-byte copies of a block (:func:`_copy_asm`)."""
+    return gl.inline_asm_elementwise(asm=_copy_asm(NKV, ROUNDS), constraints="=r,r,l,r,r",
                                      args=[saddr, gaddr, ok.to(gl.int32), (tail & ok).to(gl.int32)],
                                      dtype=gl.int32, is_pure=False, pack=1)
 
@@ -174,9 +175,11 @@ def _nib8(w):
 
 
 @gluon.jit
-def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr, NKV: gl.constexpr):
+def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr, NKV: gl.constexpr,
+           ROUNDS: gl.constexpr):
     """Queue the copies of cache block ``blk`` into ring slot ``slot`` (nothing unless ``ok``)."""
-    _copy_block(ring + slot * STAGE_BYTES + tid * 16, kv_ptr + blk.to(gl.int64) * stride_blk + tid * 4, ok, tail, NKV)
+    _copy_block(ring + slot * STAGE_BYTES + tid * 16, kv_ptr + blk.to(gl.int64) * stride_blk + tid * 4, ok, tail, NKV,
+                ROUNDS)
     async_copy.commit_group()
 
 
@@ -234,6 +237,88 @@ def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTE
 
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
+@gluon.jit
+def _ring_start(ring_off, NKV: gl.constexpr):
+    """The ring's shared-window address (:func:`_ring_base`), after a word per thread is stored
+    once into Triton's own shared memory, so that the kernel declares ``global_smem``."""
+    anchor = gl.allocate_shared_memory(gl.int32, [32 * NKV], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    anchor.store(gl.zeros([32 * NKV], gl.int32, layout=gl.BlockedLayout([1], [32], [NKV], [0])))
+    return _ring_base(ring_off)
+
+
+@gluon.jit
+def _tile_range(seqused_k_ptr, seq_idx, seg_idx, window_left, window_right, TILE: gl.constexpr,
+                NUM_SEGMENTS: gl.constexpr):
+    """The visible keys ``[k_lo, k_hi)`` of the sequence (sliding window) and this segment's tiles
+    ``[t0, t1)`` (an equal share of the visible tiles; empty past the end)."""
+    seq_len = gl.load(seqused_k_ptr + seq_idx)
+    k_hi = seq_len
+    if window_right >= 0:
+        k_hi = gl.minimum(k_hi, seq_len + window_right)
+    k_lo = 0
+    if window_left >= 0:
+        k_lo = gl.maximum(seq_len - 1 - window_left, 0)
+    tile_lo = k_lo // TILE
+    tile_hi = (k_hi + TILE - 1) // TILE
+    per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    t0 = tile_lo + seg_idx * per_seg
+    t1 = gl.minimum(t0 + per_seg, tile_hi)
+    return k_lo, k_hi, t0, t1
+
+
+@gluon.jit
+def _bars_init(bars, tid, first, STAGES: gl.constexpr):
+    """BULK: initialise the ring's ``STAGES`` mbarriers (by the first thread), visible to all."""
+    for i in gl.static_range(STAGES):
+        _bar_init(bars + 8 * i, first)
+    _bar_init_fence(tid)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _ids_ahead(bt_row, n, t1):
+    """Block ids of tiles ``n .. n + 3`` (0 past ``t1``): the queue in registers that keeps the
+    block-table loads four tiles ahead of their copies."""
+    b0 = gl.load(bt_row + n, mask=n < t1, other=0)
+    b1 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
+    b2 = gl.load(bt_row + n + 2, mask=n + 2 < t1, other=0)
+    b3 = gl.load(bt_row + n + 3, mask=n + 3 < t1, other=0)
+    return b0, b1, b2, b3
+
+
+@gluon.jit
+def _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES: gl.constexpr,
+               NKV: gl.constexpr, ROUNDS: gl.constexpr, STAGES: gl.constexpr, BULK: gl.constexpr):
+    """Before the loop: the barriers (BULK), then the copies of the first ``STAGES - 1`` tiles."""
+    if BULK:
+        _bars_init(bars, tid, first, STAGES)
+    for i in gl.static_range(STAGES - 1):
+        ok = t0 + i < t1
+        blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
+        if BULK:
+            _issue_bulk(ring, bars, kv_ptr, blk, ok, i, first, stride_blk, STAGE_BYTES)
+        else:
+            _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV, ROUNDS)
+
+
+@gluon.jit
+def _ring_advance(ring, bars, kv_ptr, blk, t, t1, j, slot, first, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr,
+                  NKV: gl.constexpr, ROUNDS: gl.constexpr, STAGES: gl.constexpr, BULK: gl.constexpr):
+    """At tile ``t`` (the ``j``-th of the segment, in ``slot``): once every warp is done with the
+    slot of tile ``j - 1``, refill it with block ``blk`` (tile ``t + STAGES - 1``), and have tile
+    ``j`` landed (BULK: its mbarrier's phase; else all but the newest ``STAGES - 2`` groups)."""
+    if BULK:
+        gl.thread_barrier()
+        _issue_bulk(ring, bars, kv_ptr, blk, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                    STAGE_BYTES)
+        _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
+    else:
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        _issue(ring, kv_ptr, blk, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
+               STAGE_BYTES, NKV, ROUNDS)
+
+
 @gluon.jit(do_not_specialize=["ring_off"])
 def _attn_decode_v6_kernel(
     q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_prep_q_kernel``)
@@ -265,27 +350,12 @@ def _attn_decode_v6_kernel(
 
     seq_idx = gl.program_id(0)
     seg_idx = gl.program_id(1)
-    # Triton's own shared memory, whose base the ring is addressed from: a word per thread, stored
-    # once, so that the kernel declares it
-    anchor = gl.allocate_shared_memory(gl.int32, [32 * NKV], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    anchor.store(gl.zeros([32 * NKV], gl.int32, layout=gl.BlockedLayout([1], [32], [NKV], [0])))
-    ring = _ring_base(ring_off)
+    ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
     if not has_query:
         return
-    seq_len = gl.load(seqused_k_ptr + seq_idx)
-    k_hi = seq_len
-    if window_right >= 0:
-        k_hi = gl.minimum(k_hi, seq_len + window_right)
-    k_lo = 0
-    if window_left >= 0:
-        k_lo = gl.maximum(seq_len - 1 - window_left, 0)
-    tile_lo = k_lo // TILE
-    tile_hi = (k_hi + TILE - 1) // TILE
-    per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-    t0 = tile_lo + seg_idx * per_seg
-    t1 = gl.minimum(t0 + per_seg, tile_hi)
+    k_lo, k_hi, t0, t1 = _tile_range(seqused_k_ptr, seq_idx, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
 
     tid = gl.arange(0, 32 * NKV, layout=ch_l)
     tail = tid < 8 * NKV
@@ -308,25 +378,10 @@ def _attn_decode_v6_kernel(
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
     first = tid == 0
-    if BULK:
-        for i in gl.static_range(STAGES):
-            _bar_init(bars + 8 * i, first)
-        _bar_init_fence(tid)
-        gl.thread_barrier()
-    for i in gl.static_range(STAGES - 1):
-        ok = t0 + i < t1
-        blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
-        if BULK:
-            _issue_bulk(ring, bars, kv_ptr, blk, ok, i, first, stride_blk, STAGE_BYTES)
-        else:
-            _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
+    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 4, STAGES, BULK)
     # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
     # longer than a tile when every SM streams the cache
-    n = t0 + STAGES - 1
-    b0 = gl.load(bt_row + n, mask=n < t1, other=0)
-    b1 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
-    b2 = gl.load(bt_row + n + 2, mask=n + 2 < t1, other=0)
-    b3 = gl.load(bt_row + n + 3, mask=n + 3 < t1, other=0)
+    b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
         _gdc_wait(ring_off)
@@ -370,6 +425,8 @@ def _attn_decode_v6_kernel(
     for t in range(t0, t1):
         j = t - t0
         slot = j % STAGES
+        # _ring_advance written out: as a call it gave the same instructions in another order and
+        # register assignment (offline sm_90 build, session 13), not measured on a GPU
         if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
             gl.thread_barrier()
             _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
@@ -379,7 +436,7 @@ def _attn_decode_v6_kernel(
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
-                   STAGE_BYTES, NKV)
+                   STAGE_BYTES, NKV, 4)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:

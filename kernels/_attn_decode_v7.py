@@ -5,9 +5,11 @@ INT8 / FP8 default at head_size 128 for large decode batches (``_attn_launch_v7`
 
 One program per (sequence, segment) holds every KV head, one warp each; each cache block (SPEC
 §4: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then V half; a row is 128 code
-bytes and the f32 scale) is copied whole by 16-byte ``cp.async`` into a ring in dynamic shared
-memory (reserved by the launcher after Triton's own, as for v6), and each warp reads its
-head's words with ``ld.shared.b32`` at immediate offsets from one address per thread.
+bytes and the f32 scale) is copied whole (one bulk copy on sm_90+, else 16-byte ``cp.async``)
+into a ring in dynamic shared memory (reserved by the launcher after Triton's own), and each
+warp reads its head's words with ``ld.shared.b32`` at immediate offsets from one address per
+thread. The ring, its copies and the tile range are v6's (``_attn_decode_v6``'s helpers; 8
+copy rounds per thread for the 132-byte rows where v6 has 4).
 
 **Maths.** Codes go to fp16 for ``mma.m16n8k16``:
 
@@ -30,22 +32,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import _bar_init, _bar_init_fence, _bar_wait, _issue_bulk, _lg2, _ring_base
+from ._attn_decode_v6 import _ids_ahead, _lg2, _ring_advance, _ring_fill, _ring_start, _tile_range
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
 BLOCK = gl.constexpr(16)        # tokens per cache block (the tile)
-
-
-@gluon.constexpr_function
-def _copy_asm(nkv):
-    """PTX of one thread's share of a block copy (``264 x nkv`` chunks of 16 bytes over
-    ``32 x nkv`` threads, thread-major): 8 at ``$1`` / ``$2`` + ``i x 512 nkv`` where ``$3``, a
-    ninth where ``$4`` (the first ``8 x nkv`` threads)."""
-    step = 512 * nkv
-    lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(8)]
-    return ("{ .reg .pred p; setp.ne.b32 p, $3, 0; " + " ".join(lines) + " setp.ne.b32 p, $4, 0; "
-            f"@p cp.async.cg.shared.global [$1+{8 * step}], [$2+{8 * step}], 16; mov.b32 $0, 0; }}")
 
 
 @gluon.constexpr_function
@@ -100,21 +91,6 @@ def _vconv_asm(fp8):
 
 LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
 CONV = gl.constexpr("=r,=r,=r,=r,r,r")
-
-
-@gluon.jit
-def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr):
-    """Queue one thread's 16-byte copies of a block (``264 x NKV`` chunks over ``32 x NKV`` threads)."""
-    return gl.inline_asm_elementwise(asm=_copy_asm(NKV), constraints="=r,r,l,r,r",
-                                     args=[saddr, gaddr, ok.to(gl.int32), (tail & ok).to(gl.int32)],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr, NKV: gl.constexpr):
-    """Queue the copies of cache block ``blk`` into ring slot ``slot`` (nothing unless ``ok``)."""
-    _copy_block(ring + slot * STAGE_BYTES + tid * 16, kv_ptr + blk.to(gl.int64) * stride_blk + tid * 4, ok, tail, NKV)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -190,25 +166,12 @@ def _attn_decode_v7_kernel(
 
     seq_idx = gl.program_id(0)
     seg_idx = gl.program_id(1)
-    anchor = gl.allocate_shared_memory(gl.int32, [32 * NKV], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    anchor.store(gl.zeros([32 * NKV], gl.int32, layout=gl.BlockedLayout([1], [32], [NKV], [0])))
-    ring = _ring_base(ring_off)
+    ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
     if not has_query:
         return
-    seq_len = gl.load(seqused_k_ptr + seq_idx)
-    k_hi = seq_len
-    if window_right >= 0:
-        k_hi = gl.minimum(k_hi, seq_len + window_right)
-    k_lo = 0
-    if window_left >= 0:
-        k_lo = gl.maximum(seq_len - 1 - window_left, 0)
-    tile_lo = k_lo // TILE
-    tile_hi = (k_hi + TILE - 1) // TILE
-    per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-    t0 = tile_lo + seg_idx * per_seg
-    t1 = gl.minimum(t0 + per_seg, tile_hi)
+    k_lo, k_hi, t0, t1 = _tile_range(seqused_k_ptr, seq_idx, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
 
     tid = gl.arange(0, 32 * NKV, layout=ch_l)
     tail = tid < 8 * NKV
@@ -229,23 +192,8 @@ def _attn_decode_v7_kernel(
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
     first = tid == 0
-    if BULK:
-        for i in gl.static_range(STAGES):
-            _bar_init(bars + 8 * i, first)
-        _bar_init_fence(tid)
-        gl.thread_barrier()
-    for i in gl.static_range(STAGES - 1):
-        ok = t0 + i < t1
-        blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
-        if BULK:
-            _issue_bulk(ring, bars, kv_ptr, blk, ok, i, first, stride_blk, STAGE_BYTES)
-        else:
-            _issue(ring, kv_ptr, blk, ok, i, tid, tail, stride_blk, STAGE_BYTES, NKV)
-    n = t0 + STAGES - 1
-    b0 = gl.load(bt_row + n, mask=n < t1, other=0)
-    b1 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
-    b2 = gl.load(bt_row + n + 2, mask=n + 2 < t1, other=0)
-    b3 = gl.load(bt_row + n + 3, mask=n + 3 < t1, other=0)
+    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 8, STAGES, BULK)
+    b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
 
     # the query, B operand of the 8 score dots: [NKV, 16, 8] fp16 in the keys' dim order
     q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
@@ -289,16 +237,8 @@ def _attn_decode_v7_kernel(
     for t in range(t0, t1):
         j = t - t0
         slot = j % STAGES
-        if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
-            gl.thread_barrier()
-            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
-                        STAGE_BYTES)
-            _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
-        else:
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
-                   STAGE_BYTES, NKV)
+        _ring_advance(ring, bars, kv_ptr, b0, t, t1, j, slot, first, tid, tail, stride_blk, STAGE_BYTES, NKV, 8, STAGES,
+                      BULK)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:

@@ -115,21 +115,31 @@ def reads_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Te
     block size 16, 1-8 KV heads (a power of two), at most 8 query heads per KV head, V half right
     after the K half, each row's scale word right after its 64 code bytes, blocks at 16-byte
     aligned addresses. ``ks`` / ``vs``: the scale caches as 4-byte words."""
-    nkv = k.shape[2]
-    if q.shape[2] != HEAD_SIZE or k.dtype != torch.uint8 or k.shape[1] != BLOCK_SIZE or k.shape[3] != HEAD_SIZE // 2:
+    if q.shape[2] != HEAD_SIZE or k.dtype != torch.uint8 or k.shape[3] != HEAD_SIZE // 2:
         return False
-    if nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv or q.shape[1] // nkv > MAX_GROUP:
+    return packed_views(q, k, v, ks, vs, HEAD_SIZE // 2)
+
+
+def packed_views(q, k, v, ks, vs, code_bytes: int) -> bool:
+    """The layout checks v6 and v7 share: block size 16, 1-8 KV heads (a power of two), at most 8
+    query heads per KV head, rows of ``code_bytes`` codes then the 4-byte scale, V half right after
+    the K half, blocks 16-byte aligned (copied whole), the scale views' word strides and
+    addresses right after each row's codes."""
+    nkv, row = k.shape[2], code_bytes + 4
+    if k.shape[1] != BLOCK_SIZE or nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv:
         return False
-    half = BLOCK_SIZE * nkv * ROW_BYTES
-    rows = (nkv * ROW_BYTES, ROW_BYTES, 1)
+    if q.shape[1] // nkv > MAX_GROUP:
+        return False
+    half = BLOCK_SIZE * nkv * row
+    rows = (nkv * row, row, 1)
     if k.stride()[1:] != rows or v.stride()[1:] != rows or k.stride(0) != v.stride(0):
         return False
     if v.data_ptr() - k.data_ptr() != half or k.stride(0) < 2 * half or k.stride(0) % 16 or k.data_ptr() % 16:
         return False  # blocks copied whole, 16 bytes at a time
-    words = (k.stride(0) // 4, nkv * ROW_BYTES // 4, ROW_BYTES // 4)
+    words = (k.stride(0) // 4, nkv * row // 4, row // 4)
     if ks.element_size() != 4 or ks.stride() != words or vs.stride() != words:
         return False
-    return ks.data_ptr() == k.data_ptr() + HEAD_SIZE // 2 and vs.data_ptr() == v.data_ptr() + HEAD_SIZE // 2
+    return ks.data_ptr() == k.data_ptr() + code_bytes and vs.data_ptr() == v.data_ptr() + code_bytes
 
 
 def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
@@ -155,10 +165,16 @@ def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     return prev_pow2(segs)
 
 
-def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False) -> int:
-    """Bytes of v6's ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads,
-    and with ``bulk`` copies one 8-byte mbarrier per stage after them (to 16 bytes)."""
-    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES + (-(-8 * stages // 16) * 16 if bulk else 0)
+def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False, row_bytes: int = ROW_BYTES) -> int:
+    """Bytes of a Gluon decode kernel's ring: ``stages`` whole cache blocks (K and V halves) of
+    ``num_kv_heads`` heads with rows of ``row_bytes`` (v6: 68, v7: 132), and with ``bulk`` copies
+    one 8-byte mbarrier per stage after them (to 16 bytes)."""
+    return stages * 2 * BLOCK_SIZE * num_kv_heads * row_bytes + (-(-8 * stages // 16) * 16 if bulk else 0)
+
+
+def bulk_copies(device: torch.device) -> bool:
+    """Whether the Gluon decode kernels copy each block with one bulk copy (``BULK``, sm_90+)."""
+    return BULK and device.type == "cuda" and _bulk_capable(device.index or 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,21 +211,29 @@ def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, 
     cache :func:`v6_fit` accepts; ``qp`` is ``_prep_q_kernel``'s rotated query (4 parts). The
     ring has ``cfg.num_stages`` stages (at least 2). ``use_pdl``: launched with programmatic
     dependent launch (the kernel waits for ``qp``'s writer before reading it)."""
-    nkv, stages = k.shape[2], max(2, cfg.num_stages)
+    nkv, stages, bulk = k.shape[2], max(2, cfg.num_stages), bulk_copies(q.device)
+    launch_gluon_decode(_kernel(), qp, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg,
+                        segm_output, segm_max, segm_expsum, col_scale, ring_bytes(nkv, stages, bulk),
+                        NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
+                        NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl,
+                        launch_pdl=use_pdl)
+
+
+def launch_gluon_decode(kernel, query, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg,
+                        segm_output, segm_max, segm_expsum, scale, ring: int, **kw):
+    """The launch v6 and v7 share (grid: sequences x segments, one warp per KV head): their
+    argument list (``scale``: v6's ``col_scale``, v7's ``qk_scale``; ``ring_off`` last), each
+    variant compiled once (``warmup``; ``ring_off`` is not specialized on) and its ring of ``ring``
+    bytes reserved before the first launch (:func:`_reserve_ring`), then launched; ``kw``: the
+    kernel's constexprs and launch options."""
     grid = (cu_seqlens_q.numel() - 1, cfg.num_segments)
-    args = [qp, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
-            cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(col_scale), float(softcap or 0.0),
-            int(window_size[0]), int(window_size[1]), qp.stride(0), qp.stride(1), k.stride(0) // 4,
-            block_table.stride(0), 0]
-    bulk = BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)
-    kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
-              NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl,
-              launch_pdl=use_pdl, num_warps=nkv,
-              maxnreg=cfg.max_registers or MAX_REGISTERS)
-    kernel = _kernel()
-    key = (id(kernel), q.device.index, tuple(sorted(kw.items())))
+    args = [query, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
+            cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(scale), float(softcap or 0.0),
+            int(window_size[0]), int(window_size[1]), query.stride(0), query.stride(1), k.stride(0) // 4,
+            block_table.stride(0)]
+    kw.update(num_warps=k.shape[2], maxnreg=cfg.max_registers or MAX_REGISTERS)
+    key = (id(kernel), query.device.index, tuple(sorted(kw.items())))
     off = _RING_OFFSETS.get(key)
-    if off is None:  # compile (ring_off is not specialized on), then reserve the ring before the first launch
-        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages, bulk))
-    args[-1] = off
-    kernel[grid](*args, **kw)
+    if off is None:
+        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, 0, grid=grid, **kw), ring)
+    kernel[grid](*args, off, **kw)

@@ -24,13 +24,11 @@ import torch
 from layouts import KVQuantMode
 
 from . import _attn_launch_v6 as L6
-from ._attn_launch_v6 import _RING_OFFSETS, MAX_REGISTERS, _bulk_capable, _capable, _reserve_ring, _Words
+from ._attn_launch_v6 import (MAX_GROUP, MAX_KV_HEADS, _capable, bulk_copies, launch_gluon_decode, packed_views,
+                              ring_bytes)
 
 HEAD_SIZE = 128
-BLOCK_SIZE = 16
 ROW_BYTES = HEAD_SIZE + 4           # 132: 128 code bytes, then the f32 scale
-MAX_KV_HEADS = 8
-MAX_GROUP = 8
 STAGES = 2                          # ring depth: 2 x 33,792 bytes at 8 heads
 V7_MIN_KEYS = 131072                # sequences x context from which v7 is the INT8 / FP8 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
@@ -68,23 +66,9 @@ def v7_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, ma
 def reads_layout(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
                  vs: torch.Tensor) -> bool:
     """Whether the four views are the packed INT8 / FP8 cache v7 reads (any device)."""
-    nkv = k.shape[2]
     if mode not in MODES or q.shape[2] != HEAD_SIZE or q.stride(2) != 1 or k.element_size() != 1:
         return False
-    if k.shape[1] != BLOCK_SIZE or k.shape[3] != HEAD_SIZE:
-        return False
-    if nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv or q.shape[1] // nkv > MAX_GROUP:
-        return False
-    half = BLOCK_SIZE * nkv * ROW_BYTES
-    rows = (nkv * ROW_BYTES, ROW_BYTES, 1)
-    if k.stride()[1:] != rows or v.stride()[1:] != rows or k.stride(0) != v.stride(0):
-        return False
-    if v.data_ptr() - k.data_ptr() != half or k.stride(0) < 2 * half or k.stride(0) % 16 or k.data_ptr() % 16:
-        return False
-    words = (k.stride(0) // 4, nkv * ROW_BYTES // 4, ROW_BYTES // 4)
-    if ks.element_size() != 4 or ks.stride() != words or vs.stride() != words:
-        return False
-    return ks.data_ptr() == k.data_ptr() + HEAD_SIZE and vs.data_ptr() == v.data_ptr() + HEAD_SIZE
+    return k.shape[3] == HEAD_SIZE and packed_views(q, k, v, ks, vs, HEAD_SIZE)
 
 
 def v7_fit(mode, q, k, v, ks, vs) -> bool:
@@ -95,30 +79,14 @@ def v7_fit(mode, q, k, v, ks, vs) -> bool:
     return mode != KVQuantMode.FP8_PER_TOKEN_HEAD or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
-def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False) -> int:
-    """The ring's blocks, and with ``bulk`` one 8-byte mbarrier per stage (to 16 bytes)."""
-    return stages * 2 * BLOCK_SIZE * num_kv_heads * ROW_BYTES + (-(-8 * stages // 16) * 16 if bulk else 0)
-
-
 def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
               segm_output, segm_max, segm_expsum, qk_scale, use_softcap):
     """Launch ``_attn_decode_v7_kernel`` (grid: sequences x segments, one warp per KV head) on a
     cache :func:`v7_fit` accepts; ``qk_scale`` is the softmax scale (times ``log2 e`` without
     softcap). The ring has ``cfg.num_stages`` stages (at least 2)."""
-    nkv, stages = k.shape[2], max(2, cfg.num_stages)
-    grid = (cu_seqlens_q.numel() - 1, cfg.num_segments)
-    args = [q, _Words(k.data_ptr()), segm_output, segm_max, segm_expsum, block_table,
-            cu_seqlens_q.contiguous(), seqused_k.contiguous(), float(qk_scale), float(softcap or 0.0),
-            int(window_size[0]), int(window_size[1]), q.stride(0), q.stride(1), k.stride(0) // 4,
-            block_table.stride(0), 0]
-    bulk = L6.BULK and q.device.type == "cuda" and _bulk_capable(q.device.index or 0)  # v6's switch
-    kw = dict(NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, FP8=mode == KVQuantMode.FP8_PER_TOKEN_HEAD,
-              USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk,
-              num_warps=nkv, maxnreg=cfg.max_registers or MAX_REGISTERS)
-    kernel = _kernel()
-    key = (id(kernel), q.device.index, tuple(sorted(kw.items())))
-    off = _RING_OFFSETS.get(key)
-    if off is None:
-        off = _RING_OFFSETS[key] = _reserve_ring(kernel.warmup(*args, grid=grid, **kw), ring_bytes(nkv, stages, bulk))
-    args[-1] = off
-    kernel[grid](*args, **kw)
+    nkv, stages, bulk = k.shape[2], max(2, cfg.num_stages), bulk_copies(q.device)
+    launch_gluon_decode(_kernel(), q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg,
+                        segm_output, segm_max, segm_expsum, qk_scale, ring_bytes(nkv, stages, bulk, ROW_BYTES),
+                        NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, FP8=mode == KVQuantMode.FP8_PER_TOKEN_HEAD,
+                        USE_SOFTCAP=use_softcap, NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE,
+                        BULK=bulk)

@@ -614,8 +614,17 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
     from kernels import _jit
     c = make_case(mode, dtype, q_lens=[1] * batch, k_lens=[700 + 300 * i for i in range(batch)],
                   num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=5)
+    assert _jit.pdl(c["q"]) == (torch.cuda.get_device_capability()[0] >= 9)
+    _queued_calls_match_without_pdl(c, seed=9)
+
+
+def _queued_calls_match_without_pdl(c, seed, **kw):
+    """Six decode calls on ``c``'s cache with fresh queries, queued with no sync in between, each
+    writing its own output, with PDL on and then off: equal bit for bit, and the outputs differ
+    from each other. Returns the queries and the outputs (PDL on)."""
+    from kernels import _jit
     views = c["views"]
-    gen = torch.Generator(device="cuda").manual_seed(9)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     qs = [torch.randn(c["q"].shape, device="cuda", generator=gen).to(c["q"].dtype) for _ in range(6)]
 
     def calls():
@@ -624,10 +633,9 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
             unified_attention(q, views.key_cache, views.value_cache, out, c["cu"], c["seqused_k"], 1, c["max_k"],
                               128 ** -0.5, True, (-1, -1), c["block_table"], 0.0, None, None, None,
                               kv_quant_mode=c["mode"], k_scale_cache=views.k_scale_cache,
-                              v_scale_cache=views.v_scale_cache)
+                              v_scale_cache=views.v_scale_cache, **kw)
         torch.cuda.synchronize()
         return outs
-    assert _jit.pdl(qs[0]) == (torch.cuda.get_device_capability()[0] >= 9)
     with_pdl = calls()
     keep = _jit.PDL_ENABLED
     _jit.PDL_ENABLED = False
@@ -638,6 +646,7 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)
     assert not torch.equal(with_pdl[0], with_pdl[1])  # the queries differ, so must the outputs
+    return qs, with_pdl
 
 
 @pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
@@ -647,34 +656,11 @@ def test_cuda_gluon_decode_pdl_back_to_back(mode):
     copies start before ``griddepcontrol.wait`` and the query rotation releases it early; v7
     INT8), forced at 32 segments: six calls queued with no sync equal the same calls with PDL
     off, bit for bit."""
-    from kernels import _jit
     c = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[700 + 300 * i for i in range(4)], num_q_heads=32,
                   num_kv_heads=8, head_size=128, device="cuda", seed=6)
-    views = c["views"]
     cfg = AttnConfig(16, 16, 32, 8, 4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 2,
                      6 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 7)
-    gen = torch.Generator(device="cuda").manual_seed(10)
-    qs = [torch.randn(c["q"].shape, device="cuda", generator=gen).to(c["q"].dtype) for _ in range(6)]
-
-    def calls():
-        outs = [torch.empty_like(q) for q in qs]
-        for q, out in zip(qs, outs):
-            unified_attention(q, views.key_cache, views.value_cache, out, c["cu"], c["seqused_k"], 1, c["max_k"],
-                              128 ** -0.5, True, (-1, -1), c["block_table"], 0.0, None, None, None,
-                              kv_quant_mode=c["mode"], k_scale_cache=views.k_scale_cache,
-                              v_scale_cache=views.v_scale_cache, config=cfg)
-        torch.cuda.synchronize()
-        return outs
-    with_pdl = calls()
-    keep = _jit.PDL_ENABLED
-    _jit.PDL_ENABLED = False
-    try:
-        without = calls()
-    finally:
-        _jit.PDL_ENABLED = keep
-    for a, b in zip(with_pdl, without):
-        assert torch.equal(a, b)
-    assert not torch.equal(with_pdl[0], with_pdl[1])
+    qs, with_pdl = _queued_calls_match_without_pdl(c, seed=10, config=cfg)
     c["q"] = qs[0]
     assert torch.equal(run_and_check(c, config=cfg), with_pdl[0])  # and the first matches the oracle
 

@@ -23,7 +23,7 @@ def _offsets(asm: str, op: str) -> list[int]:
 def test_block_copy_covers_the_block_once(nkv):
     """Every thread's 4 + 1 sixteen-byte copies, the fifth only for the first ``8 x nkv``
     threads, cover a whole block (K and V halves: ``2 x 16 x nkv x 68`` bytes) exactly once."""
-    asm = v6._copy_asm.fn(nkv)
+    asm = v6._copy_asm.fn(nkv, 4)
     offs = _offsets(asm, "cp.async.cg.shared.global")
     assert len(offs) == 5 and asm.count("16;") == 5
     stage = 2 * 16 * nkv * ROW

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 v7 = pytest.importorskip("kernels._attn_decode_v7", reason="needs Triton's Gluon dialect", exc_type=ImportError)
+v6 = pytest.importorskip("kernels._attn_decode_v6", reason="needs Triton's Gluon dialect", exc_type=ImportError)
 
 ROW = 132
 
@@ -71,27 +72,35 @@ def _word(row_bytes: np.ndarray, w: int) -> int:
     return int(row_bytes[4 * w:4 * w + 4].view(np.uint32)[0])
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_score_operands_hold_the_dims_the_query_loads(fp8):
-    """For every thread (r, c) and score dot i: the A register pairs the kernel builds from its
-    loaded words hold code bytes of dims ``4 (8 (i // 2) + p) + 2 (i % 2) + e`` (the query's
-    order, ``_q_dot``), as fp16 ``1152 + c`` (INT8) or the e4m3 value (FP8)."""
-    rng = np.random.default_rng(1)
-    nkv = 2
-    ks = ROW * nkv
-    rows = rng.integers(0, 256, size=(16, ROW), dtype=np.uint8)
+def _stage(seed, nkv, fp8):
+    """A ring stage's K half (16 keys of ``nkv`` heads) whose head-0 rows are random bytes (no
+    NaN codes for FP8), and ``code(key, dim)``: the fp16 value v7's conversion must give for that
+    byte (INT8: ``1152 + c``; FP8: the e4m3 value)."""
+    rows = np.random.default_rng(seed).integers(0, 256, size=(16, ROW), dtype=np.uint8)
     if fp8:
         rows[rows & 0x7F == 0x7F] = 0  # no NaN codes in live rows
+    ks = ROW * nkv
     stage = np.zeros(16 * ks, dtype=np.uint8)
     for key in range(16):
         stage[key * ks: key * ks + ROW] = rows[key]  # head 0
-    k_off, k2_off = _offsets(v7._lds_asm.fn(nkv, "k")), _offsets(v7._lds_asm.fn(nkv, "k2"))
 
     def code(key, dim):
         b = int(rows[key, dim])
         if fp8:
             return float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
         return 1152.0 + (b - 256 if b > 127 else b)
+    return stage, code
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_score_operands_hold_the_dims_the_query_loads(fp8):
+    """For every thread (r, c) and score dot i: the A register pairs the kernel builds from its
+    loaded words hold code bytes of dims ``4 (8 (i // 2) + p) + 2 (i % 2) + e`` (the query's
+    order, ``_q_dot``), as fp16 ``1152 + c`` (INT8) or the e4m3 value (FP8)."""
+    nkv = 2
+    ks = ROW * nkv
+    stage, code = _stage(1, nkv, fp8)
+    k_off, k2_off = _offsets(v7._lds_asm.fn(nkv, "k")), _offsets(v7._lds_asm.fn(nkv, "k2"))
 
     for r in range(8):
         for c in range(4):
@@ -112,22 +121,10 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
     """For every thread (r, c) and value dot m: A row ``M`` (r or r + 8) at keys 2c, 2c + 1, 2c + 8,
     2c + 9 holds the code byte of dim ``16 (M % 8) + 4 (M // 8 + 2 (m // 4)) + m % 4``
     (``_store_dot``) of those keys."""
-    rng = np.random.default_rng(2)
     nkv = 4
     ks = ROW * nkv
-    rows = rng.integers(0, 256, size=(16, ROW), dtype=np.uint8)
-    if fp8:
-        rows[rows & 0x7F == 0x7F] = 0
-    stage = np.zeros(16 * ks, dtype=np.uint8)
-    for key in range(16):
-        stage[key * ks: key * ks + ROW] = rows[key]
+    stage, code = _stage(2, nkv, fp8)
     v_off, v2_off = _offsets(v7._lds_asm.fn(nkv, "v")), _offsets(v7._lds_asm.fn(nkv, "v2"))
-
-    def code(key, dim):
-        b = int(rows[key, dim])
-        if fp8:
-            return float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
-        return 1152.0 + (b - 256 if b > 127 else b)
 
     for r in range(8):
         for c in range(4):
@@ -145,7 +142,7 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
 def test_block_copy_and_scale_words(nkv):
     """8 + 1 sixteen-byte copies per thread cover a 132-byte-row block exactly once; the scale
     loads reach keys r and r + 8."""
-    asm = v7._copy_asm.fn(nkv)
+    asm = v6._copy_asm.fn(nkv, 8)  # v6's copy with v7's 8 rounds (132-byte rows)
     offs = [int(m) for m in re.findall(r"cp\.async\.cg\.shared\.global \[\$1\+(\d+)\]", asm)]
     covered = []
     for tid in range(32 * nkv):
