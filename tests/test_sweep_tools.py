@@ -77,12 +77,13 @@ def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
 
 
 def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """tools/bench_decode_v6.py: malformed shapes, rounds or ring depths are argparse errors (exit
-    2) before any GPU work; without a GPU it says so and returns 1; its v6 segment counts bracket
-    the launcher's, at each ring depth asked for (only the launcher's with ``spread=False``)."""
+    """tools/bench_decode_v6.py: malformed shapes, rounds, ring depths or segment counts are argparse
+    errors (exit 2) before any GPU work; without a GPU it says so and returns 1; its v6 segment
+    counts bracket the launcher's, at each ring depth asked for (only the launcher's with
+    ``spread=False``; given counts, once each, with ``segments``)."""
     from tools import bench_decode_v6 as V6
     for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"],
-                ["--stages", "1,3"], ["--stages", "x"]):
+                ["--stages", "1,3"], ["--stages", "x"], ["--segments", "1,32"], ["--segments", "a"]):
         with pytest.raises(SystemExit) as e:
             V6.main(bad)
         assert e.value.code == 2, bad
@@ -94,6 +95,8 @@ def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
     assert all(c.v2 == 6 and c.tile == 16 and c.num_stages == V6.L6.STAGES for c in v6s)
     _, _, v6s = V6.configs(132, 8, 32768, 8, (2, 4), spread=False)
     assert [(c.num_segments, c.num_stages) for c in v6s] == [(32, 2), (32, 4)]
+    _, _, v6s = V6.configs(132, 8, 32768, 8, (4,), segments=(33, 32, 33))  # 33: 264 programs on 132 SMs
+    assert [c.num_segments for c in v6s] == [32, 33]
 
 
 def test_probe_reads_quick():

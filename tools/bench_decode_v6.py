@@ -31,15 +31,17 @@ INT4 = KVQuantMode.INT4_PER_TOKEN_HEAD
 SHAPES = "1x32768,2x32768,4x32768,8x8192,8x16384,16x8192,4x16384,16x16384,32x4096,64x4096,8x32768,32x32768"
 
 
-def configs(sms: int, batch: int, ctx: int, kv_heads: int, stages=(L6.STAGES,), spread: bool = True):
+def configs(sms: int, batch: int, ctx: int, kv_heads: int, stages=(L6.STAGES,), spread: bool = True,
+            segments=()):
     """v4 (launcher tiling) and v6 at half / the launcher's / twice its segments (only the
-    launcher's unless ``spread``), for each ring depth in ``stages``."""
+    launcher's unless ``spread``; ``segments``: these counts instead, any positive number, e.g.
+    33 for b8 on 132 SMs: 264 programs, two per SM), for each ring depth in ``stages``."""
     tile, warps, v4_stages, per_sm, hg = v4_tiling(INT4, L6.HEAD_SIZE)
     v4 = AttnConfig(16, tile, v4_segments(sms, batch * kv_heads // hg, ctx, tile, per_sm, L6.HEAD_SIZE), warps,
                     v4_stages, 4, heads_per_program=hg)
     s6 = L6.v6_segments(sms, batch, ctx)
-    return v4, s6, [AttnConfig(16, 16, s, kv_heads, st, 6) for st in stages
-                    for s in (sorted({max(2, s6 // 2), s6, 2 * s6}) if spread else [s6])]
+    counts = sorted(set(segments)) or (sorted({max(2, s6 // 2), s6, 2 * s6}) if spread else [s6])
+    return v4, s6, [AttnConfig(16, 16, s, kv_heads, st, 6) for st in stages for s in counts]
 
 
 def main(argv=None) -> int:
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
                     help="v6's block copies: one bulk copy (TMA) per block (sm_90), cp.async, or both")
     ap.add_argument("--launcher-segments", action="store_true", help="v6 at the launcher's segment count only")
     ap.add_argument("--stages", default=str(L6.STAGES), help="ring depths to time, comma separated (>= 2)")
+    ap.add_argument("--segments", default="", help="v6 segment counts to time, comma separated (default: the "
+                    "launcher's, half and twice it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -67,6 +71,12 @@ def main(argv=None) -> int:
         ap.error(f"--stages takes ring depths: {e}")
     if min(stages) < 2:
         ap.error("--stages: a ring has at least 2 stages")
+    try:
+        segments = tuple(int(v) for v in args.segments.split(",") if v.strip())
+    except ValueError as e:
+        ap.error(f"--segments takes segment counts: {e}")
+    if segments and min(segments) < 2:
+        ap.error("--segments: the split path has at least 2 segments")
     if not torch.cuda.is_available():
         print("bench_decode_v6 needs a CUDA GPU")
         return 1
@@ -82,7 +92,7 @@ def main(argv=None) -> int:
         f"{p['num_q_heads']} query / {p['num_kv_heads']} KV heads; µs, best of {args.rounds} interleaved rounds")
     for batch, ctx in shapes:
         pb = ba.make_problem(INT4, batch, ctx, 1, p, "cuda")
-        v4, s6, v6s = configs(sms, batch, ctx, p["num_kv_heads"], stages, not args.launcher_segments)
+        v4, s6, v6s = configs(sms, batch, ctx, p["num_kv_heads"], stages, not args.launcher_segments, segments)
         bulks = (True, False) if args.copies == "both" else (args.copies == "bulk",)
         v6runs = [(c, b) for c in v6s for b in bulks]
         runs = [(v4, False, True)] + [(c, False, b) for c, b in v6runs] + (
