@@ -238,6 +238,40 @@ def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTE
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit
+def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.constexpr):
+    """One tile of the online softmax v6 and v7 share. ``s`` [NKV, TILE, 8]: the raw scores; the
+    key scale (with the softmax scale and ``log2 e``) and softcap are applied, masked keys get
+    ``-inf``. The running max ``m_i`` is taken over ``s + log2(v_scale)``: then ``p * v_scale <= 1``
+    fits fp16 with no per-tile normaliser, and the sum ``l_acc`` (per key row) and the
+    accumulators share its units. Returns the fp16 ``p * v_scale``, the accumulators' factor
+    ``alpha`` and the new ``m_i``, ``l_acc``."""
+    s = s * k_sc[:, :, None]
+    if USE_SOFTCAP:
+        s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
+    s = gl.where(n_ok[:, :, None], s, float("-inf"))
+    t_sc = s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
+    m_new = gl.maximum(m_i, gl.max(t_sc, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_use[:, None, :])
+    alpha = gl.exp2(m_i - m_use)
+    l_acc = l_acc * alpha[:, None, :] + p
+    return (p * v_sc[:, :, None]).to(gl.float16), alpha, m_new, l_acc
+
+
+@gluon.jit
+def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr,
+                 GROUP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, ROW_L: gl.constexpr):
+    """Store the segment's running max ``m_i`` [NKV, 8] and sum (``l_acc`` [NKV, TILE, 8] summed
+    over its key rows) of each query head (v6, v7): the reduction's split buffers."""
+    r_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, ROW_L))
+    r_g = gl.arange(0, 8, layout=gl.SliceLayout(0, ROW_L))
+    rows = (tok.to(gl.int64) * NUM_Q_HEADS + r_h[:, None] * GROUP + r_g[None, :]) * NUM_SEGMENTS + seg_idx
+    r_ok = (r_g < GROUP)[None, :] & (r_h >= 0)[:, None]
+    gl.store(segm_max_ptr + rows, m_i, mask=r_ok)
+    gl.store(segm_sum_ptr + rows, gl.sum(l_acc, 1), mask=r_ok)
+
+
+@gluon.jit
 def _ring_start(ring_off, NKV: gl.constexpr):
     """The ring's shared-window address (:func:`_ring_base`), after a word per thread is stored
     once into Triton's own shared memory, so that the kernel declares ``global_smem``."""
@@ -462,20 +496,7 @@ def _attn_decode_v6_kernel(
             s = mma_v2(k5, q5, s)
             s = mma_v2(k6, q6, s)
             s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
-            s = s * k_sc[:, :, None]
-            if USE_SOFTCAP:
-                s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
-            s = gl.where(n_ok[:, :, None], s, float("-inf"))
-            # the running max is taken over s + log2(value scale): then p * v_scale <= 1 fits fp16
-            # with no per-tile normaliser, and the sum l and the accumulators share its units
-            t_sc = s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
-            m_new = gl.maximum(m_i, gl.max(t_sc, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_use[:, None, :])
-            alpha = gl.exp2(m_i - m_use)
-            l_acc = l_acc * alpha[:, None, :] + p
-            m_i = m_new
-            pv = (p * v_sc[:, :, None]).to(gl.float16)
+            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
             p_b = gl.convert_layout(pv, b_l)
             # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
             # the tensor cores: its rows are the same, as the accumulator's layout wants them
@@ -511,9 +532,4 @@ def _attn_decode_v6_kernel(
     gl.store(base + 5, acc5 * 0.0625, mask=ok3)
     gl.store(base + 6, acc6, mask=ok3)
     gl.store(base + 7, acc7 * 0.0625, mask=ok3)
-    r_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, row_l))
-    r_g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_l))
-    rows = (tok.to(gl.int64) * NUM_Q_HEADS + r_h[:, None] * GROUP + r_g[None, :]) * NUM_SEGMENTS + seg_idx
-    r_ok = (r_g < GROUP)[None, :] & (r_h >= 0)[:, None]
-    gl.store(segm_max_ptr + rows, m_i, mask=r_ok)
-    gl.store(segm_sum_ptr + rows, gl.sum(l_acc, 1), mask=r_ok)
+    _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS, NKV, GROUP, NUM_SEGMENTS, row_l)

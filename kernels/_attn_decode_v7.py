@@ -32,7 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import _ids_ahead, _lg2, _ring_advance, _ring_fill, _ring_start, _tile_range
+from ._attn_decode_v6 import (_ids_ahead, _ring_advance, _ring_fill, _ring_start, _softmax_tile, _store_stats,
+                              _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
@@ -261,19 +262,7 @@ def _attn_decode_v7_kernel(
             s = mma_v2(k5, q5, s)
             s = mma_v2(k6, q6, s)
             s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
-            s = s * k_sc[:, :, None]
-            if USE_SOFTCAP:
-                s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
-            s = gl.where(n_ok[:, :, None], s, float("-inf"))
-            # as in v6: the running max over s + log2(value scale), so p * v_scale <= 1 fits fp16
-            t_sc = s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
-            m_new = gl.maximum(m_i, gl.max(t_sc, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s - m_use[:, None, :])
-            alpha = gl.exp2(m_i - m_use)
-            l_acc = l_acc * alpha[:, None, :] + p
-            m_i = m_new
-            pv = (p * v_sc[:, :, None]).to(gl.float16)
+            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
             p_b = gl.convert_layout(pv, b_l)
             if FP8:
                 c_v = zero_o
@@ -314,9 +303,4 @@ def _attn_decode_v7_kernel(
     _store_dot(base, acc5, o_m, ok3, 5)
     _store_dot(base, acc6, o_m, ok3, 6)
     _store_dot(base, acc7, o_m, ok3, 7)
-    r_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, row_l))
-    r_g = gl.arange(0, 8, layout=gl.SliceLayout(0, row_l))
-    rows = (tok.to(gl.int64) * NUM_Q_HEADS + r_h[:, None] * GROUP + r_g[None, :]) * NUM_SEGMENTS + seg_idx
-    r_ok = (r_g < GROUP)[None, :] & (r_h >= 0)[:, None]
-    gl.store(segm_max_ptr + rows, m_i, mask=r_ok)
-    gl.store(segm_sum_ptr + rows, gl.sum(l_acc, 1), mask=r_ok)
+    _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS, NKV, GROUP, NUM_SEGMENTS, row_l)
