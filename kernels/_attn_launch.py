@@ -280,23 +280,23 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     else:
         ks = vs = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
     align = _kv_align(k, v)
-    v6 = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs) and _v6_launched(
+    gluon = split and cfg.v2 == 6 and v6_fit(mode, q, k, v, ks, vs) and _v6_launched(
         q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg, head_size, group,
         signs, segm_output, segm_max, segm_expsum, use_pdl)
     if split and cfg.v2 == 7 and v7_fit(mode, q, k, v, ks, vs):
-        use_softcap = bool(softcap and softcap > 0)
-        qk_scale = float(softmax_scale) * (1.0 if use_softcap else math.log2(math.e))
-        v6 = _gluon_ran(disable_v7, lambda: launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size,
-                                                      softcap, cfg, group, segm_output, segm_max, segm_expsum,
-                                                      qk_scale, use_softcap))
-    if split and cfg.v2 in (6, 7) and not v6:  # v6 / v7 cannot read this cache: v4 with its tiling, else v2 / v1
+        _, q_scale, use_softcap, col_scale = decode_query(q, None, softmax_scale, head_size, mode, softcap, False,
+                                                          parts=4, use_pdl=False, release=False)
+        gluon = _gluon_ran(disable_v7, lambda: launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size,
+                                                         softcap, cfg, group, segm_output, segm_max, segm_expsum,
+                                                         q_scale * col_scale, use_softcap))
+    if split and cfg.v2 in (6, 7) and not gluon:  # v6 / v7 cannot read this cache: v4 with its tiling, else v2 / v1
         t = v4_tiling(mode, head_size)
         cfg = (dataclasses.replace(cfg, tile=t[0], num_warps=t[1], num_stages=t[2], v2=4, heads_per_program=t[4])
                if t else _generic_decode(cfg, mode, v2=1 if head_size & (head_size - 1) == 0 else 0))
     units = code_units(k, v, mode) if split and cfg.v2 in (3, 4) else None
     gp, interp = max(DECODE_V2_MIN_GP, next_pow2(group)), dot == DOT_FP32.value
     try:
-        if v6:
+        if gluon:
             pass  # a Gluon decode ran (v6 or v7); the reduction follows
         elif cfg.v2 == 4 and v4_fit(units, k.shape[2], cfg.heads_per_program):
             launch_v4(q, units, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size, softcap,

@@ -77,8 +77,13 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def capability(index: int) -> tuple:
+    """Compute capability of CUDA device ``index``, asked once (the launchers check it on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+    return capability(index) >= (8, 0)
 
 
 def available(device: torch.device) -> bool:
@@ -153,9 +158,15 @@ def v6_fit(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def v6_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:
     """Whether a decode batch takes v6 by default (the cache layout is checked at launch:
     :func:`v6_fit`, else v4)."""
-    return (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and q.shape[2] == HEAD_SIZE and group <= MAX_GROUP
-            and q.shape[1] // group <= MAX_KV_HEADS and num_seqs * max_seqlen_k >= V6_MIN_KEYS
+    return (mode == KVQuantMode.INT4_PER_TOKEN_HEAD and large_batch(q, group, num_seqs, max_seqlen_k, V6_MIN_KEYS)
             and available(q.device))
+
+
+def large_batch(q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int, min_keys: int) -> bool:
+    """The shape a Gluon decode kernel (v6, v7) takes by default: head_size 128, at most 8 query
+    heads per KV head and 8 KV heads, and at least ``min_keys`` keys in the batch (sequences x context)."""
+    return (q.shape[2] == HEAD_SIZE and group <= MAX_GROUP and q.shape[1] // group <= MAX_KV_HEADS
+            and num_seqs * max_seqlen_k >= min_keys)
 
 
 def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
@@ -177,9 +188,8 @@ def bulk_copies(device: torch.device) -> bool:
     return BULK and device.type == "cuda" and _bulk_capable(device.index or 0)
 
 
-@functools.lru_cache(maxsize=None)
 def _bulk_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    return capability(index) >= (9, 0)
 
 
 def _reserve_ring(compiled, nbytes: int) -> int:

@@ -24,7 +24,7 @@ import torch
 from layouts import KVQuantMode
 
 from . import _attn_launch_v6 as L6
-from ._attn_launch_v6 import (MAX_GROUP, MAX_KV_HEADS, _capable, bulk_copies, launch_gluon_decode, packed_views,
+from ._attn_launch_v6 import (_capable, bulk_copies, capability, large_batch, launch_gluon_decode, packed_views,
                               ring_bytes)
 
 HEAD_SIZE = 128
@@ -58,9 +58,7 @@ def disable(error: Exception) -> None:
 def v7_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:
     """Whether a decode batch takes v7 by default (the cache layout is checked at launch:
     :func:`v7_fit`, else v4)."""
-    return (mode in MODES and q.shape[2] == HEAD_SIZE and group <= MAX_GROUP
-            and q.shape[1] // group <= MAX_KV_HEADS and num_seqs * max_seqlen_k >= V7_MIN_KEYS
-            and available(q.device))
+    return mode in MODES and large_batch(q, group, num_seqs, max_seqlen_k, V7_MIN_KEYS) and available(q.device)
 
 
 def reads_layout(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
@@ -76,7 +74,7 @@ def v7_fit(mode, q, k, v, ks, vs) -> bool:
     packed layout."""
     if q.device.type != "cuda" or not reads_layout(mode, q, k, v, ks, vs) or not available(q.device):
         return False
-    return mode != KVQuantMode.FP8_PER_TOKEN_HEAD or torch.cuda.get_device_capability(q.device) >= (8, 9)
+    return mode != KVQuantMode.FP8_PER_TOKEN_HEAD or capability(q.device.index or 0) >= (8, 9)
 
 
 def launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg, group,
