@@ -21,8 +21,13 @@ from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
 from ._jit import cdiv, num_sms, prev_pow2
 
 _INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
-V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM)
-    KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (32, 1, 2, 16), 128: (64, 2, 2, 8), 256: (64, 4, 2, 4)},
+# INT4 at head_size 128 aims at 4 programs per SM (512 programs with 8 KV heads on 132 SMs), not
+# the 8 its registers would allow: each program rotates its query in the prologue, so a wave of
+# one-tile segments costs more than half as many two-tile ones. H200, session 14
+# (tools/exp_session14/probe_small_int4.py): b2 @ 4k 15.6 µs with 32 segments against 18.7 with
+# 64, b2 @ 8k 21.3 vs 23.6, b4 @ 2k 15.0 vs 16.5; within 0.6 µs elsewhere (b1 @ 16k 22.6 vs 22.1)
+V3_TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM aimed at)
+    KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (32, 1, 2, 16), 128: (64, 2, 2, 4), 256: (64, 4, 2, 4)},
     KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_TILING,
     KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_TILING,
 }

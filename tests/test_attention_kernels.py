@@ -597,6 +597,11 @@ def test_v3_tiling_per_head_size_and_segments():
     # half: INT4 above ROTATE_Q_MAX_HEAD aims at half the slots (the prologue rotation's condition)
     assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
+    # head_size 128: about 512 programs (4 per SM), at most one tile per segment
+    for b, ctx, segs in ((1, 4096, 64), (2, 4096, 32), (4, 2048, 16), (8, 2048, 8), (1, 16384, 64), (1, 2048, 32)):
+        with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132):
+            cfg = pick_config(int4, torch.empty(b, 32, 128), 4, b, 1, ctx, None, None, None)
+        assert (cfg.v2, cfg.num_segments) == (3, segs), (b, ctx, cfg)
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
         q = torch.empty(b, 32, 256)
         with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132):
