@@ -181,7 +181,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         else:
             want = TARGET_PROGRAMS_PER_SM * num_sms(q.device) // pairs
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
-        segs = prev_pow2(max(1, min(want, cap)))
+        segs = want if v6 else prev_pow2(max(1, min(want, cap)))  # v6 / v7: exactly their segments
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3 and v6:  # the Gluon kernels: v6 (INT4), v7 (INT8 / FP8)
         int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD

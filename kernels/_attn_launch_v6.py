@@ -38,7 +38,6 @@ from triton.runtime.errors import PTXASError
 
 from layouts import KVQuantMode
 
-from ._jit import prev_pow2
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -170,10 +169,21 @@ def large_batch(q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int, m
 
 
 def v6_segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
-    """Segments per sequence: about ``PROGRAMS_PER_SM`` programs per SM, a power of two, at least
-    2, at most one per block (H200: b8@32k 32 segments, b32@32k 8)."""
-    segs = max(2, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), max(1, max_seqlen_k // BLOCK_SIZE)))
-    return prev_pow2(segs)
+    """Segments per sequence for the Gluon decode kernels (v6, v7): about ``PROGRAMS_PER_SM``
+    programs per SM (rounded down), at least 2, at most one per block, then the fewest segments
+    that keep the same blocks per segment (the kernels give each segment ``ceil(blocks /
+    segments)`` blocks). Not a power of two where the SMs divide otherwise: H200 (132 SMs),
+    b12@16k 22 segments, b24@8k 11, b8@32k 33 (63 blocks each); b8@16k 32 (33 would leave one
+    empty), b4@32k 64, b32@32k 8.
+
+    Session 14 (``tools/exp_session14/probe_exact_segments.py``), against the power of two
+    below, the rule before: INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; INT8 112.0 vs
+    115.4 and 111.8 vs 116.4; b8@32k within 1.6% either way (INT4 101.1 / 100.8 and 100.8 /
+    102.3 in two runs, INT8 144.5 / 142.2)."""
+    blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
+    want = max(1, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), blocks))
+    per_segment = -(-blocks // want)
+    return max(2, -(-blocks // per_segment))
 
 
 def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False, row_bytes: int = ROW_BYTES) -> int:

@@ -580,6 +580,24 @@ def test_v4_default_and_segments():
     assert v4_segments(132, 8, 32768, 16, 8, 256) == 128 and v4_segments(132, 8, 2048, 16, 8, 512) == 32
 
 
+def test_gluon_decode_segments():
+    """v6 / v7 segments: about 2 programs per SM, then the fewest segments with the same blocks
+    per segment (the kernels give each ``ceil(blocks / segments)``); at least 2, at most one per
+    block. Not a power of two where the SMs divide otherwise."""
+    from kernels._attn_launch_v6 import v6_segments
+    for seqs, ctx, segs in ((8, 32768, 33), (8, 16384, 32), (12, 16384, 22), (24, 8192, 11), (4, 32768, 64),
+                            (32, 32768, 8), (16, 16384, 16), (1, 100, 7), (1, 16, 2), (500, 32768, 2)):
+        assert v6_segments(132, seqs, ctx) == segs, (seqs, ctx)
+        blocks = -(-ctx // 16)
+        per = -(-blocks // segs)
+        assert segs == 2 or (segs - 1) * per < blocks  # no empty segment
+    q = torch.zeros(12, 32, 128, dtype=torch.bfloat16)
+    with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132), \
+            mock.patch("kernels._attn_launch.v6_default", lambda *a: True):
+        cfg = pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 12, 1, 16384, None, None, None)
+    assert (cfg.v2, cfg.num_segments) == (6, 22)
+
+
 def test_v3_tiling_per_head_size_and_segments():
     """Measured head sizes get their own tiling; others take the nearest measured one (in log2,
     the smaller on a tie). Segments aim at the tiling's programs per SM, are a power of two, at

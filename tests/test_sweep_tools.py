@@ -91,10 +91,10 @@ def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
     assert V6.main(["--shapes", "8x32768", "--probe"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
     v4, s6, v6s = V6.configs(132, 8, 32768, 8)
-    assert (v4.v2, s6, [c.num_segments for c in v6s]) == (4, 32, [16, 32, 64])
+    assert (v4.v2, s6, [c.num_segments for c in v6s]) == (4, 33, [16, 33, 66])  # 264 programs on 132 SMs
     assert all(c.v2 == 6 and c.tile == 16 and c.num_stages == V6.L6.STAGES for c in v6s)
     _, _, v6s = V6.configs(132, 8, 32768, 8, (2, 4), spread=False)
-    assert [(c.num_segments, c.num_stages) for c in v6s] == [(32, 2), (32, 4)]
+    assert [(c.num_segments, c.num_stages) for c in v6s] == [(33, 2), (33, 4)]
     _, _, v6s = V6.configs(132, 8, 32768, 8, (4,), segments=(33, 32, 33))  # 33: 264 programs on 132 SMs
     assert [c.num_segments for c in v6s] == [32, 33]
 
