@@ -259,6 +259,43 @@ def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.cons
 
 
 @gluon.jit
+def _scores(addr, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV: gl.constexpr):
+    """PAIR: one block's raw scores ``[NKV, TILE, 8]``: its key codes from each thread's first
+    address ``addr``, one ``mma`` k-step per nibble position from minus the offset and zero-point share."""
+    k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(_ld_codes(addr, NKV, "k"))
+    s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
+    s = mma_v2(k1, q1, s)
+    s = mma_v2(k2, q2, s)
+    s = mma_v2(k3, q3, s)
+    s = mma_v2(k4, q4, s)
+    s = mma_v2(k5, q5, s)
+    s = mma_v2(k6, q6, s)
+    return mma_v2(k7, q7, s)
+
+
+@gluon.jit
+def _softmax_pair(s_a, s_b, k_sc_a, k_sc_b, v_sc_a, v_sc_b, ok_a, ok_b, m_i, l_acc, softcap,
+                  USE_SOFTCAP: gl.constexpr):
+    """PAIR: :func:`_softmax_tile` over two blocks at once: one running-max step, one ``alpha``."""
+    s_a = s_a * k_sc_a[:, :, None]
+    s_b = s_b * k_sc_b[:, :, None]
+    if USE_SOFTCAP:
+        s_a = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s_a / softcap)) - 1.0) * 1.4426950408889634
+        s_b = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s_b / softcap)) - 1.0) * 1.4426950408889634
+    s_a = gl.where(ok_a[:, :, None], s_a, float("-inf"))
+    s_b = gl.where(ok_b[:, :, None], s_b, float("-inf"))
+    t_a = s_a + _lg2(gl.maximum(v_sc_a, 8.673617379884035e-19))[:, :, None]
+    t_b = s_b + _lg2(gl.maximum(v_sc_b, 8.673617379884035e-19))[:, :, None]
+    m_new = gl.maximum(m_i, gl.max(gl.maximum(t_a, t_b), 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p_a = gl.exp2(s_a - m_use[:, None, :])
+    p_b = gl.exp2(s_b - m_use[:, None, :])
+    alpha = gl.exp2(m_i - m_use)
+    l_acc = l_acc * alpha[:, None, :] + p_a + p_b
+    return (p_a * v_sc_a[:, :, None]).to(gl.float16), (p_b * v_sc_b[:, :, None]).to(gl.float16), alpha, m_new, l_acc
+
+
+@gluon.jit
 def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr,
                  GROUP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, ROW_L: gl.constexpr):
     """Store the segment's running max ``m_i`` [NKV, 8] and sum (``l_acc`` [NKV, TILE, 8] summed
@@ -369,6 +406,7 @@ def _attn_decode_v6_kernel(
     PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
+    PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -412,10 +450,19 @@ def _attn_decode_v6_kernel(
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
     first = tid == 0
-    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 4, STAGES, BULK)
-    # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
-    # longer than a tile when every SM streams the cache
-    b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
+    if PAIR:  # the first STAGES - 2 blocks; each step refills the two slots of the step before
+        _bars_init(bars, tid, first, STAGES)
+        for i in gl.static_range(STAGES - 2):
+            ok = t0 + i < t1
+            _issue_bulk(ring, bars, kv_ptr, gl.load(bt_row + t0 + i, mask=ok, other=0), ok, i, first, stride_blk,
+                        STAGE_BYTES)
+        b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 2, t1)
+    else:
+        _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 4, STAGES,
+                   BULK)
+        # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
+        # longer than a tile when every SM streams the cache
+        b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
         _gdc_wait(ring_off)
@@ -456,7 +503,73 @@ def _attn_decode_v6_kernel(
     zero_o = gl.zeros([NKV, WORDS, 8], gl.float32, layout=mma)
     tok_i = gl.arange(0, TILE, layout=gl.SliceLayout(0, tok_l))
 
-    for t in range(t0, t1):
+    if PAIR:
+        for t in range(t0, t1, 2):
+            j = t - t0
+            slot = j % STAGES
+            gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
+            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
+                        STAGE_BYTES)
+            _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                        STAGE_BYTES)
+            n = t + STAGES + 2
+            b0, b1 = b2, b3
+            b2 = gl.load(bt_row + n, mask=n < t1, other=0)
+            b3 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
+            _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
+            if t + 1 < t1:
+                _bar_wait(bars + 8 * (slot + 1), ((j + 1) // STAGES) & 1)
+            sa = ring + slot * STAGE_BYTES
+            sbb = sa + STAGE_BYTES
+            ka_w = _ld_scales(sa + s_off, NKV)
+            va_w = _ld_scales(sa + HALF_B + s_off, NKV)
+            kb_w = _ld_scales(sbb + s_off, NKV)
+            vb_w = _ld_scales(sbb + HALF_B + s_off, NKV)
+            pos_a = t * TILE + tok_i
+            pos_b = pos_a + TILE
+            ok_a = ((pos_a < k_hi) & (pos_a >= k_lo))[None, :] & (ka_w == ka_w)
+            ok_b = ((pos_b < k_hi) & (pos_b >= k_lo) & (t + 1 < t1))[None, :] & (kb_w == kb_w)
+            ka_w = gl.where(ok_a, ka_w, 0)
+            va_w = gl.where(ok_a, va_w, 0)
+            kb_w = gl.where(ok_b, kb_w, 0)
+            vb_w = gl.where(ok_b, vb_w, 0)
+            s_a = _scores(sa + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (ka_w & 0xF).to(gl.float32), nq_off, nq_sum,
+                          NKV)
+            s_b = _scores(sbb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (kb_w & 0xF).to(gl.float32), nq_off, nq_sum,
+                          NKV)
+            pv_a, pv_b, alpha, m_i, l_acc = _softmax_pair(
+                s_a, s_b, (ka_w & -16).to(gl.float32, bitcast=True) * col_scale,
+                (kb_w & -16).to(gl.float32, bitcast=True) * col_scale, (va_w & -16).to(gl.float32, bitcast=True),
+                (vb_w & -16).to(gl.float32, bitcast=True), ok_a, ok_b, m_i, l_acc, softcap, USE_SOFTCAP)
+            p_a = gl.convert_layout(pv_a, b_l)
+            p_b = gl.convert_layout(pv_b, b_l)
+            za_even, za_odd = _ld_zero_points(sa + z_off, NKV)
+            zb_even, zb_odd = _ld_zero_points(sbb + z_off, NKV)
+            c_even = mma_v2(zb_even, p_b, mma_v2(za_even, p_a, zero_o))
+            c_odd = mma_v2(zb_odd, p_b, mma_v2(za_odd, p_a, zero_o))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sa + v_off, NKV, "v"))
+            a3 = alpha[:, None, :]
+            acc0 = acc0 * a3 + mma_v2(v0, p_a, c_even)
+            acc1 = acc1 * a3 + mma_v2(v1, p_a, c_odd)
+            acc2 = acc2 * a3 + mma_v2(v2, p_a, c_even)
+            acc3 = acc3 * a3 + mma_v2(v3, p_a, c_odd)
+            acc4 = acc4 * a3 + mma_v2(v4, p_a, c_even)
+            acc5 = acc5 * a3 + mma_v2(v5, p_a, c_odd)
+            acc6 = acc6 * a3 + mma_v2(v6, p_a, c_even)
+            acc7 = acc7 * a3 + mma_v2(v7, p_a, c_odd)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sbb + v_off, NKV, "v"))
+            acc0 = mma_v2(v0, p_b, acc0)
+            acc1 = mma_v2(v1, p_b, acc1)
+            acc2 = mma_v2(v2, p_b, acc2)
+            acc3 = mma_v2(v3, p_b, acc3)
+            acc4 = mma_v2(v4, p_b, acc4)
+            acc5 = mma_v2(v5, p_b, acc5)
+            acc6 = mma_v2(v6, p_b, acc6)
+            acc7 = mma_v2(v7, p_b, acc7)
+    t_end = t1
+    if PAIR:
+        t_end = t0  # the steps above did every tile
+    for t in range(t0, t_end):
         j = t - t0
         slot = j % STAGES
         # _ring_advance written out: as a call it gave the same instructions in another order and

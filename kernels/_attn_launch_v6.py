@@ -49,6 +49,7 @@ MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the kernel
 PROGRAMS_PER_SM = 2
 V6_MIN_KEYS = 131072                # sequences x context from which v6 is the INT4 default
 PROBE = False                       # benchmarks only: copies without the maths (a read probe)
+PAIR = False                        # session 14 A/B: two blocks per loop step (bulk copies, an even ring)
 BULK = True                         # sm_90+: one bulk copy (TMA) per block, mbarriers (else cp.async)
 PDL = True                          # programmatic dependent launch where the launcher uses it (sm_90+)
 PDL_EARLY = True                    # with PDL: the query rotation releases v6 at its start
@@ -235,7 +236,7 @@ def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, 
     launch_gluon_decode(_kernel(), qp, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, cfg,
                         segm_output, segm_max, segm_expsum, col_scale, ring_bytes(nkv, stages, bulk),
                         NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
-                        NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl,
+                        NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl, PAIR=PAIR and bulk,
                         launch_pdl=use_pdl)
 
 
