@@ -34,6 +34,15 @@ normaliser, and the accumulators and the sum share the max's units (the reductio
 that max). The value product is ``N_n^T . P'`` per nibble position, with the keys as the K axis.
 The query heads of a KV head are the N axis (8, ``GROUP`` used).
 
+**Two blocks a step** (``PAIR``, bulk copies, an even ring): each loop step waits for two
+adjacent ring slots and takes both blocks' scores through one online-softmax step (one running
+max, one ``alpha``), so the accumulators' rescale, the cross-lane max and the ring's barrier and
+refill are paid once per 32 keys: 619 SASS instructions per step against 355 per block (sm_90,
+128 registers, no spills), 4-5% faster on the H200 (docs/bench/attention.md, session 14). Both
+blocks' offset and zero-point shares go into the first block's value dots (one ``c`` per nibble
+parity), so the second block's offset cancels one fp32 rounding later: relative L2 against the
+oracle 1.84e-3 instead of 1.76e-3 at b8@32k.
+
 Writes the split buffers of ``_attn_reduce_kernel`` (rotated dims, natural order). Masked keys
 (past the sequence, outside the window) get a ``-inf`` score and a zero value scale, so
 poisoned bytes in a block's unused rows never reach the output.
@@ -359,11 +368,13 @@ def _ids_ahead(bt_row, n, t1):
 
 @gluon.jit
 def _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES: gl.constexpr,
-               NKV: gl.constexpr, ROUNDS: gl.constexpr, STAGES: gl.constexpr, BULK: gl.constexpr):
-    """Before the loop: the barriers (BULK), then the copies of the first ``STAGES - 1`` tiles."""
+               NKV: gl.constexpr, ROUNDS: gl.constexpr, STAGES: gl.constexpr, BULK: gl.constexpr,
+               FILL: gl.constexpr):
+    """Before the loop: the barriers (BULK), then the copies of the first ``FILL`` tiles
+    (``STAGES - 1`` for a loop that refills one slot a step, ``STAGES - 2`` for two)."""
     if BULK:
         _bars_init(bars, tid, first, STAGES)
-    for i in gl.static_range(STAGES - 1):
+    for i in gl.static_range(FILL):
         ok = t0 + i < t1
         blk = gl.load(bt_row + t0 + i, mask=ok, other=0)
         if BULK:
@@ -450,19 +461,12 @@ def _attn_decode_v6_kernel(
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
     first = tid == 0
-    if PAIR:  # the first STAGES - 2 blocks; each step refills the two slots of the step before
-        _bars_init(bars, tid, first, STAGES)
-        for i in gl.static_range(STAGES - 2):
-            ok = t0 + i < t1
-            _issue_bulk(ring, bars, kv_ptr, gl.load(bt_row + t0 + i, mask=ok, other=0), ok, i, first, stride_blk,
-                        STAGE_BYTES)
-        b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 2, t1)
-    else:
-        _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 4, STAGES,
-                   BULK)
-        # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
-        # longer than a tile when every SM streams the cache
-        b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
+    # PAIR: two blocks (tiles) a loop step, so each step refills the two slots of the step before
+    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 4, STAGES, BULK,
+               STAGES - 2 if PAIR else STAGES - 1)
+    # block ids four tiles ahead of their copy (a queue in registers): a load from the table takes
+    # longer than a tile when every SM streams the cache
+    b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - (2 if PAIR else 1), t1)
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
         _gdc_wait(ring_off)
@@ -566,67 +570,65 @@ def _attn_decode_v6_kernel(
             acc5 = mma_v2(v5, p_b, acc5)
             acc6 = mma_v2(v6, p_b, acc6)
             acc7 = mma_v2(v7, p_b, acc7)
-    t_end = t1
-    if PAIR:
-        t_end = t0  # the steps above did every tile
-    for t in range(t0, t_end):
-        j = t - t0
-        slot = j % STAGES
-        # _ring_advance written out: as a call it gave the same instructions in another order and
-        # register assignment (offline sm_90 build, session 13), not measured on a GPU
-        if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
-            gl.thread_barrier()
-            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
-                        STAGE_BYTES)
-            _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
-        else:
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
-                   STAGE_BYTES, NKV, 4)
-        n = t + STAGES + 3
-        b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
-        if not PROBE:
-            sb = ring + slot * STAGE_BYTES
-            ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
-            vsw = _ld_scales(sb + HALF_B + s_off, NKV)
-            k_pos = t * TILE + tok_i
-            n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
-            ksw = gl.where(n_ok, ksw, 0)
-            vsw = gl.where(n_ok, vsw, 0)
-            k_zp = (ksw & 0xF).to(gl.float32)
-            k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
-            v_sc = (vsw & -16).to(gl.float32, bitcast=True)
-            # the dots start from minus the code offset's and the zero point's share: the tensor
-            # cores sum them with the products, so no large offset is left to cancel later
-            kw = _ld_codes(sb + k_off, NKV, "k")                                # [NKV, TILE, WORDS]
-            k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(kw)
-            s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
-            s = mma_v2(k1, q1, s)
-            s = mma_v2(k2, q2, s)
-            s = mma_v2(k3, q3, s)
-            s = mma_v2(k4, q4, s)
-            s = mma_v2(k5, q5, s)
-            s = mma_v2(k6, q6, s)
-            s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
-            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
-            p_b = gl.convert_layout(pv, b_l)
-            # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
-            # the tensor cores: its rows are the same, as the accumulator's layout wants them
-            zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
-            c_even = mma_v2(zd_even, p_b, zero_o)
-            c_odd = mma_v2(zd_odd, p_b, zero_o)
-            vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
-            a3 = alpha[:, None, :]
-            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
-            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
-            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
-            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
-            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
-            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
-            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
-            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
+    else:
+        for t in range(t0, t1):
+            j = t - t0
+            slot = j % STAGES
+            # _ring_advance written out: as a call it gave the same instructions in another order and
+            # register assignment (offline sm_90 build, session 13), not measured on a GPU
+            if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
+                gl.thread_barrier()
+                _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                            STAGE_BYTES)
+                _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
+            else:
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()
+                _issue(ring, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, tid, tail, stride_blk,
+                       STAGE_BYTES, NKV, 4)
+            n = t + STAGES + 3
+            b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
+            if not PROBE:
+                sb = ring + slot * STAGE_BYTES
+                ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
+                vsw = _ld_scales(sb + HALF_B + s_off, NKV)
+                k_pos = t * TILE + tok_i
+                n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
+                ksw = gl.where(n_ok, ksw, 0)
+                vsw = gl.where(n_ok, vsw, 0)
+                k_zp = (ksw & 0xF).to(gl.float32)
+                k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
+                v_sc = (vsw & -16).to(gl.float32, bitcast=True)
+                # the dots start from minus the code offset's and the zero point's share: the tensor
+                # cores sum them with the products, so no large offset is left to cancel later
+                kw = _ld_codes(sb + k_off, NKV, "k")                                # [NKV, TILE, WORDS]
+                k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(kw)
+                s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
+                s = mma_v2(k1, q1, s)
+                s = mma_v2(k2, q2, s)
+                s = mma_v2(k3, q3, s)
+                s = mma_v2(k4, q4, s)
+                s = mma_v2(k5, q5, s)
+                s = mma_v2(k6, q6, s)
+                s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
+                pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
+                p_b = gl.convert_layout(pv, b_l)
+                # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
+                # the tensor cores: its rows are the same, as the accumulator's layout wants them
+                zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
+                c_even = mma_v2(zd_even, p_b, zero_o)
+                c_odd = mma_v2(zd_odd, p_b, zero_o)
+                vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
+                v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
+                a3 = alpha[:, None, :]
+                acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
+                acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
+                acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
+                acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
+                acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
+                acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
+                acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
+                acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
     if not BULK:
         async_copy.wait_group(0)
 

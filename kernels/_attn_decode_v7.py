@@ -193,7 +193,8 @@ def _attn_decode_v7_kernel(
     bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
     bars = ring + STAGES * STAGE_BYTES          # BULK: one 8-byte mbarrier per slot, after the ring
     first = tid == 0
-    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 8, STAGES, BULK)
+    _ring_fill(ring, bars, kv_ptr, bt_row, t0, t1, tid, tail, first, stride_blk, STAGE_BYTES, NKV, 8, STAGES, BULK,
+               STAGES - 1)
     b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - 1, t1)
 
     # the query, B operand of the 8 score dots: [NKV, 16, 8] fp16 in the keys' dim order

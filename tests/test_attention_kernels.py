@@ -278,7 +278,8 @@ def _matches_v4(c, cfg, v4):
 def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
     """The v6 decode kernel reads the packed cache itself (``v6_fit``) and matches the oracle and
     v4: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
-    100-key window, softcap, 3 to 32 segments (empty ones included); the unused rows of each
+    100-key window, softcap, 3 to 32 segments (empty ones included), rings of 2 to 6 stages (two
+    blocks a loop step where even, with bulk copies); the unused rows of each
     last block hold 0xFF poison (scale words NaN), which must not reach the output."""
     from kernels import _attn_launch_v6
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
@@ -288,7 +289,8 @@ def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
     assert _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
                                   v.v_scale_cache)
     v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
-    for segs, stages in ((3, 2), (32, 2), (3, _attn_launch_v6.STAGES)):
+    # even rings: two blocks a loop step (sm_90); 3 stages: one (odd tile counts in both)
+    for segs, stages in ((3, 2), (32, 2), (3, _attn_launch_v6.STAGES), (5, 6), (5, 3)):
         _matches_v4(c, AttnConfig(16, 16, segs, num_kv_heads, stages, 6), v4)
     assert not _attn_launch_v6._DISABLED  # v6 ran (a kernel that fails to compile falls back to v4)
 

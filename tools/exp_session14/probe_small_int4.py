@@ -48,8 +48,9 @@ def main(argv=None) -> int:
     p = dict(ba.FULL if args.device == "cuda" else ba.QUICK)
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    log(f"# {name}, torch {torch.__version__}; head_size {p['head_size']}, {p['num_q_heads']} query / {p['num_kv_heads']} KV heads, "
-        f"block 16; µs per call, best of {args.rounds} interleaved rounds; ratio = bf16 default / variant")
+    log(f"# {name}, torch {torch.__version__}; head_size {p['head_size']}, {p['num_q_heads']} query / "
+        f"{p['num_kv_heads']} KV heads, block 16; µs per call, best of {args.rounds} interleaved rounds; "
+        "ratio = bf16 default / variant")
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         pbs = {m: ba.make_problem(m, batch, ctx, 1, p, dev) for m in (M.NONE, M.INT8_PER_TOKEN_HEAD,

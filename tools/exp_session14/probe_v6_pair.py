@@ -66,8 +66,9 @@ def main(argv=None) -> int:
                 times[i].append(ba.time_us(q, cf))
         L6.PAIR = False
         best = [min(t) for t in times]
-        log(f"b{batch}@{ctx}: " + "; ".join(f"{n} {b:.1f} ({best[0] / b:.2f}x, rounds {' '.join(f'{x:.1f}' for x in t)})"
-                                             for (n, *_), b, t in zip(runs, best, times))
+        log(f"b{batch}@{ctx}: " + "; ".join(
+            f"{n} {b:.1f} ({best[0] / b:.2f}x, rounds {' '.join(f'{x:.1f}' for x in t)})"
+            for (n, *_), b, t in zip(runs, best, times))
             + "; rel. L2 " + " / ".join(f"{e:.2e}" for e in errs))
         del pb, pbb
         torch.cuda.empty_cache()
