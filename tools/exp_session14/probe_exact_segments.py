@@ -7,7 +7,6 @@ Run from the repository root: ``PYTHONPATH=. python3 tools/exp_session14/probe_e
 [--shapes 8x32768,4x32768] [--out FILE]``."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -17,21 +16,14 @@ sys.path.insert(0, ".")
 from kernels._jit import prev_pow2  # noqa: E402
 from layouts import KVQuantMode as M  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
-from tools.timing import tee  # noqa: E402
+from tools.exp_session14 import ab  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8x32768,4x32768,12x16384,24x8192,8x16384")
+    ap = ab.parser(__doc__, "8x32768,4x32768,12x16384,24x8192,8x16384")
     ap.add_argument("--modes", default="int4,int8")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    log = tee(args.out)
-    ba.REP_MS = 30
-    p = dict(ba.FULL)
-    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; head_size 128, 32 query / 8 KV heads, "
-        f"block 16; µs per call, best of {args.rounds} interleaved rounds; ratio = bf16 default / variant")
+    log, p = ab.start(args, "head_size 128, 32 query / 8 KV heads, block 16")
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         pbb = ba.make_problem(M.NONE, batch, ctx, 1, p, "cuda")
@@ -45,18 +37,8 @@ def main(argv=None) -> int:
             low = prev_pow2(cfg.num_segments)
             if low != cfg.num_segments:
                 runs.append((f"{m} v{cfg.v2} s{low}", pb, dataclasses.replace(cfg, num_segments=low)))
-        for name, pb, cfg in runs:
-            e = ba.check(pb, cfg)
-            if not e <= 1e-2:
-                raise AssertionError(f"b{batch}@{ctx} {name}: relative L2 {e:.2e}")
-        times = [[] for _ in runs]
-        for _ in range(args.rounds):
-            for i, (_, pb, cfg) in enumerate(runs):
-                times[i].append(ba.time_us(pb, cfg))
-        best = [min(t) for t in times]
-        log(f"b{batch}@{ctx}: " + "; ".join(f"{n} {b:.1f} ({best[0] / b:.2f}x, rounds "
-                                             f"{' '.join(f'{x:.1f}' for x in t)})"
-                                             for (n, _, _), b, t in zip(runs, best, times)))
+        ab.check(runs, f"b{batch}@{ctx}")
+        log(ab.line(f"b{batch}@{ctx}", runs, ab.time_rounds(runs, args.rounds)))
         del pbs, pbb, runs
         torch.cuda.empty_cache()
     return 0

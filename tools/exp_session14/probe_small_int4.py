@@ -8,7 +8,6 @@ Run from the repository root: ``PYTHONPATH=. python3 tools/exp_session14/probe_s
 [--shapes 2x4096,1x4096] [--out FILE]``."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -18,7 +17,7 @@ from kernels import _attn_launch_v6 as L6  # noqa: E402
 from kernels._attn_launch import AttnConfig  # noqa: E402
 from layouts import KVQuantMode as M  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
-from tools.timing import tee  # noqa: E402
+from tools.exp_session14 import ab  # noqa: E402
 
 
 def variants(kv_heads: int, segs3, segs4, segs6):
@@ -33,24 +32,16 @@ def variants(kv_heads: int, segs3, segs4, segs6):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1x2048,2x2048,1x4096,2x4096,4x4096,8x2048")
+    ap = ab.parser(__doc__, "1x2048,2x2048,1x4096,2x4096,4x4096,8x2048")
     ap.add_argument("--segs3", default="16,32,64")
     ap.add_argument("--segs4", default="16,32,64")
     ap.add_argument("--segs6", default="8,16,32,64")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run with tiny heads (interpreter)")
     args = ap.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    log = tee(args.out)
-    ba.REP_MS = 30
-    p = dict(ba.FULL if args.device == "cuda" else ba.QUICK)
     dev = args.device
-    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    log(f"# {name}, torch {torch.__version__}; head_size {p['head_size']}, {p['num_q_heads']} query / "
-        f"{p['num_kv_heads']} KV heads, block 16; µs per call, best of {args.rounds} interleaved rounds; "
-        "ratio = bf16 default / variant")
+    log, p = ab.start(args, "head_size {head_size}, {num_q_heads} query / {num_kv_heads} KV heads, block 16".format(
+        **(ba.FULL if dev == "cuda" else ba.QUICK)), dev)
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         pbs = {m: ba.make_problem(m, batch, ctx, 1, p, dev) for m in (M.NONE, M.INT8_PER_TOKEN_HEAD,
@@ -62,18 +53,9 @@ def main(argv=None) -> int:
         runs.append((f"int4 default (v{d4.v2} s{d4.num_segments})", pb4, d4))
         runs += [(n, pb4, c) for n, c in variants(p["num_kv_heads"], ints(args.segs3), ints(args.segs4),
                                                    ints(args.segs6)).items() if ctx // c.num_segments >= 32]
-        errs = []
-        for name, pb, cfg in runs:
-            e = ba.check(pb, cfg)
-            if not e <= 1e-2:
-                raise AssertionError(f"b{batch}@{ctx} {name}: relative L2 {e:.2e}")
-            errs.append(e)
-        times = [[] for _ in runs]
-        for _ in range(args.rounds):
-            for i, (_, pb, cfg) in enumerate(runs):
-                times[i].append(ba.time_us(pb, cfg))
-        best = [min(t) for t in times]
-        log(f"b{batch}@{ctx}: " + "; ".join(f"{n} {b:.1f} ({best[0] / b:.2f}x)" for (n, _, _), b in zip(runs, best)))
+        errs = ab.check(runs, f"b{batch}@{ctx}")
+        times = ab.time_rounds(runs, args.rounds)
+        log(ab.line(f"b{batch}@{ctx}", runs, times))
         log(f"  max rel. L2 {max(errs):.1e}; spread (max-min over rounds) "
             + " ".join(f"{max(t) - min(t):.1f}" for t in times))
         del pbs, pb4

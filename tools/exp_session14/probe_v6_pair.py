@@ -8,7 +8,6 @@ CUDA-graph timings, best kept.
 Run from the repository root: ``PYTHONPATH=. python3 tools/exp_session14/probe_v6_pair.py [--out FILE]``."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -19,33 +18,26 @@ from kernels import _attn_launch_v6 as L6  # noqa: E402
 from kernels._attn_launch import AttnConfig  # noqa: E402
 from layouts import KVQuantMode as M  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
-from tools.timing import tee  # noqa: E402
+from tools.exp_session14 import ab  # noqa: E402
+
+
+def pair(on: bool) -> None:
+    L6.PAIR = on
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8x32768,32x32768,4x32768,12x16384")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    log = tee(args.out)
+    args = ab.parser(__doc__, "8x32768,32x32768,4x32768,12x16384").parse_args(argv)
+    log, p = ab.start(args, "INT4 v6, head_size 128")
     from tests import test_attention_kernels as T
-    L6.PAIR = True
-    try:
-        for hq, hk in ((32, 8), (8, 8), (64, 8), (16, 4), (4, 1), (8, 2)):
-            c = T.make_case(M.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
-                            num_q_heads=hq, num_kv_heads=hk, head_size=128, device="cuda", seed=hq + hk)
-            v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
-            for segs, stages in ((3, 2), (32, 4), (5, 6)):
-                T._matches_v4(c, AttnConfig(16, 16, segs, hk, stages, 6), v4)
-        assert not L6._DISABLED
-    finally:
-        L6.PAIR = False
+    pair(True)
+    for hq, hk in ((32, 8), (8, 8), (64, 8), (16, 4), (4, 1), (8, 2)):
+        c = T.make_case(M.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
+                        num_q_heads=hq, num_kv_heads=hk, head_size=128, device="cuda", seed=hq + hk)
+        v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
+        for segs, stages in ((3, 2), (32, 4), (5, 6)):
+            T._matches_v4(c, AttnConfig(16, 16, segs, hk, stages, 6), v4)
+    assert not L6._DISABLED
     log("PAIR: the v6 test cases passed (6 GQA cases x 3 segment / stage settings, oracle and v4)")
-    ba.REP_MS = 30
-    p = dict(ba.FULL)
-    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; INT4 v6, head_size 128; µs per call, "
-        f"best of {args.rounds} interleaved rounds; ratio = bf16 default / variant")
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         pbb = ba.make_problem(M.NONE, batch, ctx, 1, p, "cuda")
@@ -53,23 +45,12 @@ def main(argv=None) -> int:
         d = ba.default_cfg(pb)
         runs = [("bf16", pbb, ba.default_cfg(pbb), False), (f"v6 (s{d.num_segments}, 4 st)", pb, d, False),
                 ("pair, 4 st", pb, d, True), ("pair, 6 st", pb, dataclasses.replace(d, num_stages=6), True)]
-        errs = []
-        for name, q, cf, pair in runs[1:]:
-            L6.PAIR = pair
-            e = ba.check(q, cf)
-            assert e <= 1e-2, (shape, name, e)
-            errs.append(e)
-        times = [[] for _ in runs]
-        for _ in range(args.rounds):
-            for i, (_, q, cf, pair) in enumerate(runs):
-                L6.PAIR = pair
-                times[i].append(ba.time_us(q, cf))
-        L6.PAIR = False
-        best = [min(t) for t in times]
-        log(f"b{batch}@{ctx}: " + "; ".join(
-            f"{n} {b:.1f} ({best[0] / b:.2f}x, rounds {' '.join(f'{x:.1f}' for x in t)})"
-            for (n, *_), b, t in zip(runs, best, times))
-            + "; rel. L2 " + " / ".join(f"{e:.2e}" for e in errs))
+        try:
+            errs = ab.check(runs[1:], shape, pair)
+            log(ab.line(f"b{batch}@{ctx}", runs, ab.time_rounds(runs, args.rounds, pair))
+                + "; rel. L2 " + " / ".join(f"{e:.2e}" for e in errs))
+        finally:
+            pair(True)  # the default
         del pb, pbb
         torch.cuda.empty_cache()
     return 0

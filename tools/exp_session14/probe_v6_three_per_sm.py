@@ -9,7 +9,6 @@ Run from the repository root: ``PYTHONPATH=. python3 tools/exp_session14/probe_v
 [--shapes 8x32768] [--out FILE]``."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -20,7 +19,7 @@ from kernels import _attn_launch_v6 as L6  # noqa: E402
 from kernels._jit import num_sms  # noqa: E402
 from layouts import KVQuantMode as M  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
-from tools.timing import tee  # noqa: E402
+from tools.exp_session14 import ab  # noqa: E402
 
 
 def segments(per_sm: int, sms: int, seqs: int, ctx: int) -> int:
@@ -33,17 +32,9 @@ def segments(per_sm: int, sms: int, seqs: int, ctx: int) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8x32768,32x32768,12x16384,4x32768")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    log = tee(args.out)
-    ba.REP_MS = 30
-    p = dict(ba.FULL)
+    args = ab.parser(__doc__, "8x32768,32x32768,12x16384,4x32768").parse_args(argv)
+    log, p = ab.start(args, "INT4 v6, head_size 128")
     sms = num_sms(torch.device("cuda"))
-    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; INT4 v6, head_size 128; µs per call, "
-        f"best of {args.rounds} interleaved rounds; ratio = bf16 default / variant")
     for shape in args.shapes.split(","):
         batch, ctx = (int(x) for x in shape.split("x"))
         pbb = ba.make_problem(M.NONE, batch, ctx, 1, p, "cuda")
@@ -54,20 +45,9 @@ def main(argv=None) -> int:
                 (f"cap 80, s{d.num_segments}, 4 st", pb, dataclasses.replace(d, max_registers=80)),
                 (f"cap 80, s{s3}, 4 st", pb, dataclasses.replace(d, max_registers=80, num_segments=s3)),
                 (f"cap 80, s{s3}, 3 st", pb, dataclasses.replace(d, max_registers=80, num_segments=s3, num_stages=3))]
-        errs = []
-        for name, q, cf in runs[1:]:
-            e = ba.check(q, cf)
-            assert e <= 1e-2, (shape, name, e)
-            errs.append(e)
+        errs = ab.check(runs[1:], shape)
         assert not L6._DISABLED
-        times = [[] for _ in runs]
-        for _ in range(args.rounds):
-            for i, (_, q, cf) in enumerate(runs):
-                times[i].append(ba.time_us(q, cf))
-        best = [min(t) for t in times]
-        log(f"b{batch}@{ctx}: " + "; ".join(
-            f"{n} {b:.1f} ({best[0] / b:.2f}x, rounds {' '.join(f'{x:.1f}' for x in t)})"
-            for (n, *_), b, t in zip(runs, best, times))
+        log(ab.line(f"b{batch}@{ctx}", runs, ab.time_rounds(runs, args.rounds))
             + "; rel. L2 " + " / ".join(f"{e:.2e}" for e in errs))
         del pb, pbb
         torch.cuda.empty_cache()
