@@ -37,8 +37,8 @@ The query heads of a KV head are the N axis (8, ``GROUP`` used).
 **Two blocks a step** (``PAIR``, bulk copies, an even ring): each loop step waits for two
 adjacent ring slots and takes both blocks' scores through one online-softmax step (one running
 max, one ``alpha``), so the accumulators' rescale, the cross-lane max and the ring's barrier and
-refill are paid once per 32 keys: 619 SASS instructions per step against 355 per block (sm_90,
-128 registers, no spills), 4-5% faster on the H200 (docs/bench/attention.md, session 14). Both
+refill are paid once per 32 keys: 619-627 SASS instructions per step against 355 per block
+(sm_90, 6 / 4 stages, 128 registers, no spills), 4-5% faster on the H200 (docs/bench/attention.md, session 14). Both
 blocks' offset and zero-point shares go into the first block's value dots (one ``c`` per nibble
 parity), so the second block's offset cancels one fp32 rounding later: relative L2 against the
 oracle 1.84e-3 instead of 1.76e-3 at b8@32k.
