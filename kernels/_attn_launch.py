@@ -164,11 +164,11 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         segs = segm_output.shape[2]
     elif num_segments is not None:
         segs = num_segments
+    elif v6:  # v6 / v7: exactly their segments (about 2 programs per SM, not a power of two)
+        segs = v6_segments(num_sms(q.device), num_seqs, max_seqlen_k)
     else:
         pairs = max(1, num_seqs * (q.shape[1] // group))
-        if v6:
-            want, cap = v6_segments(num_sms(q.device), num_seqs, max_seqlen_k), max_seqlen_k
-        elif v4:  # programs per sequence: KV heads / heads per program
+        if v4:  # programs per sequence: KV heads / heads per program
             groups = max(1, pairs // max(1, v4[4] or q.shape[1] // group))
             want = v4_segments(num_sms(q.device), groups, max_seqlen_k, v4[0], v4[3], q.shape[2])
             cap = max_seqlen_k
@@ -181,7 +181,7 @@ def pick_config(mode, q, group, num_seqs, max_seqlen_q, max_seqlen_k, segm_outpu
         else:
             want = TARGET_PROGRAMS_PER_SM * num_sms(q.device) // pairs
             cap = max(1, max_seqlen_k // (tile * MIN_TILES_PER_SEGMENT))
-        segs = want if v6 else prev_pow2(max(1, min(want, cap)))  # v6 / v7: exactly their segments
+        segs = prev_pow2(max(1, min(want, cap)))
     v2 = DECODE_V2.get(mode, 0) if segs > 1 and pow2 else 0
     if v2 == 3 and v6:  # the Gluon kernels: v6 (INT4), v7 (INT8 / FP8)
         int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
