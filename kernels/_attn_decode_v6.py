@@ -85,14 +85,25 @@ def _copy_asm(nkv, rounds):
 
 @gluon.constexpr_function
 def _lds_asm(nkv, kind):
-    """PTX of ``ld.shared.b32`` of a thread's words at constant offsets from its first address,
-    for a key pitch of ``ks = 68 x nkv`` bytes. ``kind``: "k" (8 key-code words, dot operand A:
-    keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9, in register order), "v" (8 value-code words:
-    words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9) or "s" (the scale words of keys r, r + 8)."""
+    """PTX of ``ld.shared.b32`` of a thread's 8 words at constant offsets from its first address,
+    for a key pitch of ``ks = 68 x nkv`` bytes (:func:`_ld8`). ``kind``: "k" (key-code words, dot
+    operand A: keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9, in register order) or "v"
+    (value-code words: words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9)."""
     ks = 68 * nkv
     offsets = {"k": [0, 4, 8 * ks, 8 * ks + 4, 32, 36, 8 * ks + 32, 8 * ks + 36],
-               "v": [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks],
-               "s": [0, 8 * ks]}[kind]
+               "v": [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks]}[kind]
+    return _lds_lines(offsets)
+
+
+@gluon.constexpr_function
+def _scales_asm(nkv, row_bytes):
+    """PTX: the scale words of keys r and r + 8 (``8 x row_bytes x nkv`` bytes apart)."""
+    return _lds_lines([0, 8 * row_bytes * nkv])
+
+
+@gluon.constexpr_function
+def _lds_lines(offsets):
+    """PTX: ``ld.shared.b32`` of output ``i`` at byte ``offsets[i]`` from the address operand after the outputs."""
     n = len(offsets)
     return " ".join(f"ld.shared.b32 ${i}, [${n}+{offsets[i]}];" for i in range(n))
 
@@ -127,19 +138,27 @@ def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr, ROUNDS: gl.constexpr)
 
 
 @gluon.jit
-def _ld_codes(addr, NKV: gl.constexpr, KIND: gl.constexpr):
-    """A warp's code words of one block, dot operand A (``KIND`` "k": ``[NKV, TILE, WORDS]``, "v":
-    ``[NKV, WORDS, TILE]``); ``addr`` holds each thread's first address in all its elements. Not
-    pure: ordered after the ring's barrier."""
-    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, KIND), constraints=LD8, args=[addr], dtype=gl.int32,
-                                     is_pure=False, pack=8)
+def _ld8(addr, ASM: gl.constexpr):
+    """8 words per thread from the ring, at the constant offsets of ``ASM`` (a module's
+    ``_lds_asm``: v6's block of 68-byte rows, v7's of 132) from each thread's first address, which
+    ``addr`` holds in all its elements; in dot operand A register order. Not pure: ordered after
+    the ring's barrier."""
+    return gl.inline_asm_elementwise(asm=ASM, constraints=LD8, args=[addr], dtype=gl.int32, is_pure=False, pack=8)
 
 
 @gluon.jit
-def _ld_scales(addr, NKV: gl.constexpr):
-    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first address."""
-    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, "s"), constraints="=r,=r,r,r", args=[addr], dtype=gl.int32,
-                                     is_pure=False, pack=2)
+def _ld_codes(addr, NKV: gl.constexpr, KIND: gl.constexpr):
+    """A warp's code words of one block, dot operand A (``KIND`` "k": ``[NKV, TILE, WORDS]``, "v":
+    ``[NKV, WORDS, TILE]``)."""
+    return _ld8(addr, _lds_asm(NKV, KIND))
+
+
+@gluon.jit
+def _ld_scales(addr, NKV: gl.constexpr, ROW_BYTES: gl.constexpr = 68):
+    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first
+    address, for rows of ``ROW_BYTES`` (v6: 68, v7: 132)."""
+    return gl.inline_asm_elementwise(asm=_scales_asm(NKV, ROW_BYTES), constraints="=r,=r,r,r", args=[addr],
+                                     dtype=gl.int32, is_pure=False, pack=2)
 
 
 @gluon.jit
@@ -269,8 +288,10 @@ def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.cons
 
 @gluon.jit
 def _scores(addr, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV: gl.constexpr):
-    """PAIR: one block's raw scores ``[NKV, TILE, 8]``: its key codes from each thread's first
-    address ``addr``, one ``mma`` k-step per nibble position from minus the offset and zero-point share."""
+    """One block's raw scores ``[NKV, TILE, 8]``: its key codes from each thread's first address
+    ``addr``, one ``mma`` k-step per nibble position. The dots start from minus the code offset's
+    and the zero point's share (``k_zp``: the keys' zero points): the tensor cores sum it with the
+    products, so no large offset is left to cancel later."""
     k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(_ld_codes(addr, NKV, "k"))
     s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
     s = mma_v2(k1, q1, s)
@@ -599,18 +620,7 @@ def _attn_decode_v6_kernel(
                 k_zp = (ksw & 0xF).to(gl.float32)
                 k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
                 v_sc = (vsw & -16).to(gl.float32, bitcast=True)
-                # the dots start from minus the code offset's and the zero point's share: the tensor
-                # cores sum them with the products, so no large offset is left to cancel later
-                kw = _ld_codes(sb + k_off, NKV, "k")                                # [NKV, TILE, WORDS]
-                k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(kw)
-                s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
-                s = mma_v2(k1, q1, s)
-                s = mma_v2(k2, q2, s)
-                s = mma_v2(k3, q3, s)
-                s = mma_v2(k4, q4, s)
-                s = mma_v2(k5, q5, s)
-                s = mma_v2(k6, q6, s)
-                s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
+                s = _scores(sb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV)  # [NKV, TILE, 8]
                 pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
                 p_b = gl.convert_layout(pv, b_l)
                 # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on

@@ -32,8 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import (_ids_ahead, _ring_advance, _ring_fill, _ring_start, _softmax_tile, _store_stats,
-                              _tile_range)
+from ._attn_decode_v6 import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _ring_advance, _ring_fill, _ring_start,
+                              _softmax_tile, _store_stats, _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
@@ -49,16 +49,13 @@ def _lds_asm(nkv, kind):
       (c, c + 8) and (c + 4, c + 12) (the bytes of dots 4 j .. 4 j + 3 come from words c + 8 j ...);
       "k2": the same 64 bytes further (words + 16);
     - "v": value words 4r, 4r + 1 (M rows r, r + 8) of keys 2c, 2c + 1, 2c + 8, 2c + 9; "v2": words
-      4r + 2, 4r + 3;
-    - "s": the scale words of keys r, r + 8."""
+      4r + 2, 4r + 3."""
     ks = 132 * nkv
     offsets = {"k": [0, 32, 8 * ks, 8 * ks + 32, 16, 48, 8 * ks + 16, 8 * ks + 48],
                "k2": [64, 96, 8 * ks + 64, 8 * ks + 96, 80, 112, 8 * ks + 80, 8 * ks + 112],
                "v": [0, ks, 4, ks + 4, 8 * ks, 9 * ks, 8 * ks + 4, 9 * ks + 4],
-               "v2": [8, ks + 8, 12, ks + 12, 8 * ks + 8, 9 * ks + 8, 8 * ks + 12, 9 * ks + 12],
-               "s": [0, 8 * ks]}[kind]
-    n = len(offsets)
-    return " ".join(f"ld.shared.b32 ${i}, [${n}+{offsets[i]}];" for i in range(n))
+               "v2": [8, ks + 8, 12, ks + 12, 8 * ks + 8, 9 * ks + 8, 8 * ks + 12, 9 * ks + 12]}[kind]
+    return _lds_lines(offsets)
 
 
 @gluon.constexpr_function
@@ -90,22 +87,13 @@ def _vconv_asm(fp8):
         for j in range(4)) + " }")
 
 
-LD8 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r")
 CONV = gl.constexpr("=r,=r,=r,=r,r,r")
 
 
 @gluon.jit
 def _ld(addr, NKV: gl.constexpr, KIND: gl.constexpr):
-    """8 words per thread (dot operand A layout, :func:`_lds_asm`); not pure: after the ring's barrier."""
-    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, KIND), constraints=LD8, args=[addr], dtype=gl.int32,
-                                     is_pure=False, pack=8)
-
-
-@gluon.jit
-def _ld_scales(addr, NKV: gl.constexpr):
-    """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key)."""
-    return gl.inline_asm_elementwise(asm=_lds_asm(NKV, "s"), constraints="=r,=r,r,r", args=[addr], dtype=gl.int32,
-                                     is_pure=False, pack=2)
+    """8 words per thread of a block of 132-byte rows (v6's :func:`_ld8` with :func:`_lds_asm`)."""
+    return _ld8(addr, _lds_asm(NKV, KIND))
 
 
 @gluon.jit
@@ -245,8 +233,8 @@ def _attn_decode_v7_kernel(
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
         if not PROBE:
             sb = ring + slot * STAGE_BYTES
-            ksw = _ld_scales(sb + s_off, NKV)                                    # [NKV, TILE]
-            vsw = _ld_scales(sb + HALF_B + s_off, NKV)
+            ksw = _ld_scales(sb + s_off, NKV, 132)                               # [NKV, TILE]
+            vsw = _ld_scales(sb + HALF_B + s_off, NKV, 132)
             k_pos = t * TILE + tok_i
             n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :]
             k_sc = gl.where(n_ok, ksw.to(gl.float32, bitcast=True), 0.0) * qk_scale

@@ -48,7 +48,7 @@ def test_loads_reach_each_threads_words(nkv):
     want_v = [row(key) + 4 * w for w, key in ((0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9))]
     assert _offsets(v6._lds_asm.fn(nkv, "k"), "ld.shared.b32") == want_k
     assert _offsets(v6._lds_asm.fn(nkv, "v"), "ld.shared.b32") == want_v
-    assert _offsets(v6._lds_asm.fn(nkv, "s"), "ld.shared.b32") == [0, row(8)]
+    assert _offsets(v6._scales_asm.fn(nkv, 68), "ld.shared.b32") == [0, row(8)]  # the scale words
     # the zero points: scale words of keys 2c, 2c + 1, then 2c + 8, 2c + 9
     assert _offsets(v6._zp_asm.fn(nkv), "ld.shared.b32") == [0, row(1), row(8), row(9)]
 
