@@ -69,8 +69,10 @@ def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
 LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1), 256: (8, 16, 2)}
 # (rows, warps, packed_range) of the tensor-core kernel, the GPU default from head_size 64: at 65,536
 # tokens x 8 heads 64.1-64.4 / 115.5-116.5 / 241-242 us against the shuffle kernel's 73.4-73.8 /
-# 145.6-147.0 / 278-280 at head_size 64 / 128 / 256 (docs/bench/write.md, session 8)
-MMA_TILING = {64: (32, 2, True), 128: (32, 2, False), 256: (32, 2, False)}
+# 145.6-147.0 / 278-280 at head_size 64 / 128 / 256 (docs/bench/write.md, session 8). The range on
+# rounded pairs at 128 since session 15 (6% fewer instructions; 1-2% faster in 5 of 6 comparisons over
+# three machine starts, CUDA-graph time); at 256 it was within +-1%
+MMA_TILING = {64: (32, 2, True), 128: (32, 2, True), 256: (32, 2, False)}
 
 
 def default_int4_kernel(head_size: int, on_cpu: bool) -> str:
@@ -86,7 +88,7 @@ def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None)
     if kernel is None:
         kernel = default_int4_kernel(head_size, on_cpu)
     cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
-               parts=1, packed_range=False)
+               parts=1, packed_range=False, maxnreg=None)
     mma_parts = max(1, head_size // MMA_COLS)
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(cfg, rows=64, num_warps=4, parts=mma_parts if kernel == "mma" else 1)
@@ -103,7 +105,7 @@ def fused_int4_config(head_size: int) -> dict:
     """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
                 rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1,
-                packed_range=False)
+                packed_range=False, maxnreg=None)
 
 
 # the tuning keywords of every kernel's config (the same keys for all of them)
@@ -185,6 +187,8 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     num_tiles = cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
     stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] and not cpu:  # a register cap (ptxas's maxnreg) for the GPU build
+        stages["maxnreg"] = cfg["maxnreg"]
     if cfg["kernel"] in ("lanes", "mma"):
         mma = cfg["kernel"] == "mma"
         # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from kernels._write_int4 import MMA_TILING
 from kernels.reference import (NAN_SCALE_BITS, dequantize_rows, quantize_int4_rows,
                                reference_reshape_and_cache)
 from kernels.write import (reshape_and_cache_flash, reshape_and_cache_int4,
@@ -209,7 +210,7 @@ def test_int4_mma_kernel(d, strided, dtype):
     parts of 32 columns and the cross-part stages, through the interpreter's butterfly, give the
     oracle's bytes; head_size 16 falls back to the shuffle kernel. The tensor-core rotation itself
     runs only on a GPU (the CUDA tests; ``tests/test_write_int4_mma.py`` emulates its PTX)."""
-    _check_int4_kernel(d, strided, dtype, kernel="mma", packed_range=d == 64)
+    _check_int4_kernel(d, strided, dtype, kernel="mma", packed_range=MMA_TILING.get(d, (0, 0, False))[2])
 
 
 def _check_int4_kernel(d, strided, dtype, **kw):
