@@ -142,7 +142,8 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range`` (mma: the
         row range on rounded bf16x2/f16x2 pairs), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
-        programs resident per SM; 0: one tile per program); benchmarks only. Naming
+        programs resident per SM; 0: one tile per program), ``maxnreg`` (a register cap for the
+        GPU build; ignored on CPU); benchmarks only. Naming
         ``kernel="fused"`` alone gives the fused kernel's own GPU tuning.
 
     Raises
