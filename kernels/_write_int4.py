@@ -187,9 +187,10 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
     ks, vs = scale_bits_view(k_scale_cache), scale_bits_view(v_scale_cache)
     num_tiles = cdiv(num_rows, rows)
     align = cache_alignment(key_cache, value_cache)
-    stages = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
-    if cfg["maxnreg"] and not cpu:  # a register cap (ptxas's maxnreg) for the GPU build
-        stages["maxnreg"] = cfg["maxnreg"]
+    # compile options the launches take only when set: Triton's pipelining depth, ptxas's register cap (GPU)
+    compile_opts = {} if cfg["num_stages"] is None else dict(num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] and not cpu:
+        compile_opts["maxnreg"] = cfg["maxnreg"]
     if cfg["kernel"] in ("lanes", "mma"):
         mma = cfg["kernel"] == "mma"
         # the shuffles assume warps tile whole rows: ROWS a multiple of the rows one CTA covers
@@ -210,7 +211,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
             FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
             MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]),
-            num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages)
+            num_warps=cfg["num_warps"], enable_fp_fusion=False, **compile_opts)
         return
     ch = chunk_size(d)
     dot = cfg["rotation"] == "dot" and ch <= 128  # wider dot tiles would not fit shared memory
@@ -229,5 +230,5 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         ROWS=rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
         DIV=DIVISIONS[cfg["div"]], INTERPRET=cpu, NUM_SHRINK=len(shrink), CACHE_ALIGN=align,
         NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
-        num_warps=cfg["num_warps"], enable_fp_fusion=False, **stages,  # keep the oracle's separate roundings
+        num_warps=cfg["num_warps"], enable_fp_fusion=False, **compile_opts,  # keep the oracle's separate roundings
     )
