@@ -339,6 +339,20 @@ def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEA
 
 
 @gluon.jit
+def _out_rows(tok, seg_idx, MMA: gl.constexpr, NKV: gl.constexpr, INNER: gl.constexpr, GROUP: gl.constexpr,
+              NUM_Q_HEADS: gl.constexpr, NUM_SEGMENTS: gl.constexpr):
+    """Where the value accumulators ``[NKV, INNER, 8]`` (layout ``MMA``: KV head, M index, query
+    head of the group) go in the split output (v6, v7): each element's output row, its mask (query
+    heads past ``GROUP`` are padding) and the M index ``[INNER]``, which each kernel maps to dims."""
+    o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+    o_m = gl.arange(0, INNER, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+    o_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+    row3 = (tok.to(gl.int64) * NUM_Q_HEADS + o_h[:, None, None] * GROUP + o_g[None, None, :]) * NUM_SEGMENTS + seg_idx
+    ok3 = (o_g < GROUP)[None, None, :] & (o_h >= 0)[:, None, None] & (o_m >= 0)[None, :, None]
+    return row3, ok3, o_m
+
+
+@gluon.jit
 def _ring_start(ring_off, NKV: gl.constexpr):
     """The ring's shared-window address (:func:`_ring_base`), after a word per thread is stored
     once into Triton's own shared memory, so that the kernel declares ``global_smem``."""
@@ -643,11 +657,7 @@ def _attn_decode_v6_kernel(
         async_copy.wait_group(0)
 
     # out[row(h, g), 8 w + n] = acc_n[h, w, g]
-    o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-    o_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-    o_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-    row3 = (tok.to(gl.int64) * NUM_Q_HEADS + o_h[:, None, None] * GROUP + o_g[None, None, :]) * NUM_SEGMENTS + seg_idx
-    ok3 = (o_g < GROUP)[None, None, :] & (o_h >= 0)[:, None, None] & (o_w >= 0)[None, :, None]
+    row3, ok3, o_w = _out_rows(tok, seg_idx, mma, NKV, WORDS, GROUP, NUM_Q_HEADS, NUM_SEGMENTS)
     base = segm_out_ptr + row3 * HEAD + 8 * o_w[None, :, None]
     gl.store(base + 0, acc0, mask=ok3)
     gl.store(base + 1, acc1 * 0.0625, mask=ok3)

@@ -32,8 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _ring_advance, _ring_fill, _ring_start,
-                              _softmax_tile, _store_stats, _tile_range)
+from ._attn_decode_v6 import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
+                              _ring_start, _softmax_tile, _store_stats, _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
@@ -278,11 +278,7 @@ def _attn_decode_v7_kernel(
     if not BULK:
         async_copy.wait_group(0)
 
-    o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-    o_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-    row3 = (tok.to(gl.int64) * NUM_Q_HEADS + o_h[:, None, None] * GROUP + o_g[None, None, :]) * NUM_SEGMENTS + seg_idx
-    ok3 = (o_g < GROUP)[None, None, :] & (o_h >= 0)[:, None, None] & (o_m >= 0)[None, :, None]
+    row3, ok3, o_m = _out_rows(tok, seg_idx, mma, NKV, 16, GROUP, NUM_Q_HEADS, NUM_SEGMENTS)
     base = segm_out_ptr + row3 * HEAD
     _store_dot(base, acc0, o_m, ok3, 0)
     _store_dot(base, acc1, o_m, ok3, 1)
