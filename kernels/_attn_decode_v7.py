@@ -111,6 +111,19 @@ def _vconv(w, FP8: gl.constexpr):
 
 
 @gluon.jit
+def _values_half(addr, KIND: gl.constexpr, v_ok, p_b, c_v, a3, acc_a, acc_b, acc_c, acc_d, NKV: gl.constexpr,
+                 FP8: gl.constexpr):
+    """Four of the eight value dots (``KIND`` "v": dots 0-3, "v2": 4-7) added into their rescaled
+    accumulators; FP8 zeroes the words of masked keys (``v_ok``) first."""
+    vw = _ld(addr, NKV, KIND)
+    if FP8:
+        vw = gl.where(v_ok, vw, 0)
+    v_a, v_b, v_c, v_d = _vconv(vw, FP8)
+    return (acc_a * a3 + mma_v2(v_a, p_b, c_v), acc_b * a3 + mma_v2(v_b, p_b, c_v),
+            acc_c * a3 + mma_v2(v_c, p_b, c_v), acc_d * a3 + mma_v2(v_d, p_b, c_v))
+
+
+@gluon.jit
 def _q_dot(q_row, q_ok, k_dim, I: gl.constexpr):
     """Score dot ``I``'s query operand: K index ``k = 2 p + e`` is dim ``4 (8 (I // 2) + p) + 2 (I % 2) + e``."""
     return gl.load(q_row + 4 * (8 * (I // 2)) + 2 * (I % 2) + k_dim, mask=q_ok, other=0.0).to(gl.float32).to(gl.float16)
@@ -258,23 +271,11 @@ def _attn_decode_v7_kernel(
             else:  # -1152 sum_k p'_k in every row, as the value dots' accumulator input
                 c_v = mma_v2(neg_off, p_b, zero_o)
             a3 = alpha[:, None, :]
-            vw = _ld(sb + v_off, NKV, "v")
-            if FP8:  # a block's unused rows may hold NaN codes (0x7F / 0xFF): 0 x NaN would reach the sums
-                v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
-                vw = gl.where(v_ok, vw, 0)
-            v0, v1, v2, v3 = _vconv(vw, FP8)
-            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_v)
-            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_v)
-            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_v)
-            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_v)
-            vw = _ld(sb + v_off, NKV, "v2")
-            if FP8:
-                vw = gl.where(v_ok, vw, 0)
-            v4, v5, v6, v7 = _vconv(vw, FP8)
-            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_v)
-            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_v)
-            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_v)
-            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_v)
+            # a block's unused rows may hold NaN codes (FP8 0x7F / 0xFF): 0 x NaN would reach the sums
+            v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
+            acc0, acc1, acc2, acc3 = _values_half(sb + v_off, "v", v_ok, p_b, c_v, a3, acc0, acc1, acc2, acc3, NKV, FP8)
+            acc4, acc5, acc6, acc7 = _values_half(sb + v_off, "v2", v_ok, p_b, c_v, a3, acc4, acc5, acc6, acc7, NKV,
+                                                  FP8)
     if not BULK:
         async_copy.wait_group(0)
 
