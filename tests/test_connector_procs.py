@@ -126,3 +126,16 @@ def test_bench_transfer_quick_runs():
                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
     assert "| int4_per_token_head | 16 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+
+
+@pytest.mark.parametrize("order", [[], ["--contiguous"]])
+def test_probe_transfer_floor_moves_the_bytes(order):
+    # two layers, 70 INT4-sized blocks: two messages per layer at 1 MiB (60 + 10 blocks); the probe
+    # itself raises unless every destination row of each checksummed transfer equals its source row
+    out = subprocess.run([sys.executable, "tools/probe_transfer_floor.py", "--layers", "2", "--blocks", "4,70",
+                          "--block-kib", "17", "--chunk-mib", "1", "--rounds", "2", *order], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 17 KiB")]
+    assert [r.split("|")[2:5] for r in rows] == [[" 4 ", " 0.1 ", " 2 "], [" 70 ", " 2.3 ", " 4 "]]
+    assert "floor / plain: median" in out.stdout
