@@ -26,8 +26,7 @@ from .blocks import as_bytes, block_rows, copy_runs, device_ids, device_rows, sc
 from .handle import PullHandle
 from .metrics import Metrics
 from .prefill import check_caches
-from .hashing import verify
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
+from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
@@ -344,7 +343,7 @@ class DecodeEndpoint:
         Runs on the I/O thread or a copy worker (xxh3 and numpy copies release the GIL).
         Raises CorruptFrameError before any byte is written.
         """
-        verify(h, payloads)
+        verify_payloads(h, payloads)
         v0 = self._views[h.layer]
         full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
         for i, off, layer, pos, k in _segments(h, per_block):

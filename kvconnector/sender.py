@@ -12,10 +12,6 @@ payload frame sent straight from the cache (zero copy; the lease guarantees the 
 change); short runs and head slices are gathered into a pooled buffer (one frame). CUDA caches:
 each chunk is gathered on the GPU and copied into pinned host memory on a side stream.
 
-A transfer of fewer messages than a host has hash threads (:mod:`.hashing`; none on hosts with
-at most 4 cores) sends each gathered or staged payload as a few frames at block boundaries,
-hashed in parallel, so neither side hashes a one-message pull on one thread.
-
 A gathered frame is built and hashed piece by piece (``HASH_PIECE_BYTES``, sized to stay in
 the core's L2 cache): each piece is copied, then fed to a streaming xxh3_64 while it is still
 hot, so the checksum costs a cache read instead of a second pass over memory.
@@ -38,7 +34,6 @@ import torch
 
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
-from .hashing import checksums, hash_threads, split_frames
 from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
 
 
@@ -164,10 +159,6 @@ class Stream:
                            for layer in range(0, nl, self.layers_per_msg)
                            for first in range(0, n, self.chunk_blocks))
         self._total = len(self._plan)
-        # few messages: split each gathered / staged payload into frames hashed in parallel (with
-        # many, the staging threads already hash several messages at once)
-        self._split = hash_threads() if self._total < hash_threads() else 1
-        self._per_block = per_block
         self._seq = 0
         self._staged: deque = deque()    # (layer, nlay, first, count, job, pooled buffer, job args)
         self._executor = _stage_executor()
@@ -222,7 +213,7 @@ class Stream:
             return [v[b:b + k].reshape(-1) for v in views for _, b, k in zero_copy_runs], None
         # small runs: one gathered frame costs less than many tiny frames
         buf = self.pool.acquire(nlay * slice_bytes(self.geo, len(ids), self.local_heads))
-        return split_frames(buf.numpy(), self._per_block, self._split), (buf, views, ids, idx)
+        return [buf.numpy()], (buf, views, ids, idx)
 
     def _device_copy(self, host: torch.Tensor, layer: int, nlay: int, first: int, k: int) -> None:
         """CUDA caches: every layer of one chunk into one device buffer (one ``index_select`` per
@@ -254,8 +245,7 @@ class Stream:
             n, v0 = len(ids), views[0]
             packed = buf.numpy().reshape(len(views) * n, *v0.shape[1:3], len(self.local_heads), v0.shape[4])
             step = max(1, HASH_PIECE_BYTES // max(1, packed[0].nbytes))
-            split = len(frames) > 1   # hashed in parallel once gathered
-            h = checksum_stream() if step < len(packed) and not split else None
+            h = checksum_stream() if step < len(packed) else None
             for li, view in enumerate(views):    # layer-major
                 out = packed[li * n:(li + 1) * n]
                 if self.full_heads:   # whole blocks: one C-level row gather per piece (ids in range)
@@ -270,12 +260,10 @@ class Stream:
                 for i in range(0, n, step):    # copy a piece, hash it while it is still in cache
                     copy(i, i + step)
                     h.update(out[i:i + step])
-            if split:
-                return frames, checksums(frames)
             return frames, [checksum(packed) if h is None else h.intdigest()]
         if device is not None:
             self._device_copy(*device)
-        return frames, checksums(frames, parallel=self._split > 1)
+        return frames, [checksum(f) for f in frames]
 
     def _stage(self) -> None:
         layer, nlay, first = self._plan.popleft()
@@ -285,8 +273,7 @@ class Stream:
             buf, device = (gather[0] if gather else None), None
         else:   # CUDA: the device copies are queued by whoever prepares the chunk
             buf = self.pool.acquire(nlay * slice_bytes(self.geo, k, self.local_heads), pin=True)
-            frames = split_frames(buf.numpy(), self._per_block, self._split)
-            gather, device = None, (buf, layer, nlay, first, k)
+            frames, gather, device = [buf.numpy()], None, (buf, layer, nlay, first, k)
         ex = self._executor if self._staged else None   # the next chunk to send: the I/O thread
         job = ex.submit(self._prepare, frames, gather, device) if ex else None   # would only wait for a worker
         self._staged.append((layer, nlay, first, k, job, buf, (frames, gather, device)))

@@ -14,7 +14,6 @@ import threading
 
 import torch
 
-from .hashing import checksums, wide
 from .protocol import Header, check_checksum, check_frames, checksum
 
 _ROUND = 1 << 20          # pinned buffers are allocated in whole MiB so messages of near sizes share them
@@ -50,8 +49,7 @@ class PinnedPool:
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:
     """Copy each payload frame of one BLOCKS message into pinned staging and check its xxh3_64
-    there (the frames of a :func:`hashing.wide` message in parallel); return the staged frames
-    (``[nbytes_i]`` uint8, pinned).
+    there; return the staged frames (``[nbytes_i]`` uint8, pinned).
 
     Parameters
     ----------
@@ -69,17 +67,12 @@ def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:
     check_frames(h, payloads)
     staged: list[torch.Tensor] = []
     try:
-        parallel = wide(h)
         for i, (f, n) in enumerate(zip(payloads, h.nbytes)):   # sizes checked above
             buf = pool.acquire(n)
             staged.append(buf)
             if n:   # received ZeroMQ frames are writable buffers: no copy, no warning
                 buf.copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
-            if not parallel:   # hashed while the copy is still in cache
-                check_checksum(h, i, checksum(buf.numpy()))
-        if parallel:
-            for i, got in enumerate(checksums([b.numpy() for b in staged])):
-                check_checksum(h, i, got)
+            check_checksum(h, i, checksum(buf.numpy()))
     except BaseException:
         for b in staged:
             pool.release(b)
