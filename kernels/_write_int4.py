@@ -88,7 +88,7 @@ def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None)
     if kernel is None:
         kernel = default_int4_kernel(head_size, on_cpu)
     cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
-               parts=1, packed_range=False, maxnreg=None, pair_acc=False)
+               parts=1, packed_range=False, maxnreg=None)
     mma_parts = max(1, head_size // MMA_COLS)
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(cfg, rows=64, num_warps=4, parts=mma_parts if kernel == "mma" else 1)
@@ -105,7 +105,7 @@ def fused_int4_config(head_size: int) -> dict:
     """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
                 rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1,
-                packed_range=False, maxnreg=None, pair_acc=False)
+                packed_range=False, maxnreg=None)
 
 
 # the tuning keywords of every kernel's config (the same keys for all of them)
@@ -140,8 +140,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         and the GPU kernel for the MSE encoder, wider rows and K/V rows not 16-byte aligned
         (``_write_checks.lane_layout_ok``); naming a ``rotation`` or a ``div`` selects it),
         ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range`` (mma: the
-        row range on rounded bf16x2/f16x2 pairs), ``pair_acc`` (mma: the first stage across parts
-        in the tensor core's accumulator), ``rotation``
+        row range on rounded bf16x2/f16x2 pairs), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
         programs resident per SM; 0: one tile per program), ``maxnreg`` (a register cap for the
         GPU build; ignored on CPU); benchmarks only. Naming
@@ -211,7 +210,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
             ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1,
             FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
-            MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]), PAIR_ACC=bool(cfg["pair_acc"]),
+            MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]),
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **compile_opts)
         return
     ch = chunk_size(d)

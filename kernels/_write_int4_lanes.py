@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._jit import dual_jit
-from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_pair, mma_part, packed_range
+from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
 from ._write_math import (_max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles,
                           round_to_model_f32, row_min_max)
 
@@ -148,33 +148,17 @@ def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
 
 
 @triton.jit
-def _pair_acc(x_row, first, valid, N: tl.constexpr, tab_ptr, b0, b1):
-    """MMA with ``PAIR_ACC``: parts ``first`` and ``first + N`` rotated and combined by the oracle's
-    stage N inside the tensor core (:func:`_write_int4_mma.mma_pair`): ``(r0 + r1, r0 - r1)``."""
-    cols = first + tl.arange(0, N)
-    x0 = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)
-    x1 = tl.load(x_row + (cols + N)[None, :], mask=valid[:, None], other=0.0)
-    return mma_pair(x0, x1, tab_ptr, first, b0, b1)
-
-
-@triton.jit
 def _rotated_quad(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
-                  PAIR_ACC: tl.constexpr = False):
+                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
-    if MMA and PAIR_ACC and not INTERPRET:
-        r0, r1 = _pair_acc(x_row, first, valid, N, tab_ptr, b0, b1)
-        r2, r3 = _pair_acc(x_row, first + 2 * N, valid, N, tab_ptr, b0, b1)
-    else:
-        r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-        r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
-                           b0, b1)
-        r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
-                           b0, b1)
-        r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
-                           b0, b1)
-        r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
-        r2, r3 = r2 + r3, r2 - r3
+    r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+                       b0, b1)
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+                       b0, b1)
+    r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
+    r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
     r1, r3 = r1 + r3, r1 - r3
     return r0, r1, r2, r3
@@ -252,7 +236,6 @@ def _reshape_and_cache_int4_lanes_kernel(
     INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr, MMA: tl.constexpr = False, WARPS: tl.constexpr = 1,
     PACKED: tl.constexpr = False,
-    PAIR_ACC: tl.constexpr = False,  # MMA: stage N in the tensor core's accumulator (_pair_acc)
 ):
     """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
     ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
@@ -281,11 +264,7 @@ def _reshape_and_cache_int4_lanes_kernel(
     else:
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
-    if PARTS == 2 and MMA and PAIR_ACC and not INTERPRET:
-        r0, r1 = _pair_acc(x_row, 0, valid, N, tab_ptr, b0, b1)
-        r2 = r0
-        r3 = r0
-    elif PARTS <= 2:
+    if PARTS <= 2:
         r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
                            b0, b1)  # [ROWS, N] fp32
         r1 = r0
@@ -296,14 +275,14 @@ def _reshape_and_cache_int4_lanes_kernel(
         r3 = r0
     else:
         r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, PAIR_ACC)
+                                       tab_ptr, b0, b1)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
         r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, PAIR_ACC)
+                                       tab_ptr, b0, b1)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6

@@ -109,44 +109,6 @@ def mma_part(x, tab_ptr, first, b0, b1):
                                      [x, m, b0, b1], dtype=tl.float32, is_pure=True, pack=16)
 
 
-@triton.constexpr_function
-def mma_pair_text(f16):
-    """PTX for two parts of the same rows (x: $32..$39, x': $40..$47, their sign bits $48..$55 and
-    $56..$63, B words $64..$79): ``D = H_32 · (s ⊙ x)``, then ``H_32 · (s' ⊙ x')`` accumulated onto
-    D twice, once negated (sign bits flipped: exact), so the oracle's stage across the two parts
-    costs tensor-core instructions instead of fp32 adds: ``D + D'`` out in $0..$15, ``D - D'`` in
-    $16..$31 (each in :func:`mma_text`'s order)."""
-    ty = "f16" if f16 else "bf16"
-    lines = ["{", ".reg .b32 a<8>, c<8>, n<8>;", ".reg .f32 z, d<16>;", "mov.b32 z, 0f00000000;"]
-    lines += [f"xor.b32 a{w}, ${32 + w}, ${48 + w};" for w in range(8)]
-    lines += [f"xor.b32 c{w}, ${40 + w}, ${56 + w};" for w in range(8)]
-    lines += [f"xor.b32 n{w}, c{w}, 0x80008000;" for w in range(8)]
-    for src, out, first in (("a", "d", None), ("c", "$", "d"), ("n", "$", "d")):
-        base = 16 if src == "n" else 0
-        for nn in range(4):
-            regs = [2 * nn, 2 * nn + 1, 8 + 2 * nn, 9 + 2 * nn]
-            d = ", ".join(f"d{r}" if out == "d" else f"${base + r}" for r in regs)
-            for ks in range(2):
-                a = f"{src}{2 * ks}, {src}{4 + 2 * ks}, {src}{2 * ks + 1}, {src}{5 + 2 * ks}"
-                b = f"${64 + 8 * ks + 2 * nn}, ${65 + 8 * ks + 2 * nn}"
-                c = d if ks else ("z, z, z, z" if first is None else ", ".join(f"d{r}" for r in regs))
-                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-@triton.jit
-def mma_pair(x0, x1, tab_ptr, first, b0, b1):
-    """``(r0 + r1, r0 - r1)`` [ROWS, 32] fp32 of parts ``x0`` (columns ``first ..``) and ``x1`` (the
-    next 32), ``r = H_32 · (s ⊙ x)``, through :func:`mma_pair_text`."""
-    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, x0.shape[0])[:, None]
-    m0 = tl.load(tab_ptr + B_HALVES + cols)
-    m1 = tl.load(tab_ptr + B_HALVES + MMA_N + cols)
-    return tl.inline_asm_elementwise(mma_pair_text(x0.dtype == tl.float16), "=f," * 32 + "r," * 47 + "r",
-                                     [x0, x1, m0, m1, b0, b1], dtype=(tl.float32, tl.float32), is_pure=True,
-                                     pack=16)
-
-
 # --- the row range on rounded pairs (an option of the MMA path; first tried as fdc8619) ---
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_int4_mma import B_HALVES, MMA_COLS, b_word, mma_b_operands, mma_pair_text, mma_table, mma_text
+from kernels._write_int4_mma import B_HALVES, MMA_COLS, b_word, mma_b_operands, mma_table, mma_text
 from kernels.reference import fwht, rht_signs
 
 _MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.\1\.f32 "
@@ -48,9 +48,9 @@ def run_ptx(text: str, regs: list[dict]) -> None:
         if m := re.fullmatch(r"mov\.b32 (\w+), 0f([0-9A-F]{8});", line):
             for r in regs:
                 r[m[1]] = int(m[2], 16)
-        elif m := re.fullmatch(r"xor\.b32 (\$?\w+), (\$?\w+), (\$?\w+);", line):
-            for r in regs:   # a source is a register name or a hex immediate
-                r[m[1]] = (r[m[2]] if m[2] in r else int(m[2], 16)) ^ (r[m[3]] if m[3] in r else int(m[3], 16))
+        elif m := re.fullmatch(r"xor\.b32 (\w+), (\$\d+), (\$\d+);", line):
+            for r in regs:
+                r[m[1]] = r[m[2]] ^ r[m[3]]
         elif m := _MMA.fullmatch(line):
             f16 = m[1] == "f16"
             d, a, b, c = ([s.strip() for s in m[i].split(",")] for i in range(2, 6))
@@ -91,11 +91,13 @@ def _place(rows: int, warps: int):
     return where
 
 
-def _run_parts(dtype, rows: int, warps: int, parts: list, text: str, first_reg: int, outputs: int) -> list:
-    """Run ``text`` (``mma_text`` or ``mma_pair_text``) over a ``[rows, 128]`` tile of small integers
-    as the kernel's invocations would: the parts' packed pairs from ``$first_reg``, then their sign
-    bits, then the 16 B words; returns ``(x, outputs [rows, 32] fp32 tiles)``."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows,warps", [(16, 1), (32, 1), (32, 2)], ids=["r16w1", "r32w1", "r32w2"])
+def test_mma_text_and_tables_rotate_each_part(dtype, rows, warps):
+    """Every 32-column part of every row comes out as the exact ``H_32 · (s ⊙ x)`` (integer inputs,
+    so every sum is exact in fp32 and any misplaced operand shows)."""
     d = 128
+    f16 = dtype == torch.float16
     tab = mma_table(d, dtype, "cpu")
     bt = [torch.empty(rows, 32, dtype=dtype) for _ in range(2)]
     _b_operands_kernel[(1,)](tab, bt[0], bt[1], ROWS=rows, WARPS=warps)
@@ -105,60 +107,32 @@ def _run_parts(dtype, rows: int, warps: int, parts: list, text: str, first_reg: 
     x16 = x.view(torch.int16).numpy().astype(np.uint16)
     signs = tab.view(torch.int16).numpy().astype(np.uint16)[B_HALVES:]
     where = _place(rows, warps)
-    n = len(parts)
-    got = [np.zeros((rows, 32), dtype=np.float32) for _ in range(outputs)]
-    for inv in range(rows // (16 * warps)):
-        for w in range(warps):
-            # registers of invocation `inv` on warp w: 16 elements per lane, packed 2 per word
-            elems = {(ww, lane, reg): (row, col) for (row, col), (ww, lane, reg) in where.items()
-                     if ww == w and reg // 16 == inv}
-            regs = [{} for _ in range(32)]
-            for lane in range(32):
-                e = [elems[w, lane, 16 * inv + i] for i in range(16)]
-                for k in range(8):
-                    (r0, c0), (r1, c1) = e[2 * k], e[2 * k + 1]
-                    word = lambda a, ra, ca, rb, cb: int(a[ra, ca]) | int(a[rb, cb]) << 16  # noqa: E731
-                    for j, part in enumerate(parts):
-                        cols = slice(part * 32, part * 32 + 32)
-                        regs[lane][f"${first_reg + 8 * j + k}"] = word(x16[:, cols], r0, c0, r1, c1)
-                        regs[lane][f"${first_reg + 8 * (n + j) + k}"] = (int(signs[part * 32 + c0])
-                                                                         | int(signs[part * 32 + c1]) << 16)
-                    regs[lane][f"${first_reg + 16 * n + k}"] = word(b16[0], r0, c0, r1, c1)
-                    regs[lane][f"${first_reg + 16 * n + 8 + k}"] = word(b16[1], r0, c0, r1, c1)
-            run_ptx(text, regs)
-            for lane in range(32):
-                for i in range(16):
-                    row, col = elems[w, lane, 16 * inv + i]
-                    for o in range(outputs):
-                        got[o][row, col] = _bits_f32(regs[lane][f"${16 * o + i}"])
-    return x, got
-
-
-def _h32(x, part):
-    """The oracle's exact ``H_32 · (s ⊙ x)`` of one part (small integers: every sum exact)."""
-    cols = slice(part * 32, part * 32 + 32)
-    return fwht(x[:, cols].float() * rht_signs(128)[cols]).numpy()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("rows,warps", [(16, 1), (32, 1), (32, 2)], ids=["r16w1", "r32w1", "r32w2"])
-def test_mma_text_and_tables_rotate_each_part(dtype, rows, warps):
-    """Every 32-column part of every row comes out as the exact ``H_32 · (s ⊙ x)`` (integer inputs,
-    so every sum is exact in fp32 and any misplaced operand shows)."""
-    for part in range(128 // MMA_COLS):
-        x, (got,) = _run_parts(dtype, rows, warps, [part], mma_text(dtype == torch.float16), 16, 1)
-        assert np.array_equal(got, _h32(x, part)), f"part {part}"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("rows,warps", [(16, 1), (32, 2)], ids=["r16w1", "r32w2"])
-def test_mma_pair_text_is_the_stage_across_two_parts(dtype, rows, warps):
-    """``pair_acc``: parts p and p + 1 in, ``H·(s ⊙ x_p) ± H·(s ⊙ x_p+1)`` out, exactly (the second
-    part's products accumulated onto the first's, once with its sign bits flipped)."""
-    for p in (0, 2):
-        x, (plus, minus) = _run_parts(dtype, rows, warps, [p, p + 1], mma_pair_text(dtype == torch.float16), 32, 2)
-        a, b = _h32(x, p), _h32(x, p + 1)
-        assert np.array_equal(plus, a + b) and np.array_equal(minus, a - b), f"parts {p}, {p + 1}"
+    s = rht_signs(d)
+    for part in range(d // MMA_COLS):
+        cols = slice(part * 32, part * 32 + 32)
+        want = fwht((x[:, cols].float() * s[cols]))  # exact: small integers
+        got = np.zeros((rows, 32), dtype=np.float32)
+        for inv in range(rows // (16 * warps)):
+            for w in range(warps):
+                # registers of invocation `inv` on warp w: 16 elements per lane, packed 2 per word
+                elems = {(ww, lane, reg): (row, col) for (row, col), (ww, lane, reg) in where.items()
+                         if ww == w and reg // 16 == inv}
+                regs = [{} for _ in range(32)]
+                for lane in range(32):
+                    e = [elems[w, lane, 16 * inv + i] for i in range(16)]
+                    for k in range(8):
+                        (r0, c0), (r1, c1) = e[2 * k], e[2 * k + 1]
+                        word = lambda a, ra, ca, rb, cb: int(a[ra, ca]) | int(a[rb, cb]) << 16  # noqa: E731
+                        regs[lane][f"${16 + k}"] = word(x16[:, cols], r0, c0, r1, c1)
+                        regs[lane][f"${24 + k}"] = int(signs[part * 32 + c0]) | int(signs[part * 32 + c1]) << 16
+                        regs[lane][f"${32 + k}"] = word(b16[0], r0, c0, r1, c1)
+                        regs[lane][f"${40 + k}"] = word(b16[1], r0, c0, r1, c1)
+                run_ptx(mma_text(f16), regs)
+                for lane in range(32):
+                    for i in range(16):
+                        row, col = elems[w, lane, 16 * inv + i]
+                        got[row, col] = _bits_f32(regs[lane][f"${i}"])
+        assert np.array_equal(got, want.numpy()), f"part {part}"
 
 
 def test_b_words_are_a_permuted_hadamard():

@@ -25,8 +25,7 @@ VARIANTS = [("default", lambda d: dict(kernel="mma")),
             ("packed r56", lambda d: dict(kernel="mma", maxnreg=56) if d == 64 else None)]
 
 
-def main(all_variants: list = VARIANTS) -> None:
-    """Run the checks and rounds over ``all_variants`` ((name, head_size -> keywords or None))."""
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="65536x128,262144x128,16384x128,65536x256,262144x256,65536x64")
     ap.add_argument("--rounds", type=int, default=3)
@@ -37,7 +36,7 @@ def main(all_variants: list = VARIANTS) -> None:
     log = tee(args.out)
     t0 = time.perf_counter()
     dev = torch.device("cuda")
-    variants = all_variants if not args.variants else [all_variants[int(i)] for i in args.variants.split(",")]
+    variants = VARIANTS if not args.variants else [VARIANTS[int(i)] for i in args.variants.split(",")]
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; INT4 write, 8 kv heads, random slots")
     for d in (() if args.no_check else (128, 64, 256)):
         for dtype in (torch.bfloat16, torch.float16):
