@@ -266,18 +266,25 @@ def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTE
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit
-def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.constexpr):
-    """One tile of the online softmax v6 and v7 share. ``s`` [NKV, TILE, 8]: the raw scores; the
-    key scale (with the softmax scale and ``log2 e``) and softcap are applied, masked keys get
-    ``-inf``. The running max ``m_i`` is taken over ``s + log2(v_scale)``: then ``p * v_scale <= 1``
-    fits fp16 with no per-tile normaliser, and the sum ``l_acc`` (per key row) and the
-    accumulators share its units. Returns the fp16 ``p * v_scale``, the accumulators' factor
-    ``alpha`` and the new ``m_i``, ``l_acc``."""
+def _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP: gl.constexpr):
+    """A tile's raw scores ``s`` [NKV, TILE, 8] with the key scale (with the softmax scale and
+    ``log2 e``) and softcap applied, masked keys at ``-inf``; and ``s + log2(v_scale)``, what the
+    running max is taken over (see :func:`_softmax_tile`)."""
     s = s * k_sc[:, :, None]
     if USE_SOFTCAP:
         s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
     s = gl.where(n_ok[:, :, None], s, float("-inf"))
-    t_sc = s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
+    return s, s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
+
+
+@gluon.jit
+def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.constexpr):
+    """One tile of the online softmax v6 and v7 share. ``s`` [NKV, TILE, 8]: the raw scores
+    (:func:`_scaled_scores`). The running max ``m_i`` is taken over ``s + log2(v_scale)``: then
+    ``p * v_scale <= 1`` fits fp16 with no per-tile normaliser, and the sum ``l_acc`` (per key
+    row) and the accumulators share its units. Returns the fp16 ``p * v_scale``, the accumulators'
+    factor ``alpha`` and the new ``m_i``, ``l_acc``."""
+    s, t_sc = _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP)
     m_new = gl.maximum(m_i, gl.max(t_sc, 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - m_use[:, None, :])
@@ -307,15 +314,8 @@ def _scores(addr, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV: gl.
 def _softmax_pair(s_a, s_b, k_sc_a, k_sc_b, v_sc_a, v_sc_b, ok_a, ok_b, m_i, l_acc, softcap,
                   USE_SOFTCAP: gl.constexpr):
     """PAIR: :func:`_softmax_tile` over two blocks at once: one running-max step, one ``alpha``."""
-    s_a = s_a * k_sc_a[:, :, None]
-    s_b = s_b * k_sc_b[:, :, None]
-    if USE_SOFTCAP:
-        s_a = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s_a / softcap)) - 1.0) * 1.4426950408889634
-        s_b = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s_b / softcap)) - 1.0) * 1.4426950408889634
-    s_a = gl.where(ok_a[:, :, None], s_a, float("-inf"))
-    s_b = gl.where(ok_b[:, :, None], s_b, float("-inf"))
-    t_a = s_a + _lg2(gl.maximum(v_sc_a, 8.673617379884035e-19))[:, :, None]
-    t_b = s_b + _lg2(gl.maximum(v_sc_b, 8.673617379884035e-19))[:, :, None]
+    s_a, t_a = _scaled_scores(s_a, k_sc_a, v_sc_a, ok_a, softcap, USE_SOFTCAP)
+    s_b, t_b = _scaled_scores(s_b, k_sc_b, v_sc_b, ok_b, softcap, USE_SOFTCAP)
     m_new = gl.maximum(m_i, gl.max(gl.maximum(t_a, t_b), 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p_a = gl.exp2(s_a - m_use[:, None, :])
@@ -609,8 +609,9 @@ def _attn_decode_v6_kernel(
         for t in range(t0, t1):
             j = t - t0
             slot = j % STAGES
-            # _ring_advance written out: as a call it gave the same instructions in another order and
-            # register assignment (offline sm_90 build, session 13), not measured on a GPU
+            # _ring_advance written out (v7 calls it): as a call the bulk builds get the same instructions in
+            # another order and register assignment (offline sm_90, sessions 13 and 16); on the H200,
+            # b8@32k, 5 stages: 101.8 / 102.0 us against 101.0 / 100.6 written out, 3 stages equal (session 16)
             if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
                 gl.thread_barrier()
                 _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
