@@ -15,9 +15,9 @@ PUSH/PULL burst that `bench-transfer` compares against:
   each 512 KiB piece right after gathering it (hot), the receiver hashes the whole message and
   only then writes it (verify before write).
 
-On hosts with more than 4 cores both sides run those passes on 4 threads (numpy and xxhash
-release the GIL), as the connector's stage threads and copy workers do, so they overlap the
-socket; on small hosts they run inline. Every round checks the last ``floor`` transfer's
+Both sides run those passes on as many threads as the connector's stage threads and copy
+workers (:func:`threads`: one per four cores, at most four, none on hosts with at most 4 cores,
+where they run inline; numpy and xxhash release the GIL), so they overlap the socket. Every round checks the last ``floor`` transfer's
 destination rows byte for byte against the source.
 
 ``floor / plain`` is then an upper bound, measured, for what a connector's ratio can be here
@@ -43,8 +43,22 @@ KINDS = ("plain", "copies", "floor")
 
 
 def threads() -> int:
+    """Worker threads per side: ``kvconnector.sender.stage_threads`` and
+    ``kvconnector.decode.default_copy_threads``'s rule, written out so the probe's processes do not
+    import torch."""
     cores = os.cpu_count() or 1
-    return 0 if cores <= 4 else 4
+    return 0 if cores <= 4 else min(4, cores // 4)
+
+
+def messages(args) -> list:
+    """The transfer's messages: ``(layer, first block, blocks)``, one layer each, at most
+    ``chunk_mib`` MiB (both processes make the same list)."""
+    per_msg = args.chunk_mib * 1024 // args.block_kib
+    return [(la, p, min(per_msg, args.blocks - p)) for la in range(args.layers) for p in range(0, args.blocks, per_msg)]
+
+
+def pool(n: int) -> ThreadPoolExecutor | None:
+    return ThreadPoolExecutor(n) if n else None
 
 
 def caches(seed: int, layers: int, num_blocks: int, block_bytes: int) -> list:
@@ -83,11 +97,10 @@ def sender(conn, args, endpoint: str) -> None:
     push.setsockopt(zmq.SNDHWM, 1000)
     push.connect(endpoint)
     src = caches(1, args.layers, 2 * args.blocks, args.block_kib << 10)
-    per_msg = args.chunk_mib * 1024 // args.block_kib
-    msgs = [(la, p, min(per_msg, args.blocks - p)) for la in range(args.layers) for p in range(0, args.blocks, per_msg)]
+    msgs = messages(args)
     bufs = [None if args.contiguous else np.ones(k * (args.block_kib << 10), np.uint8) for *_, k in msgs]
-    plain = np.ones(per_msg * (args.block_kib << 10), np.uint8)
-    ex = ThreadPoolExecutor(threads()) if threads() else None
+    plain = np.ones(max(k for *_, k in msgs) * (args.block_kib << 10), np.uint8)
+    ex = pool(threads())
     conn.send("ready")
     while True:
         cmd = conn.recv()
@@ -141,9 +154,8 @@ def run_row(args) -> dict:
     conn.recv()
     dst = caches(2, args.layers, 2 * args.blocks, args.block_kib << 10)
     src = caches(1, args.layers, 2 * args.blocks, args.block_kib << 10)
-    per_msg = args.chunk_mib * 1024 // args.block_kib
-    msgs = [(la, p, min(per_msg, args.blocks - p)) for la in range(args.layers) for p in range(0, args.blocks, per_msg)]
-    ex = ThreadPoolExecutor(threads()) if threads() else None
+    msgs = messages(args)
+    ex = pool(threads())
     t = {k: [] for k in KINDS}
     try:
         for rnd in range(args.rounds):
