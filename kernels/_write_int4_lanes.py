@@ -39,8 +39,8 @@ import triton.language as tl
 
 from ._jit import dual_jit
 from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
-from ._write_math import (_max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes_fast, int4_scale_zp, pack_nibbles,
-                          round_to_model_f32, row_min_max)
+from ._write_math import (_max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes, int4_scale_zp, pack_nibbles,
+                          round_to_model_f32, row_min_max, split_reciprocal)
 
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
 
@@ -94,11 +94,11 @@ def fwht_asm(lane_bits: int) -> str:
 
 
 def _codes_text():
-    """PTX for 8 rounded values $2..$9 (fp32) and their row's ``RN(1/scale)`` $10, ``-scale`` $18,
-    ``zp + 0.5`` $26: ``int4_codes_fast``'s division and code (:func:`codes_ptx`), packed into one
-    word $0 ($1, the other four bytes of the pack, is left unset)."""
-    lines = ["{", ".reg .f32 t0, e, t;", ".reg .b32 q<8>, w;"]
-    return "\n".join(lines + codes_ptx([f"${2 + i}" for i in range(8)], "$10", "$18", "$26", "$0") + ["}"])
+    """PTX for 8 rounded values $2..$9 (fp32) and their row's ``split_reciprocal`` words ``cl`` $10,
+    ``ch`` $18, ``pw`` $26 and ``zp + 0.5`` $34: the codes of ``int4_codes`` (:func:`codes_ptx`),
+    packed into one word $0 ($1, the other four bytes of the pack, is left unset)."""
+    lines = ["{", ".reg .f32 u, t;", ".reg .b32 q<8>, w;"]
+    return "\n".join(lines + codes_ptx([f"${2 + i}" for i in range(8)], "$10", "$18", "$26", "$34", "$0") + ["}"])
 
 
 CODES_ASM = tl.constexpr(_codes_text())
@@ -110,18 +110,19 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
     """Codes of ``r: [ROWS, N]`` (rotated, fp32; or already rounded to the model dtype on the
     GPU) packed into ``N // 2`` bytes per row at ``c_row``."""
     if INTERPRET:
-        packed = pack_nibbles(int4_codes_fast(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET),
+        packed = pack_nibbles(int4_codes(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, 1, INTERPRET),
                               ROWS, N)
     else:
-        nb = (0.0 - scale)[:, None]
+        ch, cl, pw = split_reciprocal(scale, rcp)  # per row (the parts' calls share it)
+        row = [cl[:, None], ch[:, None], pw[:, None], zph[:, None]]
         if r.dtype == tl.float32:
-            y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 31 + "f",
-                                          [round_to_model_f32(r, DTYPE, INTERPRET), rcp[:, None], nb, zph[:, None]],
+            y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 39 + "f",
+                                          [round_to_model_f32(r, DTYPE, INTERPRET)] + row,
                                           dtype=tl.uint8, is_pure=True, pack=8)  # bytes 0..3 of each 8: the codes
         else:
             asm: tl.constexpr = PACKED_CODES_F16 if r.dtype == tl.float16 else PACKED_CODES_BF16
-            y = tl.inline_asm_elementwise(asm, "=r,=r," + "r," * 4 + "f," * 23 + "f",
-                                          [r, rcp[:, None], nb, zph[:, None]], dtype=tl.uint8, is_pure=True, pack=8)
+            y = tl.inline_asm_elementwise(asm, "=r,=r," + "r," * 4 + "f," * 31 + "f",
+                                          [r] + row, dtype=tl.uint8, is_pure=True, pack=8)
         y = tl.permute(tl.reshape(y, (ROWS, N // 8, 2, 4)), (0, 1, 3, 2))
         packed = tl.reshape(tl.split(y)[0], (ROWS, N // 2))
     tl.store(c_row + tl.arange(0, N // 2)[None, :], packed, mask=mask[:, None])

@@ -114,15 +114,16 @@ def mma_part(x, tab_ptr, first, b0, b1):
 
 def _packed_codes_text(f16):
     """PTX for 8 values rounded to the model dtype, packed in pairs $2..$5, and their row's
-    ``RN(1/scale)`` $6, ``-scale`` $14, ``zp + 0.5`` $22: the lanes kernel's ``CODES_ASM`` after
-    an exact widening of each value to fp32; the packed word in $0 ($1 unset)."""
-    lines = ["{", ".reg .f32 r<8>, t0, e, t;", ".reg .b32 q<8>, w;", ".reg .b16 h<2>;"]
+    :func:`~kernels._write_math.split_reciprocal` words ``cl`` $6, ``ch`` $14, ``pw`` $22 and
+    ``zp + 0.5`` $30: the lanes kernel's ``CODES_ASM`` after an exact widening of each value to
+    fp32; the packed word in $0 ($1 unset)."""
+    lines = ["{", ".reg .f32 r<8>, u, t;", ".reg .b32 q<8>, w;", ".reg .b16 h<2>;"]
     for j in range(4):
         if f16:
             lines += [f"mov.b32 {{h0, h1}}, ${2 + j};", f"cvt.f32.f16 r{2 * j}, h0;", f"cvt.f32.f16 r{2 * j + 1}, h1;"]
         else:
             lines += [f"shl.b32 r{2 * j}, ${2 + j}, 16;", f"and.b32 r{2 * j + 1}, ${2 + j}, 0xFFFF0000;"]
-    return "\n".join(lines + codes_ptx([f"r{i}" for i in range(8)], "$6", "$14", "$22", "$0") + ["}"])
+    return "\n".join(lines + codes_ptx([f"r{i}" for i in range(8)], "$6", "$14", "$22", "$30", "$0") + ["}"])
 
 
 PACKED_CODES_BF16 = tl.constexpr(_packed_codes_text(False))

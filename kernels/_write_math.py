@@ -122,6 +122,39 @@ def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def split_reciprocal(scale, rcp):
+    """A row's ``1/scale`` as ``pw · (ch + cl)`` for :func:`div_split` (fp32, [ROWS]), given ``rcp = RN(1/scale)``.
+
+    ``pw`` is rcp's power of two and ``ch = rcp / pw`` its significand in [1, 2), both taken from
+    rcp's bits, so ``ch = RN(1/sp)`` for ``sp = scale·pw`` (exact). ``e = 1 - sp·ch`` is exact in one
+    FMA and ``cl = RN(e / sp) = RN(1/sp - ch)`` one Markstein step later: a 48-bit reciprocal whose
+    low word stays a normal number whatever the row's exponent (``1/scale`` itself would give a
+    subnormal low word above ``scale = 2**101``). A row with ``rcp = 0`` or NaN gives NaN in
+    ``cl`` (its codes are 0 through ``zph = -inf`` anyway)."""
+    rb = rcp.to(tl.int32, bitcast=True)
+    pw = (rb & 0x7F800000).to(tl.float32, bitcast=True)
+    ch = ((rb & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    sp = scale * pw
+    e = tl.fma(0.0 - sp, ch, 1.0)
+    q = e * ch
+    cl = tl.fma(tl.fma(0.0 - q, sp, e), ch, q)
+    return ch, cl, pw
+
+
+@triton.jit
+def div_split(r, ch, cl):
+    """``RN(r / sp)`` in two operations for values ``r`` of at most 11 significant bits (bf16 or fp16
+    values, as the INT4 writer's rotated and rounded rows are), given :func:`split_reciprocal`'s
+    ``ch`` and ``cl``: ``fma(r, ch, RN(r·cl))`` rounds ``r·(ch + cl)`` plus an error below
+    ``2**-47·|r/sp|`` once. No bound proves that equal to ``RN(r / sp)`` (a quotient can sit
+    ``2**-48`` of itself from a rounding boundary); ``tools/check_int4_division.py`` checks every
+    fp32 scale significand against every bf16 and fp16 significand of ``r`` on the GPU, and a
+    quotient that differs by one unit only matters if it moves an INT4 code. The result times
+    ``pw`` (exact) is ``RN(r / scale)``."""
+    return tl.fma(r, ch, r * cl)
+
+
+@triton.jit
 def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One ``div_rn`` per row; the other divisions are exact Markstein corrections."""
@@ -200,39 +233,18 @@ def round_to_model_f32(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     return y
 
 
-@triton.jit
-def int4_codes_fast(r, scale, zph, rcp, INTERPRET: tl.constexpr):
-    """Same codes as ``int4_codes(r, scale, zph, rcp, DIV=1)``, int32 [ROWS, N], in fewer GPU ops.
-
-    Markstein's residual is ``fma(q, -b, a)`` with ``-b`` negated once per row (Triton's ``-x``
-    is ``0 - x``, one more instruction per element; the sign of a zero quotient is lost, which
-    ``t + zph`` cannot see), and the clamp to [0, 15] is PTX's
-    saturating ``cvt.rzi.u32.f32`` (negative, -inf and NaN give 0) plus an integer ``min``.
-    """
-    if INTERPRET:
-        q = int4_codes(r, scale, zph, rcp, 1, INTERPRET)
-    else:
-        nb = (0.0 - scale)[:, None]
-        c = rcp[:, None]
-        t0 = r * c
-        t = tl.fma(tl.fma(t0, nb, r), c, t0)
-        v = t + zph[:, None]
-        u = tl.inline_asm_elementwise("cvt.rzi.u32.f32 $0, $1;", "=r,f", [v], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-        q = tl.minimum(u.to(tl.uint32, bitcast=True), 15).to(tl.int32, bitcast=True)
-    return q
-
-
-def codes_ptx(vals, rcp: str, neg_scale: str, zph: str, out: str) -> list[str]:
-    """PTX lines of :func:`int4_codes_fast` for 8 fp32 values (register names ``vals``) of one
-    row: Markstein's ``RN(v / scale)`` from ``rcp`` and ``neg_scale`` (one multiply, two FMAs),
-    ``+ zph``, ``cvt.rzi.s32`` (NaN and -inf give 0; truncation is floor on >= 0), then
-    ``cvt.pack.sat.u4.s32`` clamps pairs to [0, 15] into one word ``out`` (element 0 in the low
-    nibble). ``sat_u4(trunc_s32(v))`` equals ``min(trunc_u32_sat(v), 15)`` for every v. Uses the
-    registers ``t0, e, t`` (.f32) and ``q0..q7, w`` (.b32), which the caller declares."""
+def codes_ptx(vals, cl: str, ch: str, pw: str, zph: str, out: str) -> list[str]:
+    """PTX lines of the INT4 codes of 8 fp32 values (register names ``vals``, bf16 or fp16 values)
+    of one row: ``RN(v / scale)`` as :func:`div_split` from the row's ``cl`` and ``ch`` (one
+    multiply, one FMA), ``fma(t, pw, zph)`` (``t·pw`` exact: one rounding of the quotient plus
+    ``zp + 0.5``, as ``t + zph`` in :func:`int4_codes`), ``cvt.rzi.s32`` (NaN and -inf give 0;
+    truncation is floor on >= 0), then ``cvt.pack.sat.u4.s32`` clamps pairs to [0, 15] into one
+    word ``out`` (element 0 in the low nibble). ``sat_u4(trunc_s32(v))`` equals
+    ``min(trunc_u32_sat(v), 15)`` for every v. Uses the registers ``u, t`` (.f32) and ``q0..q7,
+    w`` (.b32), which the caller declares."""
     lines = []
     for i, v in enumerate(vals):
-        lines += [f"mul.rn.f32 t0, {v}, {rcp};", f"fma.rn.f32 e, t0, {neg_scale}, {v};", f"fma.rn.f32 t, e, {rcp}, t0;",
-                  f"add.rn.f32 t, t, {zph};", f"cvt.rzi.s32.f32 q{i}, t;"]
+        lines += [f"mul.rn.f32 u, {v}, {cl};", f"fma.rn.f32 t, {v}, {ch}, u;", f"fma.rn.f32 t, t, {pw}, {zph};",
+                  f"cvt.rzi.s32.f32 q{i}, t;"]
     return lines + ["cvt.pack.sat.u4.s32.b32 w, q7, q6, 0;", "cvt.pack.sat.u4.s32.b32 w, q5, q4, w;",
                     "cvt.pack.sat.u4.s32.b32 w, q3, q2, w;", f"cvt.pack.sat.u4.s32.b32 {out}, q1, q0, w;"]
