@@ -67,12 +67,13 @@ def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
 # (parts, rows, warps) of the shuffle kernel, fastest on the H200 at 65,536 tokens x 8 heads
 # (head_size 16 / 32 / 64 / 128 / 256: 111.0 / 50.2 / 77.8 / 143.8 / 295.2 us; docs/bench/write.md, session 2)
 LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1), 256: (8, 16, 2)}
-# (rows, warps, packed_range) of the tensor-core kernel, the GPU default from head_size 64: at 65,536
-# tokens x 8 heads 64.1-64.4 / 115.5-116.5 / 241-242 us against the shuffle kernel's 73.4-73.8 /
+# (rows, warps, packed_range, fast_rcp) of the tensor-core kernel, the GPU default from head_size 64: at
+# 65,536 tokens x 8 heads 64.1-64.4 / 115.5-116.5 / 241-242 us against the shuffle kernel's 73.4-73.8 /
 # 145.6-147.0 / 278-280 at head_size 64 / 128 / 256 (docs/bench/write.md, session 8). The range on
 # rounded pairs at 128 since session 15 (6% fewer instructions; 1-2% faster in 5 of 6 comparisons over
-# three machine starts, CUDA-graph time); at 256 it was within +-1%
-MMA_TILING = {64: (32, 2, True), 128: (32, 2, True), 256: (32, 2, False)}
+# three machine starts, CUDA-graph time); at 256 it was within +-1%. The reciprocal without a slow path
+# since session 17: with it 59.5 / 105.0 / 220.4 us, without 61.8 / 107.0 / 237.3 (same process)
+MMA_TILING = {64: (32, 2, True, True), 128: (32, 2, True, True), 256: (32, 2, False, True)}
 
 
 def default_int4_kernel(head_size: int, on_cpu: bool) -> str:
@@ -88,13 +89,13 @@ def default_int4_config(head_size: int, on_cpu: bool, kernel: str | None = None)
     if kernel is None:
         kernel = default_int4_kernel(head_size, on_cpu)
     cfg = dict(rotation="butterfly", div="markstein", programs_per_sm=0, kernel=kernel, num_stages=None,
-               parts=1, packed_range=False, maxnreg=None)
+               parts=1, packed_range=False, maxnreg=None, fast_rcp=False)
     mma_parts = max(1, head_size // MMA_COLS)
     if on_cpu:  # the interpreter runs a whole tile per numpy op: few, large tiles are fastest
         return dict(cfg, rows=64, num_warps=4, parts=mma_parts if kernel == "mma" else 1)
     if kernel == "mma":
-        rows, warps, packed = MMA_TILING.get(head_size, (32, 2, False))
-        return dict(cfg, rows=rows, num_warps=warps, parts=mma_parts, packed_range=packed)
+        rows, warps, packed, fast_rcp = MMA_TILING.get(head_size, (32, 2, False, False))
+        return dict(cfg, rows=rows, num_warps=warps, parts=mma_parts, packed_range=packed, fast_rcp=fast_rcp)
     if kernel == "lanes":
         parts, rows, warps = LANES_TILING.get(head_size, (8, 16, 2))
         return dict(cfg, rows=rows, num_warps=warps, parts=parts)
@@ -105,7 +106,7 @@ def fused_int4_config(head_size: int) -> dict:
     """The fused K+V kernel's GPU tuning (head sizes above 256, the MSE encoder, or on request)."""
     return dict(rows={64: 128, 128: 64}.get(head_size, 64), num_warps=8 if head_size > 128 else 4,
                 rotation="dot", div="markstein", programs_per_sm=4, kernel="fused", num_stages=None, parts=1,
-                packed_range=False, maxnreg=None)
+                packed_range=False, maxnreg=None, fast_rcp=False)
 
 
 # the tuning keywords of every kernel's config (the same keys for all of them)
@@ -140,7 +141,8 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         and the GPU kernel for the MSE encoder, wider rows and K/V rows not 16-byte aligned
         (``_write_checks.lane_layout_ok``); naming a ``rotation`` or a ``div`` selects it),
         ``rows``, ``num_warps``, ``num_stages``, ``parts`` (lanes), ``packed_range`` (mma: the
-        row range on rounded bf16x2/f16x2 pairs), ``rotation``
+        row range on rounded bf16x2/f16x2 pairs), ``fast_rcp`` (lanes / mma: each row's reciprocal
+        by ``_write_math.RCP_PTX`` instead of ``div_rn``; the same bits), ``rotation``
         ("butterfly"/"dot"), ``div`` ("markstein"/"rn"/"fast"), ``programs_per_sm`` (fused:
         programs resident per SM; 0: one tile per program), ``maxnreg`` (a register cap for the
         GPU build; ignored on CPU); benchmarks only. Naming
@@ -210,7 +212,7 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
             ROWS=rows, D=d, PARTS=cfg["parts"], LOG2_N=(d // cfg["parts"]).bit_length() - 1,
             FWHT_ASM=fwht_asm(LANE_BITS[d] - cfg["parts"].bit_length() + 1), INTERPRET=cpu,
             CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, CONTIG=contig,
-            MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]),
+            MMA=mma, WARPS=cfg["num_warps"], PACKED=bool(cfg["packed_range"]), FAST_RCP=bool(cfg["fast_rcp"]),
             num_warps=cfg["num_warps"], enable_fp_fusion=False, **compile_opts)
         return
     ch = chunk_size(d)

@@ -47,7 +47,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
     hi = tl.maximum(hi, 0.0, propagate_nan=tl.PropagateNan.ALL)
     # false for NaN/Inf rows: those store codes 0 and a quiet-NaN scale, never plausible numbers
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
-    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET)
+    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET, False)
     zph = tl.where(ok, zp + 0.5, float("-inf"))
     qa = int4_codes(ra, scale, zph, rcp, DIV, INTERPRET)
     if SPLIT:
@@ -58,7 +58,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
             err += int4_sq_err(qb, rb, scale, zp)
         for i in tl.static_range(1, NUM_SHRINK):
             f = tl.load(shrink_ptr + i)
-            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f, INTERPRET)
+            scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f, INTERPRET, False)
             zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
             qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV, INTERPRET)
             err2 = int4_sq_err(qa2, ra, scale2, zp2)

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._jit import dual_jit
 from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
-from ._write_math import (_max_nan, _min_nan, codes_ptx, fwht_rows, int4_codes, int4_scale_zp, pack_nibbles,
+from ._write_math import (_max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp, pack_nibbles,
                           round_to_model_f32, row_min_max, split_reciprocal)
 
 LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
@@ -113,7 +113,7 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
         packed = pack_nibbles(int4_codes(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, 1, INTERPRET),
                               ROWS, N)
     else:
-        ch, cl, pw = split_reciprocal(scale, rcp)  # per row (the parts' calls share it)
+        ch, cl, pw = split_reciprocal(scale, rcp, INTERPRET)  # per row (the parts' calls share it)
         row = [cl[:, None], ch[:, None], pw[:, None], zph[:, None]]
         if r.dtype == tl.float32:
             y = tl.inline_asm_elementwise(CODES_ASM, "=r,=r," + "f," * 39 + "f",
@@ -129,14 +129,14 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
+def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
                   FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
     ``FWHT_ASM`` (the launcher's bf16 text) is not used: the kernel builds its dtype's variant.
     ``MMA`` (N = 32): the transform on tensor cores (``_write_int4_mma``; ``b0``/``b1`` its B words)."""
     cols = first + tl.arange(0, N)
-    x = tl.load(x_row + cols[None, :], mask=valid[:, None], other=0.0)  # [ROWS, N] model dtype
+    x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
     if INTERPRET:
         r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
     elif MMA:  # the signs come with the B table
@@ -149,14 +149,14 @@ def _rotated_part(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.const
 
 
 @triton.jit
-def _rotated_quad(x_row, sign_ptr, first, valid, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
+def _rotated_quad(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
                   FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
-    r0 = _rotated_part(x_row, sign_ptr, first, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r1 = _rotated_part(x_row, sign_ptr, first + N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
                        b0, b1)
-    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
                        b0, b1)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
@@ -236,7 +236,7 @@ def _reshape_and_cache_int4_lanes_kernel(
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, FWHT_ASM: tl.constexpr,
     INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr, MMA: tl.constexpr = False, WARPS: tl.constexpr = 1,
-    PACKED: tl.constexpr = False,
+    PACKED: tl.constexpr = False, FAST_RCP: tl.constexpr = False,
 ):
     """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
     ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
@@ -258,6 +258,7 @@ def _reshape_and_cache_int4_lanes_kernel(
         b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the launcher keeps rows < 2**31
     valid = rows < num_rows
+    rows = tl.minimum(rows, num_rows - 1)  # a partial tile reads the last row again: no masked loads
     token = rows // NUM_KV_HEADS
     head = rows - token * NUM_KV_HEADS
     if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
@@ -266,23 +267,23 @@ def _reshape_and_cache_int4_lanes_kernel(
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
-        r0 = _rotated_part(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+        r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
                            b0, b1)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
-            r1 = _rotated_part(x_row, sign_ptr, N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
-        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
                                        tab_ptr, b0, b1)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
-        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, valid, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
                                        tab_ptr, b0, b1)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
@@ -291,23 +292,24 @@ def _reshape_and_cache_int4_lanes_kernel(
     if MMA and PACKED and not INTERPRET:  # round once (pairs), the range of the rounded parts
         r0, r1, r2, r3 = r0.to(dtype), r1.to(dtype), r2.to(dtype), r3.to(dtype)  # RNE, cvt.rn.*x2 pairs
         r4, r5, r6, r7 = r4.to(dtype), r5.to(dtype), r6.to(dtype), r7.to(dtype)
-        hi, nlo = packed_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)
-        lo = 0.0 - nlo  # -max(-min) == min; rounded already: the rounding below changes nothing
-    elif MMA and not INTERPRET:  # elementwise across parts first: one cross-lane reduction per row
-        lo, hi = _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)
+        hi, nlo = packed_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)  # rounded, and clamped at 0 already
+        lo = fneg(nlo, INTERPRET)  # -max(-min, 0) == min(min, 0)
     else:
-        lo, hi = _parts_range_each(r0, r1, r2, r3, r4, r5, r6, r7, PARTS, INTERPRET)
+        if MMA and not INTERPRET:  # elementwise across parts first: one cross-lane reduction per row
+            lo, hi = _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS)
+        else:
+            lo, hi = _parts_range_each(r0, r1, r2, r3, r4, r5, r6, r7, PARTS, INTERPRET)
+        # range from the fp32 rotation: rounding to the model dtype is monotone, so the rounded
+        # row's min/max is the rounded min/max; NaN anywhere makes both NaN
+        lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
+        hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
     mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
     slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
     blk = (slot // BLOCK_SIZE).to(tl.int64)
     off = slot % BLOCK_SIZE
-    # range from the fp32 rotation: rounding to the model dtype is monotone, so the rounded
-    # row's min/max is the rounded min/max; NaN anywhere makes both NaN
-    lo = tl.minimum(round_to_model_f32(lo, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    hi = tl.maximum(round_to_model_f32(hi, dtype, INTERPRET), 0.0, propagate_nan=tl.PropagateNan.ALL)
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)  # false for NaN/Inf rows
-    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET)
+    scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET, FAST_RCP)
     zph = tl.where(ok, zp + 0.5, float("-inf"))  # -inf: every code clamps to 0
     c_row = cache_ptr + ((blk * tl.where(kv, stride_kc_block, stride_vc_block)
                           + off * tl.where(kv, stride_kc_slot, stride_vc_slot)

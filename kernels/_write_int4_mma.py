@@ -133,10 +133,11 @@ PACKED_CODES_F16 = tl.constexpr(_packed_codes_text(True))
 @triton.constexpr_function
 def range_text(parts, f16):
     """PTX for one lane's ``parts`` x 8 rounded values (packed pairs from $16 on, one row): the
-    row's max in $0..$7 and minus its min in $8..$15 (fp32; NaN in all if any value of the row is
-    NaN). ``max.NaN`` / ``min.NaN`` on .bf16x2 / .f16x2 pairs (exact, NaN-propagating per half);
-    the max and the negated min (sign bits flipped: exact) are paired so one more ``max.NaN``
-    folds the halves, and two shuffles combine the row's 4 lanes."""
+    row's ``max(max, 0)`` in $0..$7 and ``max(-min, 0)`` in $8..$15 (fp32; NaN in all if any value
+    of the row is NaN). ``max.NaN`` / ``min.NaN`` on .bf16x2 / .f16x2 pairs (exact, NaN-propagating
+    per half); the max and the negated min (sign bits flipped: exact) are paired so one more
+    ``max.NaN`` folds the halves, two shuffles combine the row's 4 lanes, and one last ``max.NaN``
+    with a zero pair takes both clamps of SPEC §3's zero-inclusive range."""
     ty = "f16x2" if f16 else "bf16x2"
     lines = ["{", ".reg .b32 mx, mn, a, b;", ".reg .b16 h<2>;", "mov.b32 mx, $16;", "mov.b32 mn, $16;"]
     for k in range(1, 4 * parts):
@@ -145,6 +146,7 @@ def range_text(parts, f16):
               f"max.NaN.{ty} a, a, b;"]
     for j in range(2):
         lines += [f"shfl.sync.bfly.b32 b, a, {1 << j}, 31, -1;", f"max.NaN.{ty} a, a, b;"]
+    lines += ["mov.b32 b, 0;", f"max.NaN.{ty} a, a, b;"]
     if f16:
         lines += ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 $0, h0;", "cvt.f32.f16 $8, h1;"]
     else:
@@ -160,7 +162,7 @@ def _first(a, b):
 
 @triton.jit
 def packed_range(q0, q1, q2, q3, q4, q5, q6, q7, PARTS: tl.constexpr):
-    """Row ``(max, -min)`` [ROWS] fp32 of the rounded parts (model dtype [ROWS, 32]), NaN-propagating.
+    """Row ``(max(max, 0), max(-min, 0))`` [ROWS] fp32 of the rounded parts (model dtype [ROWS, 32]), NaN-propagating.
     All 8 tensors always: parts past PARTS alias part 0 and the text leaves them unread."""
     asm: tl.constexpr = range_text(PARTS, q0.dtype == tl.float16)
     mx, nmn = tl.inline_asm_elementwise(asm, "=f," * 16 + "r," * 31 + "r", [q0, q1, q2, q3, q4, q5, q6, q7],

@@ -106,6 +106,17 @@ def row_min_max(r, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def fneg(x, INTERPRET: tl.constexpr):
+    """``-x`` (fp32). Triton writes a float negation as ``0 - x``, an ``FADD`` that ptxas may not fold
+    (``0 - (+0)`` is ``+0``); PTX ``neg.f32`` folds into the consuming ``FFMA`` / ``FADD`` as an operand
+    sign. Every use here is a per-row value whose zero sign no code or scale can see."""
+    if INTERPRET:
+        return -x
+    else:
+        return tl.inline_asm_elementwise("neg.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr):
     """``RN(a / b)`` given ``rcp_b = RN(1 / b)``: Markstein's correction of ``a·rcp_b`` is exact
     (no overflow or underflow here). The residual is written ``-(q·b - a)`` so ``a = ±0`` keeps its sign.
@@ -117,12 +128,12 @@ def markstein_div(a, b, rcp_b, INTERPRET: tl.constexpr):
         q = a / b
     else:
         q = a * rcp_b
-        q = tl.fma(-tl.fma(q, b, -a), rcp_b, q)
+        q = tl.fma(fneg(tl.fma(q, b, fneg(a, INTERPRET)), INTERPRET), rcp_b, q)
     return q
 
 
 @triton.jit
-def split_reciprocal(scale, rcp):
+def split_reciprocal(scale, rcp, INTERPRET: tl.constexpr):
     """A row's ``1/scale`` as ``pw · (ch + cl)`` for :func:`div_split` (fp32, [ROWS]), given ``rcp = RN(1/scale)``.
 
     ``pw`` is rcp's power of two and ``ch = rcp / pw`` its significand in [1, 2), both taken from
@@ -135,9 +146,9 @@ def split_reciprocal(scale, rcp):
     pw = (rb & 0x7F800000).to(tl.float32, bitcast=True)
     ch = ((rb & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
     sp = scale * pw
-    e = tl.fma(0.0 - sp, ch, 1.0)
+    e = tl.fma(fneg(sp, INTERPRET), ch, 1.0)
     q = e * ch
-    cl = tl.fma(tl.fma(0.0 - q, sp, e), ch, q)
+    cl = tl.fma(tl.fma(fneg(q, INTERPRET), sp, e), ch, q)
     return ch, cl, pw
 
 
@@ -154,14 +165,29 @@ def div_split(r, ch, cl):
     return tl.fma(r, ch, r * cl)
 
 
+# RN(1/s) for a normal s with a normal reciprocal: rcp.approx, one Newton step, then Markstein's
+# correction (e = 1 - s·y exact, y + y·e rounded once). No slow path, unlike div.rn / rcp.rn, whose
+# branch to a subnormal handler costs register moves around it; tools/check_int4_division.py
+# compares it with div_rn for every significand at seven exponents on the GPU: identical.
+RCP_PTX = tl.constexpr("{ .reg .f32 y, e, ns; neg.f32 ns, $1; rcp.approx.ftz.f32 y, $1; fma.rn.f32 e, ns, y, 1.0; "
+                       "fma.rn.f32 y, y, e, y; fma.rn.f32 e, ns, y, 1.0; fma.rn.f32 $0, y, e, y; }")
+
+
 @triton.jit
-def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr):
+def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
-    (fp32, [ROWS]). One ``div_rn`` per row; the other divisions are exact Markstein corrections."""
+    (fp32, [ROWS]). One correctly rounded reciprocal per row; the divisions are exact Markstein
+    corrections. ``FAST_RCP`` (GPU): the reciprocal is :data:`RCP_PTX` instead of ``div_rn``;
+    ``scale`` lies in [1e-6, 3.4e38 / 15], where both agree (a row whose range overflows to
+    ``scale = inf`` gets NaN instead of 0 there, and the same codes, zero point and scale: its
+    quotients are NaN either way)."""
     scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0, INTERPRET), 1e-6)
-    rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    if FAST_RCP and not INTERPRET:
+        rcp = tl.inline_asm_elementwise(RCP_PTX, "=f,f", [scale], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     # rha(w) for w = -lo / scale >= 0 is floor(w + 0.5); fmax/fmin also map NaN to 0
-    zp = tl.floor(tl.minimum(tl.maximum(markstein_div(-lo, scale, rcp, INTERPRET) + 0.5, 0.0), 15.0))
+    zp = tl.floor(tl.minimum(tl.maximum(markstein_div(fneg(lo, INTERPRET), scale, rcp, INTERPRET) + 0.5, 0.0), 15.0))
     return scale, zp, rcp
 
 

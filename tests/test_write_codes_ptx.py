@@ -117,7 +117,7 @@ def run_codes_ptx(text: str, ops: dict) -> dict:
 
 
 @dual_jit
-def _row_words_kernel(lo_ptr, hi_ptr, out_ptr, N: tl.constexpr):
+def _row_words_kernel(lo_ptr, hi_ptr, out_ptr, N: tl.constexpr, INTERPRET: tl.constexpr):
     """The kernel's per-row words from a row's (lo, hi): scale, RN(1/scale), zp + 0.5, ch, cl, pw."""
     i = tl.arange(0, N)
     lo = tl.load(lo_ptr + i)
@@ -125,7 +125,7 @@ def _row_words_kernel(lo_ptr, hi_ptr, out_ptr, N: tl.constexpr):
     scale = tl.maximum((hi - lo) / 15.0, 1e-6)  # the interpreter divides correctly rounded
     rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     zp = tl.floor(tl.minimum(tl.maximum(-lo / scale + 0.5, 0.0), 15.0))
-    ch, cl, pw = split_reciprocal(scale, rcp)
+    ch, cl, pw = split_reciprocal(scale, rcp, INTERPRET)
     for k, v in enumerate((scale, rcp, zp + 0.5, ch, cl, pw)):
         tl.store(out_ptr + k * N + i, v)
 
@@ -161,7 +161,7 @@ def test_codes_ptx_gives_the_oracles_codes(text, dtype):
     r = single_rht(x).float()  # rotated and rounded to the model dtype, as the kernel stores them
     lo, hi = r.amin(-1).clamp(max=0.0).contiguous(), r.amax(-1).clamp(min=0.0).contiguous()
     words = torch.empty(6, len(x))
-    _row_words_kernel[(1,)](lo, hi, words, N=len(x))
+    _row_words_kernel[(1,)](lo, hi, words, N=len(x), INTERPRET=True)
     words = words.numpy().view(np.uint32).astype(np.int64)
     f16 = dtype == torch.float16
     body = CODES_ASM.value if text == "CODES_ASM" else (PACKED_CODES_F16 if f16 else PACKED_CODES_BF16).value

@@ -16,8 +16,13 @@ tool compares them everywhere it matters:
   from it is compared: ``clamp(floor(RN(±t·2**j + zp + 0.5)), 0, 15)`` for ``zp`` 0..15 and ``j``
   -4..5 (``|t|`` from 1/32 to 64; codes move only for ``|t|`` in [0.25, 16]).
 
-``python3 tools/check_int4_division.py`` on a GPU checks everything (a few seconds);
-``--quick`` checks a sample of scales through Triton's interpreter on the CPU.
+On a GPU it also compares the writer's per-row reciprocal (``RCP_PTX``: ``rcp.approx`` and two FMA
+steps, no slow path) with ``div_rn(1, scale)`` for every significand at seven exponents from the
+scale's floor (1e-6) to its ceiling.
+
+``python3 -m tools.check_int4_division`` on a GPU checks everything (a few seconds);
+``--quick`` checks a sample of scales through Triton's interpreter on the CPU (the reciprocal's
+PTX does not run there).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_math import div_split, split_reciprocal
+from kernels._write_math import RCP_PTX, div_split, split_reciprocal
 
 SIGNIFICANDS = 1 << 23
 
@@ -44,16 +49,17 @@ def significands(dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _quotients(scale, r):
+def _quotients(scale, r, INTERPRET: tl.constexpr):
     rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    ch, cl, pw = split_reciprocal(scale, rcp)
+    ch, cl, pw = split_reciprocal(scale, rcp, INTERPRET)
     exact = tl.div_rn(r[None, :], scale[:, None])
     split = div_split(r[None, :], ch[:, None], cl[:, None]) * pw[:, None]
     return exact, split
 
 
 @dual_jit
-def _count_kernel(counts_ptr, r_ptr, n_r, first, n_scales, BS: tl.constexpr, RB: tl.constexpr):
+def _count_kernel(counts_ptr, r_ptr, n_r, first, n_scales, BS: tl.constexpr, RB: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """``counts[i]``: how many ``r`` give a different quotient for scale significand ``first + i``."""
     i = tl.program_id(0) * BS + tl.arange(0, BS)
     ok = i < n_scales
@@ -62,19 +68,19 @@ def _count_kernel(counts_ptr, r_ptr, n_r, first, n_scales, BS: tl.constexpr, RB:
     for k in range(0, n_r, RB):
         j = k + tl.arange(0, RB)
         r = tl.load(r_ptr + j, mask=j < n_r, other=1.0)
-        exact, split = _quotients(scale, r)
+        exact, split = _quotients(scale, r, INTERPRET)
         bad += tl.sum(((exact != split) & (j < n_r)[None, :]).to(tl.int32), 1)
     tl.store(counts_ptr + i, bad, mask=ok)
 
 
 @dual_jit
-def _pair_kernel(exact_ptr, split_ptr, scale_ptr, r_ptr, n_r, RB: tl.constexpr):
+def _pair_kernel(exact_ptr, split_ptr, scale_ptr, r_ptr, n_r, RB: tl.constexpr, INTERPRET: tl.constexpr):
     """Both quotients of one scale (program) and every ``r``, for the mismatches' code check."""
     scale = tl.load(scale_ptr + tl.program_id(0) + tl.arange(0, 1))
     for k in range(0, n_r, RB):
         j = k + tl.arange(0, RB)
         r = tl.load(r_ptr + j, mask=j < n_r, other=1.0)
-        exact, split = _quotients(scale, r)
+        exact, split = _quotients(scale, r, INTERPRET)
         off = tl.program_id(0) * n_r + j[None, :]
         tl.store(exact_ptr + off, exact, mask=(j < n_r)[None, :])
         tl.store(split_ptr + off, split, mask=(j < n_r)[None, :])
@@ -90,7 +96,7 @@ def count_mismatches(scale_bits: torch.Tensor | None, r: torch.Tensor, device: s
         for first in range(0, SIGNIFICANDS, chunk):
             n = min(chunk, SIGNIFICANDS - first)
             c = torch.empty(n, dtype=torch.int32, device=device)
-            _count_kernel[(triton.cdiv(n, bs),)](c, r, r.numel(), first, n, BS=bs, RB=rb)
+            _count_kernel[(triton.cdiv(n, bs),)](c, r, r.numel(), first, n, BS=bs, RB=rb, INTERPRET=device == "cpu")
             idx = torch.nonzero(c).flatten()
             found.append(idx.cpu().numpy() + first)
             counts.append(c[idx].cpu().numpy())
@@ -99,7 +105,7 @@ def count_mismatches(scale_bits: torch.Tensor | None, r: torch.Tensor, device: s
     else:
         for m in scale_bits.tolist():
             c = torch.empty(1, dtype=torch.int32, device=device)
-            _count_kernel[(1,)](c, r, r.numel(), m, 1, BS=bs, RB=rb)
+            _count_kernel[(1,)](c, r, r.numel(), m, 1, BS=bs, RB=rb, INTERPRET=device == "cpu")
             if int(c[0]):
                 found.append(np.array([m]))
                 counts.append(c.cpu().numpy())
@@ -116,7 +122,7 @@ def quotient_pairs(mants: np.ndarray, r: torch.Tensor, device: str) -> tuple[np.
     split = torch.empty_like(exact)
     rb = 128 if device != "cpu" else min(128, r.numel())
     if len(mants):
-        _pair_kernel[(len(mants),)](exact, split, scales, r, r.numel(), RB=rb)
+        _pair_kernel[(len(mants),)](exact, split, scales, r, r.numel(), RB=rb, INTERPRET=device == "cpu")
     exact, split = exact.cpu().numpy(), split.cpu().numpy()
     bad = exact != split
     rr = np.broadcast_to(r.cpu().numpy()[None, :], bad.shape)
@@ -160,6 +166,30 @@ def check(dtype: torch.dtype, device: str, scale_bits: torch.Tensor | None, log=
             "examples": [(float(a), float(b), float(c)) for a, b, c in zip(exact[:3], split[:3], rr[:3])]}
 
 
+@triton.jit
+def _rcp_kernel(bad_ptr, first, EXP: tl.constexpr, BS: tl.constexpr):
+    """How many scale significands ``first + i`` (exponent EXP) get a reciprocal from ``RCP_PTX``
+    other than ``div_rn(1, scale)`` (GPU only: inline PTX)."""
+    i = first + tl.program_id(0) * BS + tl.arange(0, BS)
+    scale = (i | ((EXP + 127) << 23)).to(tl.float32, bitcast=True)
+    want = tl.div_rn(tl.full([BS], 1.0, tl.float32), scale)
+    got = tl.inline_asm_elementwise(RCP_PTX, "=f,f", [scale], dtype=tl.float32, is_pure=True, pack=1)
+    diff = want.to(tl.int32, bitcast=True) != got.to(tl.int32, bitcast=True)
+    tl.atomic_add(bad_ptr + tl.arange(0, 1), tl.sum(diff.to(tl.int32), 0)[None])
+
+
+RCP_EXPONENTS = (-20, -2, 0, 1, 30, 100, 124)  # scale from 1e-6 (the floor) to 3.4e38 / 15
+
+
+def check_reciprocal() -> dict:
+    """``RCP_PTX`` (the writer's per-row ``RN(1/scale)``) against ``div_rn`` for every significand at
+    each of :data:`RCP_EXPONENTS` (the reciprocal's significand depends on the scale's alone)."""
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for e in RCP_EXPONENTS:
+        _rcp_kernel[(SIGNIFICANDS // 1024,)](bad, 0, EXP=e, BS=1024)
+    return {"scales": SIGNIFICANDS * len(RCP_EXPONENTS), "mismatches": int(bad.item())}
+
+
 def sample_scales(n: int, seed: int = 0) -> torch.Tensor:
     """``n`` random scale significands plus the edges (1.0, the largest, and all-ones patterns)."""
     g = torch.Generator().manual_seed(seed)
@@ -176,6 +206,13 @@ def main(argv=None) -> int:
     device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
     scale_bits = sample_scales(a.samples) if device == "cpu" else None
     failed = False
+    if device == "cuda":
+        res = check_reciprocal()
+        print(f"reciprocal: {res['scales']:,} scales (exponents {RCP_EXPONENTS}), {res['mismatches']} differ from "
+              f"div_rn(1, scale)")
+        failed |= res["mismatches"] > 0
+    else:
+        print("reciprocal (RCP_PTX, inline PTX): not checked without a GPU")
     for name in a.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
         res = check(dtype, device, scale_bits)

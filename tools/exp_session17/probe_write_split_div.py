@@ -1,0 +1,93 @@
+"""Session 17: INT4 writer trees side by side in one process: the two-operation division
+(``div_split``) against Markstein's three, then unmasked tile loads on top.
+
+``--old DIR``: a directory holding earlier trees' ``kernels`` packages copied as ``kernels_<name>``
+(relative imports only, so they load side by side); ``--variants old,mid,new`` names them
+(``new`` is this tree's ``kernels``; ``new/fast_rcp=0`` adds tuning keywords). Every variant is first
+checked against the oracle (poisoned cache, a NaN row, an Inf, a zero row, every 97th slot
+negative; a partial last tile; bf16 and fp16), then old, new and a copy of the same bytes are
+timed in interleaved rounds of CUDA-graph replays. Run:
+``PYTHONPATH=. python3 tools/exp_session17/probe_write_split_div.py --old scratch/oldpkg [--rounds 3] [--out F]``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+import torch
+
+from tools import bench_write as bw
+from tools.timing import tee
+
+
+def writer(spec):
+    """``name`` or ``name/key=int,...``: a tree's writer, with tuning keywords (this tree: ``new``)."""
+    name, _, kws = spec.partition("/")
+    kw = {k: int(v) for k, v in (item.split("=") for item in kws.split(",") if item)}
+    w = importlib.import_module(("kernels" if name == "new" else "kernels_" + name) + ".write")
+    w = w.triton_reshape_and_cache_flash_per_token_head_quant
+
+    def call(key, value, slots, views):
+        return w(key, value, views.key_cache, views.value_cache, views.k_scale_cache, views.v_scale_cache, slots,
+                 bw.MODES["int4"], check_slots=False, **kw)
+    return call
+
+
+def check(call, dtype, d, tokens, dev):
+    geo, [(key, value, slots, cache, views)] = bw._setup(tokens, d, "int4", dev, dtype)
+    key[7, 3] = float("nan")
+    value[11, 0, 5] = float("inf")
+    key[13] = 0.0
+    slots[::97] = -1
+    cache.view(torch.uint8).fill_(0xA5)
+    ref = cache.clone()
+    bw.oracle_write("int4", key, value, slots, bw.split_kv_cache(ref, geo.mode, d))
+    call(key, value, slots, views)
+    return bw._compare("int4", geo, ref, cache)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--shapes", default="65536x128,262144x128,16384x128,65536x64,65536x256")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="old,new")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, args.old)
+    log = tee(args.out)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    variants = {n: writer(n) for n in args.variants.split(",")}
+    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; INT4 write, 8 kv heads, random slots")
+    for d in (128, 64, 256):
+        for dtype in (torch.bfloat16, torch.float16):
+            for tokens in (65536 if d < 256 else 32768, 4097):
+                res = {name: check(call, dtype, d, tokens, dev) for name, call in variants.items()}
+                log(f"check d={d} {str(dtype)[6:]} tokens={tokens}: " + "; ".join(
+                    f"{n} rows differing {r}, codes {c}, max Δ {e:.2f}" for n, (r, c, e) in res.items()))
+    for tokens, d in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
+        geo, probe = bw._setup(tokens, d, "int4", dev)
+        nbytes = bw._bytes(geo, tokens)
+        del probe
+        _, sets = bw._setup(tokens, d, "int4", dev, num_sets=bw._num_sets(nbytes, dev))
+        best = {name: [] for name in variants}
+        copy = []
+        for _ in range(args.rounds):
+            for name, call in variants.items():
+                fn = bw._each(sets, lambda k, v, s, c, views, call=call: call(k, v, s, views))
+                best[name].append(bw._time_us(fn, dev, len(sets)))
+            copy.append(bw.time_copy(nbytes, dev))
+        c = min(copy)
+        row = "  ".join(f"{n} {min(t):.1f} ({100 * c / min(t):.1f}%) [{' '.join(f'{x:.1f}' for x in t)}]"
+                        for n, t in best.items())
+        log(f"{tokens} x 8 x {d}: copy {c:.1f} µs | {row}")
+        del sets
+        torch.cuda.empty_cache()
+    log(f"# done in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
