@@ -177,10 +177,10 @@ RCP_PTX = tl.constexpr("{ .reg .f32 y, e, ns; neg.f32 ns, $1; rcp.approx.ftz.f32
 def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One correctly rounded reciprocal per row; the divisions are exact Markstein
-    corrections. ``FAST_RCP`` (GPU): the reciprocal is :data:`RCP_PTX` instead of ``div_rn``;
-    ``scale`` lies in [1e-6, 3.4e38 / 15], where both agree (a row whose range overflows to
-    ``scale = inf`` gets NaN instead of 0 there, and the same codes, zero point and scale: its
-    quotients are NaN either way)."""
+    corrections. ``FAST_RCP`` (GPU): the reciprocal is :data:`RCP_PTX` instead of ``div_rn``.
+    For a finite rotated row ``scale`` lies in [1e-6, 2·FLT_MAX / (15·sqrt(head_size))] (the
+    transform's fp32 sums overflow before a range could), where both agree; a row with a NaN or
+    an Inf gets NaN there instead of 0 (or NaN), and stores codes 0 and the NaN scale either way."""
     scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0, INTERPRET), 1e-6)
     if FAST_RCP and not INTERPRET:
         rcp = tl.inline_asm_elementwise(RCP_PTX, "=f,f", [scale], dtype=tl.float32, is_pure=True, pack=1)

@@ -3,7 +3,7 @@
 
 ``--old DIR``: a directory holding earlier trees' ``kernels`` packages copied as ``kernels_<name>``
 (relative imports only, so they load side by side); ``--variants old,mid,new`` names them
-(``new`` is this tree's ``kernels``; ``new/fast_rcp=0`` adds tuning keywords). Every variant is first
+(``new`` is this tree's ``kernels``; ``new/rows=16+num_warps=1`` adds tuning keywords). Every variant is first
 checked against the oracle (poisoned cache, a NaN row, an Inf, a zero row, every 97th slot
 negative; a partial last tile; bf16 and fp16), then old, new and a copy of the same bytes are
 timed in interleaved rounds of CUDA-graph replays. Run:
@@ -23,9 +23,9 @@ from tools.timing import tee
 
 
 def writer(spec):
-    """``name`` or ``name/key=int,...``: a tree's writer, with tuning keywords (this tree: ``new``)."""
+    """``name`` or ``name/key=int+key=int...``: a tree's writer, with tuning keywords (this tree: ``new``)."""
     name, _, kws = spec.partition("/")
-    kw = {k: int(v) for k, v in (item.split("=") for item in kws.split(",") if item)}
+    kw = {k: int(v) for k, v in (item.split("=") for item in kws.split("+") if item)}
     w = importlib.import_module(("kernels" if name == "new" else "kernels_" + name) + ".write")
     w = w.triton_reshape_and_cache_flash_per_token_head_quant
 
