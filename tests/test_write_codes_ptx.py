@@ -18,7 +18,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit

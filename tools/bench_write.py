@@ -103,11 +103,16 @@ def _num_sets(nbytes, device) -> int:
     return 1 if device.type != "cuda" else max(1, min(16, -(-L2_FLUSH_BYTES // nbytes)))
 
 
-def time_write(mode_name, num_tokens, head_size, device, **kw):
+def timing_sets(mode_name, num_tokens, head_size, device):
+    """(bytes one write moves, input sets that one pass rotates through so it leaves the L2 cold)."""
     geo, probe = _setup(num_tokens, head_size, mode_name, device)
     nbytes = _bytes(geo, num_tokens)
     del probe
-    _, sets = _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))
+    return nbytes, _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))[1]
+
+
+def time_write(mode_name, num_tokens, head_size, device, **kw):
+    nbytes, sets = timing_sets(mode_name, num_tokens, head_size, device)
     us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device, len(sets))
     return us, nbytes
 

@@ -49,10 +49,7 @@ def main() -> None:
                         f"codes {codes}, max Δ {err:.2f}")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     for tokens, d in shapes:
-        geo, probe = bw._setup(tokens, d, "int4", dev)
-        nbytes = bw._bytes(geo, tokens)
-        del probe
-        _, sets = bw._setup(tokens, d, "int4", dev, num_sets=bw._num_sets(nbytes, dev))
+        nbytes, sets = bw.timing_sets("int4", tokens, d, dev)
         best = {name: float("inf") for name, kw in variants if kw(d) is not None}
         copy = float("inf")
         for _ in range(args.rounds):

@@ -69,10 +69,7 @@ def main() -> None:
                 log(f"check d={d} {str(dtype)[6:]} tokens={tokens}: " + "; ".join(
                     f"{n} rows differing {r}, codes {c}, max Δ {e:.2f}" for n, (r, c, e) in res.items()))
     for tokens, d in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
-        geo, probe = bw._setup(tokens, d, "int4", dev)
-        nbytes = bw._bytes(geo, tokens)
-        del probe
-        _, sets = bw._setup(tokens, d, "int4", dev, num_sets=bw._num_sets(nbytes, dev))
+        nbytes, sets = bw.timing_sets("int4", tokens, d, dev)
         best = {name: [] for name in variants}
         copy = []
         for _ in range(args.rounds):
