@@ -160,7 +160,8 @@ def test_codes_ptx_gives_the_oracles_codes(text, dtype):
     r = single_rht(x).float()  # rotated and rounded to the model dtype, as the kernel stores them
     lo, hi = r.amin(-1).clamp(max=0.0).contiguous(), r.amax(-1).clamp(min=0.0).contiguous()
     words = torch.empty(6, len(x))
-    _row_words_kernel[(1,)](lo, hi, words, N=len(x), INTERPRET=True)
+    with np.errstate(invalid="ignore"):  # the fp16 rows that overflow to Inf give NaN words, as on the GPU
+        _row_words_kernel[(1,)](lo, hi, words, N=len(x), INTERPRET=True)
     words = words.numpy().view(np.uint32).astype(np.int64)
     f16 = dtype == torch.float16
     body = CODES_ASM.value if text == "CODES_ASM" else (PACKED_CODES_F16 if f16 else PACKED_CODES_BF16).value
