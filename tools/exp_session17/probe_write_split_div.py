@@ -8,6 +8,8 @@ checked against the oracle (poisoned cache, a NaN row, an Inf, a zero row, every
 negative; a partial last tile; bf16 and fp16), then old, new and a copy of the same bytes are
 timed in interleaved rounds of CUDA-graph replays. Run:
 ``PYTHONPATH=. python3 tools/exp_session17/probe_write_split_div.py --old scratch/oldpkg [--rounds 3] [--out F]``.
+An older tree goes there as ``mkdir -p scratch/oldpkg/t && git archive 67e8f0c kernels | tar -x -C
+scratch/oldpkg/t && mv scratch/oldpkg/t/kernels scratch/oldpkg/kernels_old`` (``scratch/`` is ignored).
 """
 from __future__ import annotations
 
