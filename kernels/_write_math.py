@@ -138,7 +138,7 @@ def split_reciprocal(scale, rcp, INTERPRET: tl.constexpr):
 
     ``pw`` is rcp's power of two and ``ch = rcp / pw`` its significand in [1, 2), both taken from
     rcp's bits, so ``ch = RN(1/sp)`` for ``sp = scale·pw`` (exact). ``e = 1 - sp·ch`` is exact in one
-    FMA and ``cl = RN(e / sp) = RN(1/sp - ch)`` one Markstein step later: a 48-bit reciprocal whose
+    FMA and ``cl = RN(e / sp) = RN(1/sp - ch)`` by :func:`markstein_div` with ``ch`` as the reciprocal: a 48-bit reciprocal whose
     low word stays a normal number whatever the row's exponent (``1/scale`` itself would give a
     subnormal low word above ``scale = 2**101``). A row with ``rcp = 0`` or NaN gives NaN in
     ``cl`` (its codes are 0 through ``zph = -inf`` anyway)."""
@@ -147,9 +147,7 @@ def split_reciprocal(scale, rcp, INTERPRET: tl.constexpr):
     ch = ((rb & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
     sp = scale * pw
     e = tl.fma(fneg(sp, INTERPRET), ch, 1.0)
-    q = e * ch
-    cl = tl.fma(tl.fma(fneg(q, INTERPRET), sp, e), ch, q)
-    return ch, cl, pw
+    return ch, markstein_div(e, sp, ch, INTERPRET), pw
 
 
 @triton.jit
@@ -174,6 +172,12 @@ RCP_PTX = tl.constexpr("{ .reg .f32 y, e, ns; neg.f32 ns, $1; rcp.approx.ftz.f32
 
 
 @triton.jit
+def rcp_fast(x):
+    """:data:`RCP_PTX` elementwise (GPU only): ``RN(1/x)`` for a normal ``x`` with a normal reciprocal."""
+    return tl.inline_asm_elementwise(RCP_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
     """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One correctly rounded reciprocal per row; the divisions are exact Markstein
@@ -183,7 +187,7 @@ def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
     an Inf gets NaN there instead of 0 (or NaN), and stores codes 0 and the NaN scale either way."""
     scale = tl.maximum(markstein_div(hi - lo, 15.0, 1.0 / 15.0, INTERPRET), 1e-6)
     if FAST_RCP and not INTERPRET:
-        rcp = tl.inline_asm_elementwise(RCP_PTX, "=f,f", [scale], dtype=tl.float32, is_pure=True, pack=1)
+        rcp = rcp_fast(scale)
     else:
         rcp = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     # rha(w) for w = -lo / scale >= 0 is floor(w + 0.5); fmax/fmin also map NaN to 0

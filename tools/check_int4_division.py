@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_math import RCP_PTX, div_split, split_reciprocal
+from kernels._write_math import div_split, rcp_fast, split_reciprocal
 
 SIGNIFICANDS = 1 << 23
 
@@ -168,12 +168,12 @@ def check(dtype: torch.dtype, device: str, scale_bits: torch.Tensor | None, log=
 
 @triton.jit
 def _rcp_kernel(bad_ptr, first, EXP: tl.constexpr, BS: tl.constexpr):
-    """How many scale significands ``first + i`` (exponent EXP) get a reciprocal from ``RCP_PTX``
+    """How many scale significands ``first + i`` (exponent EXP) get a reciprocal from ``rcp_fast``
     other than ``div_rn(1, scale)`` (GPU only: inline PTX)."""
     i = first + tl.program_id(0) * BS + tl.arange(0, BS)
     scale = (i | ((EXP + 127) << 23)).to(tl.float32, bitcast=True)
     want = tl.div_rn(tl.full([BS], 1.0, tl.float32), scale)
-    got = tl.inline_asm_elementwise(RCP_PTX, "=f,f", [scale], dtype=tl.float32, is_pure=True, pack=1)
+    got = rcp_fast(scale)
     diff = want.to(tl.int32, bitcast=True) != got.to(tl.int32, bitcast=True)
     tl.atomic_add(bad_ptr + tl.arange(0, 1), tl.sum(diff.to(tl.int32), 0)[None])
 
@@ -182,7 +182,7 @@ RCP_EXPONENTS = (-20, -2, 0, 1, 30, 100, 124)  # scale from 1e-6 (the floor) to 
 
 
 def check_reciprocal() -> dict:
-    """``RCP_PTX`` (the writer's per-row ``RN(1/scale)``) against ``div_rn`` for every significand at
+    """``rcp_fast`` (the writer's per-row ``RN(1/scale)``) against ``div_rn`` for every significand at
     each of :data:`RCP_EXPONENTS` (the reciprocal's significand depends on the scale's alone)."""
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
     for e in RCP_EXPONENTS:
