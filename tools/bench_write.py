@@ -111,6 +111,17 @@ def timing_sets(mode_name, num_tokens, head_size, device):
     return nbytes, _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))[1]
 
 
+def interleaved_us(sets, calls: dict, nbytes, device, rounds):
+    """``rounds`` rounds of every ``calls[name](key, value, slots, cache, views)`` over ``sets`` in
+    turn, then a copy of ``nbytes``: ({name: µs per call, a value per round}, [copy µs per round])."""
+    times, copy = {name: [] for name in calls}, []
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(_time_us(_each(sets, call), device, len(sets)))
+        copy.append(time_copy(nbytes, device))
+    return times, copy
+
+
 def time_write(mode_name, num_tokens, head_size, device, **kw):
     nbytes, sets = timing_sets(mode_name, num_tokens, head_size, device)
     us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device, len(sets))
@@ -223,9 +234,10 @@ def oracle_write(mode_name, key, value, slots, views):
                                 shrink=MSE_SHRINK if mode_name == "int4-mse" else (1.0,))
 
 
-def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
+def check_case(mode_name, dtype, head_size, num_tokens, device, write=None, **kw):
     """One write against the oracle on a poisoned cache with a NaN row, an Inf, a zero row and
-    negative slots: (rows differing, codes differing, max |Δ dequantized| in scales)."""
+    negative slots: (rows differing, codes differing, max |Δ dequantized| in scales). ``write``:
+    ``write(key, value, slots, views)`` instead of this tree's writer with ``kw``."""
     geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype)
     key[7, 3] = float("nan")
     value[11, 0, 5] = float("inf")
@@ -234,7 +246,10 @@ def check_case(mode_name, dtype, head_size, num_tokens, device, **kw):
     cache.view(torch.uint8).fill_(0xA5)  # poison: unwritten rows must stay 0xA5
     ref = cache.clone()
     oracle_write(mode_name, key, value, slots, split_kv_cache(ref, geo.mode, head_size))
-    _write(mode_name, key, value, slots, views, **kw)
+    if write is None:
+        _write(mode_name, key, value, slots, views, **kw)
+    else:
+        write(key, value, slots, views)
     return _compare(mode_name, geo, ref, cache)
 
 

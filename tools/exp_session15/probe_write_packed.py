@@ -50,16 +50,11 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     for tokens, d in shapes:
         nbytes, sets = bw.timing_sets("int4", tokens, d, dev)
-        best = {name: float("inf") for name, kw in variants if kw(d) is not None}
-        copy = float("inf")
-        for _ in range(args.rounds):
-            for name, kw in variants:
-                if kw(d) is None:
-                    continue
-                fn = bw._each(sets, lambda k, v, s, c, views, kw=kw(d): bw._write("int4", k, v, s, views, **kw))
-                best[name] = min(best[name], bw._time_us(fn, dev, len(sets)))
-            copy = min(copy, bw.time_copy(nbytes, dev))
-        row = "  ".join(f"{name} {us:.1f} ({100 * copy / us:.0f}%)" for name, us in best.items())
+        calls = {name: lambda k, v, s, c, views, kw=kw(d): bw._write("int4", k, v, s, views, **kw)
+                 for name, kw in variants if kw(d) is not None}
+        times, copies = bw.interleaved_us(sets, calls, nbytes, dev, args.rounds)
+        copy = min(copies)
+        row = "  ".join(f"{name} {min(us):.1f} ({100 * copy / min(us):.0f}%)" for name, us in times.items())
         log(f"{tokens} x 8 x {d}: copy {copy:.1f} µs | {row}")
         del sets
         torch.cuda.empty_cache()

@@ -37,19 +37,6 @@ def writer(spec):
     return call
 
 
-def check(call, dtype, d, tokens, dev):
-    geo, [(key, value, slots, cache, views)] = bw._setup(tokens, d, "int4", dev, dtype)
-    key[7, 3] = float("nan")
-    value[11, 0, 5] = float("inf")
-    key[13] = 0.0
-    slots[::97] = -1
-    cache.view(torch.uint8).fill_(0xA5)
-    ref = cache.clone()
-    bw.oracle_write("int4", key, value, slots, bw.split_kv_cache(ref, geo.mode, d))
-    call(key, value, slots, views)
-    return bw._compare("int4", geo, ref, cache)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True)
@@ -67,18 +54,13 @@ def main() -> None:
     for d in (128, 64, 256):
         for dtype in (torch.bfloat16, torch.float16):
             for tokens in (65536 if d < 256 else 32768, 4097):
-                res = {name: check(call, dtype, d, tokens, dev) for name, call in variants.items()}
+                res = {name: bw.check_case("int4", dtype, d, tokens, dev, write=call) for name, call in variants.items()}
                 log(f"check d={d} {str(dtype)[6:]} tokens={tokens}: " + "; ".join(
                     f"{n} rows differing {r}, codes {c}, max Δ {e:.2f}" for n, (r, c, e) in res.items()))
     for tokens, d in [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]:
         nbytes, sets = bw.timing_sets("int4", tokens, d, dev)
-        best = {name: [] for name in variants}
-        copy = []
-        for _ in range(args.rounds):
-            for name, call in variants.items():
-                fn = bw._each(sets, lambda k, v, s, c, views, call=call: call(k, v, s, views))
-                best[name].append(bw._time_us(fn, dev, len(sets)))
-            copy.append(bw.time_copy(nbytes, dev))
+        calls = {name: lambda k, v, s, c, views, call=call: call(k, v, s, views) for name, call in variants.items()}
+        best, copy = bw.interleaved_us(sets, calls, nbytes, dev, args.rounds)
         c = min(copy)
         row = "  ".join(f"{n} {min(t):.1f} ({100 * c / min(t):.1f}%) [{' '.join(f'{x:.1f}' for x in t)}]"
                         for n, t in best.items())
