@@ -229,6 +229,15 @@ def _gdc_wait(x):
 
 
 @gluon.jit
+def _in_warp0(x):
+    """1 in the threads of warp 0, else 0 (``%tid.x < 32``): a scalar per thread, for branches only
+    warp 0 takes (the refills: the other warps skip their address arithmetic)."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .u32 t; .reg .pred p; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; selp.u32 $0, 1, 0, p; }",
+        constraints="=r,r", args=[x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _bar_init_fence(x):
     """Make the barriers' initialisation visible (before the block-wide barrier that follows)."""
     return gl.inline_asm_elementwise(asm="fence.mbarrier_init.release.cluster; mov.b32 $0, 0;", constraints="=r,r",
@@ -453,6 +462,7 @@ def _attn_decode_v6_kernel(
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
+    WARP0: gl.constexpr = False,    # PAIR: only warp 0 runs the refills' code
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -547,14 +557,24 @@ def _attn_decode_v6_kernel(
             j = t - t0
             slot = j % STAGES
             gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
-            _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
-                        STAGE_BYTES)
-            _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
-                        STAGE_BYTES)
             n = t + STAGES + 2
-            b0, b1 = b2, b3
-            b2 = gl.load(bt_row + n, mask=n < t1, other=0)
-            b3 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
+            if WARP0:
+                if _in_warp0(ring_off) != 0:
+                    _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first,
+                                stride_blk, STAGE_BYTES)
+                    _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first,
+                                stride_blk, STAGE_BYTES)
+                    b0, b1 = b2, b3
+                    b2 = gl.load(bt_row + n, mask=n < t1, other=0)
+                    b3 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
+            else:
+                _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
+                            STAGE_BYTES)
+                _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
+                            STAGE_BYTES)
+                b0, b1 = b2, b3
+                b2 = gl.load(bt_row + n, mask=n < t1, other=0)
+                b3 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
             _bar_wait(bars + 8 * slot, (j // STAGES) & 1)
             if t + 1 < t1:
                 _bar_wait(bars + 8 * (slot + 1), ((j + 1) // STAGES) & 1)

@@ -26,10 +26,10 @@ from ._attn_launch_v6 import disable as disable_v6
 from ._attn_launch_v7 import STAGES as V7_STAGES
 from ._attn_launch_v7 import disable as disable_v7
 from ._attn_launch_v7 import launch_v7, v7_default, v7_fit
-from ._attn_launch_v4 import REDUCE_ONE_LOAD, launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
+from ._attn_launch_v4 import launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
-from ._attn_reduce import _attn_reduce_kernel
+from ._attn_launch_reduce import launch_reduce
 from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
 from .reference import rht_signs
 
@@ -323,29 +323,6 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
         launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, cfg.num_segments,
                       signs if is_int4 else None, use_pdl)
     return out
-
-
-def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segments, signs=None, use_pdl=False):
-    """Merge the split path's segments into ``out`` [T, Hq, head_size] (``_attn_reduce_kernel``):
-    ``segm_output`` [>= T, Hq, segments, head_pad] fp32, ``segm_max`` / ``segm_expsum``
-    [>= T, Hq, segments] fp32 (max in log2 units); ``signs`` (INT4, [head_size] fp32): apply the
-    inverse rotation."""
-    num_tokens, num_q_heads = out.shape[:2]
-    head_pad = segm_output.shape[-1]
-    # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
-    # (measured: bench/attention.md)
-    seg_pad = next_pow2(num_segments)
-    seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
-    lo = 1 << (head_pad.bit_length() // 2)  # INT4's Kronecker split: LO >= HI
-    _attn_reduce_kernel[(num_tokens, num_q_heads)](
-        out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
-        signs_ptr=segm_max if signs is None else signs,
-        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-        NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
-        NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
-        ROTATE=signs is not None, HI=head_pad // lo, LO=lo, PDL=use_pdl, launch_pdl=use_pdl,
-        num_warps=4,
-    )
 
 
 def _generic_decode(cfg: AttnConfig, mode: KVQuantMode, v2: int) -> AttnConfig:

@@ -54,6 +54,8 @@ PAIR = True                         # bulk copies and an even ring: two blocks p
 BULK = True                         # sm_90+: one bulk copy (TMA) per block, mbarriers (else cp.async)
 PDL = True                          # programmatic dependent launch where the launcher uses it (sm_90+)
 PDL_EARLY = True                    # with PDL: the query rotation releases v6 at its start
+WARP0 = True                        # PAIR: only warp 0 runs the refills' code and the block-id queue (H200,
+                                    # session 18: b8@32k 90.4 vs 95.5 µs, b32@32k 310.2 vs 323.2)
 
 
 class RingUnsupported(RuntimeError):
@@ -93,15 +95,16 @@ def available(device: torch.device) -> bool:
 
 
 def disable(error: Exception, disabled: "list | None" = None, what: str = "INT4 decode kernel (v6)",
-            instead: str = "INT4") -> None:
+            instead: str = "INT4 decode uses the v4 kernel instead") -> None:
     """Switch a Gluon kernel off for this process after ``error`` (it did not compile here), with
-    one warning: v6 by default; v7 passes its own ``disabled`` list and names."""
+    one warning: v6 by default; v7 and the reduction pass their own ``disabled`` list and words
+    (``instead``: what runs instead)."""
     disabled = _DISABLED if disabled is None else disabled
     if not disabled:
         last = (str(error).strip().splitlines() or [""])[-1]
         disabled.append(f"{type(error).__name__}: {last}")
         warnings.warn(f"kernels: the Gluon {what} did not compile with this Triton ({disabled[0]}); "
-                      f"{instead} decode uses the v4 kernel instead", RuntimeWarning, stacklevel=3)
+                      f"{instead}", RuntimeWarning, stacklevel=3)
 
 
 class _Words:
@@ -239,7 +242,7 @@ def launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap, 
                         segm_output, segm_max, segm_expsum, col_scale, ring_bytes(nkv, stages, bulk),
                         NUM_Q_HEADS=q.shape[1], NKV=nkv, GROUP=group, USE_SOFTCAP=use_softcap,
                         NUM_SEGMENTS=cfg.num_segments, STAGES=stages, PROBE=PROBE, BULK=bulk, PDL=use_pdl,
-                        PAIR=PAIR and bulk and not PROBE and stages % 2 == 0,
+                        PAIR=PAIR and bulk and not PROBE and stages % 2 == 0, WARP0=WARP0,
                         launch_pdl=use_pdl)
 
 

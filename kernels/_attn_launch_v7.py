@@ -52,7 +52,7 @@ def available(device: torch.device) -> bool:
 
 def disable(error: Exception) -> None:
     """Switch v7 off for this process after ``error`` (it did not compile here), with one warning."""
-    L6.disable(error, _DISABLED, "INT8 / FP8 decode kernel (v7)", "INT8 / FP8")
+    L6.disable(error, _DISABLED, "INT8 / FP8 decode kernel (v7)", "INT8 / FP8 decode uses the v4 kernel instead")
 
 
 def v7_default(mode: KVQuantMode, q: torch.Tensor, group: int, num_seqs: int, max_seqlen_k: int) -> bool:

@@ -805,13 +805,15 @@ def test_v6_reads_only_the_packed_int4_layout():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("head_size,segments", [(16, 3), (32, 8), (64, 2), (128, 8), (128, 160), (256, 5)])
+@pytest.mark.parametrize("head_size,segments", [(16, 3), (32, 8), (64, 2), (128, 8), (128, 33), (128, 64), (128, 65),
+                                               (128, 160), (256, 5)])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "int4-rotation"])
 def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segments, rotate):
     """``launch_reduce`` against a float64 merge of the segments (weights ``exp2(max_s - max)``,
     an empty segment with max ``-inf``, a row with no visible key -> 0) and, for INT4, the inverse
-    rotation ``s * H acc / d`` by butterflies (``reference.fwht``): the kernel's Kronecker split
-    of the Hadamard matrix (``HI x LO``) at head sizes 16-256, one load and chunked segments (160)."""
+    rotation ``s * H acc / d`` by butterflies (``reference.fwht``): the Triton kernel's Kronecker
+    split of the Hadamard matrix (``HI x LO``) at head sizes 16-256, one load and chunked segments
+    (160); on CUDA at head_size 128 and up to 64 segments, the Gluon kernel's lane butterflies."""
     from kernels._attn_launch import launch_reduce
     from kernels.reference import fwht, rht_signs
     g = torch.Generator().manual_seed(head_size + segments)
@@ -826,6 +828,10 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     signs = rht_signs(head_size, device) if rotate else None
     out = torch.full((t, hq, head_size), float("nan"), device=device)
     launch_reduce(out, part.to(device), mx.to(device), sm.to(device), head_size, segments, signs)
+    if device == "cuda":  # the Gluon kernel merged it where it applies, and compiled
+        from kernels import _attn_launch_reduce as LR
+        assert not LR._DISABLED
+        assert LR.gluon_fit(out, part, head_size, segments) == (head_size == 128 and segments <= LR.GLUON_MAX_SEGMENTS)
     m = mx.double().amax(-1, keepdim=True)
     w = torch.exp2(mx.double() - torch.where(m == float("-inf"), 0.0, m))
     total = (sm.double() * w).sum(-1, keepdim=True)

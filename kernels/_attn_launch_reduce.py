@@ -1,0 +1,82 @@
+"""Launch of the split-KV reduction: the Gluon kernel (``_attn_reduce_gluon``) on CUDA GPUs at
+head_size 128 with at most ``GLUON_MAX_SEGMENTS`` segments, the Triton kernel
+(``_attn_reduce``) everywhere else and on the CPU.
+
+The Gluon kernel has its own switch-off, as v6 and v7: if it does not compile with the installed
+Triton, the first call warns once and the process keeps the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _attn_launch_v6 as L6
+from ._attn_launch_v4 import REDUCE_ONE_LOAD
+from ._attn_reduce import _attn_reduce_kernel
+from ._jit import next_pow2
+
+GLUON = True                        # the Gluon kernel where it applies
+GLUON_MAX_SEGMENTS = 64             # every segment's row loaded at once (16 rows of 4 floats per thread at most)
+GLUON_ROWS = 16                     # segments per thread: a warp per ROWS segments (H200, session 18: 16
+                                    # against 8 / 32 / 4, INT4 b8@32k 93.4-93.9 vs 95.5 / 94.4 / 98.5 µs)
+_DISABLED: list = []                # why the Gluon kernel was switched off in this process, if it was
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_kernel():
+    try:
+        from ._attn_reduce_gluon import _attn_reduce_gluon_kernel
+    except Exception:  # no triton.experimental.gluon, or an API this code does not know
+        return None
+    return _attn_reduce_gluon_kernel
+
+
+def gluon_fit(out: torch.Tensor, segm_output: torch.Tensor, head_size: int, num_segments: int) -> bool:
+    """Whether the Gluon kernel merges this call: CUDA (sm_80+), head_size 128 (rows of 128
+    fp32 in ``segm_output``), at most ``GLUON_MAX_SEGMENTS`` segments, not switched off."""
+    return (GLUON and not _DISABLED and out.device.type == "cuda" and head_size == 128
+            and segm_output.shape[-1] == 128 and num_segments <= GLUON_MAX_SEGMENTS
+            and L6._capable(out.device.index or 0) and _gluon_kernel() is not None)
+
+
+def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segments, signs=None, use_pdl=False):
+    """Merge the split path's segments into ``out`` [T, Hq, head_size]: ``segm_output``
+    [>= T, Hq, segments, head_pad] fp32, ``segm_max`` / ``segm_expsum`` [>= T, Hq, segments] fp32
+    (max in log2 units); ``signs`` (INT4, [head_size] fp32): apply the inverse rotation."""
+    num_tokens, num_q_heads = out.shape[:2]
+    if gluon_fit(out, segm_output, head_size, num_segments) and _gluon_ran(
+            out, segm_output, segm_max, segm_expsum, num_segments, signs, use_pdl):
+        return
+    head_pad = segm_output.shape[-1]
+    # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
+    # (measured: bench/attention.md)
+    seg_pad = next_pow2(num_segments)
+    seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
+    lo = 1 << (head_pad.bit_length() // 2)  # INT4's Kronecker split: LO >= HI
+    _attn_reduce_kernel[(num_tokens, num_q_heads)](
+        out_ptr=out, segm_out_ptr=segm_output, segm_max_ptr=segm_max, segm_sum_ptr=segm_expsum,
+        signs_ptr=segm_max if signs is None else signs,
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        NUM_Q_HEADS=num_q_heads, HEAD=head_size, HEAD_PAD=head_pad,
+        NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
+        ROTATE=signs is not None, HI=head_pad // lo, LO=lo, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=4,
+    )
+
+
+def _gluon_ran(out, segm_output, segm_max, segm_expsum, num_segments, signs, use_pdl) -> bool:
+    """Launch the Gluon kernel (a program per token and head, a warp per ``GLUON_ROWS`` segments); False, and the kernel switched off
+    with one warning, where it does not compile with this Triton."""
+    seg_pad = next_pow2(num_segments)
+    try:
+        _gluon_kernel()[out.shape[:2]](
+            out, segm_output, segm_max, segm_expsum, segm_max if signs is None else signs,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_Q_HEADS=out.shape[1], NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=signs is not None,
+            PDL=use_pdl, num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=use_pdl)
+    except L6.V6_COMPILE_ERRORS as e:
+        L6.disable(e, _DISABLED, "split-KV reduction", "the Triton reduction runs instead")
+        return False
+    return True
