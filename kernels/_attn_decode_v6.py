@@ -556,9 +556,9 @@ def _attn_decode_v6_kernel(
         for t in range(t0, t1, 2):
             j = t - t0
             slot = j % STAGES
-            gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
             n = t + STAGES + 2
-            if WARP0:
+            gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
+            if WARP0:  # only warp 0 runs the refills' code (the copies are one thread's anyway)
                 if _in_warp0(ring_off) != 0:
                     _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first,
                                 stride_blk, STAGE_BYTES)

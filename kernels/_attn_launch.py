@@ -29,7 +29,7 @@ from ._attn_launch_v7 import launch_v7, v7_default, v7_fit
 from ._attn_launch_v4 import launch_v4, v4_default, v4_fit, v4_segments, v4_tiling
 from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3, rotate_q_needs_small_grid,
                               v3_segments, v3_tiling)
-from ._attn_launch_reduce import launch_reduce
+from ._attn_launch_edges import launch_reduce
 from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
 from .reference import rht_signs
 

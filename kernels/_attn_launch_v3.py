@@ -17,6 +17,7 @@ from layouts import KVQuantMode
 from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_kernel import _prep_q_kernel
 from ._attn_decode_v3 import _attn_decode_v3_kernel
+from ._attn_launch_edges import prep_q_gluon
 from ._attn_units import MODE_FP8, MODE_INT4, MODE_INT8
 from ._jit import cdiv, num_sms, prev_pow2
 
@@ -111,6 +112,8 @@ def decode_query(q, signs, softmax_scale, head_size, mode, softcap, interp, part
     if not is_int4 or not prepare:
         return q, float(softmax_scale), use_softcap, col_scale
     qp = torch.empty(q.shape[0], q.shape[1], head_size, dtype=torch.float32, device=q.device)
+    if not interp and prep_q_gluon(q, signs, qp, softmax_scale, parts, use_pdl, release):
+        return qp, 1.0, use_softcap, col_scale
     _prep_q_kernel[(q.shape[0], cdiv(q.shape[1], 16))](
         q_ptr=q, signs_ptr=signs, q_out_ptr=qp, softmax_scale=float(softmax_scale),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),

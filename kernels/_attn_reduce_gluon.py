@@ -1,15 +1,13 @@
-"""The split-KV reduction at head_size 128 on the GPU, in Gluon: ``_attn_reduce_kernel``'s merge
-with the inverse rotation as a butterfly network across a warp's lanes.
+"""The split-KV reduction at head_size 128 on the GPU, in Gluon: ``_attn_reduce_kernel``'s merge,
+with the INT4 inverse rotation as a warp's lane butterflies (``_hadamard_gluon.fwht128``).
 
-Each lane holds 4 consecutive dims of the merged row (dims ``4 l + 2 j + k`` of lane ``l``), so
-the Sylvester Walsh-Hadamard product ``H acc`` is 7 radix-2 stages on the row in place: the two
-on bits 0-1 inside each lane (adds and subtractions), the five on bits 2-6 between lanes
-``l`` and ``l ^ 2^i`` (``shfl.sync.bfly`` and one add or subtraction each). That is 4 x 7 adds
-and 20 shuffles per lane, against the Triton kernel's Kronecker products over ``[8, 16, 16]``
-and ``[8, 8, 16]`` tiles, whose layout changes go through shared memory behind 16 barriers
-(offline sm_90: 672 SASS instructions, 16 ``BAR``). The merge is the Triton kernel's: the
-segments' maxima, weights ``exp2(max_s - max)``, the weighted sums of the accumulators and of
-``l``, then one division.
+One program per (token, query head), a warp per ``SEG_PAD / num_warps`` segments. The whole
+``[SEG_PAD, 128]`` tile of segment rows is one load, so every row is in flight at once; each
+thread takes the maximum and the weighted sum of ``l`` over all segments itself, so the only
+exchange between warps is the sum of the weighted rows. The Triton kernel changes layouts
+through shared memory behind 16 barriers for its Kronecker products (offline sm_90: 672 SASS
+instructions); this one has 2 barriers. H200, session 18 (docs/bench/attention.md): INT4
+b32@32k's reduction 2.5 µs against 11.3, b12@32k 3.4 against 5.9.
 
 The CPU (Triton's interpreter) and other head sizes keep ``_attn_reduce._attn_reduce_kernel``.
 """
@@ -19,28 +17,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-HEAD = gl.constexpr(128)        # the row this kernel merges: 32 lanes x 4 dims
-
-
-@gluon.constexpr_function
-def _bfly_asm(mask):
-    return f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, -1;"
-
-
-@gluon.jit
-def _bfly(x, lane, MASK: gl.constexpr):
-    """One radix-2 stage across lanes ``lane`` and ``lane ^ MASK`` (the whole warp takes part):
-    ``x + x'`` where the lane's bit is 0, ``x' - x`` where it is 1."""
-    p = gl.inline_asm_elementwise(asm=_bfly_asm(MASK), constraints="=r,r", args=[x], dtype=gl.float32,
-                                  is_pure=False, pack=1)
-    return gl.where((lane & MASK) == 0, x + p, p - x)
-
-
-@gluon.jit
-def _gdc_wait(x):
-    """``griddepcontrol.wait`` (launched with ``launch_pdl``: the decode kernel's writes are visible)."""
-    return gl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r,r", args=[x],
-                                     dtype=gl.int32, is_pure=False, pack=1)
+from ._hadamard_gluon import HEAD, fwht128, gdc_wait
 
 
 @gluon.jit
@@ -64,7 +41,7 @@ def _attn_reduce_gluon_kernel(
     tok = gl.program_id(0).to(gl.int64)
     head = gl.program_id(1)
     if PDL:
-        _gdc_wait(head)
+        gdc_wait(head)
     row0 = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS
     offs_s = gl.arange(0, SEG_PAD, layout=S_L)
     s_ok = offs_s < NUM_SEGMENTS
@@ -87,21 +64,7 @@ def _attn_reduce_gluon_kernel(
     inv = gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), 0.0)       # no visible key -> 0
     out_row = out_ptr + tok * stride_o_t + head * stride_o_h
     if ROTATE:
-        a, b = gl.split(gl.reshape(acc, [32, 2, 2]))   # k = 0, 1: [32, 2 (j)]
-        p0, p1 = gl.split(a + b)                   # bit 0 done; j = 0, 1: [32]
-        q0, q1 = gl.split(a - b)
-        y00 = p0 + p1                              # y_jk: bit 1 done
-        y10 = p0 - p1
-        y01 = q0 + q1
-        y11 = q0 - q1
-        lane = gl.arange(0, 32, layout=y00.type.layout)
-        for i in gl.static_range(5):               # bits 2-6: across lanes
-            y00 = _bfly(y00, lane, 1 << i)
-            y10 = _bfly(y10, lane, 1 << i)
-            y01 = _bfly(y01, lane, 1 << i)
-            y11 = _bfly(y11, lane, 1 << i)
-        z = gl.reshape(gl.permute(gl.join(gl.join(y00, y01), gl.join(y10, y11)), (0, 2, 1)), [32, 4])
-        acc = gl.convert_layout(z, R_L) * (gl.load(signs_ptr + d) * (inv / HEAD))
+        acc = fwht128(acc) * (gl.load(signs_ptr + d) * (inv / HEAD))
     else:
         acc = acc * inv
     gl.store(out_row + d * stride_o_d, acc.to(out_ptr.dtype.element_ty))

@@ -805,6 +805,34 @@ def test_v6_reads_only_the_packed_int4_layout():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_query_rotation_in_parts(device, parts, dtype):
+    """``decode_query`` (INT4) against ``softmax_scale * H (s * q)`` by butterflies in float64,
+    rotated dim ``parts * i + x`` at ``x * 128 / parts + i``; on CUDA the Gluon kernel (lane
+    butterflies) rotates, on the CPU the Triton one (a dot with the Hadamard matrix)."""
+    from kernels import _attn_launch_edges as E
+    from kernels._attn_launch_v3 import decode_query
+    from kernels.reference import rht_signs
+    g = torch.Generator().manual_seed(parts)
+    q = (torch.randn(5, 6, 128, generator=g) * 3).to(dtype)
+    q[1, 2, 7] = 300.0                                     # an outlier channel
+    signs = rht_signs(128, device)
+    qp, q_scale, _, _ = decode_query(q.to(device), signs, 0.125, 128, KVQuantMode.INT4_PER_TOKEN_HEAD, 0.0,
+                                     device == "cpu", parts, False, False)
+    assert q_scale == 1.0
+    if device == "cuda":
+        assert not E._PREP_DISABLED
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 128:                                 # Sylvester's construction, exact
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    ref = (q.double() * rht_signs(128).double()) @ h * 0.125          # [T, H, 128], natural order
+    want = ref.view(5, 6, 128 // parts, parts).transpose(-1, -2).reshape(5, 6, 128)
+    assert torch.allclose(qp.double().cpu(), want, rtol=1e-5, atol=1e-4), (qp.double().cpu() - want).abs().max()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("head_size,segments", [(16, 3), (32, 8), (64, 2), (128, 8), (128, 33), (128, 64), (128, 65),
                                                (128, 160), (256, 5)])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "int4-rotation"])
@@ -829,7 +857,7 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     out = torch.full((t, hq, head_size), float("nan"), device=device)
     launch_reduce(out, part.to(device), mx.to(device), sm.to(device), head_size, segments, signs)
     if device == "cuda":  # the Gluon kernel merged it where it applies, and compiled
-        from kernels import _attn_launch_reduce as LR
+        from kernels import _attn_launch_edges as LR
         assert not LR._DISABLED
         assert LR.gluon_fit(out, part, head_size, segments) == (head_size == 128 and segments <= LR.GLUON_MAX_SEGMENTS)
     m = mx.double().amax(-1, keepdim=True)

@@ -8,7 +8,10 @@ Per shape, in interleaved rounds of CUDA-graph replays (best kept), the default 
 - ``rows=N``: the Gluon reduction with N segments per thread (``GLUON_ROWS``);
 - ``warp0 off``: every warp of v6 runs the refills' code (``L6.WARP0`` off; calls 1-4 ran with
   it off, and call 5 timed it on as ``warp0``);
-- ``triton reduce``: the Triton reduction (``_attn_launch_reduce.GLUON`` off), the rest the default.
+- ``arrive`` (call 8 only; the branch was removed): v6's warps 1.. arrive on a named barrier
+  (``bar.arrive``, two ids alternating) and go on, warp 0 alone waits there before the refills;
+- ``triton edges``: the Triton query rotation and reduction (``_attn_launch_edges.GLUON`` off;
+  ``triton reduce`` in calls 2-4, before the rotation had a Gluon kernel), the rest the default.
 
 (Call 1 of the session also timed ``tail``: v6 releasing the reduction after its loop with
 ``griddepcontrol.launch_dependents``; 4-8% slower at every shape, the branch was removed.)
@@ -25,7 +28,7 @@ import torch
 
 sys.path.insert(0, ".")
 from kernels import _attn_launch as LA  # noqa: E402
-from kernels import _attn_launch_reduce as LR  # noqa: E402
+from kernels import _attn_launch_edges as LR  # noqa: E402
 from kernels import _attn_launch_v6 as L6  # noqa: E402
 from layouts import KVQuantMode as M  # noqa: E402
 from tools import bench_attention as ba  # noqa: E402
@@ -49,7 +52,7 @@ ROWS = LR.GLUON_ROWS
 def setting(name: str) -> None:
     LA.launch_reduce = (lambda *a, **kw: None) if name in ("no reduce", "v6 alone") else REAL_REDUCE
     LA.decode_query = _cached_query if name in ("no rotation", "v6 alone") else REAL_QUERY
-    LR.GLUON = name != "triton reduce"
+    LR.GLUON = name != "triton edges"
     LR.GLUON_ROWS = int(name[5:]) if name.startswith("rows=") else ROWS
     L6.WARP0 = name != "warp0 off"
 
@@ -85,7 +88,7 @@ def kernel_times(pb, cfg, log, label: str) -> None:
 
 def main(argv=None) -> int:
     ap = ab.parser(__doc__, "8x32768,12x32768,32x32768,4x32768")
-    ap.add_argument("--variants", default="default,triton reduce,no reduce,no rotation,v6 alone")
+    ap.add_argument("--variants", default="default,triton edges,no reduce,no rotation,v6 alone")
     args = ap.parse_args(argv)
     log, p = ab.start(args, "INT4 v6 call, pieces left out")
     names = args.variants.split(",")
@@ -101,8 +104,8 @@ def main(argv=None) -> int:
                 + "; rel. L2 of each full call " + " / ".join(f"{e:.2e}" for e in errs))
             setting("default")
             kernel_times(pb, d, log, f"b{batch}@{ctx} default")
-            setting("triton reduce")
-            kernel_times(pb, d, log, f"b{batch}@{ctx} triton reduce")
+            setting("triton edges")
+            kernel_times(pb, d, log, f"b{batch}@{ctx} triton edges")
         finally:
             setting("default")
         del pb, pbb

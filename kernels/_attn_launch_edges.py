@@ -1,8 +1,10 @@
-"""Launch of the split-KV reduction: the Gluon kernel (``_attn_reduce_gluon``) on CUDA GPUs at
-head_size 128 with at most ``GLUON_MAX_SEGMENTS`` segments, the Triton kernel
-(``_attn_reduce``) everywhere else and on the CPU.
+"""Launch of the kernels at the edges of a split decode: the INT4 query rotation before it and
+the reduction of its segments after it.
 
-The Gluon kernel has its own switch-off, as v6 and v7: if it does not compile with the installed
+On CUDA GPUs at head_size 128 both are Gluon kernels whose Hadamard products are a warp's lane
+butterflies (``_hadamard_gluon``; the reduction with at most ``GLUON_MAX_SEGMENTS`` segments);
+everywhere else, and on the CPU, the Triton kernels (``_prep_q_kernel``, ``_attn_reduce``). Each
+Gluon kernel has its own switch-off, as v6 and v7: if it does not compile with the installed
 Triton, the first call warns once and the process keeps the Triton kernel.
 """
 
@@ -13,7 +15,6 @@ import functools
 import torch
 
 from . import _attn_launch_v6 as L6
-from ._attn_launch_v4 import REDUCE_ONE_LOAD
 from ._attn_reduce import _attn_reduce_kernel
 from ._jit import next_pow2
 
@@ -21,7 +22,8 @@ GLUON = True                        # the Gluon kernel where it applies
 GLUON_MAX_SEGMENTS = 64             # every segment's row loaded at once (16 rows of 4 floats per thread at most)
 GLUON_ROWS = 16                     # segments per thread: a warp per ROWS segments (H200, session 18: 16
                                     # against 8 / 32 / 4, INT4 b8@32k 93.4-93.9 vs 95.5 / 94.4 / 98.5 µs)
-_DISABLED: list = []                # why the Gluon kernel was switched off in this process, if it was
+_DISABLED: list = []                # why the Gluon reduction was switched off in this process, if it was
+_PREP_DISABLED: list = []           # why the Gluon query rotation was, if it was
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,6 +33,34 @@ def _gluon_kernel():
     except Exception:  # no triton.experimental.gluon, or an API this code does not know
         return None
     return _attn_reduce_gluon_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _prep_kernel():
+    try:
+        from ._hadamard_gluon import _prep_q_gluon_kernel
+    except Exception:
+        return None
+    return _prep_q_gluon_kernel
+
+
+def prep_q_gluon(q, signs, qp, softmax_scale, parts, use_pdl, release) -> bool:
+    """Rotate the INT4 query into ``qp`` (``_prep_q_kernel``'s output: [T, Hq, 128] fp32 in
+    ``parts`` parts) with the Gluon kernel, one warp per token and head, where it applies (CUDA
+    sm_80+, head_size 128, ``GLUON`` on, not switched off); False where it does not (the caller
+    runs the Triton kernel), and once, with a warning, where it does not compile here."""
+    if not (GLUON and not _PREP_DISABLED and q.device.type == "cuda" and q.shape[2] == 128
+            and L6._capable(q.device.index or 0) and _prep_kernel() is not None):
+        return False
+    try:
+        _prep_kernel()[q.shape[:2]](
+            q, signs, qp, float(softmax_scale), q.stride(0), q.stride(1), q.stride(2),
+            NUM_Q_HEADS=q.shape[1], PARTS=parts, PDL=use_pdl, RELEASE=use_pdl and release,
+            num_warps=1, launch_pdl=use_pdl)
+    except L6.V6_COMPILE_ERRORS as e:
+        L6.disable(e, _PREP_DISABLED, "INT4 query rotation", "the Triton rotation runs instead")
+        return False
+    return True
 
 
 def gluon_fit(out: torch.Tensor, segm_output: torch.Tensor, head_size: int, num_segments: int) -> bool:
@@ -49,6 +79,7 @@ def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segmen
     if gluon_fit(out, segm_output, head_size, num_segments) and _gluon_ran(
             out, segm_output, segm_max, segm_expsum, num_segments, signs, use_pdl):
         return
+    from ._attn_launch_v4 import REDUCE_ONE_LOAD  # (v4's launcher imports this module through v3's)
     head_pad = segm_output.shape[-1]
     # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
     # (measured: bench/attention.md)
