@@ -43,6 +43,12 @@ blocks' offset and zero-point shares go into the first block's value dots (one `
 parity), so the second block's offset cancels one fp32 rounding later: relative L2 against the
 oracle 1.84e-3 instead of 1.76e-3 at b8@32k.
 
+**Warp 0 refills** (``WARP0``, with ``PAIR``): one thread issues each bulk copy, but the
+copies' address and mbarrier arithmetic and the block-id queue's loads ran in every warp.
+Behind a branch on ``%tid.x < 32`` warps 1.. run 543 SASS instructions per step and warp 0 647
+(offline sm_90), against 624 for every warp: 4-7% faster on the H200 (docs/bench/attention.md,
+session 18). Every warp still meets at the block barrier before the refills.
+
 Writes the split buffers of ``_attn_reduce_kernel`` (rotated dims, natural order). Masked keys
 (past the sequence, outside the window) get a ``-inf`` score and a zero value scale, so
 poisoned bytes in a block's unused rows never reach the output.

@@ -44,13 +44,18 @@ def _prep_kernel():
     return _prep_q_gluon_kernel
 
 
+def prep_fit(q: torch.Tensor) -> bool:
+    """Whether the Gluon kernel rotates this query: CUDA (sm_80+), head_size 128, not switched off."""
+    return (GLUON and not _PREP_DISABLED and q.device.type == "cuda" and q.shape[2] == 128
+            and L6._capable(q.device.index or 0) and _prep_kernel() is not None)
+
+
 def prep_q_gluon(q, signs, qp, softmax_scale, parts, use_pdl, release) -> bool:
     """Rotate the INT4 query into ``qp`` (``_prep_q_kernel``'s output: [T, Hq, 128] fp32 in
-    ``parts`` parts) with the Gluon kernel, one warp per token and head, where it applies (CUDA
-    sm_80+, head_size 128, ``GLUON`` on, not switched off); False where it does not (the caller
-    runs the Triton kernel), and once, with a warning, where it does not compile here."""
-    if not (GLUON and not _PREP_DISABLED and q.device.type == "cuda" and q.shape[2] == 128
-            and L6._capable(q.device.index or 0) and _prep_kernel() is not None):
+    ``parts`` parts) with the Gluon kernel, one warp per token and head, where it applies
+    (:func:`prep_fit`); False where it does not (the caller runs the Triton kernel), and once,
+    with a warning, where it does not compile here."""
+    if not prep_fit(q):
         return False
     try:
         _prep_kernel()[q.shape[:2]](

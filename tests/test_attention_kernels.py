@@ -776,6 +776,48 @@ def test_gluon_kernel_that_does_not_compile_is_switched_off_once(which, monkeypa
     assert not mod._DISABLED
 
 
+def test_gluon_edges_that_do_not_compile_are_switched_off_once(monkeypatch):
+    """The Gluon query rotation and reduction (``_attn_launch_edges``): a kernel that does not
+    compile with this Triton costs one RuntimeWarning naming it, the Triton kernel does the work
+    (the reduction still matches a float64 merge), and that kernel alone is switched off."""
+    from triton.compiler.errors import CompilationError
+
+    from kernels import _attn_launch_edges as E
+    from kernels.reference import rht_signs
+    monkeypatch.setattr(E, "_DISABLED", [])
+    monkeypatch.setattr(E, "_PREP_DISABLED", [])
+    monkeypatch.setattr(E, "gluon_fit", lambda *a: not E._DISABLED)
+    monkeypatch.setattr(E, "prep_fit", lambda q: not E._PREP_DISABLED)
+    calls = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                calls.append(grid)
+                raise CompilationError(None, None, "gluon.foo is not defined")
+            return launch
+    monkeypatch.setattr(E, "_gluon_kernel", lambda: Broken())
+    monkeypatch.setattr(E, "_prep_kernel", lambda: Broken())
+    g = torch.Generator().manual_seed(5)
+    part, mx, sm = torch.randn(2, 3, 4, 128, generator=g), torch.randn(2, 3, 4, generator=g), torch.rand(2, 3, 4) + 0.5
+    out = torch.empty(2, 3, 128)
+    with pytest.warns(RuntimeWarning, match=r"split-KV reduction did not compile.*Triton reduction runs instead"):
+        E.launch_reduce(out, part, mx, sm, 128, 4)
+    w = torch.exp2(mx.double() - mx.double().amax(-1, keepdim=True))
+    ref = (part.double() * w[..., None]).sum(-2) / (sm.double() * w).sum(-1, keepdim=True)
+    assert torch.allclose(out.double(), ref, atol=1e-5) and len(calls) == 1 and E._DISABLED
+    assert not E._PREP_DISABLED
+    q, qp = torch.randn(2, 3, 128), torch.empty(2, 3, 128)
+    with pytest.warns(RuntimeWarning, match=r"INT4 query rotation did not compile.*Triton rotation runs instead"):
+        assert not E.prep_q_gluon(q, rht_signs(128, "cpu"), qp, 0.1, 4, False, False)
+    assert len(calls) == 2 and E._PREP_DISABLED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both switched off: no second attempt, no second warning
+        E.launch_reduce(out, part, mx, sm, 128, 4)
+        assert not E.prep_q_gluon(q, rht_signs(128, "cpu"), qp, 0.1, 4, False, False)
+    assert len(calls) == 2
+
+
 def test_v6_reads_only_the_packed_int4_layout():
     """``_attn_launch_v6.reads_layout`` (device independent) accepts the views ``split_kv_cache``
     makes of a packed INT4 cache at head_size 128, block 16, 1-8 KV heads, GQA up to 8, and
