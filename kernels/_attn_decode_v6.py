@@ -60,6 +60,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from ._gluon_pdl import gdc_wait
+
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
 ROW = gl.constexpr(17)          # words per row: the codes and the scale word
@@ -224,14 +226,6 @@ def _bar_init(bar, first):
     return gl.inline_asm_elementwise(
         asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p mbarrier.init.shared::cta.b64 [$1], 1; mov.b32 $0, 0; }",
         constraints="=r,r,r", args=[bar, first.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_wait(x):
-    """``griddepcontrol.wait``: the previous kernel of the stream has finished and its writes are
-    visible (launched with ``launch_pdl``; a no-op without)."""
-    return gl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r,r", args=[x],
-                                     dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -520,7 +514,7 @@ def _attn_decode_v6_kernel(
     b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - (2 if PAIR else 1), t1)
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
-        _gdc_wait(ring_off)
+        gdc_wait(ring_off)
     # the query, B operand: Q_n [NKV, WORDS, 8] fp16, Q_n[h, w, g] = rotated dim 8 w + n of head
     # h * GROUP + g = part n % 4, unit 2 w + n // 4; odd n over 16 (their codes come as 16 c)
     q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))

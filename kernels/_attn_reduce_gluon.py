@@ -17,7 +17,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._hadamard_gluon import HEAD, fwht128, gdc_wait
+from ._gluon_pdl import gdc_wait
+from ._hadamard_gluon import HEAD, fwht128
 
 
 @gluon.jit

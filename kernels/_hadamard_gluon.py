@@ -12,6 +12,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ._gluon_pdl import gdc_release, gdc_wait
+
 HEAD = gl.constexpr(128)
 
 
@@ -47,20 +49,6 @@ def fwht128(x):
         y11 = _bfly(y11, lane, 1 << i)
     z = gl.reshape(gl.permute(gl.join(gl.join(y00, y01), gl.join(y10, y11)), (0, 2, 1)), [32, 4])
     return gl.convert_layout(z, x.type.layout)
-
-
-@gluon.jit
-def gdc_wait(x):
-    """``griddepcontrol.wait`` (launched with ``launch_pdl``: the previous kernel's writes are visible)."""
-    return gl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r,r", args=[x],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def gdc_release(x):
-    """``griddepcontrol.launch_dependents``: the next kernel may be scheduled now."""
-    return gl.inline_asm_elementwise(asm="griddepcontrol.launch_dependents; mov.b32 $0, 0;", constraints="=r,r",
-                                     args=[x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
