@@ -558,16 +558,8 @@ def _attn_decode_v6_kernel(
             slot = j % STAGES
             n = t + STAGES + 2
             gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
-            if WARP0:  # only warp 0 runs the refills' code (the copies are one thread's anyway)
-                if _in_warp0(ring_off) != 0:
-                    _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first,
-                                stride_blk, STAGE_BYTES)
-                    _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first,
-                                stride_blk, STAGE_BYTES)
-                    b0, b1 = b2, b3
-                    b2 = gl.load(bt_row + n, mask=n < t1, other=0)
-                    b3 = gl.load(bt_row + n + 1, mask=n + 1 < t1, other=0)
-            else:
+            # WARP0: only warp 0 runs the refills' code (the copies are one thread's anyway); else every warp
+            if (_in_warp0(ring_off) if WARP0 else 1) != 0:
                 _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
                             STAGE_BYTES)
                 _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
