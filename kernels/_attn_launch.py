@@ -21,7 +21,7 @@ from ._attn_decode_kernel import _attn_decode_kernel
 from ._attn_int4_kernel import _attn_int4_kernel
 from ._attn_kernel import _attn_kernel
 from ._attn_launch_v6 import STAGES as V6_STAGES
-from ._attn_launch_v6 import V6_COMPILE_ERRORS, launch_v6, v6_default, v6_fit, v6_segments
+from ._attn_launch_v6 import gluon_ran, launch_v6, v6_default, v6_fit, v6_segments
 from ._attn_launch_v6 import disable as disable_v6
 from ._attn_launch_v7 import STAGES as V7_STAGES
 from ._attn_launch_v7 import disable as disable_v7
@@ -286,7 +286,7 @@ def launch_attention(q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax
     if split and cfg.v2 == 7 and v7_fit(mode, q, k, v, ks, vs):
         _, q_scale, use_softcap, col_scale = decode_query(q, None, softmax_scale, head_size, mode, softcap, False,
                                                           parts=4, use_pdl=False, release=False)
-        gluon = _gluon_ran(disable_v7, lambda: launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size,
+        gluon = gluon_ran(disable_v7, lambda: launch_v7(q, k, mode, cu_seqlens_q, seqused_k, block_table, window_size,
                                                          softcap, cfg, group, segm_output, segm_max, segm_expsum,
                                                          q_scale * col_scale, use_softcap))
     if split and cfg.v2 in (6, 7) and not gluon:  # v6 / v7 cannot read this cache: v4 with its tiling, else v2 / v1
@@ -334,7 +334,7 @@ def _generic_decode(cfg: AttnConfig, mode: KVQuantMode, v2: int) -> AttnConfig:
 def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, window_size, softcap, mode, cfg,
                  head_size, group, signs, segm_output, segm_max, segm_expsum, use_pdl) -> bool:
     """Run the v6 decode (the query rotation, then the kernel) on a cache :func:`v6_fit` accepts;
-    False (and v6 switched off) where the kernel does not compile here (:func:`_gluon_ran`).
+    False (and v6 switched off) where the kernel does not compile here (:func:`_attn_launch_v6.gluon_ran`).
     ``use_pdl``: both launched with programmatic dependent launch; the rotation waits for the
     previous kernel before anything, v6 before it reads the rotated query (its first block copies
     start earlier: the cache's writer finished before the rotation did). With ``L6.PDL_EARLY``
@@ -343,26 +343,9 @@ def _v6_launched(q, k, cu_seqlens_q, seqused_k, block_table, softmax_scale, wind
     early = use_pdl and L6.PDL and L6.PDL_EARLY
     qp, _, use_softcap, col_scale = decode_query(q, signs, softmax_scale, head_size, mode, softcap, False,
                                                  parts=4, use_pdl=use_pdl, release=early)
-    return _gluon_ran(disable_v6, lambda: launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap,
+    return gluon_ran(disable_v6, lambda: launch_v6(q, k, cu_seqlens_q, seqused_k, block_table, window_size, softcap,
                                                     cfg, group, segm_output, segm_max, segm_expsum, qp, col_scale,
                                                     use_softcap, use_pdl and L6.PDL))
-
-
-def _gluon_ran(disable, launch) -> bool:
-    """Run ``launch`` (a Gluon decode: v6, v7). If the kernel does not compile with this Triton
-    (its Gluon API may differ from 3.6's), ``disable`` switches that kernel off for the process
-    with one warning, and False sends this call to v4. Other errors (a CUDA error) raise."""
-    try:
-        launch()
-    except V6_COMPILE_ERRORS as e:
-        disable(e)
-        return False
-    except RuntimeError as e:  # an MLIR pass that does not lower a layout: a compile failure too
-        if "PassManager::run failed" not in str(e):
-            raise  # e.g. a CUDA error: not a reason to switch the kernel off
-        disable(e)
-        return False
-    return True
 
 
 def _launch_v2(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal, window_size,

@@ -10,8 +10,6 @@ Triton, the first call warns once and the process keeps the Triton kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import _attn_launch_v6 as L6
@@ -26,28 +24,29 @@ _DISABLED: list = []                # why the Gluon reduction was switched off i
 _PREP_DISABLED: list = []           # why the Gluon query rotation was, if it was
 
 
-@functools.lru_cache(maxsize=None)
+# the Triton reduction holds up to this many values in one tile (segments x padded head size),
+# in chunks above it (``_attn_reduce``; v4's segments keep to it)
+REDUCE_ONE_LOAD = 16384
+
+
 def _gluon_kernel():
-    try:
-        from ._attn_reduce_gluon import _attn_reduce_gluon_kernel
-    except Exception:  # no triton.experimental.gluon, or an API this code does not know
-        return None
-    return _attn_reduce_gluon_kernel
+    return L6.gluon_kernel("._attn_reduce_gluon", "_attn_reduce_gluon_kernel")
 
 
-@functools.lru_cache(maxsize=None)
 def _prep_kernel():
-    try:
-        from ._hadamard_gluon import _prep_q_gluon_kernel
-    except Exception:
-        return None
-    return _prep_q_gluon_kernel
+    return L6.gluon_kernel("._hadamard_gluon", "_prep_q_gluon_kernel")
+
+
+def _usable(t: torch.Tensor, disabled: list, kernel) -> bool:
+    """Whether a Gluon edge kernel can run on ``t``'s device: ``GLUON`` on, not switched off
+    (``disabled``), CUDA sm_80+, and ``kernel()`` imported."""
+    return (GLUON and not disabled and t.device.type == "cuda" and L6._capable(t.device.index or 0)
+            and kernel() is not None)
 
 
 def prep_fit(q: torch.Tensor) -> bool:
     """Whether the Gluon kernel rotates this query: CUDA (sm_80+), head_size 128, not switched off."""
-    return (GLUON and not _PREP_DISABLED and q.device.type == "cuda" and q.shape[2] == 128
-            and L6._capable(q.device.index or 0) and _prep_kernel() is not None)
+    return q.shape[2] == 128 and _usable(q, _PREP_DISABLED, _prep_kernel)
 
 
 def prep_q_gluon(q, signs, qp, softmax_scale, parts, use_pdl, release) -> bool:
@@ -55,25 +54,19 @@ def prep_q_gluon(q, signs, qp, softmax_scale, parts, use_pdl, release) -> bool:
     ``parts`` parts) with the Gluon kernel, one warp per token and head, where it applies
     (:func:`prep_fit`); False where it does not (the caller runs the Triton kernel), and once,
     with a warning, where it does not compile here."""
-    if not prep_fit(q):
-        return False
-    try:
-        _prep_kernel()[q.shape[:2]](
+    return prep_fit(q) and L6.gluon_ran(
+        lambda e: L6.disable(e, _PREP_DISABLED, "INT4 query rotation", "the Triton rotation runs instead"),
+        lambda: _prep_kernel()[q.shape[:2]](
             q, signs, qp, float(softmax_scale), q.stride(0), q.stride(1), q.stride(2),
             NUM_Q_HEADS=q.shape[1], PARTS=parts, PDL=use_pdl, RELEASE=use_pdl and release,
-            num_warps=1, launch_pdl=use_pdl)
-    except L6.V6_COMPILE_ERRORS as e:
-        L6.disable(e, _PREP_DISABLED, "INT4 query rotation", "the Triton rotation runs instead")
-        return False
-    return True
+            num_warps=1, launch_pdl=use_pdl))
 
 
 def gluon_fit(out: torch.Tensor, segm_output: torch.Tensor, head_size: int, num_segments: int) -> bool:
     """Whether the Gluon kernel merges this call: CUDA (sm_80+), head_size 128 (rows of 128
     fp32 in ``segm_output``), at most ``GLUON_MAX_SEGMENTS`` segments, not switched off."""
-    return (GLUON and not _DISABLED and out.device.type == "cuda" and head_size == 128
-            and segm_output.shape[-1] == 128 and num_segments <= GLUON_MAX_SEGMENTS
-            and L6._capable(out.device.index or 0) and _gluon_kernel() is not None)
+    return (head_size == 128 and segm_output.shape[-1] == 128 and num_segments <= GLUON_MAX_SEGMENTS
+            and _usable(out, _DISABLED, _gluon_kernel))
 
 
 def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segments, signs=None, use_pdl=False):
@@ -84,7 +77,6 @@ def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segmen
     if gluon_fit(out, segm_output, head_size, num_segments) and _gluon_ran(
             out, segm_output, segm_max, segm_expsum, num_segments, signs, use_pdl):
         return
-    from ._attn_launch_v4 import REDUCE_ONE_LOAD  # (v4's launcher imports this module through v3's)
     head_pad = segm_output.shape[-1]
     # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
     # (measured: bench/attention.md)
@@ -103,16 +95,14 @@ def launch_reduce(out, segm_output, segm_max, segm_expsum, head_size, num_segmen
 
 
 def _gluon_ran(out, segm_output, segm_max, segm_expsum, num_segments, signs, use_pdl) -> bool:
-    """Launch the Gluon kernel (a program per token and head, a warp per ``GLUON_ROWS`` segments); False, and the kernel switched off
-    with one warning, where it does not compile with this Triton."""
+    """Launch the Gluon kernel (a program per token and head, a warp per ``GLUON_ROWS``
+    segments); False, and the kernel switched off with one warning, where it does not compile
+    with this Triton (``_attn_launch_v6.gluon_ran``)."""
     seg_pad = next_pow2(num_segments)
-    try:
-        _gluon_kernel()[out.shape[:2]](
+    return L6.gluon_ran(
+        lambda e: L6.disable(e, _DISABLED, "split-KV reduction", "the Triton reduction runs instead"),
+        lambda: _gluon_kernel()[out.shape[:2]](
             out, segm_output, segm_max, segm_expsum, segm_max if signs is None else signs,
             out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=out.shape[1], NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=signs is not None,
-            PDL=use_pdl, num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=use_pdl)
-    except L6.V6_COMPILE_ERRORS as e:
-        L6.disable(e, _DISABLED, "split-KV reduction", "the Triton reduction runs instead")
-        return False
-    return True
+            PDL=use_pdl, num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=use_pdl))

@@ -17,6 +17,7 @@ from layouts import KVQuantMode
 
 from ._attn_common import DOT_FP16, DOT_FP32
 from ._attn_decode_v4 import _attn_decode_v4_kernel
+from ._attn_launch_edges import REDUCE_ONE_LOAD
 from ._attn_launch_v3 import DECODE_MODES, decode_args, decode_query
 from ._jit import next_pow2, prev_pow2
 
@@ -32,9 +33,6 @@ V4_TILING = {KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_V4, KVQuantMode.FP8_PER_TOKE
 # v3's fused query rotation wins or ties (H200, head_size 128: b1 @ 4k v3 13.7 us, v4 16.1;
 # 256: b2 @ 4k 30.9 vs 31.4; 64: v4 faster at b2 @ 4k, 11.7 vs 12.9, smaller batches not timed)
 V4_INT4_MIN_KEYS = {64: 8192, 128: 32768, 256: 32768}
-# the reduction holds up to this many values in one tile (segments x padded head size, and INT4's
-# head x head inverse rotation), in chunks above it (``_attn_launch``, ``_attn_reduce``)
-REDUCE_ONE_LOAD = 16384
 
 
 def v4_segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,

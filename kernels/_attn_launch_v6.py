@@ -31,6 +31,7 @@ Session 18: only warp 0 runs the refills' code (``WARP0``), 4-7% faster; INT4 b8
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import torch
@@ -71,13 +72,19 @@ _RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    """The Gluon kernel, or None where this Triton has no Gluon dialect (or a different one)."""
+def gluon_kernel(module: str, name: str):
+    """Gluon kernel ``name`` of this package's ``module``, or None where this Triton has no Gluon
+    dialect (or a different one): imported at the first call, so that importing the launchers
+    never needs Gluon."""
     try:
-        from ._attn_decode_v6 import _attn_decode_v6_kernel
+        return getattr(importlib.import_module(module, __package__), name)
     except Exception:  # no triton.experimental.gluon, or an API this code does not know
         return None
-    return _attn_decode_v6_kernel
+
+
+def _kernel():
+    """The v6 kernel (:func:`gluon_kernel`)."""
+    return gluon_kernel("._attn_decode_v6", "_attn_decode_v6_kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +113,24 @@ def disable(error: Exception, disabled: "list | None" = None, what: str = "INT4 
         disabled.append(f"{type(error).__name__}: {last}")
         warnings.warn(f"kernels: the Gluon {what} did not compile with this Triton ({disabled[0]}); "
                       f"{instead}", RuntimeWarning, stacklevel=3)
+
+
+def gluon_ran(disable, launch) -> bool:
+    """Run ``launch`` (a Gluon kernel: v6, v7, the decode's rotation and reduction). If the kernel
+    does not compile with this Triton (its Gluon API may differ from 3.6's), ``disable`` switches
+    it off for the process with one warning, and False sends the call to the Triton kernel that
+    stands in for it. Other errors (a CUDA error) raise."""
+    try:
+        launch()
+    except V6_COMPILE_ERRORS as e:
+        disable(e)
+        return False
+    except RuntimeError as e:  # an MLIR pass that does not lower a layout: a compile failure too
+        if "PassManager::run failed" not in str(e):
+            raise  # e.g. a CUDA error: not a reason to switch the kernel off
+        disable(e)
+        return False
+    return True
 
 
 class _Words:

@@ -17,8 +17,6 @@ batch: 1.31-1.50x faster than v4 from 262,144 keys (b8@32k, b16@16k, b64@4k, b32
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from layouts import KVQuantMode
@@ -36,13 +34,9 @@ MODES = (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
 _DISABLED: list = []                # why v7 was switched off in this process, if it was
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
-    try:
-        from ._attn_decode_v7 import _attn_decode_v7_kernel
-    except Exception:
-        return None
-    return _attn_decode_v7_kernel
+    """The v7 kernel (``_attn_launch_v6.gluon_kernel``)."""
+    return L6.gluon_kernel("._attn_decode_v7", "_attn_decode_v7_kernel")
 
 
 def available(device: torch.device) -> bool:
