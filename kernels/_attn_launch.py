@@ -31,7 +31,7 @@ from ._attn_launch_v3 import (DECODE_MODES, code_units, decode_query, launch_v3,
                               v3_segments, v3_tiling)
 from ._attn_launch_edges import launch_reduce
 from ._jit import interpreting, next_pow2, num_sms, pdl, prev_pow2
-from .reference import rht_signs
+from layouts import rht_signs
 
 _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,

@@ -1,7 +1,7 @@
 """Launch of the v4 decode kernel (``_attn_decode_v4``), its tiling and when it is the default.
 
 Tiling from the H200 sweeps in docs/bench/attention.md (sessions 6 and 7; 32 query / 8 KV heads,
-block 16; ``tools/bench_decode_v4.py``): one KV head per program and one warp at every head size;
+block 16; ``bench/bench_decode_v4.py``): one KV head per program and one warp at every head size;
 INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4 with 64 keys at head_size 64,
 32 at 128 and 16 at 256. Several heads per program (whole token rows, token-major loads included)
 were slower. FP8 at head_size 128 pipelines 3 stages (session 10), the others 2. Segments aim

@@ -35,7 +35,7 @@ from ._write_checks import cache_alignment, check_write_args, lane_layout_ok, pa
 from ._write_int4_fused import _reshape_and_cache_int4_kernel
 from ._write_int4_mma import MMA_COLS, mma_table
 from ._write_int4_lanes import LANE_BITS, _reshape_and_cache_int4_lanes_kernel, fwht_asm
-from .reference import rht_signs
+from layouts import rht_signs
 
 ROTATIONS = ("butterfly", "dot")
 DIVISIONS = {"rn": 0, "markstein": 1, "fast": 2}

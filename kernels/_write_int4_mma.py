@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ._write_math import codes_ptx
-from .reference import rht_signs
+from layouts import rht_signs
 
 MMA_COLS = 32  # columns per part (one H_32)
 MMA_N = tl.constexpr(MMA_COLS)

@@ -156,7 +156,7 @@ def div_split(r, ch, cl):
     values, as the INT4 writer's rotated and rounded rows are), given :func:`split_reciprocal`'s
     ``ch`` and ``cl``: ``fma(r, ch, RN(r·cl))`` rounds ``r·(ch + cl)`` plus an error below
     ``2**-47·|r/sp|`` once. No bound proves that equal to ``RN(r / sp)`` (a quotient can sit
-    ``2**-48`` of itself from a rounding boundary); ``tools/check_int4_division.py`` checks every
+    ``2**-48`` of itself from a rounding boundary); ``bench/check_int4_division.py`` checks every
     fp32 scale significand against every bf16 and fp16 significand of ``r`` on the GPU, and a
     quotient that differs by one unit only matters if it moves an INT4 code. The result times
     ``pw`` (exact) is ``RN(r / scale)``."""
@@ -165,7 +165,7 @@ def div_split(r, ch, cl):
 
 # RN(1/s) for a normal s with a normal reciprocal: rcp.approx, one Newton step, then Markstein's
 # correction (e = 1 - s·y exact, y + y·e rounded once). No slow path, unlike div.rn / rcp.rn, whose
-# branch to a subnormal handler costs register moves around it; tools/check_int4_division.py
+# branch to a subnormal handler costs register moves around it; bench/check_int4_division.py
 # compares it with div_rn for every significand at seven exponents on the GPU: identical.
 RCP_PTX = tl.constexpr("{ .reg .f32 y, e, ns; neg.f32 ns, $1; rcp.approx.ftz.f32 y, $1; fma.rn.f32 e, ns, y, 1.0; "
                        "fma.rn.f32 y, y, e, y; fma.rn.f32 e, ns, y, 1.0; fma.rn.f32 $0, y, e, y; }")

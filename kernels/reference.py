@@ -11,11 +11,10 @@ never to plausible finite numbers.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from layouts import RHT_SIGN_SEED, KVQuantMode, check_head_size
+from layouts import KVQuantMode, check_head_size, rht_signs  # noqa: F401  (re-exported)
 
 from .reference_attention import dequantize_cache, reference_unified_attention  # noqa: F401
 
@@ -25,28 +24,6 @@ INT4_LEVELS = 15.0
 MIN_SCALE = 1e-6
 NAN_SCALE_BITS = 0x7FC00000
 ZP_MASK = 0xF
-
-
-@functools.lru_cache(maxsize=None)
-def _rht_signs_cpu(head_size: int) -> torch.Tensor:
-    g = torch.Generator(device="cpu").manual_seed(RHT_SIGN_SEED)
-    b = torch.bernoulli(torch.full((head_size,), 0.5), generator=g)
-    return 2.0 * b - 1.0
-
-
-def rht_signs(head_size: int, device="cpu") -> torch.Tensor:
-    """The ±1 float32 vector ``s`` of length ``head_size`` (vLLM's seed and generator).
-
-    One shared tensor per (head_size, device), made once: callers must not modify it in place.
-    (A copy to the GPU per call would be a pageable host-to-device copy, which synchronizes the
-    stream: the kernel launchers call this on every write and attention.)
-    """
-    return _rht_signs_on(head_size, str(torch.device(device)))
-
-
-@functools.lru_cache(maxsize=None)
-def _rht_signs_on(head_size: int, device: str) -> torch.Tensor:
-    return _rht_signs_cpu(head_size).to(device)
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:

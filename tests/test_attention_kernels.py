@@ -7,7 +7,7 @@ window; softcap; the 2D and the split-KV paths (segments forced, buffers passed 
 and the launcher's own choice); strided views of one packed cache and separate tensors;
 launcher errors; the three quantized decode kernels (v1, swapped-operand v2, 16-bit-unit v3),
 on the GPU also with their PTX code conversion; per-head-size v3 tiling; the reduction in
-chunks; programmatic dependent launch (GPU); a smoke run of ``tools/bench_attention.py --quick``.
+chunks; programmatic dependent launch (GPU); a smoke run of ``bench/attention.py --quick``.
 
 CPU tensors run through Triton's interpreter (small shapes); a CUDA test runs when a GPU is
 present. Caches are filled with the oracle writer ``reference_reshape_and_cache`` so these
@@ -466,7 +466,7 @@ def test_int4_query_rotation_in_decode_or_kernel(device, head_size, monkeypatch)
 
 
 def test_bench_quick_smoke(capsys):
-    from tools import bench_attention
+    from bench import attention
 
     assert bench_attention.main(["--quick"]) == 0
     text = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Dump tools: dump -> verify -> inspect -> load round trips, corruption, CLI errors, diff, plots.
 
-Covers ``tools/dumpfile.py`` (format), ``tools/dump.py``, ``tools/verify_dump.py``,
+Covers ``kvconnector/dumpfile.py`` (format), ``tools/dump.py``, ``tools/verify_dump.py``,
 ``tools/inspect_dump.py``, ``tools/diff_dump.py``, ``tools/load_dump.py`` and the
 statistics in ``tools/cache_stats.py``, for every cache mode (bf16, INT8, FP8, INT4) on
 small caches filled by the PyTorch oracle ``reference_reshape_and_cache`` from random K/V
@@ -25,7 +25,7 @@ from tools.cache_stats import CacheStats
 from tools.cli import main
 from tools.diff_dump import diff_dumps
 from tools.dump import dump_cache_file, load_cache_file, save_cache_file
-from tools.dumpfile import DumpReader, write_dump
+from kvconnector.dumpfile import DumpReader, write_dump
 from tools.inspect_dump import BlockSource, collect
 from tools.load_dump import load_dump, load_into
 from tools.verify_dump import verify

@@ -21,7 +21,7 @@ from connector_fakes import filled_caches, make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.protocol import MsgType
 from layouts import CorruptFrameError, TransferTimeoutError
-from tools.faultproxy import FaultProxy, corrupt, truncate
+from kvconnector.testing.faultproxy import FaultProxy, corrupt, truncate
 
 pytestmark = pytest.mark.timeout(60)
 SRC_IDS, DST_IDS = [7, 2, 3, 4, 9, 0], [1, 5, 6, 8, 10, 11]

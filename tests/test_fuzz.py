@@ -3,14 +3,14 @@
 Covers ``kvconnector.protocol.decode_header`` (arbitrary bytes, arbitrary msgpack maps,
 mutated valid headers), payload framing and checksum verification (``verify_payloads``),
 ``LayoutDescriptor.from_dict`` reached through a msgpack HELLO header, and the dump file
-reader (``tools.dumpfile.DumpReader``). Contract: a case decodes or raises a typed error
+reader (``kvconnector.dumpfile.DumpReader``). Contract: a case decodes or raises a typed error
 (``CorruptFrameError``, ``ProtocolVersionError``, ``LayoutError``), never anything else; no
 case hangs (pytest-timeout and a per-case time bound); a hostile length field allocates
 nothing in proportion to the length it claims (tracemalloc). Live endpoints get mutated
 messages over real sockets: they keep serving, write nothing they should not, and record
 only typed errors (their I/O threads catch everything, so an untyped one would hide there).
 
-Example counts are bounded so CI stays fast; ``python -m tools.fuzz --seconds 300`` runs the
+Example counts are bounded so CI stays fast; ``python -m kvconnector.testing.fuzz --seconds 300`` runs the
 same targets for longer (numbers in docs/RELIABILITY.md).
 
 Run: python -m pytest tests/test_fuzz.py
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from kvconnector.protocol import (MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, Header, MsgType, checksum,
                                   decode_header, encode_header, encode_message, verify_payloads)
 from layouts import CorruptFrameError, LayoutDescriptor, LayoutError, ProtocolVersionError
-from tools import fuzz
+from kvconnector.testing import fuzz
 
 pytestmark = pytest.mark.timeout(120)
 WIRE = (CorruptFrameError, ProtocolVersionError)
@@ -185,7 +185,7 @@ def _many_messages(blob):
 def _run_dump(blob):
     """Open + iterate, then open + read_block (which builds the index from the header)."""
     import tempfile
-    from tools.dumpfile import DumpReader
+    from kvconnector.dumpfile import DumpReader
     typed = (CorruptFrameError, ProtocolVersionError, LayoutError)
     errors = []
     with tempfile.TemporaryDirectory() as d:

@@ -153,7 +153,7 @@ def test_eval_smoke(tmp_path):
 
 
 def test_reference_forward_kv_transform_hook():
-    # the hook used by tools/check_anchor.py: identity changes nothing; a real round trip moves
+    # the hook used by bench/check_anchor.py: identity changes nothing; a real round trip moves
     # the logits a little (INT8), a destructive one a lot
     weights = synthetic_weights(TINY, seed=7)
     ids = torch.arange(1, 9)

@@ -1,7 +1,7 @@
 """Cross-node test: prefill and decode endpoints as two "hosts" in two network namespaces.
 
 The fixture creates namespaces joined by one veth pair (10.203.0.1/30 <-> 10.203.0.2/30,
-addresses only on that pair; tools/netns.py) and removes them afterwards, also on failure.
+addresses only on that pair; kvconnector/testing/netns.py) and removes them afterwards, also on failure.
 The prefill endpoint runs in namespace a bound to 10.203.0.1, the decode endpoint in
 namespace b, each as its own process (``ip netns exec <ns> python tests/test_netns.py
 <role>``). The decode side checks every transferred byte against the seeded source; the
@@ -65,7 +65,7 @@ def decode_main(endpoint: str) -> int:
 @pytest.fixture
 def pair():
     sys.path.insert(0, ROOT)
-    from tools.netns import NetnsPair, unavailable_reason
+    from kvconnector.testing.netns import NetnsPair, unavailable_reason
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"cannot create network namespaces here: {reason}")

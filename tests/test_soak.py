@@ -1,4 +1,4 @@
-"""Short soak of the connector (tools/soak.py): ~20 s of concurrent transfers with faults.
+"""Short soak of the connector (kvconnector/testing/soak.py): ~20 s of concurrent transfers with faults.
 
 Two decode endpoints behind fault-injecting proxies pull from one prefill endpoint with
 six worker threads, random aborts, random BLOCKS faults and link cuts. Every (layer, block)
@@ -12,7 +12,7 @@ Run: python -m pytest tests/test_soak.py
 
 import pytest
 
-from tools import soak
+from kvconnector.testing import soak
 
 
 @pytest.mark.timeout(120)

@@ -11,10 +11,10 @@ import pytest
 
 import kernels._write_int4 as W
 from kernels._attn_launch import AttnConfig
-from tools import bench_attention as B
-from tools import bench_write_versions as V
-from tools import profile_decode as P
-from tools import sweep_decode as S
+from bench import attention as B
+from bench import bench_write_versions as V
+from bench import profile_decode as P
+from bench import sweep_decode as S
 
 
 def test_sweep_configs_default_first_old_default_and_segment_scaling():
@@ -63,9 +63,9 @@ def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
 
 
 def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """tools/bench_decode_v4.py: malformed shapes, variants or modes are argparse errors (exit 2)
+    """bench/bench_decode_v4.py: malformed shapes, variants or modes are argparse errors (exit 2)
     before any GPU work; without a GPU it says so and returns 1."""
-    from tools import bench_decode_v4 as V4
+    from bench import bench_decode_v4 as V4
     for bad in (["--variants", "16:1:2"], ["--variants", "16:1:x:8:1"], ["--shapes", "8"], ["--modes", "int5"],
                 ["--rounds", "0"], ["--placements", "0"], ["--placements", "x"]):
         with pytest.raises(SystemExit) as e:
@@ -77,11 +77,11 @@ def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
 
 
 def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """tools/bench_decode_v6.py: malformed shapes, rounds, ring depths or segment counts are argparse
+    """bench/bench_decode_v6.py: malformed shapes, rounds, ring depths or segment counts are argparse
     errors (exit 2) before any GPU work; without a GPU it says so and returns 1; its v6 segment
     counts bracket the launcher's, at each ring depth asked for (only the launcher's with
     ``spread=False``; given counts, once each, with ``segments``)."""
-    from tools import bench_decode_v6 as V6
+    from bench import bench_decode_v6 as V6
     for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"],
                 ["--stages", "1,3"], ["--stages", "x"], ["--segments", "1,32"], ["--segments", "a"]):
         with pytest.raises(SystemExit) as e:
@@ -100,16 +100,16 @@ def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
 
 
 def test_probe_reads_quick():
-    """tools/probe_reads.py --quick: both read probes on tiny caches through the interpreter; each
+    """bench/probe_reads.py --quick: both read probes on tiny caches through the interpreter; each
     probe's sum is compared with a torch sum of the same rows (the tool raises on a mismatch)."""
-    from tools import probe_reads
+    from bench import probe_reads
 
     assert probe_reads.main(["--quick"]) == 0
 
 
 def test_tee_prints_and_appends(tmp_path, capsys):
-    """tools.timing.tee: each message is printed, and appended as a line to the file when one is given."""
-    from tools.timing import tee
+    """bench.timing.tee: each message is printed, and appended as a line to the file when one is given."""
+    from bench.timing import tee
     out = tmp_path / "log.txt"
     log = tee(str(out))
     log("first")

@@ -5,7 +5,7 @@ On the GPU every INT4 code comes from that PTX text; the CPU tests run the inter
 division instead. Here the text itself runs through a small emulator of its instructions (fp32
 products and additions rounded as IEEE does; ``fma`` rounded once, exactly, through fractions),
 fed with the per-row words ``split_reciprocal`` computes in Triton's interpreter, and every nibble
-is compared with the PyTorch oracle's codes. ``tools/check_int4_division.py`` is checked here on
+is compared with the PyTorch oracle's codes. ``bench/check_int4_division.py`` is checked here on
 a sample of scales (the full check runs on a GPU: bench/write.md, session 17).
 """
 
@@ -25,7 +25,7 @@ from kernels._write_int4_lanes import CODES_ASM
 from kernels._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16
 from kernels._write_math import split_reciprocal
 from kernels.reference import quantize_int4_rows, single_rht, unpack_int4_nibbles
-from tools import check_int4_division as cid
+from bench import check_int4_division as cid
 
 
 def _val(bits: int) -> np.float32:

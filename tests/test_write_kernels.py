@@ -5,7 +5,7 @@ tensor-core kernel's part split, the MSE encoder), INT8, FP8 and bf16/fp16 write
 values within the format's rounding bound, both calling conventions (separate tensors and views
 of one packed cache at a nonzero storage offset), negative slots and poisoned caches, edge rows
 (zeros, constants, one-hot, outliers, NaN/Inf), strided inputs, launcher errors, and a smoke run
-of ``tools/bench_write.py --quick``. A CUDA-only test repeats the comparison at a realistic size.
+of ``bench/write.py --quick``. A CUDA-only test repeats the comparison at a realistic size.
 
 Run: ``python -m pytest tests/test_write_kernels.py -q``
 """
@@ -352,7 +352,7 @@ def test_launcher_errors_write_nothing(kind):
 def test_bench_slot_orders():
     """bench_write's slot mappings: distinct slots either way; ``blocks`` keeps each block's tokens
     in order (as a prefill writes), ``tokens`` scatters them."""
-    from tools import bench_write
+    from bench import write
     keep = dict(bench_write.SLOTS)
     try:
         got = {}
@@ -396,7 +396,7 @@ def test_mode_and_option_errors():
 
 def test_bench_timing_helpers():
     """bench_write's timed function calls every input set once, and the time is per call."""
-    from tools import bench_write
+    from bench import write
     calls = []
     fn = bench_write._each([(1,), (2,), (3,)], lambda i: (calls.append(i), time.sleep(0.002)))
     us = bench_write._time_us(fn, torch.device("cpu"), calls=3)
@@ -406,7 +406,7 @@ def test_bench_timing_helpers():
 
 
 def test_bench_quick_smoke(capsys):
-    from tools import bench_write
+    from bench import write
     assert bench_write.main(["--quick", "--check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "worst fraction of rows differing from the oracle: 0.00e+00" in out
@@ -480,16 +480,16 @@ def test_cuda_int4_unaligned_rows(kernel, layout):
 def _assert_ties(geo, ref, out, bound):
     """At most ``bound`` rows of ``out`` differ from ``ref`` (INT4 packed caches), and in those rows
     every dequantized value (rotated domain, K and V) is within one code step of the oracle's."""
-    from tools.bench_write import _compare
+    from bench.write import _compare
     rows, _, err = _compare("int4", geo, ref, out)
     assert rows <= bound, f"{rows} rows differ, bound {bound}"
     assert err <= 1.01, f"a differing row is not a tie ({err:.3f} scales)"
 
 
 def test_write_ties_tool_dumps_and_counts(tmp_path, capsys):
-    """tools/write_ties.py end to end on CPU: a synthetic model's K/V dumped, then counted with the
+    """bench/write_ties.py end to end on CPU: a synthetic model's K/V dumped, then counted with the
     random and outlier cases (the interpreter runs the oracle's butterfly: no tie rows)."""
-    from tools import write_ties
+    from bench import write_ties
     path, text = str(tmp_path / "kv.pt"), tmp_path / "text.txt"
     text.write_text("Keys and values of a short text, written into a paged cache and read back. " * 3)
     assert write_ties.main(["--dump-kv", path, "--model", "synthetic", "--layers", "2", "--text", str(text)]) == 0

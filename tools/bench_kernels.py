@@ -1,4 +1,4 @@
-"""Benchmark the Triton kernels: the write part (tools/bench_write.py) and the attention part (tools/bench_attention.py).
+"""Benchmark the Triton kernels: the write part (bench/write.py) and the attention part (bench/attention.py).
 
 ``kvconnector bench-kernels --part write|attention|all [-- <part options>]``. With ``--quick`` both
 parts run their small CPU smoke shapes. Each part prints its own markdown table with the GPU
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench_attention, bench_write
+from bench import attention as bench_attention, write as bench_write
 
 PARTS = {"write": bench_write, "attention": bench_attention}
 

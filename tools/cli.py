@@ -23,7 +23,7 @@ COMMANDS = {
     "diff": "tools.diff_dump",
     "load": "tools.load_dump",
     "bench-kernels": "tools.bench_kernels",
-    "bench-transfer": "tools.bench_transfer",
+    "bench-transfer": "bench.transfer",
 }
 
 

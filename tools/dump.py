@@ -19,7 +19,7 @@ import torch
 
 from layouts import CorruptFrameError, KVCacheError, LayoutDescriptor, LayoutError
 
-from .dumpfile import DumpInfo, write_dump
+from kvconnector.dumpfile import DumpInfo, write_dump
 
 CACHE_FILE_FORMAT = "kvconnector-cache"
 CACHE_FILE_VERSION = 1

@@ -13,7 +13,7 @@ from layouts import KVQuantMode, LayoutDescriptor, LayoutMismatchError
 
 from .cache_stats import KV_NAMES, CacheStats
 from .dump import cli_guard, load_cache_file
-from .dumpfile import MAGIC, DumpReader
+from kvconnector.dumpfile import MAGIC, DumpReader
 
 
 class BlockSource:

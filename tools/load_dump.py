@@ -10,7 +10,7 @@ from kvconnector.blocks import scatter_blocks
 from layouts import LayoutDescriptor, LayoutError, check_compatible
 
 from .dump import cli_guard, load_cache_file, parse_ids, save_cache_file
-from .dumpfile import DumpReader
+from kvconnector.dumpfile import DumpReader
 
 
 def load_into(path, caches, desc: LayoutDescriptor, block_map: dict[int, int] | None = None,

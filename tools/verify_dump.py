@@ -11,7 +11,7 @@ from layouts import CacheGeometry, CorruptFrameError, KVQuantMode
 
 from .cache_stats import split_block
 from .dump import cli_guard
-from .dumpfile import DumpReader
+from kvconnector.dumpfile import DumpReader
 
 
 def check_rows(block: torch.Tensor, geo: CacheGeometry) -> str | None:

@@ -1,0 +1,310 @@
+"""Benchmark the paged attention kernels: decode and prefill, every cache mode, against copy bandwidth.
+
+Decode rows: context x batch for 32 query / 8 KV heads, head_size 128, block 16 (presets
+below). Each row: median µs over CUDA-graph replays (``triton.testing.do_bench_cudagraph``;
+the launcher does no host sync, so a graph captures it), GB/s of KV bytes read (codes and
+scales of every visible token, K and V), the ratio of bf16's time to the mode's time, and the
+share of the device-to-device copy bandwidth measured in the same run. Caches hold random
+codes; every timed configuration is first checked against the oracle
+``reference_unified_attention`` on two of its sequences (relative L2 <= 1e-2). Caches smaller
+than 4x the L2 are replicated and the timed call rotates through the copies.
+
+Run: ``PYTHONPATH=. python3 bench/attention.py`` (H200), ``--quick`` (tiny, any device,
+CPU timing by wall clock: a smoke test, not a measurement), ``--sweep`` (tile/warps/segments
+variants of the decode rows, for tuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import torch
+
+from kernels import _jit
+from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnConfig, pick_config
+from kernels.attention import unified_attention
+from kernels.reference_attention import reference_unified_attention
+from layouts import CacheGeometry, KVQuantMode, split_kv_cache
+from bench.timing import graph_us
+
+MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
+         "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD, "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
+FULL = dict(contexts=[1024, 4096, 32768], batches=[1, 8, 32], num_q_heads=32, num_kv_heads=8,
+            head_size=128, block_size=16, prefill=(1, 4096))
+QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, head_size=64,
+             block_size=16, prefill=(1, 48))
+L2_BYTES = 60 * 2**20
+REP_MS = 100  # per timed configuration (do_bench_cudagraph)
+# --compare: v2/v3 variants (kernel 1 = v2, 3 = v3; tile, warps, stages);
+# the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
+COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2))
+
+
+def fill_cache(mode, geo, num_blocks, device, gen):
+    """Packed cache of random codes with plausible per-row scales (timing needs no real K/V)."""
+    cache = geo.new_cache(num_blocks, device=device)
+    if mode == KVQuantMode.NONE:
+        cache.normal_(generator=gen)
+        return cache, split_kv_cache(cache, mode, geo.head_size)
+    raw = cache.view(torch.uint8)
+    raw.random_(0, 256, generator=gen)
+    views = split_kv_cache(cache, mode, geo.head_size)
+    fill_values(views, mode, device, gen)
+    return cache, views
+
+
+def fill_values(views, mode, device, gen) -> None:
+    """Over random code bytes: finite e4m3 codes (FP8) and plausible per-row scales, INT4's with a
+    zero point in the low 4 bits; ``views`` as :func:`layouts.split_kv_cache` returns them."""
+    if mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
+        for t in (views.key_cache, views.value_cache):
+            t.copy_(torch.randn(t.shape, device=device, generator=gen).mul(100).clamp(-448, 448).to(t.dtype))
+    for t in (views.k_scale_cache, views.v_scale_cache):
+        s = torch.rand(t.shape, device=device, generator=gen) * 0.05 + 0.01
+        if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # zero point in the low 4 bits
+            zp = torch.randint(0, 16, t.shape, device=device, generator=gen, dtype=torch.int32)
+            s = ((s.view(torch.int32) & ~0xF) | zp).view(torch.float32)
+        t.copy_(s)
+
+
+def make_problem(mode, batch, ctx, q_len, p, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    geo = CacheGeometry(mode, p["head_size"], p["num_kv_heads"], p["block_size"], torch.bfloat16)
+    blocks_per_seq = -(-ctx // p["block_size"])
+    set_blocks = batch * blocks_per_seq
+    copies = 1 if device == "cpu" else max(1, -(-4 * L2_BYTES // (set_blocks * geo.block_bytes)))
+    cache, views = fill_cache(mode, geo, copies * set_blocks, device, gen)
+    perm = torch.randperm(copies * set_blocks, device=device, generator=gen).to(torch.int32)
+    tables = [perm[i * set_blocks:(i + 1) * set_blocks].view(batch, blocks_per_seq) for i in range(copies)]
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    q = torch.randn(batch * q_len, p["num_q_heads"], p["head_size"], device=device, generator=gen).to(torch.bfloat16)
+    kv_bytes = batch * ctx * p["num_kv_heads"] * 2 * geo.row_bytes
+    return dict(mode=mode, views=views, tables=tables, cu=cu, q=q, q_len=q_len, ctx=ctx, batch=batch,
+                seqused_k=torch.full((batch,), ctx, dtype=torch.int32, device=device), kv_bytes=kv_bytes,
+                out=torch.empty_like(q), cache=cache)
+
+
+def call(pb, cfg, table):
+    v = pb["views"]
+    return unified_attention(pb["q"], v.key_cache, v.value_cache, pb["out"], pb["cu"], pb["seqused_k"],
+                             pb["q_len"], pb["ctx"], pb["q"].shape[-1] ** -0.5, True, (-1, -1), table, 0.0,
+                             None, None, None, kv_quant_mode=pb["mode"], k_scale_cache=v.k_scale_cache,
+                             v_scale_cache=v.v_scale_cache, config=cfg)
+
+
+def check(pb, cfg) -> float:
+    """Relative L2 of the kernel vs the oracle on the first and last sequence (a gathered sub-cache)."""
+    pb["out"].fill_(float("nan"))
+    call(pb, cfg, pb["tables"][0])
+    seqs = sorted({0, pb["batch"] - 1})
+    ids = pb["tables"][0][seqs].long()  # [n, blocks]
+    v = pb["views"]
+    sub = [None if t is None else t[ids.flatten()] for t in v]
+    table = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device).view(ids.shape)
+    ql = pb["q_len"]
+    rows = torch.cat([torch.arange(s * ql, (s + 1) * ql) for s in seqs]).to(ids.device)
+    cu = torch.arange(0, (len(seqs) + 1) * ql, ql, dtype=torch.int32, device=ids.device)
+    ref = reference_unified_attention(pb["q"][rows], sub[0], sub[1], cu, pb["seqused_k"][:len(seqs)], table,
+                                      pb["q"].shape[-1] ** -0.5, True, (-1, -1), 0.0, pb["mode"], sub[2], sub[3])
+    got = pb["out"][rows].float()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def time_us(pb, cfg) -> float:
+    tables = pb["tables"]
+    if pb["q"].device.type == "cpu":
+        t0 = time.perf_counter()
+        call(pb, cfg, tables[0])
+        return (time.perf_counter() - t0) * 1e6
+
+    def fn():  # one replay runs every copy once: rotation through more than the L2
+        for t in tables:
+            call(pb, cfg, t)
+    return graph_us(fn, REP_MS, len(tables))
+
+
+def copy_gbps(device) -> float:
+    if device == "cpu":
+        return float("nan")
+    import triton.testing
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def default_cfg(pb):
+    q = pb["q"]
+    group = q.shape[1] // pb["views"].key_cache.shape[2]
+    return pick_config(pb["mode"], q, group, pb["batch"], pb["q_len"], pb["ctx"], None, None, None)
+
+
+def sweep_cfgs(base: AttnConfig):
+    """Tile / warps / segment-count variants around the launcher's default (same kernel, v1 or v2)."""
+    if base.num_segments == 1:
+        return [base]
+    out = [base]
+    for tile, warps in ((128, 4), (64, 4), (64, 8)):
+        out.append(dataclasses.replace(base, tile=tile, num_warps=warps))
+    for mul in (0.5, 2, 4):
+        out.append(dataclasses.replace(base, num_segments=max(2, int(base.num_segments * mul))))
+    return list(dict.fromkeys(out))
+
+
+def compare_cfgs(base: AttnConfig, mode):
+    """The first decode kernel (v1, its own tiling) and tilings of the swapped-operand kernels (v2, v3),
+    all at the default's segment count."""
+    if base.num_segments == 1 or mode == KVQuantMode.NONE:
+        return [base]
+    v1 = AttnConfig(base.block_m, DECODE_TILE[mode], base.num_segments, DECODE_WARPS, DECODE_STAGES, 0)
+    return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, kernel)
+                   for kernel, tile, warps, stages in COMPARE_V2]
+
+
+
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,), rot_modes=(None,)):
+    """Rows of the results table. ``pdl_modes``: None (the launcher's choice) or True / False to force
+    programmatic dependent launch on or off; ``rot_modes``: None (the default) or True / False to rotate
+    the INT4 query in the decode kernel or in the separate rotation kernel. With several, every
+    configuration is timed under each combination in turn (same process, same cache); rows of the
+    forced-off runs are marked ``no-PDL`` / ``q-rot-kernel``."""
+    from kernels import _attn_launch_v3 as v3
+    variants = [(pdl, rot) for pdl in pdl_modes for rot in rot_modes]
+    rows = []
+    shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
+    if p["prefill"]:
+        shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
+    keep, keep_rot = _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE
+    for batch, ctx, q_len in shapes:
+        base_us = {}
+        for name in modes:
+            pb = make_problem(MODES[name], batch, ctx, q_len, p, device)
+            base = default_cfg(pb)
+            cfgs = sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]
+            if compare:
+                cfgs = compare_cfgs(base, MODES[name])
+            best = {}
+            for cfg in cfgs:
+                for var in variants:
+                    use_pdl, rot = var
+                    _jit.PDL_ENABLED = keep if use_pdl is None else use_pdl
+                    v3.ROTATE_Q_IN_DECODE = keep_rot if rot is None else rot
+                    try:
+                        err = check(pb, cfg)
+                        us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
+                    finally:
+                        _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE = keep, keep_rot
+                    tag = (" no-PDL" if use_pdl is False and len(pdl_modes) > 1 else "") + \
+                        (" q-rot-kernel" if rot is False and len(rot_modes) > 1 else "")
+                    log(f"{name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
+                    if compare:
+                        if name == "bf16":
+                            base_us[var] = us
+                        kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3", 4: " v4"}[cfg.v2]
+                        rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
+                                         cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
+                                         vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
+                    if err <= 1e-2 and (var not in best or us < best[var][0]):
+                        best[var] = (us, cfg, err, tag)
+            if len(best) < len(variants):
+                raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
+            if compare:
+                del pb
+                continue
+            for var in variants:
+                us, cfg, err, tag = best[var]
+                gbps = pb["kv_bytes"] / us / 1e3
+                log(f"BEST {name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={gbps:.0f}")
+                if name == "bf16":
+                    base_us[var] = us
+                rows.append(dict(mode=name + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg, gbps=gbps,
+                                 vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
+            del pb
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, copy, device, argv) -> str:
+    name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
+    lines = [f"GPU: {name}; device copy bandwidth {copy:.0f} GB/s (read + write)",
+             f"command: `PYTHONPATH=. python3 bench/attention.py {' '.join(argv)}`", "",
+             "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle | config (block_m, tile, segs, warps, stages, v2) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        kind = "decode" if r["q_len"] == 1 else f"prefill {r['q_len']}"
+        c = r["cfg"]
+        lines.append(f"| {r['mode']} | {kind} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                     f"{100 * r['gbps'] / copy:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | "
+                     f"{c.block_m}, {c.tile}, {c.num_segments}, {c.num_warps}, {c.num_stages}, {int(c.v2)} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter unless --device)")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--modes", default="bf16,int8,fp8,int4", help="comma-separated subset of bf16,int8,fp8,int4")
+    parser.add_argument("--contexts", default=None, help="override the decode contexts, e.g. 4096,32768")
+    parser.add_argument("--batches", default=None, help="override the decode batches, e.g. 8,32")
+    parser.add_argument("--head-size", type=int, default=None, help="override the head size (default 128)")
+    parser.add_argument("--sweep", action="store_true", help="time tile/warps/segment variants, keep the best")
+    parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
+    parser.add_argument("--compare", action="store_true",
+                        help="decode rows: time the old kernel (v1) and v2 tilings side by side, every one a row")
+    parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill length (0 = no prefill row)")
+    parser.add_argument("--log", default=None, help="write every timed variant to this file")
+    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off", "both"),
+                        help="programmatic dependent launch: the launcher's choice, forced, or both side by side")
+    parser.add_argument("--q-rotation", default="auto", choices=("auto", "decode", "kernel", "both"),
+                        help="INT4 query rotation in the decode kernel's prologue or in its own kernel "
+                             "(auto: the launcher's default), or both side by side")
+
+
+def run(args, argv=()) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    p = dict(QUICK if args.quick else FULL)
+    if args.contexts:
+        p["contexts"] = [int(x) for x in args.contexts.split(",")]
+    if args.batches:
+        p["batches"] = [int(x) for x in args.batches.split(",")]
+    if args.head_size:
+        p["head_size"] = args.head_size
+    global REP_MS
+    REP_MS = args.rep_ms
+    if args.prefill is not None:
+        p["prefill"] = (1, args.prefill) if args.prefill else None
+    modes = args.modes.split(",")
+    if modes[0] != "bf16":
+        modes = ["bf16"] + [m for m in modes if m != "bf16"]  # ratios need bf16 first
+    logf = open(args.log, "w") if args.log else None
+
+    def log(msg):
+        if logf:
+            logf.write(msg + "\n")
+            logf.flush()
+    copy = copy_gbps(device)
+    log(f"copy {copy:.0f} GB/s")
+    pdl_modes = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
+    rot_modes = {"auto": (None,), "decode": (True,), "kernel": (False,), "both": (True, False)}[args.q_rotation]
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes, rot_modes)
+    print(table(rows, copy, device, list(argv)))
+    if logf:
+        logf.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
