@@ -466,7 +466,7 @@ def test_int4_query_rotation_in_decode_or_kernel(device, head_size, monkeypatch)
 
 
 def test_bench_quick_smoke(capsys):
-    from bench import attention
+    from bench import attention as bench_attention
 
     assert bench_attention.main(["--quick"]) == 0
     text = capsys.readouterr().out

@@ -352,7 +352,7 @@ def test_launcher_errors_write_nothing(kind):
 def test_bench_slot_orders():
     """bench_write's slot mappings: distinct slots either way; ``blocks`` keeps each block's tokens
     in order (as a prefill writes), ``tokens`` scatters them."""
-    from bench import write
+    from bench import write as bench_write
     keep = dict(bench_write.SLOTS)
     try:
         got = {}
@@ -396,7 +396,7 @@ def test_mode_and_option_errors():
 
 def test_bench_timing_helpers():
     """bench_write's timed function calls every input set once, and the time is per call."""
-    from bench import write
+    from bench import write as bench_write
     calls = []
     fn = bench_write._each([(1,), (2,), (3,)], lambda i: (calls.append(i), time.sleep(0.002)))
     us = bench_write._time_us(fn, torch.device("cpu"), calls=3)
@@ -406,7 +406,7 @@ def test_bench_timing_helpers():
 
 
 def test_bench_quick_smoke(capsys):
-    from bench import write
+    from bench import write as bench_write
     assert bench_write.main(["--quick", "--check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "worst fraction of rows differing from the oracle: 0.00e+00" in out
