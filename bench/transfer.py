@@ -11,6 +11,11 @@ consecutive), destination blocks a random permutation; the last pull of every ro
 byte for byte against the source (rebuilt here from the same seed). pyzmq: the same total bytes
 in messages of the connector's chunk size, sent ``copy=False`` from one pre-filled buffer,
 received ``copy=False``; timed from the "go" signal to the last byte received.
+
+Run: ``python -m bench.transfer [--device cuda] [--contiguous]`` (also ``kvconnector
+bench-transfer``); ``--quick`` is the smoke test CI runs. The floor any connector could reach
+on the same host (the mandatory gather, checksum and write passes with no protocol) is
+``python -m bench.transfer_floor``. Results: docs/BENCHMARKS.md, "Transfer".
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import threading
 import time
 
@@ -216,3 +222,13 @@ def run(args) -> int:
         sender.close()
     print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,7 +132,7 @@ def test_bench_transfer_quick_runs():
 def test_probe_transfer_floor_moves_the_bytes(order):
     # two layers, 70 INT4-sized blocks: two messages per layer at 1 MiB (60 + 10 blocks); the probe
     # itself raises unless every destination row of each checksummed transfer equals its source row
-    out = subprocess.run([sys.executable, "bench/probe_transfer_floor.py", "--layers", "2", "--blocks", "4,70",
+    out = subprocess.run([sys.executable, "-m", "bench.transfer_floor", "--layers", "2", "--blocks", "4,70",
                           "--block-kib", "17", "--chunk-mib", "1", "--rounds", "2", *order], capture_output=True,
                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr

@@ -238,7 +238,7 @@ def test_reference_error_per_head_and_plot(files, tmp_path, capsys):
     assert rc == 0, err
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     heads = json.loads(out)["stats"]["layers"][1]["heads"]     # layer 2: no edge rows
-    # Gaussian rows: INT4 per-row relative error is ~0.09 (SPEC §8's 0.12-0.15 is after attention)
+    # Gaussian rows: INT4 per-row relative error is ~0.09 (the 0.12-0.15 quoted for INT4 is after attention)
     assert all(0.03 < h["rel_l2_err"] < 0.2 for h in heads)
     for name in ("bf16", "fp8"):     # no reference: saturation / max |value| heat map, no zero points
         rc, _, err = _main(capsys, "inspect", files[name]["dump"], "--plot", tmp_path / f"{name}.png")

@@ -71,7 +71,7 @@ def test_golden_int4_row():
     raw, geo = _golden_cache(M.INT4_PER_TOKEN_HEAD, d, x, slot, head, kv)
     base = 1 * geo.block_bytes + geo.half_bytes + (2 * 3 + 2) * (d // 2 + 4)
     assert base == 1 * geo.block_bytes + geo.row_offset(kv, 2, head)
-    # hand computation of SPEC §3 on the same row
+    # hand computation of docs/LAYOUT.md's INT4 formulas on the same row
     from kernels.reference import single_rht
     r = single_rht(x[None])[0].float()
     lo, hi = min(r.min().item(), 0.0), max(r.max().item(), 0.0)

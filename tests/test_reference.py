@@ -1,7 +1,7 @@
 """The plain-PyTorch oracle: rotation, signs, packing, INT4/INT8/FP8 round trips, edge rows.
 
-These check the oracle against SPEC §3 directly (hand formulas, exact identities), since
-every kernel test trusts it. Run: python -m pytest tests/test_reference.py
+These check the oracle directly against the formulas of docs/LAYOUT.md, "Quantization" (hand
+formulas, exact identities), since every kernel test trusts it. Run: python -m pytest tests/test_reference.py
 """
 
 import pytest

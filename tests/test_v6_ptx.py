@@ -1,6 +1,6 @@
 """The PTX that the v6 INT4 decode kernel generates for its copies and shared-memory loads
 (``kernels/_attn_decode_v6.py``): checked on the CPU against the packed cache's byte layout
-(SPEC §4). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
+(docs/LAYOUT.md). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The PTX of the experimental INT8 / FP8 decode kernel v7 (``kernels/_attn_decode_v7.py``),
-emulated on the CPU against the packed cache's byte layout (SPEC §4): which words each thread
+emulated on the CPU against the packed cache's byte layout (docs/LAYOUT.md): which words each thread
 loads, and what the conversions make of them, must give every score and value dot the dims the
 query loads and the store expect."""
 

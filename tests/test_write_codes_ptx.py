@@ -6,7 +6,8 @@ division instead. Here the text itself runs through a small emulator of its inst
 products and additions rounded as IEEE does; ``fma`` rounded once, exactly, through fractions),
 fed with the per-row words ``split_reciprocal`` computes in Triton's interpreter, and every nibble
 is compared with the PyTorch oracle's codes. ``bench/check_int4_division.py`` is checked here on
-a sample of scales (the full check runs on a GPU: bench/write.md, session 17).
+a sample of scales (the full check, every scale significand, runs on a GPU:
+``python -m bench.check_int4_division``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ VARIANTS = {
 
 
 def int4_norot_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """SPEC §3 INT4 asymmetric per-row quantization *without* the Hadamard rotation, dequantized.
+    """The INT4 asymmetric per-row quantization of docs/LAYOUT.md *without* the Hadamard rotation, dequantized.
 
     ``x [..., d]`` (rounded to bf16 first, as the kernels see it) -> float32 ``[..., d]``.
     """

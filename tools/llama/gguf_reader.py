@@ -27,7 +27,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shapes and constants of a Llama model (defaults: SmolLM2-135M, SPEC §7)."""
+    """Shapes and constants of a Llama model (defaults: SmolLM2-135M-Instruct's)."""
 
     num_layers: int = 30
     hidden_size: int = 576

@@ -1,9 +1,11 @@
-"""How fast can any connector that follows SPEC §6 move blocks, next to plain pyzmq on this host?
+"""The floor under ``bench.transfer``: the mandatory passes over the payload, with no protocol.
 
-A probe, not the connector: no protocol, leases, handshake or Python endpoint, only the passes
-over the payload that SPEC §6 requires of every transfer of scattered CPU-cache blocks, arranged
-as well as I know how, timed in the same process pair and the same rounds as the plain pyzmq
-PUSH/PULL burst that `bench-transfer` compares against:
+``python -m bench.transfer`` compares a connector pull with a plain pyzmq burst of the same
+bytes. This probe answers how close any connector could get on this host: it runs only the work
+the connector's integrity rules require of every transfer of scattered CPU-cache blocks
+(gather, a checksum on each side, verify before write, then write; see docs/PROTOCOL.md), with
+no protocol, leases, handshake or endpoint objects, timed in the same process pair and the same
+rounds as the plain burst. Three kinds, interleaved:
 
 * ``plain``:  the sender pushes ``messages`` x ``chunk`` bytes from one pre-filled buffer
   (``copy=False``); the receiver takes them (``copy=False``). The benchmark's baseline.
@@ -12,16 +14,20 @@ PUSH/PULL burst that `bench-transfer` compares against:
   destination cache (random ids, one fancy-index row assignment). No checksums: what the gather
   and the write cost alone.
 * ``floor``:  as ``copies``, plus xxh3_64 on both sides as the connector does it: the sender hashes
-  each 512 KiB piece right after gathering it (hot), the receiver hashes the whole message and
-  only then writes it (verify before write).
+  each 512 KiB piece right after gathering it (while it is in cache), the receiver hashes the
+  whole message and only then writes it (verify before write).
 
 Both sides run those passes on as many threads as the connector's stage threads and copy
 workers (:func:`threads`: one per four cores, at most four, none on hosts with at most 4 cores,
-where they run inline; numpy and xxhash release the GIL), so they overlap the socket. Every round checks the last ``floor`` transfer's
-destination rows byte for byte against the source.
+where they run inline; numpy and xxhash release the GIL), so they overlap the socket. Every
+round checks the last ``floor`` transfer's destination rows byte for byte against the source.
 
-``floor / plain`` is then an upper bound, measured, for what a connector's ratio can be here
-(the connector adds its protocol on top). Run: ``python3 bench/probe_transfer_floor.py``.
+``floor / plain`` is a measured upper bound for the connector's ratio on this host (the
+connector adds its protocol on top). The sending side is a spawned process that imports only
+numpy, xxhash and zmq.
+
+Run: ``python -m bench.transfer_floor [--contiguous]``; block sizes default to bf16 / INT8 /
+INT4 blocks of 8 KV heads x head_size 128 x 16 tokens (64 / 33 / 17 KiB).
 """
 
 from __future__ import annotations
@@ -210,7 +216,7 @@ def main() -> int:
                     "cache without a gather (the connector's zero-copy case)")
     args = ap.parse_args()
     names = dict(ROWS)
-    print(f"# probe_transfer_floor: {os.cpu_count()} cores, worker threads per side {threads()}, "
+    print(f"# bench.transfer_floor: {os.cpu_count()} cores, worker threads per side {threads()}, "
           f"{'contiguous' if args.contiguous else 'scattered'} source blocks, {args.layers} layers, one layer "
           f"per message of <= {args.chunk_mib} MiB, median of {args.rounds - 1} rounds (+1 warm-up), "
           f"kinds interleaved", flush=True)
