@@ -87,14 +87,21 @@ class MsgType(enum.IntEnum):
 
 
 class ErrorCode(str, enum.Enum):
-    """Values of the ``code`` key in ERROR messages."""
+    """Values of the ``code`` key in ERROR messages (and of ABORT's optional ``code``).
 
-    UNKNOWN_TRANSFER = "unknown_transfer"
-    HANDSHAKE_REQUIRED = "handshake_required"
-    BLOCK_COUNT = "block_count"
-    BAD_HEADS = "bad_heads"
-    BAD_MESSAGE = "bad_message"
-    ABORTED = "aborted"
+    A receiver treats an unknown code like any other ERROR about its transfer: the pull fails.
+    """
+
+    UNKNOWN_TRANSFER = "unknown_transfer"      # PULL: no lease under this tid (never published, or ended)
+    HANDSHAKE_REQUIRED = "handshake_required"  # any message before an accepted HELLO: send HELLO
+    BLOCK_COUNT = "block_count"                # PULL: nblk differs from the published block count
+    BAD_HEADS = "bad_heads"                    # PULL: heads outside the range both sides hold
+    BAD_MESSAGE = "bad_message"                # undecodable header, wrong version or missing key
+    ABORTED = "aborted"                        # ABORT: the decode side gave up
+    SERVE_FAILED = "serve_failed"              # reading, hashing or sending the blocks failed; lease ended
+    LEASE_EXPIRED = "lease_expired"            # the lease ran out while the transfer was being served
+    RELEASED = "released"                      # the prefill application released the lease mid-transfer
+    INTERNAL = "internal"                      # handling the peer's message raised (msg names the error)
 
 
 @dataclass
