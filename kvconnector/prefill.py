@@ -42,6 +42,9 @@ from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
+PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
+
+
 @dataclass
 class Lease:
     transfer_id: str
@@ -443,7 +446,9 @@ class PrefillEndpoint:
         """Send one message per stream, round-robin, until every stream is done or blocked."""
         if not self._streams or now < self._blocked_until:
             return max(0.0, self._blocked_until - now) if self._streams else 1.0
-        for _ in range(64):  # bounded so incoming ACK/PULL/PING keep being served
+        for _ in range(64):  # bounded (rounds and time) so ACK/PULL/PING and lease expiry keep being served
+            if time.monotonic() - now > PUMP_S:
+                break
             progressed = False
             for s in list(self._streams):
                 try:
