@@ -23,10 +23,8 @@ waits for staging jobs still running and for zero-copy messages still queued in 
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -35,6 +33,7 @@ import zmq
 from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
                      TransferError, TransferTimeoutError, check_compatible)
 from .blocks import check_caches, device_ids, slice_bytes
+from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
 from .security import start_authenticator
@@ -43,18 +42,6 @@ from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
 PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
-
-
-@dataclass
-class Lease:
-    transfer_id: str
-    block_ids: list
-    expires_at: float
-    ids_dev: tuple = None      # CUDA caches: (block_ids on the device, event after their copy), made at publish
-    streams: list = field(default_factory=list)   # every Stream started for it (retried pulls too)
-    peers: dict = field(default_factory=dict)     # idents that pulled it (an ordered set)
-    reason: str = ""           # why it ended (set when it leaves the endpoint's leases)
-    released: threading.Event = field(default_factory=threading.Event)   # on_release has run
 
 
 def _typed(e: Exception, what: str) -> KVCacheError:
@@ -102,11 +89,8 @@ class PrefillEndpoint:
         self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames), typed
         self.callback_errors: list[tuple] = []   # (transfer_id, exception) raised by on_release
         self._fault_hook = None                  # tests: callable(stage) that may raise, see _hook
-        self._leases: dict[str, Lease] = {}
-        self._draining: list[Lease] = []         # ended, waiting until their blocks are no longer read
+        self._leases = LeaseTable()
         self._outbox: list = []                  # (ident, frames, give_up_at): ERRORs the pipe refused
-        self._expiry: list = []                  # heap of (expires_at, tid); stale entries skipped
-        self._lock = threading.Lock()
         self._peers: dict[bytes, dict] = {}      # ident -> {"ok": bool, "seen": t, "heads": range}
         self._streams: list[Stream] = []
         self._started: dict[str, tuple] = {}     # tid -> (pull time, payload bytes) for metrics
@@ -135,12 +119,7 @@ class PrefillEndpoint:
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
-        with self._lock:
-            if transfer_id in self._leases:
-                raise ValueError(f"transfer_id {transfer_id!r} is already published")
-            lease = self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s),
-                                                      ids_dev)
-            heapq.heappush(self._expiry, (lease.expires_at, transfer_id))
+        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
 
     def release(self, transfer_id: str, timeout_s: float = 5.0) -> bool:
@@ -155,8 +134,7 @@ class PrefillEndpoint:
         out = []
 
         def end():
-            with self._lock:
-                out.append(self._leases.get(transfer_id))
+            out.append(self._leases.get(transfer_id))
             self._end_lease(transfer_id, "released")
             done.set()
         self._loop.call_soon(end)
@@ -169,8 +147,7 @@ class PrefillEndpoint:
     def held(self) -> list[str]:
         """Transfer ids whose blocks are leased: published and not ended, or ended but still
         being read (a release waiting for ZeroMQ to let go of its messages)."""
-        with self._lock:
-            return sorted(set(self._leases) | {lease.transfer_id for lease in self._draining})
+        return self._leases.held()
 
     def stats(self) -> dict:
         s = self.metrics.snapshot()
@@ -244,12 +221,9 @@ class PrefillEndpoint:
         """End the lease of ``tid``: its streams stop; peers still being served get ERROR
         ``code`` (default: from the reason); ``on_release`` runs once no byte of the blocks can
         still be read (:meth:`_drain`). False when ``tid`` holds no lease."""
-        with self._lock:
-            lease = self._leases.pop(tid, None)
-            if lease is None:
-                return False
-            lease.reason = reason
-            self._draining.append(lease)
+        lease = self._leases.end(tid, reason)
+        if lease is None:
+            return False
         if reason != "acked":
             self._started.pop(tid, None)
         for s in [s for s in self._streams if s.tid == tid]:
@@ -267,15 +241,13 @@ class PrefillEndpoint:
 
     def _drain(self) -> None:
         """Run ``on_release`` for each ended lease whose blocks are no longer read."""
-        done = [lease for lease in self._draining if not any(s.busy() for s in lease.streams)]
-        if not done:
-            return
-        with self._lock:
-            self._draining = [lease for lease in self._draining if lease not in done]
-        for lease in done:
+        for lease in self._leases.drained():
             lease.streams.clear()
             try:
                 self._hook("release")
+            except Exception as e:
+                self.errors.append(_typed(e, f"releasing transfer {lease.transfer_id!r}"))
+            try:
                 if self.on_release is not None:
                     self.on_release(lease.transfer_id, lease.block_ids, lease.reason)
             except Exception as e:  # the application's callback: recorded, the lease is ended anyway
@@ -364,8 +336,7 @@ class PrefillEndpoint:
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")
-        with self._lock:
-            lease = self._leases.get(h.tid)
+        lease = self._leases.get(h.tid)
         if lease is None:
             self.metrics.fail("unknown_transfer")
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.UNKNOWN_TRANSFER,
@@ -397,22 +368,11 @@ class PrefillEndpoint:
         self._started[h.tid] = (time.monotonic(), nbytes)
 
     def _on_tick(self, now: float) -> float:
-        with self._lock:
-            heap = self._expiry                  # O(log n) per lease instead of a scan per tick
-            if len(heap) > 2 * len(self._leases) + 64:   # mostly ended leases: rebuild
-                heap[:] = [(lease.expires_at, t) for t, lease in self._leases.items()]
-                heapq.heapify(heap)
-            expired = []
-            while heap and (heap[0][0] <= now or self._leases.get(heap[0][1]) is None
-                            or self._leases[heap[0][1]].expires_at != heap[0][0]):
-                at, tid = heapq.heappop(heap)
-                lease = self._leases.get(tid)
-                if lease is not None and lease.expires_at == at:
-                    expired.append(tid)
-            next_exp = heap[0][0] if heap else now + 1.0
+        expired, next_exp = self._leases.expired(now)
+        next_exp = now + 1.0 if next_exp is None else next_exp
         for tid in expired:
             self._end_lease(tid, "expired")
-        if self._draining:
+        if self._leases.draining:
             self._drain()
         for ident, peer in list(self._peers.items()):
             if now - peer["seen"] > self.peer_timeout_s:
@@ -426,7 +386,7 @@ class PrefillEndpoint:
         if self._outbox:
             self._flush_outbox(now)
         wait = min(max(0.0, next_exp - now), self.heartbeat_s, self._pump(now))
-        return min(wait, 0.002) if self._draining or self._outbox else wait
+        return min(wait, 0.002) if self._leases.draining or self._outbox else wait
 
     def _serve_failed(self, ident: bytes, tid: str, e: Exception, stream: Stream | None = None) -> None:
         """Serving ``tid`` to ``ident`` raised ``e``: record it, end the lease (``"failed"``) and
