@@ -34,15 +34,8 @@ key       type                       meaning
 ``diffs`` [[str, any, any], ...]     HELLO_ACK: differing descriptor fields
 ========  =========================  ====================================================
 
-Version history
----------------
-1. (kvconnector 0.1.0) First version: HELLO/HELLO_ACK handshake with layout descriptors,
-   PULL, BLOCKS (one layer x a run of consecutive transfer positions per message, whole
-   rows of a head range), ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame.
-2. (kvconnector 0.1.0, 2026-11-29) BLOCKS gains the required key ``nlay``: one message may
-   carry the same positions of ``nlay`` consecutive layers, layer-major (the payload layout
-   changed, hence the bump). Senders pack layers when a whole layer is smaller than the
-   message size, so small layers no longer cost one message each.
+Version history: :data:`PROTOCOL_HISTORY` below, one line per version (docs/PROTOCOL.md shows
+the same list; the full protocol, message numbers and a worked example are documented there).
 
 Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
 (no negotiation). Unknown header keys are ignored so that a later version may
