@@ -86,9 +86,10 @@ class Rig:
     """A prefill and a decode endpoint on loopback, 3 layers of 12 blocks."""
 
     def __init__(self, chunk_bytes=1, mode=KVQuantMode.INT4_PER_TOKEN_HEAD, head_size=32, num_blocks=12,
-                 lease_s=30.0):
+                 lease_s=30.0, device="cpu"):
         self.desc = make_desc(mode, head_size, num_layers=3, num_blocks=num_blocks)
-        self.src, self.dst = filled_caches(self.desc, 0), filled_caches(self.desc, 1)
+        self.src = [c.to(device) for c in filled_caches(self.desc, 0)]
+        self.dst = [c.to(device) for c in filled_caches(self.desc, 1)]
         self.released = []
         self.pre = PrefillEndpoint(self.src, self.desc, chunk_bytes=chunk_bytes, lease_s=lease_s,
                                    on_release=lambda t, ids, why: self.released.append((t, why)))
@@ -128,11 +129,14 @@ def raise_at(stage):
 SERVE_STAGES = {"lookup": None, "stream": "failed", "gather": "failed", "checksum": "failed", "send": "failed"}
 PATHS = {"gathered": dict(chunk_bytes=1),                                     # one block per message, copied
          "zero-copy": dict(chunk_bytes=1 << 20, mode=KVQuantMode.NONE, head_size=1024,
-                           num_blocks=64)}                                     # 256 KiB runs straight from the cache
+                           num_blocks=64),                                     # 256 KiB runs straight from the cache
+         "cuda": dict(chunk_bytes=1, device="cuda")}                           # device gather + pinned staging
 ZC_SRC, ZC_DST = list(range(8, 16)), list(range(40, 48))
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("path", list(PATHS), ids=list(PATHS))
+@pytest.mark.parametrize("path", [pytest.param(p, marks=NEEDS_CUDA) if p == "cuda" else p for p in PATHS],
+                         ids=list(PATHS))
 @pytest.mark.parametrize("stage", list(SERVE_STAGES), ids=list(SERVE_STAGES))
 def test_fault_sweep_pull_fails_fast_with_the_cause(stage, path):
     rig = Rig(**PATHS[path])
