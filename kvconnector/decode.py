@@ -151,7 +151,8 @@ class DecodeEndpoint:
         heads : range, optional
             Global KV heads to fetch; default: every head both sides hold.
         on_layer : callable(transfer_id, layer), optional
-            Called on the I/O thread as each layer has fully landed.
+            Called on the I/O thread as each layer has fully landed; an exception it raises
+            goes to the handle's ``callback_errors`` and changes nothing else.
         """
         if self.shared_heads is None:
             raise PeerError("pull before a successful connect()")
