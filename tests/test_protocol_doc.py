@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 VERSION = int(re.search(r"^# kvconnector wire protocol \(version (\d+)\)", DOC, re.M).group(1))
 T = {name: int(num) for name, num in re.findall(r"^\| ([A-Z_]+) \| (\d+) \|", DOC, re.M)}
 # "Descriptor map" table: values per quant_mode, as the document lists them
-STORAGE = {0: None, 2: "int8", 3: "float8_e4m3fn", 4: "uint8"}   # None: same as model_dtype
+STORAGE = {0: None, 1: "float8_e4m3fn", 2: "int8", 3: "float8_e4m3fn", 4: "uint8"}   # None: same as model_dtype
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
 
 
@@ -107,7 +107,7 @@ def test_document_states_what_the_client_needs():
     assert set(T) >= {"HELLO", "HELLO_ACK", "PULL", "BLOCKS", "ACK", "ABORT", "ERROR", "PING", "PONG"}, T
     assert len(set(T.values())) == len(T), f"two messages share a number: {T}"
     table = DOC[DOC.index("## Descriptor map"):DOC.index("## A pull, step by step")]
-    for mode in (0, 2, 3, 4):
+    for mode in (0, 1, 2, 3, 4):
         d = doc_descriptor(mode, 64, block_size=4, num_layers=1, total_heads=1, head_start=0, num_heads=1,
                            num_blocks=1)
         for key, value in d.items():
@@ -121,6 +121,7 @@ def test_document_states_what_the_client_needs():
 CASES = {
     "bf16": (0, 64, "bfloat16", 2, (0, 2)),
     "fp16": (0, 32, "float16", 2, (0, 2)),
+    "fp8-per-tensor": (1, 64, "bfloat16", 2, (0, 2)),
     "int8": (2, 64, "bfloat16", 2, (0, 2)),
     "fp8": (3, 64, "bfloat16", 2, (0, 2)),
     "int4": (4, 64, "bfloat16", 2, (0, 2)),
