@@ -17,7 +17,52 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from layouts import CacheGeometry, LayoutError, check_packed_strides
+from layouts import CacheGeometry, LayoutDescriptor, LayoutError, check_packed_strides
+
+
+def check_caches(caches, desc: LayoutDescriptor) -> None:
+    """Refuse caches that are not one packed cache per layer of ``desc`` (both endpoint roles
+    call this at construction, so a cache either side would mis-read is refused up front).
+
+    Checked, each error naming the layer with expected vs got: one tensor per layer; its
+    shape ``[num_blocks, 2, block_size, num_kv_heads, P]`` and storage dtype; packed strides
+    (block ``b`` at byte ``b·2·N·H·P`` of the tensor, :func:`layouts.check_packed_strides`);
+    its storage holds every byte the tensor addresses; every layer on one CPU or CUDA device;
+    no two layers share a byte (a pull into one layer would overwrite another).
+
+    Raises
+    ------
+    LayoutError
+    """
+    geo = desc.geometry()
+    want = geo.shape(desc.num_blocks)
+    if len(caches) != desc.num_layers:
+        raise LayoutError(f"caches: expected {desc.num_layers} layers (descriptor), got {len(caches)}")
+    spans = []
+    for i, c in enumerate(caches):
+        if not isinstance(c, torch.Tensor):
+            raise LayoutError(f"caches[{i}]: expected a torch.Tensor, got {type(c).__name__}")
+        if tuple(c.shape) != want or c.dtype != geo.storage_dtype:
+            raise LayoutError(f"caches[{i}]: expected {want} {geo.storage_dtype}, got {tuple(c.shape)} {c.dtype}")
+        try:
+            check_packed_strides(c)
+        except LayoutError as e:
+            raise LayoutError(f"caches[{i}]: {e}") from e
+        if c.device.type not in ("cpu", "cuda") or c.device != caches[0].device:
+            raise LayoutError(f"caches[{i}] device: expected {caches[0].device} (cpu or cuda, one for "
+                              f"every layer), got {c.device}")
+        nbytes = c.numel() * c.element_size()
+        start = c.storage_offset() * c.element_size()
+        have = c.untyped_storage().nbytes()
+        if start + nbytes > have:
+            raise LayoutError(f"caches[{i}] storage: expected >= {start + nbytes} bytes (offset {start} + "
+                              f"{nbytes}), got {have}")
+        spans.append((c.data_ptr(), c.data_ptr() + nbytes, i))
+    spans.sort()
+    for (_, end, a), (lo, _, b) in zip(spans, spans[1:]):
+        if lo < end:
+            raise LayoutError(f"caches[{a}] and caches[{b}]: expected separate memory per layer, got "
+                              f"overlapping bytes")
 
 
 def as_bytes(kv_cache: torch.Tensor, geo: CacheGeometry) -> torch.Tensor:

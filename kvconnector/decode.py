@@ -6,6 +6,11 @@ pull, positions already received are *duplicates* and ignored, the payload byte 
 equal what the local layout says (``2·N·h·P`` per block) and the xxh3_64 checksum must
 match. A failed check fails the pull with a typed error, reports the destination blocks
 that did not land, and sends ABORT so the prefill side releases its lease.
+
+An ERROR from the prefill side about a pending pull fails it at once with :class:`PeerError`
+(its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
+fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while writing a
+pull's blocks fails that pull (``write_error``) instead of leaving it to its deadline.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import as_bytes, block_rows, copy_runs, device_ids, device_rows, scatter_blocks, slice_bytes
+from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, device_rows, scatter_blocks,
+                     slice_bytes)
 from .handle import PullHandle
 from .metrics import Metrics
-from .prefill import check_caches
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
@@ -146,7 +151,8 @@ class DecodeEndpoint:
         heads : range, optional
             Global KV heads to fetch; default: every head both sides hold.
         on_layer : callable(transfer_id, layer), optional
-            Called on the I/O thread as each layer has fully landed.
+            Called on the I/O thread as each layer has fully landed; an exception it raises
+            goes to the handle's ``callback_errors`` and changes nothing else.
         """
         if self.shared_heads is None:
             raise PeerError("pull before a successful connect()")
@@ -278,15 +284,35 @@ class DecodeEndpoint:
     def _peer_error(self, h: Header) -> None:
         if h.code == ErrorCode.HANDSHAKE_REQUIRED:
             return self._send_hello()
+        if not self._hs_done.is_set():   # e.g. the prefill side failed handling HELLO
+            err = PeerError(f"handshake: peer says {h.code}: {h.msg}")
+            err.code = h.code
+            self.errors.append(err)
+            self._hs_error = err
+            self._hs_done.set()
+            return None
         p = self._pending.get(h.tid)
         if p is None:
             return self.metrics.ignore(f"peer_error:{h.code}")
-        self._fail(p, PeerError(f"pull {h.tid!r}: peer says {h.code}: {h.msg}"), h.code, tell_peer=False)
+        err = PeerError(f"pull {h.tid!r}: peer says {h.code}: {h.msg}")
+        err.code = h.code
+        self._fail(p, err, h.code, tell_peer=False)
 
     def _blocks(self, h: Header, payloads) -> None:
         p = self._pending.get(h.tid)
         if p is None:
             return self.metrics.ignore("late")
+        try:
+            return self._accept(p, h, payloads)
+        except Exception as e:   # a failure writing this pull's blocks fails it now, not by deadline
+            err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
+                                f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            self.errors.append(err)
+            self._fail(p, err, "write_error")
+
+    def _accept(self, p: PullHandle, h: Header, payloads) -> None:
+        """Check one BLOCKS message against its pull, then write it (inline or on a worker)."""
         n = len(p.dst_block_ids)
         problem = None
         layers = range(h.layer, h.layer + h.nlay)

@@ -26,6 +26,10 @@ class PullHandle:
     Thread-safe to read from any thread; updated by the endpoint's I/O thread.
     Blocks land layer by layer: :meth:`wait_layer` / ``on_layer(transfer_id, layer)`` let
     compute on layer ``l`` start while later layers are still in flight.
+
+    An exception raised by ``on_layer`` does not touch the transfer: it is appended to
+    :attr:`callback_errors` as ``(layer, exception)``, the layer still counts as landed, and
+    the pull completes (ACK, lease release) exactly as it would have.
     """
 
     def __init__(self, transfer_id: str, dst_block_ids: list, num_layers: int, heads: tuple,
@@ -46,6 +50,7 @@ class PullHandle:
         self.nbytes = 0
         self.error: Exception | None = None
         self.failed_block_ids: list[int] = []
+        self.callback_errors: list[tuple] = []   # (layer, exception) raised by on_layer
         self._result: PullResult | None = None
 
     # ---- I/O thread ---------------------------------------------------------------
@@ -58,7 +63,10 @@ class PullHandle:
         if self._layer_left[layer] == 0 and not self._layer_events[layer].is_set():
             self._layer_events[layer].set()
             if self.on_layer is not None:
-                self.on_layer(self.transfer_id, layer)
+                try:
+                    self.on_layer(self.transfer_id, layer)
+                except Exception as e:   # the application's callback: recorded, the transfer goes on
+                    self.callback_errors.append((layer, e))
         return all(left == 0 for left in self._layer_left)
 
     def finish(self) -> PullResult:

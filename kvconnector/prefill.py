@@ -8,22 +8,32 @@ the blocks are held under a lease until the peer ACKs, ABORTs, or the lease expi
 then ``on_release(transfer_id, block_ids, reason)`` is called. A PULL starts a stream of
 BLOCKS messages, one layer x a run of blocks each, interleaved round-robin with the other
 streams so one big or slow transfer never stalls the others.
+
+Nothing fails silently. Any exception while serving a pull (reading, hashing or sending its
+blocks) sends the peer ERROR ``serve_failed`` naming the cause and ends the lease
+(``"failed"``); a lease that expires or is released mid-transfer stops its stream and sends
+ERROR ``lease_expired`` / ``released``; a message handler that raises answers ERROR
+``internal``. Errors are recorded in :attr:`PrefillEndpoint.errors` (typed), exceptions of the
+application's ``on_release`` in :attr:`PrefillEndpoint.callback_errors` (they change nothing).
+
+A lease is reported ended (``on_release``, :meth:`~PrefillEndpoint.held`) only once no byte of
+its blocks can still be read: messages not yet handed to ZeroMQ are dropped, and the release
+waits for staging jobs still running and for zero-copy messages still queued in ZeroMQ.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import zmq
 
-from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
-                     TransferError, check_compatible)
-from .blocks import device_ids, slice_bytes
+from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
+                     TransferError, TransferTimeoutError, check_compatible)
+from .blocks import check_caches, device_ids, slice_bytes
+from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
 from .security import start_authenticator
@@ -31,23 +41,16 @@ from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
-@dataclass
-class Lease:
-    transfer_id: str
-    block_ids: list
-    expires_at: float
-    ids_dev: tuple = None      # CUDA caches: (block_ids on the device, event after their copy), made at publish
+PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
 
 
-def check_caches(caches, desc: LayoutDescriptor) -> None:
-    """Raise :class:`LayoutError` unless ``caches`` is one packed tensor per layer of ``desc``."""
-    geo = desc.geometry()
-    if len(caches) != desc.num_layers:
-        raise LayoutError(f"caches: expected {desc.num_layers} layers (descriptor), got {len(caches)}")
-    for i, c in enumerate(caches):
-        if tuple(c.shape) != geo.shape(desc.num_blocks) or c.dtype != geo.storage_dtype:
-            raise LayoutError(f"caches[{i}]: expected {geo.shape(desc.num_blocks)} {geo.storage_dtype}, "
-                              f"got {tuple(c.shape)} {c.dtype}")
+def _typed(e: Exception, what: str) -> KVCacheError:
+    """``e`` itself when typed, else a TransferError naming ``what`` failed and why (from ``e``)."""
+    if isinstance(e, KVCacheError):
+        return e
+    err = TransferError(f"{what}: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
 
 
 class PrefillEndpoint:
@@ -68,6 +71,10 @@ class PrefillEndpoint:
         Target payload bytes of one BLOCKS message (at least one block).
     heartbeat_s, peer_timeout_s : float
         Liveness: a peer silent for ``peer_timeout_s`` loses its streams.
+
+    Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
+    decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
+    when serving the transfer failed (the peer got ERROR ``serve_failed``).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, host: str = DEFAULT_HOST, port: int = 0,
@@ -79,10 +86,11 @@ class PrefillEndpoint:
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.metrics = Metrics()
-        self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames)
-        self._leases: dict[str, Lease] = {}
-        self._expiry: list = []                  # heap of (expires_at, tid); stale entries skipped
-        self._lock = threading.Lock()
+        self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames), typed
+        self.callback_errors: list[tuple] = []   # (transfer_id, exception) raised by on_release
+        self._fault_hook = None                  # tests: callable(stage) that may raise, see _hook
+        self._leases = LeaseTable()
+        self._outbox: list = []                  # (ident, frames, give_up_at): ERRORs the pipe refused
         self._peers: dict[bytes, dict] = {}      # ident -> {"ok": bool, "seen": t, "heads": range}
         self._streams: list[Stream] = []
         self._started: dict[str, tuple] = {}     # tid -> (pull time, payload bytes) for metrics
@@ -111,26 +119,35 @@ class PrefillEndpoint:
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
-        with self._lock:
-            if transfer_id in self._leases:
-                raise ValueError(f"transfer_id {transfer_id!r} is already published")
-            lease = self._leases[transfer_id] = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s),
-                                                      ids_dev)
-            heapq.heappush(self._expiry, (lease.expires_at, transfer_id))
+        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
 
-    def release(self, transfer_id: str) -> bool:
-        """Drop a lease now (reason ``"released"``); False if it was not held."""
+    def release(self, transfer_id: str, timeout_s: float = 5.0) -> bool:
+        """End a lease now (reason ``"released"``); False if it was not held.
+
+        A transfer being served stops (its peer gets ERROR ``released``). Returns once
+        ``on_release`` has run, i.e. once no byte of the blocks can still be read (see the
+        module doc); raises :class:`TransferTimeoutError` if that takes over ``timeout_s``
+        (the release then completes later, ``on_release`` still runs once).
+        """
         done = threading.Event()
         out = []
-        self._loop.call_soon(lambda: (out.append(self._end_lease(transfer_id, "released")), done.set()))
-        done.wait(5.0)
-        return bool(out and out[0])
+
+        def end():
+            out.append(self._leases.get(transfer_id))
+            self._end_lease(transfer_id, "released")
+            done.set()
+        self._loop.call_soon(end)
+        t_end = time.monotonic() + timeout_s
+        if not done.wait(timeout_s) or (out[0] is not None
+                                        and not out[0].released.wait(max(0.0, t_end - time.monotonic()))):
+            raise TransferTimeoutError(f"release {transfer_id!r}: blocks still being read after {timeout_s} s")
+        return out[0] is not None
 
     def held(self) -> list[str]:
-        """Transfer ids currently leased."""
-        with self._lock:
-            return sorted(self._leases)
+        """Transfer ids whose blocks are leased: published and not ended, or ended but still
+        being read (a release waiting for ZeroMQ to let go of its messages)."""
+        return self._leases.held()
 
     def stats(self) -> dict:
         s = self.metrics.snapshot()
@@ -151,36 +168,109 @@ class PrefillEndpoint:
 
     # ---- I/O thread ------------------------------------------------------------------
     def _send(self, ident: bytes, frames: list, track: bool = False):
-        tracker = self._loop.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False, track=track)
+        """Queue one message (zero copy); with ``track``, return a tracker that is done once
+        ZeroMQ has let go of every payload frame (pyzmq's own tracks the last frame only)."""
+        if not track:
+            self._loop.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            self.metrics.add("messages_sent")
+            return None
+        sock = self._loop.sock     # frames under the copy threshold are copied, as send_multipart does
+        payload = [zmq.Frame(f, track=True, copy=None, copy_threshold=sock.copy_threshold) for f in frames[1:]]
+        sock.send_multipart([ident, frames[0], *payload], zmq.NOBLOCK, copy=False)
         self.metrics.add("messages_sent")
-        return tracker
+        return zmq.MessageTracker(*payload)
+
+    def _hook(self, stage: str) -> None:
+        """Fault injection for tests: ``_fault_hook(stage)`` at each stage of serving a pull
+        (``hello``, ``lookup``, ``stream``, ``gather``, ``checksum``, ``send``, ``release``)."""
+        if self._fault_hook is not None:
+            self._fault_hook(stage)
 
     def _reply(self, ident: bytes, h: Header) -> None:
+        """Send a control message; an ERROR the peer's full pipe refuses waits in the outbox
+        (sent in order after the messages already queued, given up after ``peer_timeout_s``)."""
+        frames = [encode_header(h)]
+        if any(i == ident for i, _, _ in self._outbox):
+            if h.type == MsgType.ERROR:
+                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
+            return None
         try:
-            self._send(ident, [encode_header(h)])
+            self._send(ident, frames)
+        except zmq.Again:
+            if h.type == MsgType.ERROR:
+                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
         except zmq.ZMQError:
-            pass  # peer gone or its queue full: a control reply is best effort
+            pass  # peer gone (ROUTER_MANDATORY): nobody to tell
 
-    def _end_lease(self, tid: str, reason: str) -> bool:
-        with self._lock:
-            lease = self._leases.pop(tid, None)
+    def _flush_outbox(self, now: float) -> None:
+        keep = []
+        for ident, frames, give_up_at in self._outbox:
+            if now > give_up_at or any(i == ident for i, _, _ in keep):
+                if now <= give_up_at:
+                    keep.append((ident, frames, give_up_at))
+                continue
+            try:
+                self._send(ident, frames)
+            except zmq.Again:
+                keep.append((ident, frames, give_up_at))
+            except zmq.ZMQError:
+                pass
+        self._outbox = keep
+
+    def _end_lease(self, tid: str, reason: str, code: ErrorCode | None = None, msg: str = "") -> bool:
+        """End the lease of ``tid``: its streams stop; peers still being served get ERROR
+        ``code`` (default: from the reason); ``on_release`` runs once no byte of the blocks can
+        still be read (:meth:`_drain`). False when ``tid`` holds no lease."""
+        lease = self._leases.end(tid, reason)
         if lease is None:
             return False
         if reason != "acked":
             self._started.pop(tid, None)
-        self._streams = [s for s in self._streams if s.tid != tid]
+        for s in [s for s in self._streams if s.tid == tid]:
+            self._streams.remove(s)
+            s.cancel()
+        code = code or {"expired": ErrorCode.LEASE_EXPIRED, "released": ErrorCode.RELEASED}.get(reason)
+        if code is not None:   # every peer that pulled it: a pull still waiting fails now, not by deadline
+            for ident in lease.peers:
+                self._reply(ident, Header(MsgType.ERROR, tid=tid, code=code,
+                                          msg=msg or f"transfer {tid!r}: lease ended ({reason}) before it was sent"))
         if reason == "expired":
             self.metrics.fail("lease_expired")
-        if self.on_release is not None:
-            self.on_release(tid, lease.block_ids, reason)
+        self._drain()
         return True
+
+    def _drain(self) -> None:
+        """Run ``on_release`` for each ended lease whose blocks are no longer read."""
+        for lease in self._leases.drained():
+            lease.streams.clear()
+            try:
+                self._hook("release")
+            except Exception as e:
+                self.errors.append(_typed(e, f"releasing transfer {lease.transfer_id!r}"))
+            try:
+                if self.on_release is not None:
+                    self.on_release(lease.transfer_id, lease.block_ids, lease.reason)
+            except Exception as e:  # the application's callback: recorded, the lease is ended anyway
+                self.callback_errors.append((lease.transfer_id, e))
+                self.metrics.ignore("callback_error")
+            lease.released.set()
 
     def _on_error(self, e: Exception) -> None:
         self.errors.append(e)
         self.metrics.ignore(f"error:{type(e).__name__}")
 
     def _on_message(self, frames) -> None:
-        ident, rest = frames[0].bytes, frames[1:]
+        ident = frames[0].bytes
+        try:
+            self._dispatch(ident, frames[1:])
+        except Exception as e:  # a handler failed: the peer hears it now instead of waiting out a deadline
+            err = _typed(e, "handling a message")
+            self.errors.append(err)
+            self.metrics.ignore(f"error:{type(e).__name__}")
+            tid = getattr(e, "tid", "")
+            self._reply(ident, Header(MsgType.ERROR, tid=tid, code=ErrorCode.INTERNAL, msg=str(err)[:500]))
+
+    def _dispatch(self, ident: bytes, rest) -> None:
         self.metrics.add("messages_received")
         peer = self._peers.setdefault(ident, {"ok": False, "seen": 0.0, "heads": None})
         peer["seen"] = time.monotonic()
@@ -197,6 +287,7 @@ class PrefillEndpoint:
             self.metrics.ignore("corrupt_header")
             return self._reply(ident, Header(MsgType.ERROR, code=ErrorCode.BAD_MESSAGE, msg=str(e)))
         if h.type == MsgType.HELLO:
+            self._hook("hello")
             return self._hello(ident, peer, h)
         if h.type == MsgType.PING:
             if not peer["ok"]:  # e.g. this process restarted under a live peer: make it re-handshake
@@ -209,7 +300,11 @@ class PrefillEndpoint:
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.HANDSHAKE_REQUIRED,
                                              msg="send HELLO with a compatible descriptor first"))
         if h.type == MsgType.PULL:
-            return self._pull(ident, peer, h)
+            try:
+                return self._pull(ident, peer, h)
+            except Exception as e:
+                e.tid = h.tid   # _on_message names the transfer in its ERROR
+                raise
         if h.type in (MsgType.ACK, MsgType.ABORT):
             reason = "acked" if h.type == MsgType.ACK else "aborted"
             if not self._end_lease(h.tid, reason):
@@ -240,8 +335,8 @@ class PrefillEndpoint:
         self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
-        with self._lock:
-            lease = self._leases.get(h.tid)
+        self._hook("lookup")
+        lease = self._leases.get(h.tid)
         if lease is None:
             self.metrics.fail("unknown_transfer")
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.UNKNOWN_TRANSFER,
@@ -254,60 +349,92 @@ class PrefillEndpoint:
         if not (shared.start <= h.heads[0] < h.heads[1] <= shared.stop):
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.BAD_HEADS,
                                              msg=f"heads: expected a range inside [{shared.start}, {shared.stop}), got {list(h.heads)}"))
-        self._streams = [s for s in self._streams if s.tid != h.tid]   # a retried pull restarts
+        for s in [s for s in self._streams if s.tid == h.tid]:   # a retried pull restarts
+            self._streams.remove(s)
+            s.cancel()
         local = range(h.heads[0] - d.head_start, h.heads[1] - d.head_start)
-        self._streams.append(Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local,
-                                    h.heads, self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev))
+        lease.peers[ident] = None
+        try:
+            self._hook("stream")
+            stream = Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
+                            self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
+                            fault_hook=self._fault_hook)
+        except Exception as e:
+            return self._serve_failed(ident, h.tid, e)
+        lease.streams.append(stream)
+        self._streams.append(stream)
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
         self._started[h.tid] = (time.monotonic(), nbytes)
 
     def _on_tick(self, now: float) -> float:
-        with self._lock:
-            heap = self._expiry                  # O(log n) per lease instead of a scan per tick
-            if len(heap) > 2 * len(self._leases) + 64:   # mostly ended leases: rebuild
-                heap[:] = [(lease.expires_at, t) for t, lease in self._leases.items()]
-                heapq.heapify(heap)
-            expired = []
-            while heap and (heap[0][0] <= now or self._leases.get(heap[0][1]) is None
-                            or self._leases[heap[0][1]].expires_at != heap[0][0]):
-                at, tid = heapq.heappop(heap)
-                lease = self._leases.get(tid)
-                if lease is not None and lease.expires_at == at:
-                    expired.append(tid)
-            next_exp = heap[0][0] if heap else now + 1.0
+        expired, next_exp = self._leases.expired(now)
+        next_exp = now + 1.0 if next_exp is None else next_exp
         for tid in expired:
             self._end_lease(tid, "expired")
+        if self._leases.draining:
+            self._drain()
         for ident, peer in list(self._peers.items()):
             if now - peer["seen"] > self.peer_timeout_s:
                 del self._peers[ident]
                 dropped = [s for s in self._streams if s.ident == ident]
                 if dropped:
                     self.metrics.fail("peer_timeout")
-                self._streams = [s for s in self._streams if s.ident != ident]
-        return min(max(0.0, next_exp - now), self.heartbeat_s, self._pump(now))
+                for s in dropped:
+                    self._streams.remove(s)
+                    s.cancel()
+        if self._outbox:
+            self._flush_outbox(now)
+        wait = min(max(0.0, next_exp - now), self.heartbeat_s, self._pump(now))
+        return min(wait, 0.002) if self._leases.draining or self._outbox else wait
+
+    def _serve_failed(self, ident: bytes, tid: str, e: Exception, stream: Stream | None = None) -> None:
+        """Serving ``tid`` to ``ident`` raised ``e``: record it, end the lease (``"failed"``) and
+        tell the peer at once (ERROR serve_failed naming the cause)."""
+        err = _typed(e, f"serving transfer {tid!r}")
+        self.errors.append(err)
+        self.metrics.fail("serve_failed")
+        if stream is not None:
+            if stream in self._streams:
+                self._streams.remove(stream)
+            stream.cancel()
+        msg = f"transfer {tid!r}: serving failed: {type(err).__name__}: {err}"[:500]
+        if not self._end_lease(tid, "failed", ErrorCode.SERVE_FAILED, msg):   # lease already gone
+            self._reply(ident, Header(MsgType.ERROR, tid=tid, code=ErrorCode.SERVE_FAILED, msg=msg))
 
     def _pump(self, now: float) -> float:
         """Send one message per stream, round-robin, until every stream is done or blocked."""
         if not self._streams or now < self._blocked_until:
             return max(0.0, self._blocked_until - now) if self._streams else 1.0
-        for _ in range(64):  # bounded so incoming ACK/PULL/PING keep being served
+        for _ in range(64):  # bounded (rounds and time) so ACK/PULL/PING and lease expiry keep being served
+            if time.monotonic() - now > PUMP_S:
+                break
             progressed = False
             for s in list(self._streams):
-                frames = s.next_frames()
+                try:
+                    frames = s.next_frames()
+                    if frames:
+                        self._hook("send")
+                except Exception as e:
+                    self._serve_failed(s.ident, s.tid, e, s)
+                    continue
                 if frames is None:
                     self._streams.remove(s)
                     continue
                 if not frames:                     # its buffers are still queued in ZeroMQ
                     continue
                 try:
-                    s.sent(self._send(s.ident, frames, track=s.last_buffer is not None))
+                    s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue
                 except zmq.ZMQError:               # EHOSTUNREACH: the peer disconnected
                     self._streams.remove(s)
+                    s.cancel()
                     self.metrics.fail("peer_unreachable")
+                    continue
+                except Exception as e:
+                    self._serve_failed(s.ident, s.tid, e, s)
                     continue
                 progressed = True
                 self.metrics.add("bytes_sent", s.last_payload_bytes)

@@ -34,15 +34,8 @@ key       type                       meaning
 ``diffs`` [[str, any, any], ...]     HELLO_ACK: differing descriptor fields
 ========  =========================  ====================================================
 
-Version history
----------------
-1. (kvconnector 0.1.0) First version: HELLO/HELLO_ACK handshake with layout descriptors,
-   PULL, BLOCKS (one layer x a run of consecutive transfer positions per message, whole
-   rows of a head range), ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame.
-2. (kvconnector 0.1.0, 2026-11-29) BLOCKS gains the required key ``nlay``: one message may
-   carry the same positions of ``nlay`` consecutive layers, layer-major (the payload layout
-   changed, hence the bump). Senders pack layers when a whole layer is smaller than the
-   message size, so small layers no longer cost one message each.
+Version history: :data:`PROTOCOL_HISTORY` below, one line per version (docs/PROTOCOL.md shows
+the same list; the full protocol, message numbers and a worked example are documented there).
 
 Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
 (no negotiation). Unknown header keys are ignored so that a later version may
@@ -87,14 +80,21 @@ class MsgType(enum.IntEnum):
 
 
 class ErrorCode(str, enum.Enum):
-    """Values of the ``code`` key in ERROR messages."""
+    """Values of the ``code`` key in ERROR messages (and of ABORT's optional ``code``).
 
-    UNKNOWN_TRANSFER = "unknown_transfer"
-    HANDSHAKE_REQUIRED = "handshake_required"
-    BLOCK_COUNT = "block_count"
-    BAD_HEADS = "bad_heads"
-    BAD_MESSAGE = "bad_message"
-    ABORTED = "aborted"
+    A receiver treats an unknown code like any other ERROR about its transfer: the pull fails.
+    """
+
+    UNKNOWN_TRANSFER = "unknown_transfer"      # PULL: no lease under this tid (never published, or ended)
+    HANDSHAKE_REQUIRED = "handshake_required"  # any message before an accepted HELLO: send HELLO
+    BLOCK_COUNT = "block_count"                # PULL: nblk differs from the published block count
+    BAD_HEADS = "bad_heads"                    # PULL: heads outside the range both sides hold
+    BAD_MESSAGE = "bad_message"                # undecodable header, wrong version or missing key
+    ABORTED = "aborted"                        # ABORT: the decode side gave up
+    SERVE_FAILED = "serve_failed"              # reading, hashing or sending the blocks failed; lease ended
+    LEASE_EXPIRED = "lease_expired"            # the lease ran out while the transfer was being served
+    RELEASED = "released"                      # the prefill application released the lease mid-transfer
+    INTERNAL = "internal"                      # handling the peer's message raised (msg names the error)
 
 
 @dataclass

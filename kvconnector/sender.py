@@ -60,6 +60,17 @@ def _stage_executor() -> ThreadPoolExecutor | None:
         return _executor
 
 
+class _JobDone:
+    """A staging future seen as a tracker (``done`` property), for :meth:`BufferPool.release`."""
+
+    def __init__(self, job) -> None:
+        self.job = job
+
+    @property
+    def done(self) -> bool:
+        return self.job.done()
+
+
 class BufferPool:
     """Reusable host byte buffers for gathered payloads (fresh allocations page-fault).
 
@@ -132,11 +143,19 @@ class Stream:
     ids_dev : (torch.Tensor, torch.cuda.Event)
         CUDA caches (required with ``copy_stream``): ``block_ids`` already on the device
         (:func:`blocks.device_ids`, made at publish) and the event after their copy.
+    fault_hook : callable(stage: str), optional
+        Test hook called at the ``"gather"`` and ``"checksum"`` stages of every chunk (it may
+        raise to simulate a failure there); None in production.
+
+    Any failure to stage a chunk surfaces as an exception from :meth:`next_frames`. Once the
+    transfer ends early, :meth:`cancel` drops what is not yet sent and :meth:`busy` says
+    whether the cache is still being read (a staging job, or a zero-copy frame still queued
+    in ZeroMQ), so the lease is not reported released before it is not.
     """
 
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
-                 pool: BufferPool | None = None, ids_dev: tuple | None = None) -> None:
+                 pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
@@ -169,18 +188,49 @@ class Stream:
         self.last_payload_bytes = 0
         self._chunks: dict = {}          # first position -> chunk plan (see _chunk)
         self._inflight: deque = deque()  # (tracker, bytes) of gathered buffers queued in ZeroMQ
+        self._reading: deque = deque()   # trackers of zero-copy messages (frames inside the cache)
+        self.last_reads_cache = False    # the last frames are views of the cache (zero copy)
+        self._hook = fault_hook or (lambda stage: None)
+        self._running: list = []         # staging jobs still running after cancel()
 
     def push_back(self, frames: list) -> None:
         """Keep frames the socket refused; they go first next time."""
         self._retry = frames
 
     def sent(self, tracker) -> None:
-        """The last frames were queued; their pooled buffer is free once ``tracker`` is done."""
+        """The last frames were queued; their pooled buffer is free (or, zero copy, the cache no
+        longer read by ZeroMQ) once ``tracker`` is done."""
+        if self.last_reads_cache and tracker is not None:
+            while self._reading and self._reading[0].done:
+                self._reading.popleft()
+            self._reading.append(tracker)
         if self.last_buffer is not None:
             self.pool.release(self.last_buffer, tracker)
             if self.copy_stream is None and tracker is not None:
                 self._inflight.append((tracker, self.last_buffer.numel()))
             self.last_buffer = None
+
+    def cancel(self) -> None:
+        """Send nothing more: drop the plan and the refused frames; staging jobs not yet
+        started are cancelled, running ones finish (see :meth:`busy`) and their buffers go back
+        to the pool once they have."""
+        self._plan.clear()
+        self._retry = None
+        while self._staged:
+            job, buf = self._staged.popleft()[4:6]
+            if job is not None and not job.cancel() and not job.done():
+                self._running.append(job)
+            if buf is not None:
+                self.pool.release(buf, None if job is None else _JobDone(job))
+
+    def busy(self) -> bool:
+        """True while this stream may still read the cache: a staging job is running, or a
+        zero-copy message is still queued in ZeroMQ."""
+        self._running = [j for j in self._running if not j.done()]
+        while self._reading and self._reading[0].done:
+            self._reading.popleft()
+        return bool(self._running or self._reading
+                    or any(j is not None and not j.done() for j in (st[4] for st in self._staged)))
 
     def _may_stage(self) -> bool:
         """CPU gathers: stage the next chunk only while fewer than ``INFLIGHT_BYTES`` of this
@@ -240,12 +290,15 @@ class Stream:
     def _prepare(self, frames: list, gather, device) -> tuple:
         """Worker side of staging: gather (CPU) or device-to-host copy (CUDA, ``device`` =
         (pinned buffer, layer, nlay, first, count)), then hash every frame."""
+        self._hook("gather")
         if gather is not None:   # ids were checked against the cache at publish
             buf, views, ids, idx = gather
             n, v0 = len(ids), views[0]
             packed = buf.numpy().reshape(len(views) * n, *v0.shape[1:3], len(self.local_heads), v0.shape[4])
             step = max(1, HASH_PIECE_BYTES // max(1, packed[0].nbytes))
             h = checksum_stream() if step < len(packed) else None
+            if h is not None:    # hashed piece by piece below, while gathering
+                self._hook("checksum")
             for li, view in enumerate(views):    # layer-major
                 out = packed[li * n:(li + 1) * n]
                 if self.full_heads:   # whole blocks: one C-level row gather per piece (ids in range)
@@ -260,9 +313,12 @@ class Stream:
                 for i in range(0, n, step):    # copy a piece, hash it while it is still in cache
                     copy(i, i + step)
                     h.update(out[i:i + step])
+            if h is None:
+                self._hook("checksum")
             return frames, [checksum(packed) if h is None else h.intdigest()]
         if device is not None:
             self._device_copy(*device)
+        self._hook("checksum")
         return frames, [checksum(f) for f in frames]
 
     def _stage(self) -> None:
@@ -291,6 +347,7 @@ class Stream:
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer; nothing to send yet
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
+        self.last_reads_cache = work[1] is None and work[2] is None   # no gather, no device copy
         payload, sums = job.result() if job is not None else self._prepare(*work)
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,

@@ -352,7 +352,7 @@ def test_lease_expiry_ignores_ended_and_replaced_leases():
         time.sleep(0.2)
         assert pre.held() == ["a"]
         assert [r for r in released if r[1] == "expired"] == [("short", "expired")]
-        assert len(pre._expiry) <= 2 * len(pre.held()) + 64 + 1
+        assert len(pre._leases._expiry) <= 2 * len(pre.held()) + 64 + 1
 
 
 def test_many_concurrent_transfers():

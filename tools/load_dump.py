@@ -54,9 +54,7 @@ def load_into(path, caches, desc: LayoutDescriptor, block_map: dict[int, int] | 
         src_heads = slice(shared.start - src.head_start, shared.stop - src.head_start)
         dst_heads = range(shared.start - desc.head_start, shared.stop - desc.head_start)
         block_map = {} if block_map is None else block_map
-        dst_ids = [block_map.get(b, b) for b in r.info.block_ids]
-        if len(set(dst_ids)) != len(dst_ids):
-            raise LayoutError(f"block map sends two dump blocks to one destination: {r.info.block_ids} -> {dst_ids}")
+        check_block_map(block_map, r.info.block_ids, desc.num_blocks, path)
         for rec in r:
             if rec.layer not in want:
                 continue
@@ -68,6 +66,32 @@ def load_into(path, caches, desc: LayoutDescriptor, block_map: dict[int, int] | 
             scatter_blocks(cache, geo, [dst], payload.to(cache.device), heads=dst_heads)
             written.append((rec.layer, rec.block_id, dst))
     return written
+
+
+def check_block_map(block_map: dict[int, int], dump_block_ids, num_blocks: int, path="dump") -> None:
+    """Refuse a block map that would not do what it says, before a byte is written.
+
+    Raises
+    ------
+    LayoutError
+        An entry names a block the dump does not hold (it would be ignored), two dump blocks
+        land in one destination (one would be lost), or a destination is outside the cache's
+        ``[0, num_blocks)``.
+    """
+    held = list(dump_block_ids)
+    absent = sorted(set(block_map) - set(held))
+    if absent:
+        raise LayoutError(f"block map: {path} holds blocks {_short(held)}, the map names {absent} too")
+    dst_ids = [block_map.get(b, b) for b in held]
+    if len(set(dst_ids)) != len(dst_ids):
+        raise LayoutError(f"block map sends two dump blocks to one destination: {_short(held)} -> {_short(dst_ids)}")
+    outside = sorted(d for d in dst_ids if not 0 <= d < num_blocks)
+    if outside:
+        raise LayoutError(f"block map destinations: expected ids in [0, {num_blocks}), got {outside[:8]}")
+
+
+def _short(ids: list, n: int = 16) -> str:
+    return str(ids) if len(ids) <= n else f"{ids[:n]}... ({len(ids)} ids)"
 
 
 def load_dump(path, num_blocks: int | None = None, device="cpu",
