@@ -6,7 +6,7 @@ division instead. Here the text itself runs through a small emulator of its inst
 products and additions rounded as IEEE does; ``fma`` rounded once, exactly, through fractions),
 fed with the per-row words ``split_reciprocal`` computes in Triton's interpreter, and every nibble
 is compared with the PyTorch oracle's codes. ``bench/check_int4_division.py`` is checked here on
-a sample of scales (the full check runs on a GPU: bench/write.md, session 17).
+a sample of scales (the full check runs on a GPU).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_int4_lanes import CODES_ASM
-from kernels._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16
-from kernels._write_math import split_reciprocal
+from kernels.write.int4_lanes import CODES_ASM
+from kernels.write.int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16
+from kernels.write.device_math import split_reciprocal
 from kernels.reference import quantize_int4_rows, single_rht, unpack_int4_nibbles
 from bench import check_int4_division as cid
 
