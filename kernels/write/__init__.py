@@ -24,9 +24,9 @@ compiled and on CPU tensors through Triton's interpreter; the oracle of each is
 
 from .api import (reshape_and_cache_flash, reshape_and_cache_int4, run_plan,  # noqa: F401
                   triton_reshape_and_cache_flash_per_token_head_quant)
-from .plan import WriteArgs, WriteCall, WritePlan, plan_for, record_launches, write_plan  # noqa: F401
+from .plan import Launch, WriteArgs, WriteCall, WritePlan, plan_for, record_launches, write_plan  # noqa: F401
 from .tuning import FusedTuning, LanesTuning, MmaTuning, TileTuning  # noqa: F401
 
-__all__ = ["FusedTuning", "LanesTuning", "MmaTuning", "TileTuning", "WriteArgs", "WriteCall", "WritePlan",
+__all__ = ["FusedTuning", "LanesTuning", "Launch", "MmaTuning", "TileTuning", "WriteArgs", "WriteCall", "WritePlan",
            "plan_for", "record_launches", "reshape_and_cache_flash", "reshape_and_cache_int4", "run_plan",
            "triton_reshape_and_cache_flash_per_token_head_quant", "write_plan"]

@@ -183,7 +183,7 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
     vcs = [st // align for st in t.value_cache.stride()[:3]]
     num_rows = shape.num_tokens * shape.num_kv_heads
     ch = chunk_size(d)
-    dot = tuning.rotation == "dot"  # chunks are at most 128 wide: dot tiles fit shared memory
+    dot = tuning.rotation == "dot"  # tuning.resolve_tuning allows it for chunks of at most 128
     launch(_reshape_and_cache_int4_fused_kernel, plan.grid,
            key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
            k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,

@@ -209,25 +209,33 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
     return plan_for(call, tuning, shrink, shape)
 
 
+class Launch(NamedTuple):
+    """One kernel launch as :func:`record_launches` sees it."""
+
+    kernel: str   # the Triton kernel's name
+    grid: tuple
+    num_warps: int
+
+
 _recorder = threading.local()
 
 
 @contextlib.contextmanager
 def record_launches():
-    """Collect the names of the write kernels launched in this thread inside the block (tests
-    assert that the kernel a plan names is the one that ran)."""
-    names: list[str] = []
-    outer = getattr(_recorder, "names", None)
-    _recorder.names = names
+    """Collect the write kernels launched in this thread inside the block, as :class:`Launch`
+    tuples (tests assert that what a plan names is what ran)."""
+    launches: list[Launch] = []
+    outer = getattr(_recorder, "launches", None)
+    _recorder.launches = launches
     try:
-        yield names
+        yield launches
     finally:
-        _recorder.names = outer
+        _recorder.launches = outer
 
 
 def launch(kernel, grid: tuple, **kwargs) -> None:
-    """Launch a write kernel (``kernel[grid](**kwargs)``), noted by :func:`record_launches`."""
-    names = getattr(_recorder, "names", None)
-    if names is not None:
-        names.append(kernel.__name__)
+    """``kernel[grid](**kwargs)``, noted by :func:`record_launches` when one is active."""
+    launches = getattr(_recorder, "launches", None)
+    if launches is not None:
+        launches.append(Launch(kernel.__name__, tuple(grid), kwargs["num_warps"]))
     kernel[grid](**kwargs)

@@ -100,11 +100,14 @@ def resolve_tuning(path: str, tuning, head_size: int, on_gpu: bool):
     if path == "int4-fused":
         if not on_gpu:
             t = _filled(tuning, rows=64, num_warps=4, rotation="butterfly", programs_per_sm=0)
-        else:
+        else:  # a row is rotated in chunks of min(d, 128) up to 256, of d / 2 above: dot tiles up to 128 fit
             t = _filled(tuning, rows={64: 128, 128: 64}.get(d, 64), num_warps=8 if d > 128 else 4,
-                        rotation="dot", programs_per_sm=4)
+                        rotation="dot" if d <= 256 else "butterfly", programs_per_sm=4)
         if t.rotation not in ROTATIONS:
             raise ValueError(f"int4-fused rotation: expected one of {ROTATIONS}, got {t.rotation!r}")
+        if t.rotation == "dot" and d > 256:
+            raise ValueError(f"int4-fused rotation 'dot': the ±1 tiles of head_size {d} (chunks of {d // 2}) do not "
+                             f"fit shared memory; expected 'butterfly' above head_size 256")
         return t
     if path == "int4-mma":
         rows, warps, packed, fast = MMA_TILING.get(d, (32, 2, False, False)) if on_gpu else (64, 4, False, False)
