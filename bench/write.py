@@ -289,7 +289,7 @@ def run_compare(args, device):
                 rows.append(f"| {num_tokens} | {head_size} | {mode_name} | {_label(tuning)} | {us:.1f} | {gbs:.0f} | "
                             f"{cus:.1f} | {cgbs:.0f} | {100 * gbs / cgbs:.0f}% |")
                 print(rows[-1], flush=True)
-    print(f"\n## write kernels, defaults vs previous, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
+    print(f"\n## write kernels, defaults vs the other paths and tiles, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
           f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {args.slots}, "
           f"poisoned cache with NaN/Inf/zero rows "
           f"and negative slots for the check\n")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -51,8 +50,7 @@ class WriteArgs(NamedTuple):
     v_scale_cache: Optional[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class WriteCall:
+class WriteCall(NamedTuple):
     """What the choice of a path depends on (no tensors): built by :func:`write_plan` from the
     arguments, or by hand to ask what would run elsewhere (``bench/write.py --plans``)."""
 
@@ -65,10 +63,9 @@ class WriteCall:
     num_shrink: int = 1      # INT4 range factors tried per row (> 1: the MSE encoder)
 
 
-@dataclass(frozen=True)
-class WritePlan:
-    """One write's decision: the path, the kernel it launches, its complete tuning, the grid
-    and why this path. ``shape`` is None for a plan made from a :class:`WriteCall` alone."""
+class WritePlan(NamedTuple):
+    """One write's decision (immutable): the path, the kernel it launches, its complete tuning,
+    the grid and why this path. ``shape`` is None for a plan made from a :class:`WriteCall` alone."""
 
     path: str
     kernel: str
@@ -125,6 +122,26 @@ def _choose(call: WriteCall, requested: Optional[str]) -> tuple[str, str]:
     raise AssertionError("int4-fused fits every call")  # pragma: no cover
 
 
+@functools.lru_cache(maxsize=4096)
+def _decide(mode: KVQuantMode, head_size: int, on_gpu: bool, lane_layout: bool, num_shrink: int, tuning):
+    """(path, why, complete tuning): the part of a plan that does not depend on the row count,
+    made once per distinct call (tunings are frozen, hence hashable)."""
+    call = WriteCall(mode, head_size, 0, on_gpu, 0, lane_layout, num_shrink)
+    requested = None
+    if tuning is not None:
+        if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+            requested = next((p for p in INT4_ORDER if type(tuning) is TUNING_OF_PATH[p]), None)
+            if requested is None:
+                raise TypeError(f"tuning: expected LanesTuning, MmaTuning or FusedTuning for INT4_PER_TOKEN_HEAD, "
+                                f"got {type(tuning).__name__}")
+        elif type(tuning) is not TileTuning:
+            raise TypeError(f"tuning: expected TileTuning for {mode.name}, got {type(tuning).__name__}")
+    path, why = _choose(call, requested)
+    if requested is not None and path != requested:
+        tuning = None  # the requested path cannot write the call: the one that runs takes its own defaults
+    return path, why, resolve_tuning(path, tuning, head_size, on_gpu)
+
+
 def plan_for(call: WriteCall, tuning=None, shrink: Sequence[float] = (1.0,),
              shape: Optional[WriteShape] = None) -> WritePlan:
     """The plan of ``call``: the path chosen in the fixed order, its tuning resolved (``tuning``
@@ -133,19 +150,7 @@ def plan_for(call: WriteCall, tuning=None, shrink: Sequence[float] = (1.0,),
     ``tuning`` (a ``tuning.*Tuning`` instance or None) names the path tried first; when that path
     cannot write the call (e.g. ``MmaTuning`` at head_size 16), the next one in the order runs
     with its own defaults, and ``why`` says so."""
-    requested = None
-    if tuning is not None:
-        if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-            requested = next((p for p in INT4_ORDER if type(tuning) is TUNING_OF_PATH[p]), None)
-            if requested is None:
-                raise TypeError(f"tuning: expected LanesTuning, MmaTuning or FusedTuning for INT4_PER_TOKEN_HEAD, "
-                                f"got {type(tuning).__name__}")
-        elif type(tuning) is not TileTuning:
-            raise TypeError(f"tuning: expected TileTuning for {call.mode.name}, got {type(tuning).__name__}")
-    path, why = _choose(call, requested)
-    if requested is not None and path != requested:
-        tuning = None  # the requested path cannot write the call: the one that runs takes its own defaults
-    t = resolve_tuning(path, tuning, call.head_size, call.on_gpu)
+    path, why, t = _decide(call.mode, call.head_size, call.on_gpu, call.lane_layout, call.num_shrink, tuning)
     tiles = cdiv(call.num_rows, t.rows)
     if path in ("int4-lanes", "int4-mma"):
         grid = (tiles, 2)  # axis 1: K or V
