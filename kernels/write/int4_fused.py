@@ -184,19 +184,19 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
     num_rows = shape.num_tokens * shape.num_kv_heads
     ch = chunk_size(d)
     dot = tuning.rotation == "dot"  # tuning.resolve_tuning allows it for chunks of at most 128
-    launch(_reshape_and_cache_int4_fused_kernel, plan.grid,
-           key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
-           k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
-           rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
-           shrink_ptr=device_shrink(plan.shrink, dev),
-           num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,
-           stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
-           stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
-           stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
-           stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
-           stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
-           stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
-           ROWS=tuning.rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
-           INTERPRET=plan.interpret, NUM_SHRINK=len(plan.shrink), CACHE_ALIGN=align,
-           NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
-           num_warps=tuning.num_warps, enable_fp_fusion=False)  # keep the oracle's separate roundings
+    launch(_reshape_and_cache_int4_fused_kernel, plan.grid, dict(
+        key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
+        k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
+        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
+        shrink_ptr=device_shrink(plan.shrink, dev),
+        num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,
+        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
+        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
+        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
+        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
+        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
+        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        ROWS=tuning.rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
+        INTERPRET=plan.interpret, NUM_SHRINK=len(plan.shrink), CACHE_ALIGN=align,
+        NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        num_warps=tuning.num_warps, enable_fp_fusion=False))  # keep the oracle's separate roundings

@@ -400,7 +400,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         CONTIG=packed_rows(t.key) and packed_rows(t.value), FAST_RCP=bool(tuning.fast_rcp),
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
-        launch(_reshape_and_cache_int4_mma_kernel, plan.grid, WARPS=tuning.num_warps,
-               PACKED=bool(tuning.packed_range), **args)
+        launch(_reshape_and_cache_int4_mma_kernel, plan.grid,
+               dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range)))
     else:
-        launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, **args)
+        launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, args)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -36,6 +35,7 @@ KERNELS = {"unquantized": "_reshape_and_cache_flash_kernel", "symmetric": "_resh
            "int4-mma": "_reshape_and_cache_int4_mma_kernel", "int4-lanes": "_reshape_and_cache_int4_lanes_kernel",
            "int4-fused": "_reshape_and_cache_int4_fused_kernel"}
 INT4_ORDER = ("int4-mma", "int4-lanes", "int4-fused")
+_ONE_RANGE = (1.0,)  # the vLLM-compatible INT4 encoder: the zero-inclusive range itself
 
 
 class WriteArgs(NamedTuple):
@@ -150,15 +150,20 @@ def plan_for(call: WriteCall, tuning=None, shrink: Sequence[float] = (1.0,),
     ``tuning`` (a ``tuning.*Tuning`` instance or None) names the path tried first; when that path
     cannot write the call (e.g. ``MmaTuning`` at head_size 16), the next one in the order runs
     with its own defaults, and ``why`` says so."""
-    path, why, t = _decide(call.mode, call.head_size, call.on_gpu, call.lane_layout, call.num_shrink, tuning)
-    tiles = cdiv(call.num_rows, t.rows)
+    return _plan(call.mode, call.head_size, call.num_rows, call.on_gpu, call.num_sms, call.lane_layout,
+                 tuple(shrink), tuning, shape)
+
+
+def _plan(mode, head_size, num_rows, on_gpu, num_sms, lane_layout, shrink, tuning, shape) -> WritePlan:
+    path, why, t = _decide(mode, head_size, on_gpu, lane_layout, len(shrink), tuning)
+    tiles = cdiv(num_rows, t.rows)
     if path in ("int4-lanes", "int4-mma"):
         grid = (tiles, 2)  # axis 1: K or V
-    elif path == "int4-fused" and call.on_gpu and t.programs_per_sm:
-        grid = (min(tiles, max(1, call.num_sms * t.programs_per_sm)),)
+    elif path == "int4-fused" and on_gpu and t.programs_per_sm:
+        grid = (min(tiles, max(1, num_sms * t.programs_per_sm)),)
     else:
         grid = (tiles,)
-    return WritePlan(path, KERNELS[path], t, grid, why, call.mode, not call.on_gpu, tuple(shrink), shape)
+    return WritePlan(path, KERNELS[path], t, grid, why, mode, not on_gpu, shrink, shape)
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,20 +203,22 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
     ValueError, TypeError
         On bad ``shrink`` factors, a tuning of another mode or a tiling its kernel cannot run.
     """
-    mode = KVQuantMode(kv_quant_mode)
+    mode = kv_quant_mode if type(kv_quant_mode) is KVQuantMode else KVQuantMode(kv_quant_mode)
     if shrink is not None and mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
         raise TypeError(f"shrink: range factors apply to INT4_PER_TOKEN_HEAD only, got them for {mode.name}")
-    shrink = (1.0,) if shrink is None else tuple(float(f) for f in shrink)
-    if not shrink or shrink[0] != 1.0 or not all(0.0 < f <= 1.0 for f in shrink):
-        raise ValueError(f"shrink: expected factors in (0, 1] starting with 1.0, got {shrink}")
+    if shrink is None or shrink == _ONE_RANGE:
+        shrink = _ONE_RANGE
+    else:
+        shrink = tuple(float(f) for f in shrink)
+        if not shrink or shrink[0] != 1.0 or not all(0.0 < f <= 1.0 for f in shrink):
+            raise ValueError(f"shrink: expected factors in (0, 1] starting with 1.0, got {shrink}")
     shape = check_write_args(key, value, key_cache, value_cache, slot_mapping, mode,
                              k_scale_cache, v_scale_cache, check_slots)
     on_gpu = key.device.type != "cpu"
-    int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
-    call = WriteCall(mode, shape.head_size, shape.num_tokens * shape.num_kv_heads, on_gpu,
-                     num_sms=_sm_count(key.device) if on_gpu and int4 else 0,
-                     lane_layout=on_gpu and int4 and lane_layout_ok(key, value), num_shrink=len(shrink))
-    return plan_for(call, tuning, shrink, shape)
+    int4_gpu = on_gpu and mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    return _plan(mode, shape.head_size, shape.num_tokens * shape.num_kv_heads, on_gpu,
+                 _sm_count(key.device) if int4_gpu else 0, int4_gpu and lane_layout_ok(key, value), shrink,
+                 tuning, shape)
 
 
 class Launch(NamedTuple):
@@ -222,25 +229,23 @@ class Launch(NamedTuple):
     num_warps: int
 
 
-_recorder = threading.local()
+_recording: list[list[Launch]] = []  # the lists of the open record_launches blocks, innermost last
 
 
 @contextlib.contextmanager
 def record_launches():
-    """Collect the write kernels launched in this thread inside the block, as :class:`Launch`
-    tuples (tests assert that what a plan names is what ran)."""
+    """Collect the write kernels launched inside the block, as :class:`Launch` tuples (tests
+    assert that what a plan names is what ran). Not thread-aware: one recording test at a time."""
     launches: list[Launch] = []
-    outer = getattr(_recorder, "launches", None)
-    _recorder.launches = launches
+    _recording.append(launches)
     try:
         yield launches
     finally:
-        _recorder.launches = outer
+        _recording.remove(launches)
 
 
-def launch(kernel, grid: tuple, **kwargs) -> None:
-    """``kernel[grid](**kwargs)``, noted by :func:`record_launches` when one is active."""
-    launches = getattr(_recorder, "launches", None)
-    if launches is not None:
-        launches.append(Launch(kernel.__name__, tuple(grid), kwargs["num_warps"]))
+def launch(kernel, grid: tuple, kwargs: dict) -> None:
+    """``kernel[grid](**kwargs)``, noted by :func:`record_launches` when one is open."""
+    if _recording:
+        _recording[-1].append(Launch(kernel.__name__, tuple(grid), kwargs["num_warps"]))
     kernel[grid](**kwargs)
