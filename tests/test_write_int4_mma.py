@@ -14,7 +14,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit

@@ -102,6 +102,16 @@ def test_cpu_requested_int4_paths_run(tuning, d, path):
         assert None not in dataclasses.astuple(plan.tuning)
 
 
+@pytest.mark.parametrize("mode_name", ["bf16", "int8", "fp8"])
+def test_cpu_tile_tuning_is_what_runs(mode_name):
+    """A ``TileTuning`` sets the rows and warps of the unquantized and symmetric writers: the
+    launch takes them (37 tokens x 2 heads in tiles of 8 rows: 10 programs)."""
+    plan, ran = _write(mode_name, 64, 37, torch.bfloat16, "cpu", tuning=TileTuning(rows=8, num_warps=2))
+    assert plan.path == expected_path(MODES[mode_name], 64, on_gpu=False)
+    assert plan.tuning == TileTuning(rows=8, num_warps=2) and plan.grid == (10,)
+    _assert_ran(plan, ran, 37)
+
+
 def test_cpu_mse_encoder_and_strided_rows_take_int4_fused():
     plan, ran = _write("int4", 64, 24, torch.bfloat16, "cpu", tuning=MmaTuning(), shrink=MSE)
     assert plan.path == "int4-fused" and "MSE encoder" in plan.why and plan.shrink == MSE

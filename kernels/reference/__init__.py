@@ -19,3 +19,9 @@ from .quant import (FP8_QMAX, INT4_LEVELS, INT8_QMAX, MIN_SCALE, decode_int4_sca
                     dequantize_int4_rows, dequantize_rows, dequantize_symmetric_rows, fwht, nan_scale_like,
                     pack_int4_nibbles, quantize_int4_rows, quantize_rows, quantize_symmetric_rows,
                     reference_reshape_and_cache, round_half_away, single_rht, unpack_int4_nibbles)
+
+__all__ = ["FP8_QMAX", "INT4_LEVELS", "INT8_QMAX", "KVQuantMode", "MIN_SCALE", "NAN_SCALE_BITS", "ZP_MASK",
+           "check_head_size", "decode_int4_scale", "dequantize_cache", "dequantize_int4_rows", "dequantize_rows",
+           "dequantize_symmetric_rows", "fwht", "nan_scale_like", "pack_int4_nibbles", "quantize_int4_rows",
+           "quantize_rows", "quantize_symmetric_rows", "reference_reshape_and_cache", "reference_unified_attention",
+           "rht_signs", "round_half_away", "single_rht", "unpack_int4_nibbles"]

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from layouts import KVQuantMode, LayoutError
+from layouts import KVQuantMode
 
 from .._jit import cdiv
 from .checks import WriteShape, check_write_args, lane_layout_ok
