@@ -374,7 +374,7 @@ def run(args) -> int:
         print(plan_table())
         return 0
     if args.quick:
-        args.tokens, args.head_sizes, args.check_tokens = [64], [64], 48
+        args.tokens, args.head_sizes, args.check_tokens, args.sweep_tokens = [64], [64], 48, 64
     if args.check:
         worst = run_check(args, device)
         print(f"\nworst fraction of rows differing from the oracle: {worst:.2e}")
