@@ -26,7 +26,7 @@ import torch
 from kernels import _jit
 from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnConfig, pick_config
 from kernels.attention import unified_attention
-from kernels.reference_attention import reference_unified_attention
+from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 from bench.timing import graph_us
 

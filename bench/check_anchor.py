@@ -1,4 +1,4 @@
-"""Cross-check of SPEC §8's accuracy anchors with no cache and no kernels.
+"""Cross-check of the accuracy anchors (docs/ACCURACY.md) with no cache and no kernels.
 
 A dense float32 forward of SmolLM2-135M (``tools.llama.model.reference_forward``, no bf16
 rounding) where each layer's K and V go through the plain-PyTorch oracle's quantize ->

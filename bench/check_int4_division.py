@@ -1,7 +1,7 @@
-"""Exhaustive check of the INT4 writer's two-operation division (``_write_math.div_split``).
+"""Exhaustive check of the INT4 writer's two-operation division (``kernels.write.device_math.div_split``).
 
 The writer needs ``RN(r / scale)`` exactly for every rotated, rounded value ``r`` of a row
-(SPEC §3: the codes must be the oracle's). ``div_split`` computes it as ``fma(r, ch, RN(r·cl))``
+(the codes must be the oracle's). ``div_split`` computes it as ``fma(r, ch, RN(r·cl))``
 from a 48-bit reciprocal ``pw·(ch + cl)`` (``split_reciprocal``), one operation fewer per value
 than Markstein's correction of ``r·RN(1/scale)``. No error bound proves the two equal, so this
 tool compares them everywhere it matters:
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_math import div_split, rcp_fast, split_reciprocal
+from kernels.write.device_math import div_split, rcp_fast, split_reciprocal
 
 SIGNIFICANDS = 1 << 23
 

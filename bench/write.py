@@ -4,28 +4,29 @@ For each shape (num_tokens x 8 kv heads x head_size) and mode (bf16, int8, fp8, 
 the MSE encoder) prints µs per call and GB/s counting bytes read (K, V, slot_mapping) plus bytes
 written (codes and scales), next to ``torch`` copying the same number of bytes (read + write)
 in the same run. ``--check`` first compares every mode with the PyTorch oracle on realistic
-shapes; ``--sweep`` times INT4 tile/rotation/division variants; ``--compare`` checks and times the
-default INT4 kernel (tensor-core rotation) against the shuffle and fused tl.dot ones and the
-INT8/FP8 tiles against the previous ones, next to bf16. ``--slots blocks`` writes whole blocks in
-order instead of a random slot per token. Run:
-``PYTHONPATH=. python bench/write.py [--quick] [--check] [--sweep] [--compare] [--slots blocks]``.
-On CUDA every time is the median of CUDA-graph replays (since session 9; before, plain launches,
-whose host time, 90-150 µs per call on the H200 machine, hid shorter kernels); the table ends
-with the launcher's host time per call.
+shapes; ``--sweep`` times int4-fused tilings and rotations; ``--compare`` checks and times the
+default INT4 path (int4-mma) against int4-lanes and int4-fused and the INT8/FP8 tiles against
+32 rows x 4 warps, next to bf16; ``--plans`` prints which path :func:`kernels.write.write_plan`
+picks over a grid of calls, on CPU and on an H200 (the table of ``docs/KERNELS.md``).
+``--slots blocks`` writes whole blocks in order instead of a random slot per token. Run:
+``python -m bench.write [--quick] [--check] [--sweep] [--compare] [--plans] [--slots blocks]``.
+On CUDA every time is the median of CUDA-graph replays (plain launches would time the
+launcher's host work, not shorter kernels); the table ends with the launcher's host time per call.
+Tuning other than the defaults is passed explicitly as ``kernels.write`` tuning objects.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-from kernels.reference import dequantize_rows, reference_reshape_and_cache
-from kernels.write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
+from kernels.reference import dequantize_rows, reference_reshape_and_cache, unpack_int4_nibbles
+from kernels.write import (FusedTuning, LanesTuning, TileTuning, WriteCall, plan_for, reshape_and_cache_flash,
+                           triton_reshape_and_cache_flash_per_token_head_quant)
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 from bench.timing import graph_us
 
@@ -36,11 +37,11 @@ MSE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 NUM_KV_HEADS, BLOCK_SIZE = 8, 16
 L2_FLUSH_BYTES = 256 << 20  # rotate input sets until one pass touches several L2s (60 MB)
 
+SLOT_ORDERS = ("tokens", "blocks")  # --slots: random slot per token, or random blocks with tokens in order
 
-SLOTS = {"order": "tokens"}  # --slots: "tokens" (random per token) or "blocks" (random blocks, in order within)
 
-
-def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_sets=1, offset_blocks=1):
+def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_sets=1, offset_blocks=1,
+           slot_order="tokens"):
     """Input sets and a packed cache per set (views at a nonzero storage offset)."""
     mode = MODES[mode_name]
     geo = CacheGeometry(mode, head_size, NUM_KV_HEADS, BLOCK_SIZE, dtype)
@@ -49,7 +50,7 @@ def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_s
     for _ in range(num_sets):
         key = torch.randn(num_tokens, NUM_KV_HEADS, head_size, dtype=dtype, device=device)
         value = torch.randn_like(key)
-        if SLOTS["order"] == "blocks":  # as a prefill writes: whole blocks at random places, tokens in order
+        if slot_order == "blocks":  # as a prefill writes: whole blocks at random places, tokens in order
             blocks = torch.randperm(num_blocks, device=device)
             slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).flatten()[:num_tokens]
         else:  # every token at a random slot (the worst case for the stores)
@@ -60,15 +61,14 @@ def _setup(num_tokens, head_size, mode_name, device, dtype=torch.bfloat16, num_s
     return geo, sets
 
 
-def _write(mode_name, key, value, slots, views, **kw):
+def _write(mode_name, key, value, slots, views, tuning=None):
     mode = MODES[mode_name]
     if mode == M.NONE:
-        return reshape_and_cache_flash(key, value, views.key_cache, views.value_cache, slots, check_slots=False, **kw)
-    if mode_name == "int4-mse":
-        kw["shrink"] = MSE_SHRINK
+        return reshape_and_cache_flash(key, value, views.key_cache, views.value_cache, slots, check_slots=False,
+                                       tuning=tuning)
     return triton_reshape_and_cache_flash_per_token_head_quant(
         key, value, views.key_cache, views.value_cache, views.k_scale_cache, views.v_scale_cache, slots,
-        mode, check_slots=False, **kw)
+        mode, check_slots=False, shrink=MSE_SHRINK if mode_name == "int4-mse" else None, tuning=tuning)
 
 
 def _bytes(geo, num_tokens, dtype=torch.bfloat16) -> int:
@@ -81,8 +81,8 @@ def _time_us(fn, device, calls: int = 1) -> float:
     """µs per call of ``fn``, which makes ``calls`` calls. CUDA: the median of CUDA-graph replays, so
     the time is the GPU's alone: without a graph, calls shorter than the launcher's host time
     (tens of µs of Python per call, see :func:`host_us`) measure the host, not the kernel."""
-    if device.type == "cuda":  # BW_NOSYNC=1 skips graph_us's sync: session 9's stops, bench/write.md
-        return graph_us(fn, 100, calls, sync=not os.environ.get("BW_NOSYNC"))
+    if device.type == "cuda":
+        return graph_us(fn, 100, calls)
     times = []
     for _ in range(3):
         t = time.perf_counter()
@@ -103,12 +103,13 @@ def _num_sets(nbytes, device) -> int:
     return 1 if device.type != "cuda" else max(1, min(16, -(-L2_FLUSH_BYTES // nbytes)))
 
 
-def timing_sets(mode_name, num_tokens, head_size, device):
+def timing_sets(mode_name, num_tokens, head_size, device, slot_order="tokens"):
     """(bytes one write moves, input sets that one pass rotates through so it leaves the L2 cold)."""
     geo, probe = _setup(num_tokens, head_size, mode_name, device)
     nbytes = _bytes(geo, num_tokens)
     del probe
-    return nbytes, _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device))[1]
+    return nbytes, _setup(num_tokens, head_size, mode_name, device, num_sets=_num_sets(nbytes, device),
+                          slot_order=slot_order)[1]
 
 
 def interleaved_us(sets, calls: dict, nbytes, device, rounds):
@@ -122,24 +123,25 @@ def interleaved_us(sets, calls: dict, nbytes, device, rounds):
     return times, copy
 
 
-def time_write(mode_name, num_tokens, head_size, device, **kw):
-    nbytes, sets = timing_sets(mode_name, num_tokens, head_size, device)
-    us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, **kw)), device, len(sets))
+def time_write(mode_name, num_tokens, head_size, device, tuning=None, slot_order="tokens"):
+    nbytes, sets = timing_sets(mode_name, num_tokens, head_size, device, slot_order)
+    us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, tuning)), device,
+                  len(sets))
     return us, nbytes
 
 
-def host_us(mode_name, head_size, device, calls: int = 200, **kw) -> float:
+def host_us(mode_name, head_size, device, calls: int = 200, tuning=None) -> float:
     """Host time per call of one write of 1 token (argument checks, launch), calls queued back to
     back without waiting for the GPU: what a caller pays per layer and step outside a CUDA graph."""
     _, sets = _setup(1, head_size, mode_name, device)
     k, v, s, _, views = sets[0]
     for _ in range(10):
-        _write(mode_name, k, v, s, views, **kw)
+        _write(mode_name, k, v, s, views, tuning)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t = time.perf_counter()
     for _ in range(calls):
-        _write(mode_name, k, v, s, views, **kw)
+        _write(mode_name, k, v, s, views, tuning)
     us = (time.perf_counter() - t) / calls * 1e6
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -163,7 +165,7 @@ def time_copy(nbytes, device):
 def run_table(args, device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"\n## write kernels on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
-          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}; "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {args.slots}; "
           f"GB/s = (bytes read + written) / time\n")
     print("| tokens | head_size | mode | µs | GB/s | copy µs | copy GB/s | % of copy |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
@@ -171,7 +173,7 @@ def run_table(args, device):
     for num_tokens in args.tokens:
         for head_size in args.head_sizes:
             for mode_name in args.modes:
-                us, nbytes = time_write(mode_name, num_tokens, head_size, device)
+                us, nbytes = time_write(mode_name, num_tokens, head_size, device, slot_order=args.slots)
                 cus = time_copy(nbytes, device)
                 gbs, cgbs = nbytes / us / 1e3, nbytes / cus / 1e3
                 results.append((num_tokens, head_size, mode_name, us, gbs, cus, cgbs))
@@ -185,24 +187,33 @@ def run_table(args, device):
 
 
 def run_sweep(args, device):
+    """int4-fused tilings and rotations (the path of the MSE encoder and of unaligned rows)."""
+    F = FusedTuning
     variants = {
-        64: [dict(rotation="dot", rows=r, num_warps=w) for r in (128, 256) for w in (4, 8)]
-        + [dict(rotation="butterfly", rows=32, num_warps=4)],
-        128: [dict(rotation="dot", rows=r, num_warps=w) for r in (32, 64, 128) for w in (4, 8)]
-        + [dict(rotation="dot", rows=64, num_warps=4, programs_per_sm=p) for p in (0, 8)]
-        + [dict(rotation="dot", rows=64, num_warps=4, div=d) for d in ("rn", "fast")]
-        + [dict(rotation="butterfly", rows=16, num_warps=4), dict(rotation="butterfly", rows=32, num_warps=8)],
-        256: [dict(rotation="dot", rows=r, num_warps=w) for r in (32, 64) for w in (4, 8)]
-        + [dict(rotation="butterfly", rows=16, num_warps=4)],
+        64: [F(rotation="dot", rows=r, num_warps=w) for r in (128, 256) for w in (4, 8)]
+        + [F(rotation="butterfly", rows=32, num_warps=4)],
+        128: [F(rotation="dot", rows=r, num_warps=w) for r in (32, 64, 128) for w in (4, 8)]
+        + [F(rotation="dot", rows=64, num_warps=4, programs_per_sm=p) for p in (0, 8)]
+        + [F(rotation="butterfly", rows=16, num_warps=4), F(rotation="butterfly", rows=32, num_warps=8)],
+        256: [F(rotation="dot", rows=r, num_warps=w) for r in (32, 64) for w in (4, 8)]
+        + [F(rotation="butterfly", rows=16, num_warps=4)],
     }
     print("\n| head_size | variant | µs | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
     for head_size in args.head_sizes:
         copy_us = None
-        for kw in variants.get(head_size, []):
-            us, nbytes = time_write("int4", args.sweep_tokens, head_size, device, **kw)
+        for tuning in variants.get(head_size, []):
+            us, nbytes = time_write("int4", args.sweep_tokens, head_size, device, tuning, args.slots)
             copy_us = copy_us or time_copy(nbytes, device)
-            print(f"| {head_size} | {kw} | {us:.1f} | {nbytes / us / 1e3:.0f} | {100 * copy_us / us:.0f}% |",
-                  flush=True)
+            print(f"| {head_size} | {_label(tuning)} | {us:.1f} | {nbytes / us / 1e3:.0f} | "
+                  f"{100 * copy_us / us:.0f}% |", flush=True)
+
+
+def _label(tuning) -> str:
+    """``LanesTuning(rows=16)`` for a tuning object (its set fields only), '' for None."""
+    if tuning is None:
+        return ""
+    fields = ", ".join(f"{k}={v!r}" for k, v in vars(tuning).items() if v is not None)
+    return f"{type(tuning).__name__}({fields})"
 
 
 def _compare(mode_name, geo, ref, out):
@@ -219,7 +230,6 @@ def _compare(mode_name, geo, ref, out):
         da, db = (dequantize_rows(c, sc, geo.mode, rotated=True) for c, sc in ((ca, sa), (cb, sb)))
         err = max(err, ((da - db).abs() / sa.abs().clamp(min=1e-30)[..., None]).nan_to_num(0.0).max().item())
     if geo.mode == M.INT4_PER_TOKEN_HEAD:
-        from kernels.reference import unpack_int4_nibbles
         codes = int((unpack_int4_nibbles(a[:, :geo.data_bytes]) != unpack_int4_nibbles(b[:, :geo.data_bytes])).sum())
     else:
         codes = int((a[:, :geo.data_bytes] != b[:, :geo.data_bytes]).sum())
@@ -234,11 +244,12 @@ def oracle_write(mode_name, key, value, slots, views):
                                 shrink=MSE_SHRINK if mode_name == "int4-mse" else (1.0,))
 
 
-def check_case(mode_name, dtype, head_size, num_tokens, device, write=None, **kw):
+def check_case(mode_name, dtype, head_size, num_tokens, device, write=None, tuning=None, slot_order="tokens"):
     """One write against the oracle on a poisoned cache with a NaN row, an Inf, a zero row and
     negative slots: (rows differing, codes differing, max |Δ dequantized| in scales). ``write``:
-    ``write(key, value, slots, views)`` instead of this tree's writer with ``kw``."""
-    geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype)
+    ``write(key, value, slots, views)`` instead of this tree's writer with ``tuning``."""
+    geo, [(key, value, slots, cache, views)] = _setup(num_tokens, head_size, mode_name, device, dtype,
+                                                      slot_order=slot_order)
     key[7, 3] = float("nan")
     value[11, 0, 5] = float("inf")
     key[13] = 0.0
@@ -247,38 +258,39 @@ def check_case(mode_name, dtype, head_size, num_tokens, device, write=None, **kw
     ref = cache.clone()
     oracle_write(mode_name, key, value, slots, split_kv_cache(ref, geo.mode, head_size))
     if write is None:
-        _write(mode_name, key, value, slots, views, **kw)
+        _write(mode_name, key, value, slots, views, tuning)
     else:
         write(key, value, slots, views)
     return _compare(mode_name, geo, ref, cache)
 
 
-COMPARE_VARIANTS = [("bf16", {}), ("int8", {}), ("fp8", {}), ("int4", {}), ("int4", dict(kernel="lanes")),
-                    ("int4", dict(kernel="fused")),
-                    ("int8", dict(rows=32, num_warps=4)), ("fp8", dict(rows=32, num_warps=4))]
+COMPARE_VARIANTS = [("bf16", None), ("int8", None), ("fp8", None), ("int4", None), ("int4", LanesTuning()),
+                    ("int4", FusedTuning()),
+                    ("int8", TileTuning(rows=32, num_warps=4)), ("fp8", TileTuning(rows=32, num_warps=4))]
 
 
 def run_compare(args, device):
-    """Defaults against the other kernels/tiles (INT4 shuffle and fused tl.dot, INT8/FP8 32 rows x 4
-    warps): each variant checked against the oracle at the first token count, then timed with a
+    """Defaults against the other paths / tiles (INT4: int4-lanes and int4-fused; INT8/FP8: 32 rows x
+    4 warps): each variant checked against the oracle at the first token count, then timed with a
     copy of the same bytes; table printed last."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     checks, rows = [], []
     for head_size in args.head_sizes:
-        for mode_name, kw in COMPARE_VARIANTS:
+        for mode_name, tuning in COMPARE_VARIANTS:
             n = args.tokens[0]
-            rd, cd, err = check_case(mode_name, torch.bfloat16, head_size, n, device, **kw)
-            checks.append(f"| {mode_name} | {kw or ''} | {head_size} | {n} | {rd} | {cd} | {err:.2f} |")
+            rd, cd, err = check_case(mode_name, torch.bfloat16, head_size, n, device, tuning=tuning,
+                                     slot_order=args.slots)
+            checks.append(f"| {mode_name} | {_label(tuning)} | {head_size} | {n} | {rd} | {cd} | {err:.2f} |")
             print(checks[-1], flush=True)
             for num_tokens in args.tokens:
-                us, nbytes = time_write(mode_name, num_tokens, head_size, device, **kw)
+                us, nbytes = time_write(mode_name, num_tokens, head_size, device, tuning, args.slots)
                 cus = time_copy(nbytes, device)
                 gbs, cgbs = nbytes / us / 1e3, nbytes / cus / 1e3
-                rows.append(f"| {num_tokens} | {head_size} | {mode_name} | {kw or ''} | {us:.1f} | {gbs:.0f} | "
+                rows.append(f"| {num_tokens} | {head_size} | {mode_name} | {_label(tuning)} | {us:.1f} | {gbs:.0f} | "
                             f"{cus:.1f} | {cgbs:.0f} | {100 * gbs / cgbs:.0f}% |")
                 print(rows[-1], flush=True)
-    print(f"\n## write kernels, defaults vs previous, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
-          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {SLOTS['order']}, "
+    print(f"\n## write kernels, defaults vs the other paths and tiles, on {name}\n\ncommand: `{' '.join(sys.argv)}`; {NUM_KV_HEADS} kv heads, "
+          f"block_size {BLOCK_SIZE}, bf16 inputs, packed-cache views, slots: {args.slots}, "
           f"poisoned cache with NaN/Inf/zero rows "
           f"and negative slots for the check\n")
     print("| mode | options | head_size | tokens | rows differing | codes differing | max Δ (scales) |")
@@ -292,31 +304,61 @@ def run_compare(args, device):
 def run_check(args, device):
     print("\n| mode | dtype | head_size | tokens | options | rows differing | codes differing | max Δ (scales) |")
     print("|---|---|---:|---:|---|---:|---:|---:|")
-    cases = [(m, torch.bfloat16, d, {}) for d in args.head_sizes for m in args.modes]
-    cases += [("int4", torch.float16, 128, {}), ("int4", torch.bfloat16, 128, dict(kernel="lanes")),
-              ("int4", torch.float16, 128, dict(kernel="lanes")),
-              ("int4", torch.bfloat16, 128, dict(rotation="butterfly")),
-              ("int8", torch.float16, 128, {}), ("fp8", torch.float16, 128, {})]
+    cases = [(m, torch.bfloat16, d, None) for d in args.head_sizes for m in args.modes]
+    cases += [("int4", torch.float16, 128, None), ("int4", torch.bfloat16, 128, LanesTuning()),
+              ("int4", torch.float16, 128, LanesTuning()),
+              ("int4", torch.bfloat16, 128, FusedTuning(rotation="butterfly")),
+              ("int8", torch.float16, 128, None), ("fp8", torch.float16, 128, None)]
     worst = 0
-    for mode_name, dtype, head_size, kw in cases:
+    for mode_name, dtype, head_size, tuning in cases:
         num_tokens = args.check_tokens if head_size <= 128 else args.check_tokens // 2
-        rows_diff, codes_diff, err = check_case(mode_name, dtype, head_size, num_tokens, device, **kw)
+        rows_diff, codes_diff, err = check_case(mode_name, dtype, head_size, num_tokens, device, tuning=tuning,
+                                                slot_order=args.slots)
         worst = max(worst, rows_diff / (2 * num_tokens * NUM_KV_HEADS))
-        print(f"| {mode_name} | {str(dtype)[6:]} | {head_size} | {num_tokens} | {kw or ''} | {rows_diff} | "
+        print(f"| {mode_name} | {str(dtype)[6:]} | {head_size} | {num_tokens} | {_label(tuning)} | {rows_diff} | "
               f"{codes_diff} | {err:.2f} |", flush=True)
     return worst
+
+
+PLAN_MODES = {"bf16": (M.NONE, 1), "int8": (M.INT8_PER_TOKEN_HEAD, 1), "fp8": (M.FP8_PER_TOKEN_HEAD, 1),
+              "int4": (M.INT4_PER_TOKEN_HEAD, 1), "int4-mse": (M.INT4_PER_TOKEN_HEAD, len(MSE_SHRINK))}
+
+
+def _plan(mode_name, head_size, on_gpu, aligned=True, num_tokens=65536):
+    mode, num_shrink = PLAN_MODES[mode_name]
+    call = WriteCall(mode, head_size, num_tokens * NUM_KV_HEADS, on_gpu, num_sms=132 if on_gpu else 0,
+                     lane_layout=aligned, num_shrink=num_shrink)
+    return plan_for(call, shrink=MSE_SHRINK[:num_shrink])
+
+
+def plan_table() -> str:
+    """Markdown table of the path :func:`kernels.write.plan_for` picks per mode and head size on
+    CPU and on an H200 (132 SMs; 65,536 tokens x 8 KV heads, K/V rows 16-byte loadable, plus one
+    line for rows that are not), with the H200 tuning and reason: ``docs/KERNELS.md``'s table."""
+    lines = ["| mode | head_size | CPU path | H200 path | H200 tuning | why (H200) |", "|---|---|---|---|---|---|"]
+    cases = [(m, d, True) for m in ("bf16", "int8", "fp8") for d in (64, 128, 256)]
+    cases += [(m, d, True) for m in ("int4", "int4-mse") for d in (16, 32, 64, 128, 256, 512)]
+    cases += [("int4", 128, False)]
+    for m, d, aligned in cases:
+        cpu, gpu = _plan(m, d, False, aligned), _plan(m, d, True, aligned)
+        tuning = ", ".join(f"{k}={v}" for k, v in vars(gpu.tuning).items())
+        note = "" if aligned else " (K/V rows not 16-byte loadable)"
+        lines.append(f"| {m} | {d}{note} | {cpu.path} | {gpu.path} | {tuning} | {gpu.why} |")
+    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes only (CI smoke test; runs on CPU)")
     p.add_argument("--check", action="store_true", help="compare with the PyTorch oracle first")
-    p.add_argument("--sweep", action="store_true", help="time INT4 tile/rotation/division variants")
+    p.add_argument("--sweep", action="store_true", help="time int4-fused tilings and rotations")
     p.add_argument("--compare", action="store_true",
-                   help="defaults vs other kernels (INT4 shuffle and fused, INT8/FP8 big tiles), each checked, "
+                   help="defaults vs other paths (INT4 int4-lanes and int4-fused, INT8/FP8 big tiles), each checked, "
                         "instead of the main table")
+    p.add_argument("--plans", action="store_true",
+                   help="print which write path runs over a grid of calls on CPU and on an H200 (no timing)")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--slots", choices=("tokens", "blocks"), default="tokens",
+    p.add_argument("--slots", choices=SLOT_ORDERS, default="tokens",
                    help="slot_mapping: each token at a random slot (default, the worst case) or whole blocks "
                         "at random places with their tokens in order (as a prefill writes)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536, 262144])
@@ -328,9 +370,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     device = torch.device(args.device)
-    SLOTS["order"] = getattr(args, "slots", "tokens")
+    if args.plans:
+        print(plan_table())
+        return 0
     if args.quick:
-        args.tokens, args.head_sizes, args.check_tokens = [64], [64], 48
+        args.tokens, args.head_sizes, args.check_tokens, args.sweep_tokens = [64], [64], 48, 64
     if args.check:
         worst = run_check(args, device)
         print(f"\nworst fraction of rows differing from the oracle: {worst:.2e}")

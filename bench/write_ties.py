@@ -1,14 +1,14 @@
 """Count the INT4 writer's tie rows: rows whose bytes differ from the PyTorch oracle.
 
-The GPU default (``kernel="mma"``) rotates on tensor cores, which add in another order than the
-oracle's butterfly, so a rotated value can rarely round to the neighbouring bf16/fp16; the
-shuffle kernel (``kernel="lanes"``) adds in the oracle's order and must give none. For each case
+The GPU default (path ``int4-mma``) rotates on tensor cores, which add in another order than the
+oracle's butterfly, so a rotated value can rarely round to the neighbouring bf16/fp16;
+``int4-lanes`` (``LanesTuning``) adds in the oracle's order and must give none. For each case
 this prints the rows and codes that differ and the largest difference of a dequantized value, in
 scales (a tie moves a value by at most one code step: <= 1.0)::
 
-    python3 bench/write_ties.py                                # random and outlier-channel K/V
-    python3 bench/write_ties.py --dump-kv kv.pt                # real K/V of SmolLM2-135M (CPU)
-    python3 bench/write_ties.py --kv-file kv.pt                # ... counted on the GPU
+    python -m bench.write_ties                                 # random and outlier-channel K/V
+    python -m bench.write_ties --dump-kv kv.pt                 # real K/V of SmolLM2-135M (CPU)
+    python -m bench.write_ties --kv-file kv.pt                 # ... counted on the GPU
 
 ``--dump-kv`` runs the model over a text (``--text``, default the Apache-2.0 licence file) with
 the dense reference forward and saves every layer's K and V (bf16), so the GPU machine, which
@@ -24,15 +24,15 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from kernels.write import reshape_and_cache_int4  # noqa: E402
+from kernels.write import LanesTuning, MmaTuning, reshape_and_cache_int4  # noqa: E402
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache  # noqa: E402
 from bench.write import _compare, oracle_write  # noqa: E402
 
-KERNELS = ("mma", "lanes")
+KERNELS = {"mma": MmaTuning(), "lanes": LanesTuning()}  # --kernels: the path each name asks for
 BS = 16
 
 
-def count(key: torch.Tensor, value: torch.Tensor, **kw) -> tuple[int, int, float]:
+def count(key: torch.Tensor, value: torch.Tensor, tuning=None) -> tuple[int, int, float]:
     """(rows differing, codes differing, max |Δ dequantized| in scales) of one write of
     ``key``/``value`` [tokens, heads, d] at random slots against the oracle's bytes."""
     n, h, d = key.shape
@@ -44,7 +44,8 @@ def count(key: torch.Tensor, value: torch.Tensor, **kw) -> tuple[int, int, float
     slots = torch.randperm(nb * BS, device=key.device)[:n]
     gv = split_kv_cache(got, geo.mode, d)
     oracle_write("int4", key, value, slots, split_kv_cache(ref, geo.mode, d))
-    reshape_and_cache_int4(key, value, gv.key_cache, gv.value_cache, slots, gv.k_scale_cache, gv.v_scale_cache, **kw)
+    reshape_and_cache_int4(key, value, gv.key_cache, gv.value_cache, slots, gv.k_scale_cache, gv.v_scale_cache,
+                           tuning=tuning)
     return _compare("int4", geo, ref, got)
 
 
@@ -103,13 +104,13 @@ def main(argv=None) -> int:
             for d in a.head_sizes:
                 k, v = synthetic(kind, a.tokens, 8, d, dtype, dev, gen)
                 for kernel in a.kernels:
-                    rd, cd, err = count(k, v, kernel=kernel)
+                    rd, cd, err = count(k, v, KERNELS[kernel])
                     print(f"| {kind} | {str(dtype)[6:]} | {d} | {2 * k.shape[0] * 8} | {kernel} | {rd} | {cd} | "
                           f"{err:.3f} |", flush=True)
     if a.kv_file:
         kv = torch.load(a.kv_file)
         for kernel in a.kernels:
-            per_layer = [count(k.to(dev), v.to(dev), kernel=kernel) for k, v in zip(kv["k"], kv["v"])]
+            per_layer = [count(k.to(dev), v.to(dev), KERNELS[kernel]) for k, v in zip(kv["k"], kv["v"])]
             rows = 2 * kv["k"].shape[0] * kv["k"].shape[1] * kv["k"].shape[2]
             rd, cd, err = (sum(r[0] for r in per_layer), sum(r[1] for r in per_layer), max(r[2] for r in per_layer))
             print(f"| {kv.get('model', '?')}: {kv['k'].shape[0]} layers x {kv['tokens']} tokens | bf16 | "

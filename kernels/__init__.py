@@ -11,4 +11,4 @@ from .attention import unified_attention  # noqa: F401
 from .attention_int4 import unified_attention_int4  # noqa: F401
 from .reference import pack_int4_nibbles, single_rht, unpack_int4_nibbles  # noqa: F401
 from .write import (reshape_and_cache_flash, reshape_and_cache_int4,  # noqa: F401
-                    triton_reshape_and_cache_flash_per_token_head_quant)
+                    triton_reshape_and_cache_flash_per_token_head_quant, write_plan)

@@ -168,7 +168,7 @@ def _reference_write(key, value, v, slot_mapping, mode, shrink=None):
 
 
 def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
-    from .reference_attention import reference_unified_attention
+    from .reference import reference_unified_attention
 
     out = reference_unified_attention(q, v.key_cache, v.value_cache, cu, seqused, table, scale,
                                       True, (-1, -1), 0.0, mode, v.k_scale_cache, v.v_scale_cache)

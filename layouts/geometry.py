@@ -36,6 +36,8 @@ from .errors import LayoutError
 from .modes import KVQuantMode, get_kv_quant_mode, storage_dtype
 
 SCALE_BYTES = 4  # one little-endian float32 per (token, head) row
+NAN_SCALE_BITS = 0x7FC00000  # the scale word of a row whose input held NaN/Inf (a quiet NaN, zero point 0)
+ZP_MASK = 0xF  # INT4: the zero point sits in the scale word's low 4 bits
 
 
 def check_head_size(mode: KVQuantMode, head_size: int) -> None:

@@ -31,7 +31,7 @@ from kernels._attn_launch import AttnConfig, pick_config
 from kernels.attention import unified_attention
 from kernels.attention_int4 import unified_attention_int4
 from kernels.reference import reference_reshape_and_cache
-from kernels.reference_attention import reference_unified_attention
+from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, LayoutError, split_kv_cache
 
 TOL = 1e-2  # the project's bound; see the module docstring for where the residual comes from

@@ -10,7 +10,7 @@ import torch
 from kernels.reference import (NAN_SCALE_BITS, dequantize_int4_rows, dequantize_rows, fwht,
                                pack_int4_nibbles, quantize_int4_rows, quantize_rows, rht_signs,
                                single_rht, unpack_int4_nibbles)
-from kernels.reference_attention import reference_unified_attention
+from kernels.reference import reference_unified_attention
 from layouts import KVQuantMode, LayoutError
 
 M = KVQuantMode
@@ -210,3 +210,32 @@ def test_reference_attention_matches_dense_softmax():
     s = torch.einsum("qhd,khd->hqk", q, kk) * 0.25
     s = s.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
     torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
+
+
+def _imports(path):
+    """Every module a source file imports: absolute names, and relative ones as ``.name``."""
+    import ast
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return names
+
+
+def test_oracle_imports_no_kernel_and_no_kernel_imports_the_oracle():
+    """The oracle (``kernels/reference/``) imports only torch, layouts and its own modules, so a
+    kernel bug cannot hide in its twin; no production kernel module imports the oracle."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    for f in (root / "reference").glob("*.py"):
+        for name in _imports(f):
+            ok = name.split(".")[0] in ("__future__", "torch", "layouts") or name in (".attention", ".quant")
+            assert ok, f"{f.name} imports {name}"
+    for f in root.rglob("*.py"):
+        if "reference" in f.parts or f in (root / "__init__.py", root / "paged_cache.py"):
+            continue  # the package's re-exports and the object API's reference back end use it on purpose
+        for name in _imports(f):
+            assert "reference" not in name, f"{f.relative_to(root)} imports the oracle ({name})"

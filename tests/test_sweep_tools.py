@@ -1,18 +1,13 @@
 """The GPU sweep helpers' CPU-side logic: decode sweep configurations, the profiling driver's
-``--cfg``, loading a committed version of the INT4 writer and the read probes' addressing (the
-timing itself needs a GPU).
+``--cfg`` and the read probes' addressing (the timing itself needs a GPU).
 
 Run: python -m pytest tests/test_sweep_tools.py -q
 """
 
-import tempfile
-
 import pytest
 
-import kernels._write_int4 as W
 from kernels._attn_launch import AttnConfig
 from bench import attention as B
-from bench import bench_write_versions as V
 from bench import profile_decode as P
 from bench import sweep_decode as S
 
@@ -32,19 +27,6 @@ def test_sweep_configs_default_first_old_default_and_segment_scaling():
     assert [c.num_segments for c in explicit[1:]] == [3, 5]  # no old default for INT4
     v4 = S.configs(base, B.MODES["int8"], [(16, 1, 2, 4, 1), (16, 4, 2, 4)], [1], [8], False, pb)
     assert [(c.v2, c.heads_per_program) for c in v4[1:]] == [(4, 1), (4, 0)]  # optional 5th field
-
-
-def test_write_versions_loads_a_commit_and_swaps_the_launcher():
-    keep = (W._reshape_and_cache_int4_lanes_kernel, W.fwht_asm)
-    with tempfile.TemporaryDirectory() as tmp:
-        mod = V.load("HEAD", tmp)
-        assert mod.__name__ == "kernels._lanes_HEAD"
-        try:
-            V.use(mod)
-            assert W._reshape_and_cache_int4_lanes_kernel is mod._reshape_and_cache_int4_lanes_kernel
-            assert W.fwht_asm is mod.fwht_asm
-        finally:
-            W._reshape_and_cache_int4_lanes_kernel, W.fwht_asm = keep
 
 
 def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):

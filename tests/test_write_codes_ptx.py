@@ -22,9 +22,9 @@ import torch
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_int4_lanes import CODES_ASM
-from kernels._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16
-from kernels._write_math import split_reciprocal
+from kernels.write.int4_lanes import CODES_ASM
+from kernels.write.int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16
+from kernels.write.device_math import split_reciprocal
 from kernels.reference import quantize_int4_rows, single_rht, unpack_int4_nibbles
 from bench import check_int4_division as cid
 

@@ -1,4 +1,4 @@
-"""The tensor-core rotation of the INT4 writer (``kernels._write_int4_mma``) without a GPU.
+"""The tensor-core rotation of the INT4 writer (``kernels.write.int4_mma``) without a GPU.
 
 The GPU tests compare the kernel's bytes with the oracle; here the pieces that decide whether a
 tensor-core tile computes ``H_32 · (s ⊙ x)`` at all are checked on CPU: the PTX text, the B /
@@ -14,11 +14,10 @@ import re
 import numpy as np
 import pytest
 import torch
-import triton
 import triton.language as tl
 
 from kernels._jit import dual_jit
-from kernels._write_int4_mma import B_HALVES, MMA_COLS, b_word, mma_b_operands, mma_table, mma_text
+from kernels.write.int4_mma import B_HALVES, MMA_COLS, b_word, mma_b_operands, mma_table, mma_text
 from kernels.reference import fwht, rht_signs
 
 _MMA = re.compile(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.\1\.f32 "

@@ -1,11 +1,13 @@
 """Cache-write kernels (``kernels.write``) against the PyTorch oracle.
 
-Covers INT4 (both rotations of the fused kernel, the shuffle kernel with 1, 2, 4 and 8 parts, the
-tensor-core kernel's part split, the MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's interpreter on CPU with small shapes: codes and scale bits identical to the oracle, dequantized
+Covers INT4 (both rotations of int4-fused, int4-lanes with 1, 2, 4 and 8 parts, int4-mma's part
+split, the MSE encoder), INT8, FP8 and bf16/fp16 writes through Triton's interpreter on CPU with
+small shapes: codes and scale bits identical to the oracle, dequantized
 values within the format's rounding bound, both calling conventions (separate tensors and views
 of one packed cache at a nonzero storage offset), negative slots and poisoned caches, edge rows
 (zeros, constants, one-hot, outliers, NaN/Inf), strided inputs, launcher errors, and a smoke run
-of ``bench/write.py --quick``. A CUDA-only test repeats the comparison at a realistic size.
+of ``bench/write.py --quick``. CUDA-only tests repeat the comparison at a realistic size.
+``tests/test_write_plan.py`` covers which path runs.
 
 Run: ``python -m pytest tests/test_write_kernels.py -q``
 """
@@ -16,11 +18,12 @@ import time
 import pytest
 import torch
 
-from kernels._write_int4 import MMA_TILING
 from kernels.reference import (NAN_SCALE_BITS, dequantize_rows, quantize_int4_rows,
                                reference_reshape_and_cache)
-from kernels.write import (reshape_and_cache_flash, reshape_and_cache_int4,
-                           triton_reshape_and_cache_flash_per_token_head_quant)
+from kernels.write import (FusedTuning, LanesTuning, MmaTuning, TileTuning, reshape_and_cache_flash,
+                           reshape_and_cache_int4, triton_reshape_and_cache_flash_per_token_head_quant)
+from kernels.write import record_launches
+from kernels.write.tuning import MMA_TILING
 from layouts import CacheGeometry, KVQuantMode, LayoutError, split_kv_cache
 
 M = KVQuantMode
@@ -183,7 +186,7 @@ def test_int4_rotations(rotation, d):
     slots = torch.randperm(64)[:40]
     _, v = _cache(M.INT4_PER_TOKEN_HEAD, d, 4, torch.bfloat16, packed=True)
     reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
-                           rotation=rotation)
+                           tuning=FusedTuning(rotation=rotation))
     p, s = quantize_int4_rows(value)
     blk, off = slots // BS, slots % BS
     # butterfly: the oracle's additions in its order, so exact. dot: fp32 sums in another order
@@ -199,18 +202,18 @@ def test_int4_rotations(rotation, d):
 def test_int4_lanes_kernel(d, parts, strided, dtype):
     """The shuffle kernel on edge rows, both input layouts and both model dtypes: byte for byte
     the oracle's (on CPU it runs the oracle's butterfly; the CUDA tests check the shuffles)."""
-    _check_int4_kernel(d, strided, dtype, kernel="lanes", parts=parts)
+    _check_int4_kernel(d, strided, dtype, tuning=LanesTuning(parts=parts))
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256], ids=["h16", "h32", "h64", "h128", "h256"])
 def test_int4_mma_kernel(d, strided, dtype):
-    """``kernel="mma"`` (the GPU default from head_size 64) on CPU: its split into head_size/32
+    """``MmaTuning`` (the GPU default from head_size 64) on CPU: its split into head_size/32
     parts of 32 columns and the cross-part stages, through the interpreter's butterfly, give the
     oracle's bytes; head_size 16 falls back to the shuffle kernel. The tensor-core rotation itself
     runs only on a GPU (the CUDA tests; ``tests/test_write_int4_mma.py`` emulates its PTX)."""
-    _check_int4_kernel(d, strided, dtype, kernel="mma", packed_range=MMA_TILING.get(d, (0, 0, False))[2])
+    _check_int4_kernel(d, strided, dtype, tuning=MmaTuning(packed_range=MMA_TILING.get(d, (0, 0, False))[2]))
 
 
 def _check_int4_kernel(d, strided, dtype, **kw):
@@ -240,14 +243,14 @@ def test_int4_lanes_kernel_refuses_bad_parts(parts):
     before = _bytes(whole).clone()
     with pytest.raises(ValueError, match="lanes kernel: parts"):
         reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, torch.arange(8), v.k_scale_cache,
-                               v.v_scale_cache, kernel="lanes", parts=parts)
+                               v.v_scale_cache, tuning=LanesTuning(parts=parts))
     assert torch.equal(_bytes(whole), before)
 
 
 def test_lane_layout_check():
-    """The shuffle / tensor-core writers need rows Triton loads in 16-byte vectors; the check that
-    sends other inputs to the fused kernel accepts packed and 16-element-strided rows only."""
-    from kernels._write_checks import lane_layout_ok
+    """The int4-lanes / int4-mma writers need rows Triton loads in 16-byte vectors; the check that
+    sends other inputs to int4-fused accepts packed and 16-element-strided rows only."""
+    from kernels.write.checks import lane_layout_ok
     buf = torch.zeros(4 * 2 * H * 64 + 64, dtype=torch.bfloat16)
     packed = buf[:4 * H * 64].view(4, H, 64)
     stacked = buf[:4 * 2 * H * 64].view(4, 2, H, 64)[:, 0]            # [T, 2, H, d]: strides 2Hd, d
@@ -257,15 +260,22 @@ def test_lane_layout_check():
     assert not lane_layout_ok(packed, shifted) and not lane_layout_ok(padded)
 
 
-def test_int4_mma_kernel_refuses_other_parts():
-    """The tensor-core kernel's parts are 32 columns wide: another part count is a clear error, nothing written."""
+def test_tuning_of_another_mode_is_refused():
+    """A tuning names a path of the call's mode: another mode's tuning is a TypeError saying which
+    classes fit, and nothing is written."""
     key, value = _inputs(8, 128, torch.bfloat16)
     whole, v = _cache(M.INT4_PER_TOKEN_HEAD, 128, 4, torch.bfloat16, packed=True)
     before = _bytes(whole).clone()
-    with pytest.raises(ValueError, match="mma kernel: parts is head_size / 32 = 4"):
+    with pytest.raises(TypeError, match="expected LanesTuning, MmaTuning or FusedTuning for INT4_PER_TOKEN_HEAD, "
+                                        "got TileTuning"):
         reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, torch.arange(8), v.k_scale_cache,
-                               v.v_scale_cache, kernel="mma", parts=8)
+                               v.v_scale_cache, tuning=TileTuning(rows=16))
     assert torch.equal(_bytes(whole), before)
+    _, v8 = _cache(M.INT8_PER_TOKEN_HEAD, 128, 4, torch.bfloat16, packed=True)
+    with pytest.raises(TypeError, match="expected TileTuning for INT8_PER_TOKEN_HEAD, got FusedTuning"):
+        triton_reshape_and_cache_flash_per_token_head_quant(
+            key, value, v8.key_cache, v8.value_cache, v8.k_scale_cache, v8.v_scale_cache, torch.arange(8),
+            M.INT8_PER_TOKEN_HEAD, tuning=FusedTuning())
 
 
 @pytest.mark.parametrize("d", [64, 256], ids=["h64", "h256"])
@@ -353,15 +363,10 @@ def test_bench_slot_orders():
     """bench_write's slot mappings: distinct slots either way; ``blocks`` keeps each block's tokens
     in order (as a prefill writes), ``tokens`` scatters them."""
     from bench import write as bench_write
-    keep = dict(bench_write.SLOTS)
-    try:
-        got = {}
-        for order in ("tokens", "blocks"):
-            bench_write.SLOTS["order"] = order
-            torch.manual_seed(0)
-            got[order] = bench_write._setup(160, 64, "int4", torch.device("cpu"))[1][0][2]
-    finally:
-        bench_write.SLOTS.update(keep)
+    got = {}
+    for order in ("tokens", "blocks"):
+        torch.manual_seed(0)
+        got[order] = bench_write._setup(160, 64, "int4", torch.device("cpu"), slot_order=order)[1][0][2]
     for slots in got.values():
         assert slots.unique().numel() == 160 and int(slots.max()) < 160
     b = got["blocks"].view(10, 16)
@@ -385,12 +390,14 @@ def test_mode_and_option_errors():
         reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
                                v4.v_scale_cache, shrink=(0.9, 1.0))
     before = v4.key_cache.clone()
-    with pytest.raises(TypeError, match=r"unknown tuning keywords \['tile'\]"):
+    with pytest.raises(TypeError, match="shrink: range factors apply to INT4_PER_TOKEN_HEAD only, got them for "
+                                        "INT8_PER_TOKEN_HEAD"):
+        triton_reshape_and_cache_flash_per_token_head_quant(
+            key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, torch.arange(4),
+            M.INT8_PER_TOKEN_HEAD, shrink=(1.0, 0.9))
+    with pytest.raises(ValueError, match="int4-fused rotation: expected one of"):
         reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
-                               v4.v_scale_cache, tile=16)
-    with pytest.raises(ValueError, match="kernel: expected 'fused', 'lanes' or 'mma', got 'shuffle'"):
-        reshape_and_cache_int4(key, value, v4.key_cache, v4.value_cache, torch.arange(4), v4.k_scale_cache,
-                               v4.v_scale_cache, kernel="shuffle")
+                               v4.v_scale_cache, tuning=FusedTuning(rotation="givens"))
     assert torch.equal(v4.key_cache, before)  # nothing written
 
 
@@ -442,20 +449,20 @@ def test_cuda_matches_oracle(mode_name, d, dtype):
         assert rows(caches[1]) == 0
         return
     _assert_ties(geo, caches[0], caches[1], bound=2 * 4096 * H * 2e-4)  # measured: 0-5 per 1,048,576 rows
-    for kernel, bound in (("lanes", 0), ("fused", 2 * 4096 * H * 1e-3)):  # fused: 26 per 1,048,576 measured
+    for tuning, bound in ((LanesTuning(), 0), (FusedTuning(), 2 * 4096 * H * 1e-3)):  # fused: 26 per 1,048,576
         c = caches[2]
         c.view(torch.uint8).fill_(POISON)
         reshape_and_cache_int4(key, value, vs[2].key_cache, vs[2].value_cache, slots, vs[2].k_scale_cache,
-                               vs[2].v_scale_cache, kernel=kernel)
+                               vs[2].v_scale_cache, tuning=tuning)
         _assert_ties(geo, caches[0], c, bound)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel", [None, "lanes", "mma"], ids=["default", "lanes", "mma"])
+@pytest.mark.parametrize("tuning", [None, LanesTuning(), MmaTuning()], ids=["default", "lanes", "mma"])
 @pytest.mark.parametrize("layout", ["shifted", "padded"])
-def test_cuda_int4_unaligned_rows(kernel, layout):
+def test_cuda_int4_unaligned_rows(tuning, layout):
     """K/V rows Triton cannot load in 16-byte vectors (a base 2 bytes off, a token stride of
-    H·d + 8) go to the fused kernel whatever kernel is named: the oracle's bytes up to its ties."""
+    H·d + 8) go to int4-fused whatever path is named: the oracle's bytes up to its ties."""
     d, n = 128, 2048
     g = torch.Generator(device="cuda").manual_seed(7)
     if layout == "shifted":
@@ -472,8 +479,10 @@ def test_cuda_int4_unaligned_rows(kernel, layout):
         c.view(torch.uint8).fill_(POISON)
     reference_reshape_and_cache(key, value, vs[0].key_cache, vs[0].value_cache, slots, geo.mode,
                                 vs[0].k_scale_cache, vs[0].v_scale_cache)
-    reshape_and_cache_int4(key, value, vs[1].key_cache, vs[1].value_cache, slots, vs[1].k_scale_cache,
-                           vs[1].v_scale_cache, kernel=kernel)
+    with record_launches() as ran:
+        reshape_and_cache_int4(key, value, vs[1].key_cache, vs[1].value_cache, slots, vs[1].k_scale_cache,
+                               vs[1].v_scale_cache, tuning=tuning)
+    assert [r.kernel for r in ran] == ["_reshape_and_cache_int4_fused_kernel"]
     _assert_ties(geo, caches[0], caches[1], bound=2 * n * H * 1e-3)
 
 

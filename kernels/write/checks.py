@@ -1,4 +1,4 @@
-"""Argument checks shared by the cache-write launchers (``kernels.write``).
+"""Argument checks of the cache writes, run once by ``kernels.write.plan.write_plan``.
 
 Everything here runs before a kernel is launched, so a bad call raises a
 :class:`layouts.LayoutError` that says expected vs got and leaves every cache untouched.
@@ -147,10 +147,10 @@ def packed_rows(t: torch.Tensor) -> bool:
 
 def lane_layout_ok(*inputs: torch.Tensor) -> bool:
     """Whether Triton will load ``[num_tokens, num_kv_heads, head_size]`` rows of ``inputs`` in
-    16-byte vectors, the layout the shuffle and tensor-core INT4 writers hand to their inline
+    16-byte vectors, the layout the ``int4-lanes`` and ``int4-mma`` writers hand to their inline
     asm: every base address 16-byte aligned, and rows packed (:func:`packed_rows`) or both row
     strides multiples of 16 elements (the divisibility Triton specializes on). Otherwise the
     compiler may spread a row's columns over other lanes and the asm would combine wrong values,
-    so the launcher takes the layout-agnostic fused kernel instead."""
+    so :func:`~kernels.write.plan.write_plan` takes the layout-agnostic ``int4-fused`` path instead."""
     return all(t.data_ptr() % 16 == 0 and (packed_rows(t) or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0))
                for t in inputs)

@@ -1,9 +1,9 @@
-"""INT4 write's rotation on tensor cores: one ``mma.sync`` tile per 32 columns of 16 rows.
+"""The tensor-core rotation of path ``int4-mma``: one ``mma.sync`` tile per 32 columns of 16 rows.
 
 ``H_d = H_{d/32} ⊗ H_32`` (Sylvester order: column ``i = 32·b + a``), so the rotation of a row
 is a 32-point transform of each 32-column *part* ``b`` followed by the ``d/32``-point transform
-across parts. The lanes kernel already does the second step with in-lane fp32 adds; here the
-first is a matrix product on tensor cores instead of 5 butterfly stages and 2 shuffle stages:
+across parts. The kernels' shared frame (``int4_lanes._int4_rows``) does the second step with
+in-lane fp32 adds; here the first is a matrix product on tensor cores instead of 5 butterfly stages and 2 shuffle stages:
 ``D_b = (s ⊙ x)[:, part b] · H_32`` with ``mma.sync.m16n8k16`` (bf16 or fp16 operands, fp32
 accumulation), 2 k-steps × 4 n-tiles = 8 instructions per part of 16 rows.
 
@@ -37,10 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._write_math import codes_ptx
 from layouts import rht_signs
 
-MMA_COLS = 32  # columns per part (one H_32)
+from .device_math import codes_ptx
+from .tuning import MMA_COLS
+
 MMA_N = tl.constexpr(MMA_COLS)
 B_HALVES = tl.constexpr(32 * 32)  # the B table: 32 lanes × 16 words × 2 halves
 _ONE = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # bits of 1.0
@@ -109,12 +110,12 @@ def mma_part(x, tab_ptr, first, b0, b1):
                                      [x, m, b0, b1], dtype=tl.float32, is_pure=True, pack=16)
 
 
-# --- the row range on rounded pairs (an option of the MMA path; first tried as fdc8619) ---
+# --- the row range on rounded pairs (MmaTuning.packed_range) ---
 
 
 def _packed_codes_text(f16):
     """PTX for 8 values rounded to the model dtype, packed in pairs $2..$5, and their row's
-    :func:`~kernels._write_math.split_reciprocal` words ``cl`` $6, ``ch`` $14, ``pw`` $22 and
+    :func:`~kernels.write.device_math.split_reciprocal` words ``cl`` $6, ``ch`` $14, ``pw`` $22 and
     ``zp + 0.5`` $30: the lanes kernel's ``CODES_ASM`` after an exact widening of each value to
     fp32; the packed word in $0 ($1 unset)."""
     lines = ["{", ".reg .f32 r<8>, u, t;", ".reg .b32 q<8>, w;", ".reg .b16 h<2>;"]
@@ -137,7 +138,7 @@ def range_text(parts, f16):
     of the row is NaN). ``max.NaN`` / ``min.NaN`` on .bf16x2 / .f16x2 pairs (exact, NaN-propagating
     per half); the max and the negated min (sign bits flipped: exact) are paired so one more
     ``max.NaN`` folds the halves, two shuffles combine the row's 4 lanes, and one last ``max.NaN``
-    with a zero pair takes both clamps of SPEC §3's zero-inclusive range."""
+    with a zero pair takes both clamps of the zero-inclusive range."""
     ty = "f16x2" if f16 else "bf16x2"
     lines = ["{", ".reg .b32 mx, mn, a, b;", ".reg .b16 h<2>;", "mov.b32 mx, $16;", "mov.b32 mn, $16;"]
     for k in range(1, 4 * parts):

@@ -1,4 +1,5 @@
-"""Plain-PyTorch oracle of the paged attention kernels (any cache mode, via dequantization)."""
+"""The attention side of the oracle: varlen paged attention in plain PyTorch over any cache mode,
+by dequantizing the whole cache first (``quant.dequantize_rows``)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ import torch
 
 from layouts import KVQuantMode
 
+from .quant import dequantize_rows
+
 
 def dequantize_cache(key_cache, value_cache, k_scale_cache, v_scale_cache, kv_quant_mode, head_size):
     """Dequantize a whole cache to float32 ``[num_blocks, block_size, num_kv_heads, head_size]`` (K, V).
 
     INT4 rows are returned in the original (un-rotated) domain.
     """
-    from .reference import dequantize_rows  # late import: reference imports this module
-
     mode = KVQuantMode(kv_quant_mode)
     k = dequantize_rows(key_cache, k_scale_cache, mode)
     v = dequantize_rows(value_cache, v_scale_cache, mode)

@@ -1,7 +1,8 @@
-"""Plain-PyTorch oracle of every kernel: rotation, packing, quantization, cache writes.
+"""The write side of the oracle: rotation, packing, quantization and cache writes in plain PyTorch.
 
-Nothing here is fast; everything here is the definition the Triton kernels are tested
-against (SPEC §3). Math runs in float32 on whatever device the inputs are on.
+Nothing here is fast; everything here is the definition the Triton write kernels are tested
+against; each function's docstring states its math. Math runs in float32 on whatever device
+the inputs are on.
 
 Non-finite rows (any NaN/Inf in a row of K or V; for INT4 the rotation spreads one bad
 element over the whole row): every quantized mode stores codes 0 and the scale
@@ -14,16 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from layouts import KVQuantMode, check_head_size, rht_signs  # noqa: F401  (re-exported)
-
-from .reference_attention import dequantize_cache, reference_unified_attention  # noqa: F401
+from layouts import KVQuantMode, check_head_size, rht_signs
+from layouts.geometry import NAN_SCALE_BITS, ZP_MASK
 
 INT8_QMAX = 127.0
 FP8_QMAX = 448.0
 INT4_LEVELS = 15.0
 MIN_SCALE = 1e-6
-NAN_SCALE_BITS = 0x7FC00000
-ZP_MASK = 0xF
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -89,13 +87,18 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4_rows(x: torch.Tensor, shrink: tuple[float, ...] = (1.0,)):
-    """INT4 per-row quantization of ``x`` (SPEC §3), rotation included.
+    """INT4 per-row quantization of ``x``, rotation included.
+
+    ``r = single_rht(x)`` rounded to ``x.dtype``; the range ``[min(r), max(r)]`` widened to
+    include 0; ``scale = max((hi - lo) / 15, 1e-6)``, ``zp = clamp(rha(-lo / scale), 0, 15)``,
+    ``q = clamp(rha(r / scale + zp), 0, 15)`` (``rha``: round half away from zero); codes packed
+    two per byte (even element in the low nibble) and ``zp`` stored in the scale's low 4 bits.
 
     Parameters
     ----------
     x : [..., head_size] bf16/fp16
     shrink : factors applied to the zero-inclusive range; the one with the least squared
-        error in the rotated domain wins per row. ``(1.0,)`` is the SPEC / vLLM encoder.
+        error in the rotated domain wins per row. ``(1.0,)`` is the vLLM-compatible encoder.
 
     Returns
     -------

@@ -1,4 +1,4 @@
-"""Device helpers of the write kernels: rounding, rotation and INT4 codes.
+"""Device helpers of the write kernels: row addressing, rounding, rotation, division and INT4 codes.
 
 Each helper gives the same bits on the GPU and in Triton's interpreter. On the GPU,
 ``fp32 -> bf16`` and ``fp32 -> float8e4nv`` casts are the hardware's round-to-nearest-even
@@ -9,6 +9,27 @@ is first rounded in fp32 with exact integer or magic-number arithmetic and only 
 
 import triton
 import triton.language as tl
+
+from layouts.geometry import NAN_SCALE_BITS
+
+# the scale word stored for a row whose input holds NaN/Inf (codes 0): a quiet NaN, zero point 0
+NAN_SCALE = tl.constexpr(NAN_SCALE_BITS)
+
+
+@triton.jit
+def tile_rows(tile, num_rows, slot_mapping_ptr, num_slots,
+              ROWS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Rows ``tile*ROWS ..``: (write mask, token int64, head, block int64, offset in block), [ROWS] each."""
+    rows = tile * ROWS + tl.arange(0, ROWS)  # int32: the launcher keeps rows and slots < 2**31
+    valid = rows < num_rows
+    token = rows // NUM_KV_HEADS
+    head = rows - token * NUM_KV_HEADS
+    slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1)
+    mask = valid & (slot >= 0) & (slot < num_slots)  # never write outside, checked or not
+    slot = slot.to(tl.int32)  # rows outside the mask compute offsets that no access uses
+    blk = (slot // BLOCK_SIZE).to(tl.int64)
+    off = slot % BLOCK_SIZE
+    return mask, token.to(tl.int64), head, blk, off
 
 
 @triton.jit
@@ -179,7 +200,7 @@ def rcp_fast(x):
 
 @triton.jit
 def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
-    """SPEC §3 step 3 for one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
+    """The INT4 scale and zero point of one zero-inclusive range per row: ``scale``, ``zp`` and ``RN(1/scale)``
     (fp32, [ROWS]). One correctly rounded reciprocal per row; the divisions are exact Markstein
     corrections. ``FAST_RCP`` (GPU): the reciprocal is :data:`RCP_PTX` instead of ``div_rn``.
     For a finite rotated row ``scale`` lies in [1e-6, 2·FLT_MAX / (15·sqrt(head_size))] (the
@@ -196,30 +217,18 @@ def int4_scale_zp(lo, hi, INTERPRET: tl.constexpr, FAST_RCP: tl.constexpr):
 
 
 @triton.jit
-def divide_rows(x, scale, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr):
-    """``x / scale[:, None]`` for ``x: [ROWS, N]`` fp32, correctly rounded unless DIV == 2.
-
-    DIV 0: ``div_rn`` per element. DIV 1: Markstein's correction of ``x·rcp`` with
-    ``rcp = RN(1/scale)`` per row, which yields ``RN(x / scale)`` exactly (no overflow or
-    underflow here) with one multiply and two FMAs per element. DIV 2: Triton's fast ``/``
-    (not correctly rounded), kept only to measure what exactness costs.
-    """
-    if DIV == 0:
-        t = tl.div_rn(x, scale[:, None])
-    elif DIV == 1:
-        t = markstein_div(x, scale[:, None], rcp[:, None], INTERPRET)
-    else:
-        t = x / scale[:, None]
-    return t
+def divide_rows(x, scale, rcp, INTERPRET: tl.constexpr):
+    """``RN(x / scale[:, None])`` for ``x: [ROWS, N]`` fp32, given ``rcp = RN(1/scale)`` per row:
+    Markstein's correction of ``x·rcp``, exact here (no overflow or underflow), one multiply and
+    two FMAs per element instead of a division."""
+    return markstein_div(x, scale[:, None], rcp[:, None], INTERPRET)
 
 
 @triton.jit
-def int4_codes(r, scale, zph, rcp, DIV: tl.constexpr, INTERPRET: tl.constexpr):
+def int4_codes(r, scale, zph, rcp, INTERPRET: tl.constexpr):
     """Codes ``clamp(rha(r / scale + zp), 0, 15)`` as int32 [ROWS, N], given ``zph = zp + 0.5``
-    per row (``-inf`` for a row that must store codes 0: every code then clamps to 0).
-
-    """
-    t = divide_rows(r, scale, rcp, DIV, INTERPRET)
+    per row (``-inf`` for a row that must store codes 0: every code then clamps to 0)."""
+    t = divide_rows(r, scale, rcp, INTERPRET)
     # rha(t + zp) on the clamped range is floor(t + zp + 0.5). One rounding of t + (zp + 0.5)
     # floors like the oracle's two: t + zp and t + zp + 0.5 share a binade whose ulp divides
     # 0.5, or straddle a power of two >= 1 that both reach; the one window where they differ
@@ -243,7 +252,7 @@ def pack_nibbles(q, ROWS: tl.constexpr, N: tl.constexpr):
     return (even | (odd << 4)).to(tl.uint8)
 
 
-# --- helpers of the shuffle INT4 kernel (fewer instructions per element on the GPU) ---
+# --- helpers of the INT4 lanes / mma kernels (fewer instructions per element on the GPU) ---
 
 
 @triton.jit

@@ -1,48 +1,54 @@
-"""INT4 cache write with the Walsh–Hadamard transform in registers and warp shuffles.
+"""INT4 writers with the rotation in registers: paths ``int4-lanes`` and ``int4-mma``.
 
-The oracle's fast Walsh–Hadamard transform (``kernels.reference.fwht``: stage ``k`` pairs
-elements ``2**k`` apart, smallest first, fp32 ``a + b`` / ``a - b``) is done where the load
-puts the data. A row of ``d`` bf16/fp16 values is loaded as PARTS (1, 2, 4 or 8) column ranges
-of ``N = d / PARTS`` values; each part is read by ``N / 8`` lanes of one warp, 8 consecutive
-values (16 bytes) per lane, and the same lane holds element ``i`` of every part. Stages 1, 2
-and 4 pair values inside a lane; stages ``8 .. N/2`` pair lane ``l`` with lane ``l ^ 2**j``
-(``shfl.sync.bfly``); stages ``N .. d/2`` pair parts held by the same lane (plain adds). The
-same additions in the same order give the oracle's bits, so the codes and scales are the
-oracle's for bf16 and fp16 inputs, with no ``tl.dot``, no shared memory and no barrier (the
-fused kernel in ``_write_int4_fused`` stages tiles through shared memory for ``tl.dot``).
+Both read a row once and write it once (codes and scale, the fewest bytes the format allows),
+and share one frame (``_int4_rows``): a row of ``d`` bf16/fp16 values is loaded as PARTS
+(1, 2, 4 or 8) column ranges of ``N = d / PARTS`` values; each part is read by ``N / 8`` lanes
+of one warp, 8 consecutive values (16 bytes) per lane, and the same lane holds element ``i`` of
+every part. What differs is how a part is rotated:
 
-The shuffle stages assume Triton's coalesced layout for a ``[ROWS, N]`` 16-byte-vector load:
-``sizePerThread [1, 8]``, ``threadsPerWarp [32·8/N, N/8]``, warps along rows, columns fastest,
-so that ``inline_asm_elementwise(pack=8)`` receives one lane's 8 consecutive values of one row
-and lane bit ``j`` is column-group bit ``j``. The launcher refuses tilings whose warps would not
-tile whole rows (``rows`` a multiple of ``num_warps · 32 · 8 / N``); the GPU tests compare
-every byte with the oracle, which any other layout would fail. Through the interpreter (CPU)
-the same kernel runs the oracle's butterfly per part instead (``fwht_rows``), bit-identical
-by construction. On the GPU the sign flip and the widening to fp32 are inside the butterfly asm,
-and one asm per part divides, codes and packs (``CODES_ASM``). A later variant that took the row
-range on rounded bf16x2 / f16x2 pairs (fdc8619) cut the SASS further but ran 6% slower at
-head_size 128 on the H200 and was reverted. Measurements: docs/bench/write.md.
+- ``int4-lanes`` (GPU default at head_size 16 and 32): the oracle's fast Walsh–Hadamard
+  transform (``kernels.reference.fwht``: stage ``k`` pairs elements ``2**k`` apart, smallest
+  first, fp32 ``a + b`` / ``a - b``) where the load puts the data. Stages 1, 2 and 4 pair values
+  inside a lane; stages ``8 .. N/2`` pair lane ``l`` with lane ``l ^ 2**j`` (``shfl.sync.bfly``);
+  stages ``N .. d/2`` pair parts held by the same lane (plain adds). The same additions in the
+  same order give the oracle's codes and scales bit for bit, with no ``tl.dot``, no shared
+  memory and no barrier. On the GPU the sign flip and the widening to fp32 are inside the
+  butterfly asm (:func:`fwht_text`).
+- ``int4-mma`` (GPU default at head_size 64, 128 and 256, the fastest measured there): parts of
+  32 columns, each rotated by ``mma.sync`` on tensor cores (``int4_mma``), joined by the same
+  in-lane stages. The tensor cores add in their own order, so a rare row differs from the oracle
+  by one rounding of a rotated value (a tie row, within one code step). Its row range folds the
+  parts in-lane before one row reduction; ``PACKED`` takes it on rounded bf16x2 / f16x2 pairs.
 
-``MMA`` (``kernel="mma"``, the GPU default from head_size 64) keeps this kernel's frame (parts of
-32 columns, the in-lane stages across parts, the codes asm) and rotates each part on tensor cores
-instead (``_write_int4_mma``); its row range folds the parts in-lane before one row reduction,
-and ``PACKED`` takes it on rounded pairs (that variant's code, back from fdc8619; faster at
-head_size 64 only).
+On the GPU one asm per part divides, codes and packs (``CODES_ASM``). The shuffle stages assume
+Triton's coalesced layout for a ``[ROWS, N]`` 16-byte-vector load: ``sizePerThread [1, 8]``,
+``threadsPerWarp [32·8/N, N/8]``, warps along rows, columns fastest, so that
+``inline_asm_elementwise(pack=8)`` receives one lane's 8 consecutive values of one row and lane
+bit ``j`` is column-group bit ``j``. ``tuning.resolve_tuning`` refuses tilings whose warps would
+not tile whole rows, and ``plan.write_plan`` sends rows Triton would not load in 16-byte vectors
+to ``int4-fused``; the CUDA tests compare every byte with the oracle, which any other layout
+would fail. Through the interpreter (CPU) both kernels run the oracle's butterfly per part
+instead (``fwht_rows``), bit-identical by construction.
+
+The module holds two kernels and their shared body with its PTX builders (over 300 lines): the
+rotation, range and code steps of one row belong together.
 """
 
 from __future__ import annotations
 
-import functools
-
+import torch
 import triton
 import triton.language as tl
 
-from ._jit import dual_jit
-from ._write_int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, packed_range
-from ._write_math import (_max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp, pack_nibbles,
-                          round_to_model_f32, row_min_max, split_reciprocal)
+from layouts import rht_signs
 
-LANE_BITS = {16: 1, 32: 2, 64: 3, 128: 4, 256: 5}  # head_size -> log2(lanes per row) with one part
+from .._jit import dual_jit
+from .checks import cache_alignment, packed_rows
+from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
+                          pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal)
+from .int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, mma_table, packed_range
+from .plan import WriteArgs, WritePlan, launch
+from .tuning import MMA_COLS
 
 
 @triton.constexpr_function
@@ -87,12 +93,6 @@ def fwht_text(log2_n, f16):
     return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=None)
-def fwht_asm(lane_bits: int) -> str:
-    """The bf16 text of :func:`fwht_text` for ``lane_bits`` shuffle stages (the launcher's FWHT_ASM)."""
-    return fwht_text(lane_bits + 3, False)
-
-
 def _codes_text():
     """PTX for 8 rounded values $2..$9 (fp32) and their row's ``split_reciprocal`` words ``cl`` $10,
     ``ch`` $18, ``pw`` $26 and ``zp + 0.5`` $34: the codes of ``int4_codes`` (:func:`codes_ptx`),
@@ -110,7 +110,7 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
     """Codes of ``r: [ROWS, N]`` (rotated, fp32; or already rounded to the model dtype on the
     GPU) packed into ``N // 2`` bytes per row at ``c_row``."""
     if INTERPRET:
-        packed = pack_nibbles(int4_codes(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, 1, INTERPRET),
+        packed = pack_nibbles(int4_codes(round_to_model_f32(r, DTYPE, INTERPRET), scale, zph, rcp, INTERPRET),
                               ROWS, N)
     else:
         ch, cl, pw = split_reciprocal(scale, rcp, INTERPRET)  # per row (the parts' calls share it)
@@ -130,11 +130,10 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
-    ``FWHT_ASM`` (the launcher's bf16 text) is not used: the kernel builds its dtype's variant.
-    ``MMA`` (N = 32): the transform on tensor cores (``_write_int4_mma``; ``b0``/``b1`` its B words)."""
+    ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``b0``/``b1`` its B words)."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
     if INTERPRET:
@@ -150,13 +149,13 @@ def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, L
 
 @triton.jit
 def _rotated_quad(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  FWHT_ASM: tl.constexpr, INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
-    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
-    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
+    r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                        b0, b1)
-    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+    r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                        b0, b1)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
@@ -223,28 +222,26 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
     return tl.reduce(lo, 1, _min_nan), tl.reduce(hi, 1, _max_nan)
 
 
-@dual_jit
-def _reshape_and_cache_int4_lanes_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-    slot_mapping_ptr,                # as in _reshape_and_cache_int4_kernel
-    sign_ptr,                        # [head_size] fp32 RHT signs
-    tab_ptr,                         # MMA: _write_int4_mma.mma_table in the input dtype (else unused)
-    num_rows, num_slots,
+@triton.jit
+def _int4_rows(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
+    tab_ptr, num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
-    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, FWHT_ASM: tl.constexpr,
-    INTERPRET: tl.constexpr, CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr, MMA: tl.constexpr = False, WARPS: tl.constexpr = 1,
-    PACKED: tl.constexpr = False, FAST_RCP: tl.constexpr = False,
+    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+    MMA: tl.constexpr, WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr,
 ):
-    """Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K,
-    ``(t, 1)`` the same rows of V (small per-program state: many programs hide latency).
+    """The body of both kernels below (their arguments; ``MMA`` picks the rotation of a part).
+    Program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K, ``(t, 1)`` the same rows of V (small
+    per-program state: many programs hide latency).
 
     PARTS (1, 2, 4 or 8): the row is loaded as PARTS column ranges of ``N = D/PARTS``; the same
-    lanes hold element ``i`` of every part, each part is transformed by the lanes, and the
-    oracle's last ``log2(PARTS)`` stages (pairs ``N``, ``2N``, ``4N`` apart) are in-lane adds and
-    subtracts: fewer shuffle stages, and the per-row work is shared by fewer lanes.
+    lanes hold element ``i`` of every part, each part is transformed by the lanes (or one
+    tensor-core product, MMA), and the oracle's last ``log2(PARTS)`` stages (pairs ``N``, ``2N``,
+    ``4N`` apart) are in-lane adds and subtracts: fewer shuffle stages, and the per-row work is
+    shared by fewer lanes.
     """
     N: tl.constexpr = D // PARTS
     kv = tl.program_id(1) == 0
@@ -267,23 +264,23 @@ def _reshape_and_cache_int4_lanes_kernel(
         x_row = x_ptr + (token.to(tl.int64) * tl.where(kv, stride_key_token, stride_value_token)
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
-        r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr,
+        r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                            b0, b1)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
-            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA, tab_ptr, b0, b1)
+            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
-        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+        r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA,
                                        tab_ptr, b0, b1)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
-        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, FWHT_ASM, INTERPRET, MMA,
+        r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, INTERPRET, MMA,
                                        tab_ptr, b0, b1)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
@@ -316,7 +313,94 @@ def _reshape_and_cache_int4_lanes_kernel(
                           + head * tl.where(kv, stride_kc_head, stride_vc_head)) * CACHE_ALIGN)[:, None]
     _codes_stores(r0, r1, r2, r3, r4, r5, r6, r7, scale, zph, rcp, c_row, mask, dtype, ROWS, N, PARTS, INTERPRET)
     bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
-    bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
+    bits = tl.where(ok, bits, NAN_SCALE)
     s_off = (blk * tl.where(kv, stride_ks_block, stride_vs_block) + off * tl.where(kv, stride_ks_slot, stride_vs_slot)
              + head * tl.where(kv, stride_ks_head, stride_vs_head))
     tl.store(scale_ptr + s_off, bits, mask=mask)
+
+
+@dual_jit
+def _reshape_and_cache_int4_lanes_kernel(
+    key_ptr, value_ptr,              # [num_tokens, num_kv_heads, D] bf16/fp16
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, D // 2] uint8
+    k_scale_ptr, v_scale_ptr,        # [num_blocks, block_size, num_kv_heads] int32 (float32 bits)
+    slot_mapping_ptr,                # [num_tokens] int32/int64, negative = skip
+    sign_ptr,                        # [D] fp32 RHT signs
+    tab_ptr,                         # unused (the int4-mma kernel's table): both kernels take one argument list
+    num_rows, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+    FAST_RCP: tl.constexpr,
+):
+    """Path ``int4-lanes``. Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, kv)`` writes rows
+    ``t·ROWS ..`` of K (kv 0) or V (kv 1); each part rotated by butterflies in registers and warp
+    shuffles, the oracle's additions in its order (bit-identical codes and scales)."""
+    _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+               sign_ptr, tab_ptr, num_rows, num_slots,
+               stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+               stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+               stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+               ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
+               False, 1, False, FAST_RCP)
+
+
+@dual_jit
+def _reshape_and_cache_int4_mma_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    slot_mapping_ptr,                # as in _reshape_and_cache_int4_lanes_kernel
+    sign_ptr,                        # [D] fp32 RHT signs (the interpreter's butterflies)
+    tab_ptr,                         # int4_mma.mma_table in the input dtype: B words, then sign bits
+    num_rows, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+    WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr,
+):
+    """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
+    (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``WARPS`` is ``num_warps``
+    (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs."""
+    _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+               sign_ptr, tab_ptr, num_rows, num_slots,
+               stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+               stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+               stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+               ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
+               True, WARPS, PACKED, FAST_RCP)
+
+
+def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
+    """Run an ``int4-lanes`` or ``int4-mma`` plan on ``t`` (validated by ``plan.write_plan``)."""
+    shape, tuning, d = plan.shape, plan.tuning, plan.shape.head_size
+    mma = plan.path == "int4-mma"
+    dev = str(t.key.device)
+    ks, vs = t.k_scale_cache.view(torch.int32), t.v_scale_cache.view(torch.int32)
+    align = cache_alignment(t.key_cache, t.value_cache)
+    kcs = [st // align for st in t.key_cache.stride()[:3]]
+    vcs = [st // align for st in t.value_cache.stride()[:3]]
+    parts = d // MMA_COLS if mma else tuning.parts
+    signs = rht_signs(d, dev)
+    args = dict(
+        key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
+        k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping, sign_ptr=signs,
+        tab_ptr=mma_table(d, t.key.dtype, dev) if mma else signs,
+        num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
+        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
+        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
+        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
+        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
+        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
+        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        ROWS=tuning.rows, D=d, PARTS=parts, LOG2_N=(d // parts).bit_length() - 1, INTERPRET=plan.interpret,
+        CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        CONTIG=packed_rows(t.key) and packed_rows(t.value), FAST_RCP=bool(tuning.fast_rcp),
+        num_warps=tuning.num_warps, enable_fp_fusion=False)
+    if mma:
+        launch(_reshape_and_cache_int4_mma_kernel, plan.grid,
+               dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range)))
+    else:
+        launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, args)

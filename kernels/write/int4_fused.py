@@ -1,10 +1,13 @@
-"""The fused INT4 write kernel: K then V rows of a tile in one program, rotation by ``tl.dot``
-against ±1 Hadamard tiles (GPU) or the oracle's butterfly (CPU), and the MSE encoder.
+"""The INT4 writer for every layout and encoder (path ``int4-fused``): K then V rows of a tile
+in one program, rotation by ``tl.dot`` against ±1 Hadamard tiles (GPU) or the oracle's
+butterfly (CPU), and the MSE encoder.
 
-It is the CPU default, and on the GPU the kernel for the MSE encoder and head sizes above 256;
-the shuffle kernel in ``_write_int4_lanes`` is the GPU default otherwise. Launched by
-``kernels._write_int4.reshape_and_cache_int4``; the math and the rotation/division options are
-described there and in ``_write_math``.
+It runs on CPU (the interpreter runs its whole tiles per numpy operation, fastest there) and,
+on the GPU, for what the register paths (``int4_lanes``) cannot write: the MSE encoder (several
+range factors per row), head sizes above 256, and K/V rows Triton cannot load in 16-byte
+vectors. The ``tl.dot`` rotation adds its exact ±1 products in another order than the oracle,
+so a rare rotated value rounds to the neighbouring bf16/fp16 (a tie row, within one code step);
+the butterfly rotation is bit-identical to the oracle.
 """
 
 from __future__ import annotations
@@ -12,16 +15,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._jit import dual_jit
-from ._write_math import (int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk, row_min_max,
-                          to_model_dtype)
+import functools
+
+import torch
+
+from layouts import rht_signs
+
+from .._jit import dual_jit
+from .checks import cache_alignment
+from .device_math import (NAN_SCALE, int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk,
+                          row_min_max, to_model_dtype)
+from .plan import WriteArgs, WritePlan, launch
 
 
 @triton.jit
 def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, rot_b, shrink_ptr, mask,
                      ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
-                     DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr,
-                     NUM_SHRINK: tl.constexpr):
+                     DOT: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr):
     """Quantize ROWS rows of K (or V) and store codes and scales where ``mask`` holds.
 
     A row is one chunk of CH values, or two (SPLIT) whose rotations are joined by the
@@ -36,7 +46,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
         rb = rotate_chunk(xb, rot_b, ROWS, CH, LOG2_CH, DOT, INTERPRET)
         ra, rb = ra + rb, ra - rb
         rb = to_model_dtype(rb, xa.dtype, INTERPRET).to(tl.float32)
-    ra = to_model_dtype(ra, xa.dtype, INTERPRET).to(tl.float32)  # SPEC §3: rounded to the model dtype
+    ra = to_model_dtype(ra, xa.dtype, INTERPRET).to(tl.float32)  # the rotation is rounded to the model dtype
 
     lo, hi = row_min_max(ra, INTERPRET)
     if SPLIT:
@@ -49,10 +59,10 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
     ok = (hi <= 3.4028234663852886e38) & (lo >= -3.4028234663852886e38)
     scale, zp, rcp = int4_scale_zp(lo, hi, INTERPRET, False)
     zph = tl.where(ok, zp + 0.5, float("-inf"))
-    qa = int4_codes(ra, scale, zph, rcp, DIV, INTERPRET)
+    qa = int4_codes(ra, scale, zph, rcp, INTERPRET)
     if SPLIT:
-        qb = int4_codes(rb, scale, zph, rcp, DIV, INTERPRET)
-    if NUM_SHRINK > 1:  # SPEC §8: per row, keep the shrunk range with the least squared error
+        qb = int4_codes(rb, scale, zph, rcp, INTERPRET)
+    if NUM_SHRINK > 1:  # the MSE encoder: per row, keep the shrunk range with the least squared error
         err = int4_sq_err(qa, ra, scale, zp)
         if SPLIT:
             err += int4_sq_err(qb, rb, scale, zp)
@@ -60,10 +70,10 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
             f = tl.load(shrink_ptr + i)
             scale2, zp2, rcp2 = int4_scale_zp(lo * f, hi * f, INTERPRET, False)
             zph2 = tl.where(ok, zp2 + 0.5, float("-inf"))
-            qa2 = int4_codes(ra, scale2, zph2, rcp2, DIV, INTERPRET)
+            qa2 = int4_codes(ra, scale2, zph2, rcp2, INTERPRET)
             err2 = int4_sq_err(qa2, ra, scale2, zp2)
             if SPLIT:
-                qb2 = int4_codes(rb, scale2, zph2, rcp2, DIV, INTERPRET)
+                qb2 = int4_codes(rb, scale2, zph2, rcp2, INTERPRET)
                 err2 += int4_sq_err(qb2, rb, scale2, zp2)
             take = err2 < err
             if SPLIT:
@@ -74,7 +84,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
             err = tl.where(take, err2, err)
 
     bits = (scale.to(tl.int32, bitcast=True) & -16) | zp.to(tl.int32)  # -16 == ~0xF
-    bits = tl.where(ok, bits, 0x7FC00000)  # NAN_SCALE_BITS
+    bits = tl.where(ok, bits, NAN_SCALE)
     half = tl.arange(0, CH // 2)
     c_row = cache_ptr + c_off[:, None]
     # codes: [ROWS, CH // 2] uint8 per chunk
@@ -86,7 +96,7 @@ def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, ro
 
 
 @dual_jit
-def _reshape_and_cache_int4_kernel(
+def _reshape_and_cache_int4_fused_kernel(
     key_ptr, value_ptr,              # [num_tokens, num_kv_heads, head_size] bf16/fp16
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size // 2] uint8
     k_scale_ptr, v_scale_ptr,        # [num_blocks, block_size, num_kv_heads] int32 (float32 bits)
@@ -98,7 +108,7 @@ def _reshape_and_cache_int4_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
-    DOT: tl.constexpr, DIV: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
+    DOT: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """Grid ``(min(num_tiles, programs),)``: each program loads the rotation once, then loops
@@ -134,7 +144,59 @@ def _reshape_and_cache_int4_kernel(
         vs_off = blk * stride_vs_block + off * stride_vs_slot + head * stride_vs_head
         _int4_write_rows(key_ptr, token * stride_key_token + head * stride_key_head, key_cache_ptr, kc_off,
                          k_scale_ptr, ks_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK)
         _int4_write_rows(value_ptr, token * stride_value_token + head * stride_value_head, value_cache_ptr,
                          vc_off, v_scale_ptr, vs_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, DIV, INTERPRET, NUM_SHRINK)
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK)
+
+
+def chunk_size(head_size: int) -> int:
+    """Rotation chunk: the whole row up to 128, else half of it (joined by one last butterfly stage)."""
+    return head_size if head_size <= 128 else head_size // 2
+
+
+@functools.lru_cache(maxsize=None)
+def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``."""
+    ch = chunk_size(head_size)
+    h = torch.ones(1, 1)
+    while h.shape[0] < ch:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    s = rht_signs(head_size).view(-1, ch, 1)
+    return (s * h).to(dtype=dtype, device=device).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def device_shrink(shrink: tuple, device: str) -> torch.Tensor:
+    """The MSE range factors as a float32 tensor on ``device``, made once per tuple (a pageable
+    host-to-device copy per call would synchronize the stream and idle the GPU between writes)."""
+    return torch.tensor(shrink, dtype=torch.float32, device=device)
+
+
+def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
+    """Run an ``int4-fused`` plan on ``t`` (validated by ``plan.write_plan``)."""
+    shape, tuning, d = plan.shape, plan.tuning, plan.shape.head_size
+    dev = str(t.key.device)
+    ks, vs = t.k_scale_cache.view(torch.int32), t.v_scale_cache.view(torch.int32)
+    align = cache_alignment(t.key_cache, t.value_cache)
+    kcs = [st // align for st in t.key_cache.stride()[:3]]
+    vcs = [st // align for st in t.value_cache.stride()[:3]]
+    num_rows = shape.num_tokens * shape.num_kv_heads
+    ch = chunk_size(d)
+    dot = tuning.rotation == "dot"  # tuning.resolve_tuning allows it for chunks of at most 128
+    launch(_reshape_and_cache_int4_fused_kernel, plan.grid, dict(
+        key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
+        k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
+        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
+        shrink_ptr=device_shrink(plan.shrink, dev),
+        num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,
+        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
+        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
+        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
+        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
+        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
+        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        ROWS=tuning.rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
+        INTERPRET=plan.interpret, NUM_SHRINK=len(plan.shrink), CACHE_ALIGN=align,
+        NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        num_warps=tuning.num_warps, enable_fp_fusion=False))  # keep the oracle's separate roundings
