@@ -154,7 +154,10 @@ def plan_for(call: WriteCall, tuning=None, shrink: Sequence[float] = (1.0,),
                  tuple(shrink), tuning, shape)
 
 
+@functools.lru_cache(maxsize=4096)
 def _plan(mode, head_size, num_rows, on_gpu, num_sms, lane_layout, shrink, tuning, shape) -> WritePlan:
+    """The plan of these facts (all hashable), made once: a model writes every layer, and a decode
+    loop every step, with the same shapes."""
     path, why, t = _decide(mode, head_size, on_gpu, lane_layout, len(shrink), tuning)
     tiles = cdiv(num_rows, t.rows)
     if path in ("int4-lanes", "int4-mma"):
