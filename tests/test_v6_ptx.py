@@ -1,6 +1,6 @@
-"""The PTX that the v6 INT4 decode kernel generates for its copies and shared-memory loads
-(``kernels/_attn_decode_v6.py``): checked on the CPU against the packed cache's byte layout
-(SPEC §4). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
+"""The PTX that the staged INT4 decode kernel generates for its copies and shared-memory loads
+(``kernels/attention/decode_staged_int4_gluon.py``): checked on the CPU against the packed
+cache's byte layout (docs/LAYOUT.md). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-v6 = pytest.importorskip("kernels._attn_decode_v6", reason="needs Triton's Gluon dialect",
-                         exc_type=ImportError)
+v6 = pytest.importorskip("kernels.attention.decode_staged_int4_gluon",
+                         reason="needs Triton's Gluon dialect", exc_type=ImportError)
 
 ROW = 68  # bytes per (token, head) row: 64 code bytes, then the scale word
 

@@ -1,5 +1,5 @@
-"""The PTX of the experimental INT8 / FP8 decode kernel v7 (``kernels/_attn_decode_v7.py``),
-emulated on the CPU against the packed cache's byte layout (SPEC §4): which words each thread
+"""The PTX of the staged INT8 / FP8 decode kernel (``kernels/attention/decode_staged_int8_gluon.py``),
+emulated on the CPU against the packed cache's byte layout (docs/LAYOUT.md): which words each thread
 loads, and what the conversions make of them, must give every score and value dot the dims the
 query loads and the store expect."""
 
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-v7 = pytest.importorskip("kernels._attn_decode_v7", reason="needs Triton's Gluon dialect", exc_type=ImportError)
-v6 = pytest.importorskip("kernels._attn_decode_v6", reason="needs Triton's Gluon dialect", exc_type=ImportError)
+v7 = pytest.importorskip("kernels.attention.decode_staged_int8_gluon", reason="needs Triton's Gluon dialect",
+                         exc_type=ImportError)
+v6 = pytest.importorskip("kernels.attention.decode_staged_int4_gluon", reason="needs Triton's Gluon dialect",
+                         exc_type=ImportError)
 
 ROW = 132
 
@@ -74,7 +76,7 @@ def _word(row_bytes: np.ndarray, w: int) -> int:
 
 def _stage(seed, nkv, fp8):
     """A ring stage's K half (16 keys of ``nkv`` heads) whose head-0 rows are random bytes (no
-    NaN codes for FP8), and ``code(key, dim)``: the fp16 value v7's conversion must give for that
+    NaN codes for FP8), and ``code(key, dim)``: the fp16 value the INT8 / FP8 kernel's conversion must give for that
     byte (INT8: ``1152 + c``; FP8: the e4m3 value)."""
     rows = np.random.default_rng(seed).integers(0, 256, size=(16, ROW), dtype=np.uint8)
     if fp8:
@@ -142,7 +144,7 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
 def test_block_copy_and_scale_words(nkv):
     """8 + 1 sixteen-byte copies per thread cover a 132-byte-row block exactly once; the scale
     loads reach keys r and r + 8."""
-    asm = v6._copy_asm.fn(nkv, 8)  # v6's copy with v7's 8 rounds (132-byte rows)
+    asm = v6._copy_asm.fn(nkv, 8)  # the INT4 kernel's copy with 8 rounds (132-byte rows)
     offs = [int(m) for m in re.findall(r"cp\.async\.cg\.shared\.global \[\$1\+(\d+)\]", asm)]
     covered = []
     for tid in range(32 * nkv):

@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
+from .decode_staged_int4_gluon import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
                               _ring_start, _softmax_tile, _store_stats, _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
@@ -151,7 +151,6 @@ def _attn_decode_v7_kernel(
     ring_off,                       # bytes from the dynamic shared memory's base to the ring
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
-    PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
@@ -244,38 +243,37 @@ def _attn_decode_v7_kernel(
                       BULK)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
-        if not PROBE:
-            sb = ring + slot * STAGE_BYTES
-            ksw = _ld_scales(sb + s_off, NKV, 132)                               # [NKV, TILE]
-            vsw = _ld_scales(sb + HALF_B + s_off, NKV, 132)
-            k_pos = t * TILE + tok_i
-            n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :]
-            k_sc = gl.where(n_ok, ksw.to(gl.float32, bitcast=True), 0.0) * qk_scale
-            v_sc = gl.where(n_ok, vsw.to(gl.float32, bitcast=True), 0.0)
-            kw = _ld(sb + k_off, NKV, "k")
-            k0, k1, k2, k3 = _kconv(kw, FP8)
-            s = mma_v2(k0, q0, s_init)
-            s = mma_v2(k1, q1, s)
-            s = mma_v2(k2, q2, s)
-            s = mma_v2(k3, q3, s)
-            kw = _ld(sb + k_off, NKV, "k2")
-            k4, k5, k6, k7 = _kconv(kw, FP8)
-            s = mma_v2(k4, q4, s)
-            s = mma_v2(k5, q5, s)
-            s = mma_v2(k6, q6, s)
-            s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
-            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
-            p_b = gl.convert_layout(pv, b_l)
-            if FP8:
-                c_v = zero_o
-            else:  # -1152 sum_k p'_k in every row, as the value dots' accumulator input
-                c_v = mma_v2(neg_off, p_b, zero_o)
-            a3 = alpha[:, None, :]
-            # a block's unused rows may hold NaN codes (FP8 0x7F / 0xFF): 0 x NaN would reach the sums
-            v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
-            acc0, acc1, acc2, acc3 = _values_half(sb + v_off, "v", v_ok, p_b, c_v, a3, acc0, acc1, acc2, acc3, NKV, FP8)
-            acc4, acc5, acc6, acc7 = _values_half(sb + v_off, "v2", v_ok, p_b, c_v, a3, acc4, acc5, acc6, acc7, NKV,
-                                                  FP8)
+        sb = ring + slot * STAGE_BYTES
+        ksw = _ld_scales(sb + s_off, NKV, 132)                               # [NKV, TILE]
+        vsw = _ld_scales(sb + HALF_B + s_off, NKV, 132)
+        k_pos = t * TILE + tok_i
+        n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :]
+        k_sc = gl.where(n_ok, ksw.to(gl.float32, bitcast=True), 0.0) * qk_scale
+        v_sc = gl.where(n_ok, vsw.to(gl.float32, bitcast=True), 0.0)
+        kw = _ld(sb + k_off, NKV, "k")
+        k0, k1, k2, k3 = _kconv(kw, FP8)
+        s = mma_v2(k0, q0, s_init)
+        s = mma_v2(k1, q1, s)
+        s = mma_v2(k2, q2, s)
+        s = mma_v2(k3, q3, s)
+        kw = _ld(sb + k_off, NKV, "k2")
+        k4, k5, k6, k7 = _kconv(kw, FP8)
+        s = mma_v2(k4, q4, s)
+        s = mma_v2(k5, q5, s)
+        s = mma_v2(k6, q6, s)
+        s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
+        pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
+        p_b = gl.convert_layout(pv, b_l)
+        if FP8:
+            c_v = zero_o
+        else:  # -1152 sum_k p'_k in every row, as the value dots' accumulator input
+            c_v = mma_v2(neg_off, p_b, zero_o)
+        a3 = alpha[:, None, :]
+        # a block's unused rows may hold NaN codes (FP8 0x7F / 0xFF): 0 x NaN would reach the sums
+        v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
+        acc0, acc1, acc2, acc3 = _values_half(sb + v_off, "v", v_ok, p_b, c_v, a3, acc0, acc1, acc2, acc3, NKV, FP8)
+        acc4, acc5, acc6, acc7 = _values_half(sb + v_off, "v2", v_ok, p_b, c_v, a3, acc4, acc5, acc6, acc7, NKV,
+                                              FP8)
     if not BULK:
         async_copy.wait_group(0)
 

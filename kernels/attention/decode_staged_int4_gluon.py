@@ -60,7 +60,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._gluon_pdl import gdc_wait
+from .gluon_pdl import gdc_wait
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
@@ -458,11 +458,9 @@ def _attn_decode_v6_kernel(
     ring_off,                       # bytes from the dynamic shared memory's base to the ring
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
-    PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
-    WARP0: gl.constexpr = False,    # PAIR: only warp 0 runs the refills' code
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -559,7 +557,7 @@ def _attn_decode_v6_kernel(
             n = t + STAGES + 2
             gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
             # WARP0: only warp 0 runs the refills' code (the copies are one thread's anyway); else every warp
-            if (_in_warp0(ring_off) if WARP0 else 1) != 0:
+            if _in_warp0(ring_off) != 0:
                 _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
                             STAGE_BYTES)
                 _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
@@ -636,36 +634,35 @@ def _attn_decode_v6_kernel(
                        STAGE_BYTES, NKV, 4)
             n = t + STAGES + 3
             b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
-            if not PROBE:
-                sb = ring + slot * STAGE_BYTES
-                ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
-                vsw = _ld_scales(sb + HALF_B + s_off, NKV)
-                k_pos = t * TILE + tok_i
-                n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
-                ksw = gl.where(n_ok, ksw, 0)
-                vsw = gl.where(n_ok, vsw, 0)
-                k_zp = (ksw & 0xF).to(gl.float32)
-                k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
-                v_sc = (vsw & -16).to(gl.float32, bitcast=True)
-                s = _scores(sb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV)  # [NKV, TILE, 8]
-                pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
-                p_b = gl.convert_layout(pv, b_l)
-                # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
-                # the tensor cores: its rows are the same, as the accumulator's layout wants them
-                zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
-                c_even = mma_v2(zd_even, p_b, zero_o)
-                c_odd = mma_v2(zd_odd, p_b, zero_o)
-                vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
-                v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
-                a3 = alpha[:, None, :]
-                acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
-                acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
-                acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
-                acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
-                acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
-                acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
-                acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
-                acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
+            sb = ring + slot * STAGE_BYTES
+            ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
+            vsw = _ld_scales(sb + HALF_B + s_off, NKV)
+            k_pos = t * TILE + tok_i
+            n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
+            ksw = gl.where(n_ok, ksw, 0)
+            vsw = gl.where(n_ok, vsw, 0)
+            k_zp = (ksw & 0xF).to(gl.float32)
+            k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
+            v_sc = (vsw & -16).to(gl.float32, bitcast=True)
+            s = _scores(sb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV)  # [NKV, TILE, 8]
+            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
+            p_b = gl.convert_layout(pv, b_l)
+            # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
+            # the tensor cores: its rows are the same, as the accumulator's layout wants them
+            zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
+            c_even = mma_v2(zd_even, p_b, zero_o)
+            c_odd = mma_v2(zd_odd, p_b, zero_o)
+            vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
+            a3 = alpha[:, None, :]
+            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
+            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
+            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
+            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
+            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
+            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
+            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
+            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
     if not BULK:
         async_copy.wait_group(0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._gluon_pdl import gdc_release, gdc_wait
+from .gluon_pdl import gdc_release, gdc_wait
 
 HEAD = gl.constexpr(128)
 

@@ -32,9 +32,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
-from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
-from ._jit import dual_jit
+import math
+
+from layouts import KVQuantMode
+
+from .._jit import cdiv, dual_jit, next_pow2, prev_pow2
+from .common import DOT_FP16, DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
+from .rotate_query import query_scales, rotated_query
+from .units import DECODE_MODES, MODE_FP8, MODE_INT4, code_units, decode_args, units_to_dot
+
+# Tiling from H200 sweeps (32 query / 8 KV heads, batch 8 at 32k context; head_size 64, 128 and
+# 256): per mode and head size, keys per tile, warps, stages and the resident programs per SM
+# that the segment count aims at; segments of at most MAX_KEYS_PER_SEGMENT keys. INT4 at
+# head_size 128 aims at 4 programs per SM, not the 8 its registers would allow: each program
+# rotates its query in the prologue, so a wave of one-tile segments costs more than half as
+# many two-tile ones (H200: b2 @ 4k 15.6 µs with 32 segments against 18.7 with 64, b2 @ 8k 21.3
+# vs 23.6, b4 @ 2k 15.0 vs 16.5; within 0.6 µs elsewhere).
+_INT8_TILING = {128: (32, 1, 2, 8), 256: (32, 2, 2, 16)}
+TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM aimed at)
+    KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (32, 1, 2, 16), 128: (64, 2, 2, 4), 256: (64, 4, 2, 4)},
+    KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8_TILING,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: _INT8_TILING,
+}
+MAX_KEYS_PER_SEGMENT = 2048
+# INT4 up to ROTATE_Q_MAX_HEAD: the kernel rotates the query in its prologue (one launch fewer)
+# instead of reading the rotation kernel's output. At head_size 256 the prologue raises the
+# kernel from 128 to 151 registers (sm_90 ptxas), 3 resident programs per SM instead of 4, so
+# there it rotates in the prologue only when the grid fills at most half the resident slots
+# (small batches, where the launch saved matters and the lost slot does not; ``segments`` aims
+# there). ``Tuning(rotate_q_in_decode=False)`` keeps the rotation kernel everywhere.
+ROTATE_Q_MAX_HEAD = 128
 
 
 @triton.jit
@@ -247,3 +274,54 @@ def _attn_decode_v3_kernel(
         tl.store(base + 3, acc3, mask=g_ok[None, :])
     tl.store(segm_max_ptr + row, m_i, mask=g_ok)
     tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
+
+
+def tiling(mode: KVQuantMode, head_size: int) -> tuple:
+    """``(tile, warps, stages, programs_per_sm)`` of ``TILING`` for ``head_size``, or of the nearest
+    measured head size (the smaller one on a tie)."""
+    table = TILING[mode]
+    return table[min(table, key=lambda h: (abs(math.log2(h) - math.log2(head_size)), h))]
+
+
+def rotate_needs_small_grid(mode: KVQuantMode, head_size: int) -> bool:
+    """INT4 above ROTATE_Q_MAX_HEAD: the kernel rotates the query in its prologue only on grids
+    that fill at most half the resident slots, so :func:`segments` aims there (``half``)."""
+    return mode == KVQuantMode.INT4_PER_TOKEN_HEAD and head_size > ROTATE_Q_MAX_HEAD
+
+
+def segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,
+             half: bool = False) -> int:
+    """Segments per (sequence, KV head): about ``programs_per_sm`` programs per SM (``half``: half
+    that, so that the INT4 query rotation runs in the prologue above ROTATE_Q_MAX_HEAD), segments
+    of at most MAX_KEYS_PER_SEGMENT keys, at least 2 and at most one per tile, a power of two.
+
+    ``half`` at head_size 256 on the H200: b1 @ 4k 25.7 -> 20.1 µs (32 segments instead of 64),
+    b2 @ 4k 31.0 -> 26.7 and b2 @ 2k 26.0 -> 20.4 (16 instead of 32)."""
+    target = programs_per_sm * num_sms // (2 if half else 1)
+    want = max(target // max(1, pairs), cdiv(max_seqlen_k, MAX_KEYS_PER_SEGMENT))
+    segs = max(2, min(want, max(1, max_seqlen_k // tile)))
+    return prev_pow2(segs)
+
+
+def launch_code_units(call, plan) -> None:
+    """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
+    segment buffers allocated; the cache readable as :func:`units.code_units`). An INT4 query is
+    rotated in the prologue or by the rotation kernel first (``plan.rotate``)."""
+    from .plan import Rotate
+    kernel_mode, off = DECODE_MODES[call.mode]
+    units = code_units(call.k, call.v, call.mode)
+    k16, v16, align = units
+    tiling, interp = plan.tiling, call.q.device.type == "cpu"
+    grid = (call.num_seqs, k16.shape[2], tiling.num_segments)
+    rotate_q = plan.rotate == Rotate.PROLOGUE
+    query, q_scale = rotated_query(call, plan)
+    use_softcap, col_scale = query_scales(call)
+    _attn_decode_v3_kernel[grid](
+        **decode_args(call, query, units, q_scale, col_scale),
+        signs_ptr=call.signs if rotate_q else query, stride_k_h=k16.stride(2), stride_v_h=v16.stride(2),
+        NUM_Q_HEADS=query.shape[1], GROUP=call.group, GP=max(8, next_pow2(call.group)), HEAD=call.head_size,
+        BLOCK_SIZE=k16.shape[1], TILE=tiling.tile, MODE=kernel_mode, OFF=off,
+        DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp, CAUSAL=call.causal,
+        USE_SOFTCAP=use_softcap, NUM_SEGMENTS=tiling.num_segments, ALIGN_BS=align, PDL=plan.pdl,
+        ROTATE_Q=rotate_q, launch_pdl=plan.pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )

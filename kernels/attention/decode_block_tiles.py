@@ -31,9 +31,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import LOG2E, apply_softcap, decode_program, to_dot
-from ._attn_units import MODE_FP8, MODE_INT4, units_to_dot
-from ._jit import dual_jit
+from layouts import KVQuantMode
+
+from .._jit import dual_jit, next_pow2, prev_pow2
+from .common import DOT_FP16, DOT_FP32, LOG2E, apply_softcap, decode_program, to_dot
+from .reduce import REDUCE_ONE_LOAD
+from .rotate_query import query_scales, rotated_query
+from .units import DECODE_MODES, MODE_FP8, MODE_INT4, code_units, decode_args, units_to_dot
+
+# Tiling from H200 sweeps (32 query / 8 KV heads, block 16): one KV head per program and one
+# warp at every head size; INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4
+# with 64 keys at head_size 64, 32 at 128 and 16 at 256. Several heads per program (whole token
+# rows, token-major loads included) were slower. FP8 at head_size 128 pipelines 3 stages (1.3-2.1%
+# faster at b8@32k, 3.9-4.9% at b32@32k; INT8 and the other head sizes gained nothing), the
+# others 2. Segments aim at 8 resident programs per SM (16 for INT8 / FP8 at head_size 64, whose
+# programs hold half the registers).
+_INT8 = {64: (16, 1, 2, 16, 1), 128: (16, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)}
+TILING = {  # mode -> head_size -> (keys per tile, warps, stages, programs per SM, KV heads per program)
+    KVQuantMode.INT8_PER_TOKEN_HEAD: _INT8,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: {**_INT8, 128: (16, 1, 3, 8, 1)},
+    KVQuantMode.INT4_PER_TOKEN_HEAD: {64: (64, 1, 2, 8, 1), 128: (32, 1, 2, 8, 1), 256: (16, 1, 2, 8, 1)},
+}
+# INT4 rotates its query in a separate kernel here (about 2 µs; the code-unit kernel does it in
+# its prologue), so INT4 takes this kernel from this many keys in the batch (sequences x
+# context) on; below it the code-unit kernel wins or ties (H200, head_size 128: b1 @ 4k 13.7 us
+# against 16.1; 256: b2 @ 4k 30.9 vs 31.4; 64: this kernel faster at b2 @ 4k, 11.7 vs 12.9)
+INT4_MIN_KEYS = {64: 8192, 128: 32768, 256: 32768}
 
 
 @triton.jit
@@ -244,3 +267,68 @@ def _attn_decode_v4_kernel(
         tl.store(base + 3, acc3, mask=ok)
     tl.store(segm_max_ptr + row, m_i, mask=g_ok)
     tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
+
+
+def tiling(mode: KVQuantMode, head_size: int):
+    """The measured tiling of ``mode`` at ``head_size`` (see ``TILING``), or None."""
+    return TILING.get(mode, {}).get(head_size)
+
+
+def wants(mode: KVQuantMode, head_size: int, num_seqs: int, max_seqlen_k: int) -> bool:
+    """Whether a quantized decode batch takes this kernel by default (else the code-unit kernel)."""
+    if tiling(mode, head_size) is None:
+        return False
+    return mode != KVQuantMode.INT4_PER_TOKEN_HEAD or num_seqs * max_seqlen_k >= INT4_MIN_KEYS[head_size]
+
+
+def segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_per_sm: int,
+             head_size: int = 128) -> int:
+    """Segments per (sequence, head group): about ``programs_per_sm`` programs per SM (``pairs`` =
+    sequences x head groups), at least 2, at most one per tile, a power of two (unlike the
+    code-unit kernel no cap on the keys per segment). Past the reduction's one load
+    (``REDUCE_ONE_LOAD`` values: 64 segments at head_size 256) segments must hold 8 tiles or
+    more: on the H200 at head_size 256, b1 @ 4k took 25.2 µs with 128 segments of 2 tiles and
+    17.7 with 64, while b1 @ 32k took 65.4 with 128 segments of 16 tiles and 80.8 with 64."""
+    segs = max(2, min(programs_per_sm * num_sms // max(1, pairs), max(1, max_seqlen_k // tile)))
+    one_load = REDUCE_ONE_LOAD // max(16, next_pow2(head_size))  # the reduction's head_pad
+    segs = min(segs, max(one_load, max_seqlen_k // (8 * tile), 2))
+    return prev_pow2(segs)
+
+
+def heads_per_program(num_kv_heads: int, wanted: int) -> int:
+    """KV heads per program: ``wanted`` (0 = all of them)."""
+    return wanted or num_kv_heads
+
+
+def reads(units, num_kv_heads: int, wanted: int = 0) -> bool:
+    """Whether this kernel reads the cache: its :func:`units.code_units` exist, K and V share one
+    head stride, and the heads per program (the batch dimension of its dots) are a power of two
+    that divides the KV heads."""
+    if units is None:
+        return False
+    k16, v16, _ = units
+    hg = heads_per_program(num_kv_heads, wanted)
+    return k16.stride(2) == v16.stride(2) and hg & (hg - 1) == 0 and num_kv_heads % hg == 0
+
+
+def launch_block_tiles(call, plan) -> None:
+    """Launch ``_attn_decode_v4_kernel`` (grid: sequences x head groups x segments) on ``call``
+    (its segment buffers allocated; :func:`reads` true). An INT4 query is rotated first."""
+    kernel_mode, off = DECODE_MODES[call.mode]
+    units = code_units(call.k, call.v, call.mode)
+    k16, v16, align = units
+    tiling, interp = plan.tiling, call.q.device.type == "cpu"
+    hg = heads_per_program(k16.shape[2], tiling.heads_per_program)
+    grid = (call.num_seqs, k16.shape[2] // hg, tiling.num_segments)
+    query, q_scale = rotated_query(call, plan)
+    use_softcap, col_scale = query_scales(call)
+    _attn_decode_v4_kernel[grid](
+        **decode_args(call, query, units, q_scale, col_scale),
+        NUM_Q_HEADS=query.shape[1], HG=hg, GROUP=call.group, GP=max(8, next_pow2(call.group)), HEAD=call.head_size,
+        BLOCK_SIZE=k16.shape[1], TILE=tiling.tile, MODE=kernel_mode, OFF=off,
+        DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp, CAUSAL=call.causal,
+        USE_SOFTCAP=use_softcap, NUM_SEGMENTS=tiling.num_segments, ALIGN_BS=align, HEAD_UNITS=k16.stride(2),
+        ROWS=bool(tiling.row_loads and hg > 1), PDL=plan.pdl, launch_pdl=plan.pdl,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        **({"maxnreg": tiling.max_registers} if tiling.max_registers and not interp else {}),
+    )

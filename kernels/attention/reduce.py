@@ -1,11 +1,26 @@
-"""Reduction of the split-KV segments into the final attention output."""
+"""Reduction of the split-KV segments into the final attention output, and its launcher.
+
+Two kernels merge the segments (``Plan.reduce`` says which): ``_attn_reduce_kernel`` below
+(Triton, any device and head size) and ``reduce_gluon._attn_reduce_gluon_kernel`` (Gluon, CUDA,
+head_size 128, at most ``GLUON_MAX_SEGMENTS`` segments). For INT4 both apply the inverse rotation.
+"""
 
 from __future__ import annotations
 
+import torch
 import triton.language as tl
 
-from ._attn_common import hadamard_sign, pdl_enter
-from ._jit import dual_jit
+from .._jit import dual_jit, next_pow2
+from . import gluon_probe
+from .common import hadamard_sign, pdl_enter
+
+# the Triton reduction holds up to this many values in one tile (segments x padded head size),
+# in chunks above it (decode_block_tiles' segments keep to it)
+REDUCE_ONE_LOAD = 16384
+GLUON_MAX_SEGMENTS = 64             # every segment's row loaded at once (16 rows of 4 floats per thread at most)
+GLUON_ROWS = 16                     # segments per warp (16 against 8 / 32 / 4: INT4 b8@32k 93.4-93.9 vs
+                                    # 95.5 / 94.4 / 98.5 µs on the H200)
+_GLUON = ("reduce_gluon", "_attn_reduce_gluon_kernel")
 
 
 # Grid: (num_tokens, num_q_heads). One program merges the NUM_SEGMENTS partial results of one
@@ -20,8 +35,7 @@ from ._jit import dual_jit
 # (popcount(j & k) adds over the two bit fields), so on acc as an [HI, LO] matrix A the product is
 # H_hi A H_lo: HEAD_PAD * (HI + LO) products (2,048 + 1,024 at head_size 128) instead of
 # HEAD_PAD^2 (16,384), and signs of [LO, LO] and [HI, HI] tiles only. The full product cost INT4
-# 7.0 us of reduction at b8@32k and 20.2 us at b32@32k, INT8's reduction 3.1 / 4.8 (H200,
-# docs/bench/attention.md, session 13). HEAD_PAD > HEAD (a power of two) is exact too: the
+# 7.0 us of reduction at b8@32k and 20.2 us at b32@32k, INT8's reduction 3.1 / 4.8 (H200). HEAD_PAD > HEAD (a power of two) is exact too: the
 # padded dims of acc are 0, and H_HEAD is the top-left block of H_HEAD_PAD.
 @dual_jit
 def _attn_reduce_kernel(
@@ -81,3 +95,51 @@ def _attn_reduce_kernel(
         tl.store(out_row + offs_o * stride_o_d, o.to(out_ptr.dtype.element_ty), mask=o_ok)
     else:
         tl.store(out_row + offs_d * stride_o_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def reduce_segments(call, plan) -> None:
+    """Merge ``call``'s segments into ``call.out`` [T, Hq, head_size]: ``segm_output``
+    [>= T, Hq, segments, head_pad] fp32, ``segm_max`` / ``segm_expsum`` [>= T, Hq, segments] fp32
+    (max in log2 units); INT4 (``call.signs``): the inverse rotation too."""
+    from .plan import Reduce
+    out, segs, signs = call.out, plan.tiling.num_segments, call.signs
+    num_tokens, num_q_heads = out.shape[:2]
+    seg_pad = next_pow2(segs)
+    if plan.reduce == Reduce.GLUON:  # a program per token and head, a warp per GLUON_ROWS segments
+        gluon_probe.require(*_GLUON)[out.shape[:2]](
+            out, call.segm_output, call.segm_max, call.segm_expsum, call.segm_max if signs is None else signs,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=segs, SEG_PAD=seg_pad, ROTATE=signs is not None,
+            PDL=plan.pdl, num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=plan.pdl)
+        return
+    head_pad = call.segm_output.shape[-1]
+    # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
+    seg_chunk = seg_pad if seg_pad * head_pad <= REDUCE_ONE_LOAD else max(1, 4096 // head_pad)
+    lo = 1 << (head_pad.bit_length() // 2)  # INT4's Kronecker split: LO >= HI
+    _attn_reduce_kernel[(num_tokens, num_q_heads)](
+        out_ptr=out, segm_out_ptr=call.segm_output, segm_max_ptr=call.segm_max, segm_sum_ptr=call.segm_expsum,
+        signs_ptr=call.segm_max if signs is None else signs,
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        NUM_Q_HEADS=num_q_heads, HEAD=call.head_size, HEAD_PAD=head_pad,
+        NUM_SEGMENTS=segs, SEG_PAD=seg_pad, SEG_CHUNK=seg_chunk,
+        ROTATE=signs is not None, HI=head_pad // lo, LO=lo, PDL=plan.pdl, launch_pdl=plan.pdl,
+        num_warps=4,
+    )
+
+
+def probe(device_index: int, num_q_heads: int, num_segments: int, rotate: bool, pdl: bool) -> bool:
+    """Whether the Gluon reduction compiles on CUDA device ``device_index`` (once per process and
+    ``(rotate, pdl)``; ``gluon_probe.compiles``)."""
+    def compile_once():
+        dev = torch.device("cuda", device_index)
+        out = torch.empty(1, num_q_heads, 128, dtype=torch.bfloat16, device=dev)
+        segm = torch.zeros(1, num_q_heads, num_segments, 128, dtype=torch.float32, device=dev)
+        stats = torch.zeros(1, num_q_heads, num_segments, dtype=torch.float32, device=dev)
+        signs = torch.ones(128, dtype=torch.float32, device=dev)
+        seg_pad = next_pow2(num_segments)
+        gluon_probe.require(*_GLUON).warmup(
+            out, segm, stats, stats, signs if rotate else stats, out.stride(0), out.stride(1), out.stride(2),
+            NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=rotate, PDL=pdl,
+            num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=pdl, grid=(1, num_q_heads))
+    return gluon_probe.compiles(_GLUON[1], device_index, (rotate, pdl), compile_once,
+                                "the Triton reduction runs instead")

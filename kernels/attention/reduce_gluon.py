@@ -17,8 +17,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._gluon_pdl import gdc_wait
-from ._hadamard_gluon import HEAD, fwht128
+from .gluon_pdl import gdc_wait
+from .rotate_query_gluon import HEAD, fwht128
 
 
 @gluon.jit
