@@ -33,7 +33,7 @@ import triton.language as tl
 
 from layouts import KVQuantMode
 
-from .._jit import dual_jit, next_pow2, prev_pow2
+from .._jit import dual_jit, interpreting, next_pow2, prev_pow2
 from .common import DOT_FP16, DOT_FP32, LOG2E, apply_softcap, decode_program, to_dot
 from .reduce import REDUCE_ONE_LOAD
 from .rotate_query import query_scales, rotated_query
@@ -317,7 +317,7 @@ def launch_block_tiles(call, plan) -> None:
     kernel_mode, off = DECODE_MODES[call.mode]
     units = code_units(call.k, call.v, call.mode)
     k16, v16, align = units
-    tiling, interp = plan.tiling, call.q.device.type == "cpu"
+    tiling, interp = plan.tiling, interpreting(call.q)
     hg = heads_per_program(k16.shape[2], tiling.heads_per_program)
     grid = (call.num_seqs, k16.shape[2] // hg, tiling.num_segments)
     query, q_scale = rotated_query(call, plan)

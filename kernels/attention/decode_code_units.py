@@ -36,7 +36,7 @@ import math
 
 from layouts import KVQuantMode
 
-from .._jit import cdiv, dual_jit, next_pow2, prev_pow2
+from .._jit import cdiv, dual_jit, interpreting, next_pow2, prev_pow2
 from .common import DOT_FP16, DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
 from .rotate_query import query_scales, rotated_query
 from .units import DECODE_MODES, MODE_FP8, MODE_INT4, code_units, decode_args, units_to_dot
@@ -311,7 +311,7 @@ def launch_code_units(call, plan) -> None:
     kernel_mode, off = DECODE_MODES[call.mode]
     units = code_units(call.k, call.v, call.mode)
     k16, v16, align = units
-    tiling, interp = plan.tiling, call.q.device.type == "cpu"
+    tiling, interp = plan.tiling, interpreting(call.q)
     grid = (call.num_seqs, k16.shape[2], tiling.num_segments)
     rotate_q = plan.rotate == Rotate.PROLOGUE
     query, q_scale = rotated_query(call, plan)

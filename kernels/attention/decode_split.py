@@ -32,7 +32,7 @@ import triton.language as tl
 
 from layouts import KVQuantMode
 
-from .._jit import dual_jit, next_pow2
+from .._jit import dual_jit, interpreting, next_pow2
 from .call import kv_align
 from .common import DOT_FP16, DOT_FP32, decode_program, decode_tile_softmax, to_dot
 from .rotate_query import query_scales, rotated_query
@@ -225,7 +225,7 @@ def launch_split(call, plan) -> None:
     """Launch ``_attn_decode_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
     segment buffers allocated); an INT4 query is rotated first (``plan.rotate``, 2 parts)."""
     q, k, v, tiling = call.q, call.k, call.v, plan.tiling
-    interp = q.device.type == "cpu"
+    interp = interpreting(q)
     align = kv_align(k, v)
     grid = (call.num_seqs, k.shape[2], tiling.num_segments)
     qp, q_scale = rotated_query(call, plan)

@@ -259,7 +259,7 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
     block_m = max(16, next_pow2(call.group))
     pairs = max(1, call.num_seqs * call.num_kv_heads)
     if path == Path.PREFILL_2D and not decode:
-        return Tiling(max(PREFILL_BLOCK_M, block_m), PREFILL_TILE, given or 1)
+        return Tiling(max(PREFILL_BLOCK_M, block_m), PREFILL_TILE)  # no split: the caller's count is for decode
     if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
         segs = given or S.segments(sms, call.num_seqs, ctx)
         return Tiling(block_m, 16, int(segs), call.num_kv_heads, S.STAGES[path.value])
@@ -311,6 +311,8 @@ def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         return path, tiling
     if tiling.num_segments <= 1 or mode not in DECODE_MODES:
         why.append("one segment or a bf16/fp16 cache: the 2D kernel")
+        if tiling.num_segments > 1 and path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
+            tiling = _generic(call, tiling.block_m, tiling.num_segments)  # the staged tiling means nothing here
         return Path.PREFILL_2D, tiling
     if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
         reason = None

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from layouts import KVQuantMode
 
-from .._jit import dual_jit
+from .._jit import dual_jit, interpreting
 from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
                      visible)
@@ -139,7 +139,7 @@ def launch_2d(call, plan) -> None:
     split = tiling.num_segments > 1
     block_q = tiling.block_m // call.group
     align = kv_align(k, v)
-    if q.device.type == "cpu":
+    if interpreting(q):
         dot = DOT_FP32.value
     elif call.mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
         dot = DOT_FP16.value  # int8 / e4m3 codes convert exactly and cheaply to fp16

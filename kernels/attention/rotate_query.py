@@ -22,7 +22,7 @@ import triton.language as tl
 
 from layouts import KVQuantMode
 
-from .._jit import cdiv, dual_jit
+from .._jit import cdiv, dual_jit, interpreting
 from . import gluon_probe
 from .common import DOT_FP16, DOT_FP32, hadamard_sign, pdl_enter, pdl_release
 
@@ -93,7 +93,7 @@ def rotated_query(call, plan) -> tuple:
         q_ptr=q, signs_ptr=call.signs, q_out_ptr=qp, softmax_scale=call.softmax_scale,
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         NUM_Q_HEADS=q.shape[1], HEAD=call.head_size, BLOCK_H=16,
-        DOT=DOT_FP32.value if q.device.type == "cpu" else DOT_FP16.value, PARTS=plan.rotate_parts, PDL=plan.pdl,
+        DOT=DOT_FP32.value if interpreting(q) else DOT_FP16.value, PARTS=plan.rotate_parts, PDL=plan.pdl,
         RELEASE=release, launch_pdl=plan.pdl,
         num_warps=4)
     return qp, 1.0
