@@ -174,7 +174,8 @@ def compare_tunings(base: Tuning, plan: Plan, mode):
     two_d = dataclasses.replace(base, path=Path.PREFILL_2D, tiling=dataclasses.replace(
         t, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, heads_per_program=0))
     return [two_d] + [dataclasses.replace(base, path=path, tiling=dataclasses.replace(
-        t, tile=tile, num_warps=warps, num_stages=stages, heads_per_program=0)) for path, tile, warps, stages in COMPARE]
+        t, tile=tile, num_warps=warps, num_stages=stages, heads_per_program=0))
+        for path, tile, warps, stages in COMPARE]
 
 
 def path_tunings(base: Tuning, paths) -> list:

@@ -131,16 +131,17 @@ def run_and_check(c, causal=True, window=(-1, -1), softcap=0.0, out_dtype=None, 
 # looks it up (the Gluon ones through gluon_probe.require).
 PATH_KERNELS = {
     Path.PREFILL_2D: ("prefill_2d", "_attn_kernel"),
-    Path.DECODE_SPLIT: ("decode_split", "_attn_decode_kernel"),
-    Path.DECODE_CODE_UNITS: ("decode_code_units", "_attn_decode_v3_kernel"),
-    Path.DECODE_BLOCK_TILES: ("decode_block_tiles", "_attn_decode_v4_kernel"),
-    Path.DECODE_STAGED_INT4: ("decode_staged_int4_gluon", "_attn_decode_v6_kernel"),
-    Path.DECODE_STAGED_INT8: ("decode_staged_int8_gluon", "_attn_decode_v7_kernel"),
+    Path.DECODE_SPLIT: ("decode_split", "_decode_split_kernel"),
+    Path.DECODE_CODE_UNITS: ("decode_code_units", "_decode_code_units_kernel"),
+    Path.DECODE_BLOCK_TILES: ("decode_block_tiles", "_decode_block_tiles_kernel"),
+    Path.DECODE_STAGED_INT4: ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
+    Path.DECODE_STAGED_INT8: ("decode_staged_int8_gluon", "_decode_staged_int8_kernel"),
 }
 INT4_2D = ("prefill_2d", "_attn_int4_kernel")
-ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_prep_q_kernel"),
-                  Rotate.GLUON: ("rotate_query_gluon", "_prep_q_gluon_kernel")}
-REDUCE_KERNELS = {Reduce.TRITON: ("reduce", "_attn_reduce_kernel"), Reduce.GLUON: ("reduce_gluon", "_attn_reduce_gluon_kernel")}
+ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_rotate_query_kernel"),
+                  Rotate.GLUON: ("rotate_query_gluon", "_rotate_query_gluon_kernel")}
+REDUCE_KERNELS = {Reduce.TRITON: ("reduce", "_attn_reduce_kernel"),
+                  Reduce.GLUON: ("reduce_gluon", "_attn_reduce_gluon_kernel")}
 
 
 class _Recorder:
@@ -450,12 +451,13 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
         L6.reserve_ring(loaded, 4096)
     # another Triton's compiled kernel (metadata not a namedtuple, or other launch metadata): a
     # compile-type error, so the probe says the staged kernel does not compile
-    for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)), (meta(1, 8, 1024), (8, 1, 1024, 0))):
+    for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)),
+                          (meta(1, 8, 1024), (8, 1, 1024, 0))):
         other = Compiled(1024)
         other.metadata, other.packed_metadata = meta_, packed
         with pytest.raises(L6.RingUnsupported):
             L6.reserve_ring(other, 4096)
-        assert other.packed_metadata == packed and not hasattr(other, "_kv6_ring_off")
+        assert other.packed_metadata == packed and not hasattr(other, "_kv_ring_off")
     assert L6.RingUnsupported in gluon_probe.COMPILE_ERRORS
 
 
@@ -941,7 +943,8 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
     big = decode_staged.MIN_KEYS // 8
     plan = plan_for(mode, 8, big, real)
     assert plan.path == BLOCKS and plan.reduce == Reduce.TRITON
-    assert plan.tiling.num_segments == plan_for(mode, 8, big, dataclasses.replace(H200, gluon=False)).tiling.num_segments
+    no_gluon = dataclasses.replace(H200, gluon=False)
+    assert plan.tiling.num_segments == plan_for(mode, 8, big, no_gluon).tiling.num_segments
     staged = "decode_staged_int4" if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else "decode_staged_int8"
     assert asked[0] == staged and "reduce" in asked
     if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
@@ -1056,3 +1059,20 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     diff = (out.double().cpu() - ref).abs()
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5, rtol=1e-4), (diff.max().item(), diff.argmax().item())
     assert (out[2, 3] == 0).all()
+
+
+def test_kernels_doc_attention_section_is_generated():
+    """docs/KERNELS.md's "## Attention" section is exactly what ``python -m bench.kernels_table``
+    prints from ``attention_plan`` (regenerate it after changing a rule); it names the staged
+    INT4 kernel for b8 x 32768 on an H200 and decode_block_tiles for it on the CPU."""
+    import pathlib
+
+    from bench import kernels_table
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "KERNELS.md").read_text()
+    start = doc.index("## Attention\n")
+    end = doc.find("\n## ", start + 1)
+    got = doc[start:] if end < 0 else doc[start:end + 1]
+    want = kernels_table.section()
+    assert got.rstrip("\n") == want.rstrip("\n")
+    row = next(line for line in want.splitlines() if line.startswith("| int4 | 8 x 32768 |"))
+    assert "`decode_staged_int4`" in row.split("|")[3] and "`decode_block_tiles`" in row.split("|")[4]

@@ -1,28 +1,28 @@
-"""Split-KV decode kernel "v4": block-aligned tiles, KV heads as the batch dimension of the dots.
+"""Split-KV decode on tiles of whole cache blocks, one warp per KV head; its tiling and launcher.
 
-Same maths as v3 (``_attn_decode_v3``: 16-bit code units, "swap AB" dots with the codes as the
+The plan's INT8 / FP8 decode, and INT4's from 8k-32k keys in the batch (``plan.py``). Same maths
+as ``decode_code_units`` (16-bit code units, "swap AB" dots with the codes as the
 A operand, per-token scale and zero point on the score / probability tiles, the code offset
 ``OFF`` folded into the zero point); what differs is how a tile is addressed and how many KV
 heads a program holds:
 
 - **Block-aligned tiles.** With ``TILE == BLOCK_SIZE`` a tile is one cache block: one block id
-  per tile (v3 loads one per key and computes every row address from it), and the slot / head
+  per tile (``decode_code_units`` loads one per key and computes every row address from it), and the slot / head
   offsets of the tile's rows are loop invariants computed once, so a tile's addresses are one
   scalar times a stride plus those offsets (``TILE`` a multiple of the block: one id per key,
-  the same invariant offsets; smaller tiles: v3's per-key addressing).
+  the same invariant offsets; smaller tiles: per-key addressing).
 - **No alignment classes.** Rows are read as 4-byte aligned code units (``HEAD_UNITS``, the
-  head stride in units, is a constexpr multiple of 2); v3 branches per program into a 16-, 8-
+  head stride in units, is a constexpr multiple of 2); ``decode_code_units`` branches per program into a 16-, 8-
   or 4-byte loop.
 - **HG KV heads per program** (grid ``(sequences, num_kv_heads / HG, segments)``): tensors are
   ``[HG, TILE, ...]`` and the dots are batched over the heads. ``HG = num_kv_heads`` reads
   whole token rows (contiguous ``num_kv_heads * (data + 4)`` bytes); with ``ROWS`` the tiles
   are loaded token-major (``[TILE, HG, U]``, a warp's lanes on a token's adjacent heads) and
   permuted. On the H200 one head per program (``HG = 1``) and one warp was fastest for every
-  mode, token-major loads or not (docs/bench/attention.md, sessions 6 and 7), and that is the
-  launcher's default (``_attn_launch_v4``).
+  mode, token-major loads or not, and that is the default tiling (``TILING``).
 
-The INT4 query arrives rotated, in four parts of ``U`` dims (``_prep_q_kernel``). Code loads are
-not masked (FP8 values excepted), as in v3: a key past the sequence reads its tile's block (or
+The INT4 query arrives rotated, in four parts of ``U`` dims (``_rotate_query_kernel``). Code loads are
+not masked (FP8 values excepted), as in ``decode_code_units``: a key past the sequence reads its tile's block (or
 block 0, per-key ids) and gets a ``-inf`` score. Writes the split buffers of ``_attn_reduce_kernel``.
 """
 
@@ -60,9 +60,9 @@ INT4_MIN_KEYS = {64: 8192, 128: 32768, 256: 32768}
 
 
 @triton.jit
-def _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
+def _block_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
               U: tl.constexpr, NOUT: tl.constexpr, MODE: tl.constexpr, DOT: tl.constexpr):
-    """Query parts ``[HG, U, GP]`` (part x: dim ``NOUT * u + x``; INT4: ``_prep_q_kernel``'s
+    """Query parts ``[HG, U, GP]`` (part x: dim ``NOUT * u + x``; INT4: ``_rotate_query_kernel``'s
     rotated parts at ``x * U + u``) times ``softmax_scale``; ``head`` is ``[HG, GP]``."""
     offs_u = tl.arange(0, U)
     q_row = q_ptr + tok.to(tl.int64) * stride_q_t + head[:, None, :] * stride_q_h   # [HG, 1, GP]
@@ -82,7 +82,7 @@ def _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, str
 
 
 @triton.jit
-def _v4_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.constexpr,
+def _block_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.constexpr,
                 OFF: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     """``decode_tile_softmax`` over ``[HG, TILE, GP]``: scale words ``kw``, ``vw`` ``[HG, TILE]``
     (INT4: scale | zero point bits), ``q_sum``, ``m_i``, ``l_i`` ``[HG, GP]``. Returns the value
@@ -114,7 +114,7 @@ def _v4_softmax(s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE: tl.c
 
 
 @triton.jit
-def _v4_tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, k_off, v_base, v_off, ks_base, ks_off, vs_base, vs_off,
+def _block_tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, k_off, v_base, v_off, ks_base, ks_off, vs_base, vs_off,
                    n_ok, MODE: tl.constexpr):
     """One tile's code units K ``[HG, TILE, U]``, V^T ``[HG, U, TILE]`` and scale words
     ``[HG, TILE]``, each at ``ptr + base + off`` (base: a scalar for a one-block tile, else per
@@ -130,9 +130,9 @@ def _v4_tile_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, k_off, v_base, v_off, k
 
 
 @triton.jit
-def _v4_row_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, v_base, ks_base, vs_base, hu, hks, hvs, n_ok,
+def _block_row_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, v_base, ks_base, vs_base, hu, hks, hvs, n_ok,
                   MODE: tl.constexpr):
-    """Like :func:`_v4_tile_loads`, but addressed token-major: ``[TILE, HG, U]`` (``hu``: the
+    """Like :func:`_block_tile_loads`, but addressed token-major: ``[TILE, HG, U]`` (``hu``: the
     ``[HG, U]`` head / unit offsets, ``hks`` / ``hvs`` the ``[HG]`` scale offsets; bases ``[TILE]``), so
     the lanes of a load walk each token's adjacent heads (whole rows when ``HG`` is every KV
     head); the tiles are then permuted to the dots' ``[HG, ...]`` order."""
@@ -148,8 +148,8 @@ def _v4_row_loads(k_ptr, v_ptr, ks_ptr, vs_ptr, k_base, v_base, ks_base, vs_base
 
 # Grid: (num_seqs, num_kv_heads // HG, NUM_SEGMENTS).
 @dual_jit
-def _attn_decode_v4_kernel(
-    q_ptr,                          # [T, Hq, HEAD]; INT4: fp32, rotated, 4 parts (``_prep_q_kernel``)
+def _decode_block_tiles_kernel(
+    q_ptr,                          # [T, Hq, HEAD]; INT4: fp32, rotated, 4 parts (``_rotate_query_kernel``)
     k_ptr, v_ptr,                   # [num_blocks, block_size, num_kv_heads, U] int16 code units
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, num_kv_heads] int32 (scale bits; INT4: | zp)
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
@@ -185,7 +185,7 @@ def _attn_decode_v4_kernel(
     offs_u = tl.arange(0, U)
     g_ok = (offs_g < GROUP)[None, :] & (offs_h >= 0)[:, None]           # [HG, GP] (the heads: always true)
     head = offs_h[:, None] * GROUP + offs_g[None, :]                    # [HG, GP]
-    q0, q1, q2, q3 = _v4_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
+    q0, q1, q2, q3 = _block_query(q_ptr, tok, head, g_ok, softmax_scale, stride_q_t, stride_q_h, stride_q_d,
                                U, NOUT, MODE, DOT)
     q_sum = tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)  # [HG, GP], of the rounded operands
     if MODE == MODE_INT4:
@@ -215,25 +215,25 @@ def _attn_decode_v4_kernel(
             else:
                 blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             sl = k_pos % BLOCK_SIZE
-            kc, vc, kw, vw = _v4_row_loads(
+            kc, vc, kw, vw = _block_row_loads(
                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS),
                 blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS), blk * stride_ks_b + sl * stride_ks_s,
                 blk * stride_vs_b + sl * stride_vs_s, hu, offs_h * stride_ks_h, offs_h * stride_vs_h, n_ok, MODE)
         elif TILE == BLOCK_SIZE:  # one block per tile (tiles start at multiples of TILE): one id
             blk = tl.load(bt_row + t).to(tl.int64)
-            kc, vc, kw, vw = _v4_tile_loads(
+            kc, vc, kw, vw = _block_tile_loads(
                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, blk * (stride_k_b * ALIGN_BS), k_off,
                 blk * (stride_v_b * ALIGN_BS), v_off, blk * stride_ks_b, ks_off, blk * stride_vs_b, vs_off, n_ok, MODE)
         elif TILE % BLOCK_SIZE == 0:  # whole blocks: the slot offsets do not change
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-            kc, vc, kw, vw = _v4_tile_loads(
+            kc, vc, kw, vw = _block_tile_loads(
                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, (blk * (stride_k_b * ALIGN_BS))[None, :, None], k_off,
                 (blk * (stride_v_b * ALIGN_BS))[None, None, :], v_off, (blk * stride_ks_b)[None, :], ks_off,
                 (blk * stride_vs_b)[None, :], vs_off, n_ok, MODE)
         else:  # tiles smaller than a block
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             sl = k_pos % BLOCK_SIZE
-            kc, vc, kw, vw = _v4_tile_loads(
+            kc, vc, kw, vw = _block_tile_loads(
                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
                 (blk * (stride_k_b * ALIGN_BS) + sl * (stride_k_s * ALIGN_BS))[None, :, None], k_hu,
                 (blk * (stride_v_b * ALIGN_BS) + sl * (stride_v_s * ALIGN_BS))[None, None, :], v_hu,
@@ -245,7 +245,7 @@ def _attn_decode_v4_kernel(
         if MODE == MODE_INT4:
             s = tl.dot(k2, q2, s)
             s = tl.dot(k3, q3, s)                                                    # [HG, TILE, GP]
-        pv, alpha, m_i, l_i, vs_max, zp_term = _v4_softmax(
+        pv, alpha, m_i, l_i, vs_max, zp_term = _block_softmax(
             s, n_ok, kw, vw, q_sum, m_i, l_i, col_scale, softcap, MODE, OFF, USE_SOFTCAP, DOT)
         a = alpha[:, None, :]
         zp = zp_term[:, None, :]
@@ -312,7 +312,7 @@ def reads(units, num_kv_heads: int, wanted: int = 0) -> bool:
 
 
 def launch_block_tiles(call, plan) -> None:
-    """Launch ``_attn_decode_v4_kernel`` (grid: sequences x head groups x segments) on ``call``
+    """Launch ``_decode_block_tiles_kernel`` (grid: sequences x head groups x segments) on ``call``
     (its segment buffers allocated; :func:`reads` true). An INT4 query is rotated first."""
     kernel_mode, off = DECODE_MODES[call.mode]
     units = code_units(call.k, call.v, call.mode)
@@ -322,7 +322,7 @@ def launch_block_tiles(call, plan) -> None:
     grid = (call.num_seqs, k16.shape[2] // hg, tiling.num_segments)
     query, q_scale = rotated_query(call, plan)
     use_softcap, col_scale = query_scales(call)
-    _attn_decode_v4_kernel[grid](
+    _decode_block_tiles_kernel[grid](
         **decode_args(call, query, units, q_scale, col_scale),
         NUM_Q_HEADS=query.shape[1], HG=hg, GROUP=call.group, GP=max(8, next_pow2(call.group)), HEAD=call.head_size,
         BLOCK_SIZE=k16.shape[1], TILE=tiling.tile, MODE=kernel_mode, OFF=off,

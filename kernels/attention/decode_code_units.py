@@ -1,20 +1,20 @@
-"""Split-KV decode kernel "v3" for the quantized caches: 16-bit code units, alignment classes.
+"""Split-KV decode on 16-bit code units, a loop per row-alignment class; its tiling and launcher.
 
-Same maths as the v2 kernel (``_attn_decode_kernel``: one query per sequence, "swap AB" dots
+The plan's quantized decode for small INT4 batches and for head sizes without a block-tile
+tiling (``plan.py``). Same maths as ``decode_split`` (one query per sequence, "swap AB" dots
 with the codes as the A operand, per-token scale and zero point on the score / probability
-tiles, the code offset ``OFF`` folded into the zero point), with the changes that the sm_90
-SASS and an H200 sweep of v2 pointed to (docs/bench/attention.md):
+tiles, the code offset ``OFF`` folded into the zero point), read differently:
 
 - **16-bit code units.** K and V rows are read as ``int16`` units: 4 INT4 nibbles (dims
   ``4u .. 4u+3``) or 2 INT8 / FP8 bytes (dims ``2u, 2u+1``). One 32-bit register of two units
   becomes NOUT (4 or 2) fp16x2 registers, output ``x`` holding dim ``NOUT * u + x``, without
-  byte permutes for INT4 (``_attn_units``). Every dot runs over the units, so the query is split
+  byte permutes for INT4 (``units.py``). Every dot runs over the units, so the query is split
   the same way, and the accumulators are written back in natural dim order.
 - **V transposed in 16-bit units.** ``V^T [units, keys]`` needs two keys per register of the dot
-  operand: with 16-bit units that is ``ldmatrix.trans``, where v2 gathered single bytes from
-  shared memory (64 ``LDS.U8`` + ``PRMT`` per warp and tile for INT4).
+  operand: with 16-bit units that is ``ldmatrix.trans``, where byte codes need single bytes gathered
+  from shared memory (64 ``LDS.U8`` + ``PRMT`` per warp and tile for INT4).
 - **Alignment classes.** A packed row is ``data + 4`` bytes (68 for INT4 d=128, 132 for INT8),
-  so row starts are 4-byte aligned in general and v2 issued 4-byte copies. The row of KV head
+  so row starts are 4-byte aligned in general and byte-strided reads issue 4-byte copies. The row of KV head
   ``h`` starts ``h * stride_h`` past 16-byte-aligned block and slot offsets: each program
   branches once on that offset's alignment (16, 8 or 4 bytes) into a loop compiled for it.
 - **Small programs.** The tile's softmax reductions run across the program's warps (shared
@@ -135,13 +135,10 @@ def _segment_loop(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, t0, t1, k_lo, k_hi, k_he
                   USE_SOFTCAP: tl.constexpr, ALIGN_BS: tl.constexpr, ALIGN: tl.constexpr):
     """Online softmax over tiles ``[t0, t1)``; row offsets are multiples of ``ALIGN`` units.
 
-    Triton pipelines the loads (``num_stages=2``). Three ways to overlap more of them, each
-    correct and each slower on the H200 (INT4 batch 8 at 32k: 159 µs as is; docs/bench/attention.md,
-    session 4): the next tile's codes in registers (222 µs, 209 registers); the next tile's block
-    ids in registers with 3-4 stages, so that Triton waits for one tile only (203-332 µs); rows
-    of the 4- and 8-byte alignment classes loaded in their own shapes, so that a warp's copies
-    are coalesced (211-260 µs, 168 registers). Nsight Compute of this loop: about 26% of the
-    warps' time waits for the tile's copies and 22% for the softmax's shuffles and shared memory."""
+    Triton pipelines the loads (``num_stages=2``); prefetching the next tile's codes or block ids
+    into registers, or loading the 4- and 8-byte classes in their own shapes, cost registers and
+    time on the H200. About 26% of the warps' time waits for the tile's copies and 22% for the
+    softmax's shuffles and shared memory (Nsight Compute)."""
     k_head = (k_head // ALIGN) * ALIGN  # exact in this branch; tells Triton's alignment analysis
     v_head = (v_head // ALIGN) * ALIGN
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -166,7 +163,7 @@ def _query_parts(q_ptr, signs_ptr, tok, head, g_ok, softmax_scale, stride_q_t, s
                  U: tl.constexpr, NOUT: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr,
                  DOT: tl.constexpr, ROTATE_Q: tl.constexpr):
     """Query parts ``q_x^T [U, GP]`` (dim ``NOUT * u + x``) times ``softmax_scale``. INT4: the
-    rotated query, either rotated here (``ROTATE_Q``) or read from ``_prep_q_kernel``'s output
+    rotated query, either rotated here (``ROTATE_Q``) or read from ``_rotate_query_kernel``'s output
     (rotated and in parts already, ``stride_q_d`` = 1)."""
     offs_u = tl.arange(0, U)
     q_row = q_ptr + tok.to(tl.int64) * stride_q_t + head[None, :] * stride_q_h
@@ -174,7 +171,7 @@ def _query_parts(q_ptr, signs_ptr, tok, head, g_ok, softmax_scale, stride_q_t, s
         # (H (s * q))[4u + x] with H[4u + x, d] = H_U[u, d >> 2] * H_4[x, d & 3] (Sylvester): one
         # [U, HEAD] matrix serves the four parts, part x multiplies the query by H_4[x, d & 3]
         # instead; every product is exact (+-1 times a 16-bit value), the sum is fp32 as in
-        # _prep_q_kernel (DOT_FP32, interpreter: everything in fp32)
+        # _rotate_query_kernel (DOT_FP32, interpreter: everything in fp32)
         offs_d = tl.arange(0, HEAD)
         qt = tl.load(q_row + offs_d[:, None] * stride_q_d, mask=g_ok[None, :], other=0.0)   # [HEAD, GP]
         if DOT == DOT_FP32:
@@ -202,8 +199,8 @@ def _query_parts(q_ptr, signs_ptr, tok, head, g_ok, softmax_scale, stride_q_t, s
 # Grid: (num_seqs, num_kv_heads, NUM_SEGMENTS). Writes the split buffers of _attn_reduce_kernel
 # (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, natural dim order).
 @dual_jit
-def _attn_decode_v3_kernel(
-    q_ptr,                          # [T, Hq, HEAD]; INT4 without ROTATE_Q: fp32, rotated, 4 parts (``_prep_q_kernel``)
+def _decode_code_units_kernel(
+    q_ptr,                          # [T, Hq, HEAD]; INT4 without ROTATE_Q: fp32, rotated, 4 parts (rotate_query)
     signs_ptr,                      # [HEAD] the rotation's signs (INT4 with ROTATE_Q)
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, U] int16 code units
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] int32 (scale bits; INT4: | zp)
@@ -222,7 +219,7 @@ def _attn_decode_v3_kernel(
     NUM_SEGMENTS: tl.constexpr,
     ALIGN_BS: tl.constexpr,         # units dividing every block / slot stride (2, 4 or 8)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
-    ROTATE_Q: tl.constexpr,         # INT4: rotate the raw query here instead of reading _prep_q_kernel's
+    ROTATE_Q: tl.constexpr,         # INT4: rotate the raw query here instead of reading _rotate_query_kernel's
 ):
     seq_idx, kv_head, seg_idx, tok, has_query, k_lo, k_hi, t0, t1 = decode_program(
         cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right, CAUSAL, TILE, NUM_SEGMENTS, PDL)
@@ -304,7 +301,7 @@ def segments(num_sms: int, pairs: int, max_seqlen_k: int, tile: int, programs_pe
 
 
 def launch_code_units(call, plan) -> None:
-    """Launch ``_attn_decode_v3_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
+    """Launch ``_decode_code_units_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
     segment buffers allocated; the cache readable as :func:`units.code_units`). An INT4 query is
     rotated in the prologue or by the rotation kernel first (``plan.rotate``)."""
     from .plan import Rotate
@@ -316,7 +313,7 @@ def launch_code_units(call, plan) -> None:
     rotate_q = plan.rotate == Rotate.PROLOGUE
     query, q_scale = rotated_query(call, plan)
     use_softcap, col_scale = query_scales(call)
-    _attn_decode_v3_kernel[grid](
+    _decode_code_units_kernel[grid](
         **decode_args(call, query, units, q_scale, col_scale),
         signs_ptr=call.signs if rotate_q else query, stride_k_h=k16.stride(2), stride_v_h=v16.stride(2),
         NUM_Q_HEADS=query.shape[1], GROUP=call.group, GP=max(8, next_pow2(call.group)), HEAD=call.head_size,

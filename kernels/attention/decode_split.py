@@ -4,8 +4,8 @@ The portable fallback of the decode family: it reads the cache through byte stri
 the quantized caches the code-unit and block-tile kernels cannot read (rows not 4-byte aligned).
 
 Decode has one query token per sequence and a small GQA group (4 query heads per KV head in
-the benchmark), so the old kernel's ``[BLOCK_M = 16, TILE]`` score tile wasted 3/4 of every
-MMA row and every softmax element, and its codes were the dots' B operand. Here the dots are
+the benchmark), so the 2D kernel's ``[BLOCK_M = 16, TILE]`` score tile wastes 3/4 of every
+MMA row and every softmax element there, with the codes as the dots' B operand. Here the dots are
 swapped ("swap AB"): the converted codes are the A operand, the tiny query / probability
 tiles the B operand, and every tile is ``[keys, GP]`` with ``GP`` = the group padded to a
 power of two (>= 8):
@@ -131,7 +131,7 @@ def _load_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t_end, k_lo, k
 # Grid: (num_seqs, num_kv_heads, NUM_SEGMENTS). Writes the split buffers of _attn_reduce_kernel
 # (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, in natural element order).
 @dual_jit
-def _attn_decode_kernel(
+def _decode_split_kernel(
     q_ptr,                          # [T, Hq, HEAD] fp32 (scaled; INT4: rotated, even half | odd half)
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, HEAD or HEAD // 2] codes
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] fp32 (INT4: int32 bits scale | zp)
@@ -222,7 +222,7 @@ def _attn_decode_kernel(
 
 
 def launch_split(call, plan) -> None:
-    """Launch ``_attn_decode_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
+    """Launch ``_decode_split_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
     segment buffers allocated); an INT4 query is rotated first (``plan.rotate``, 2 parts)."""
     q, k, v, tiling = call.q, call.k, call.v, plan.tiling
     interp = interpreting(q)
@@ -233,7 +233,7 @@ def launch_split(call, plan) -> None:
     code_dim = call.head_size // 2 if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD else call.head_size
     mode_id, off = DECODE_MODES[call.mode]
     ks, vs = call.ks, call.vs
-    _attn_decode_kernel[grid](
+    _decode_split_kernel[grid](
         q_ptr=qp, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, segm_out_ptr=call.segm_output,
         segm_max_ptr=call.segm_max, segm_sum_ptr=call.segm_expsum, block_table_ptr=call.block_table,
         cu_seqlens_q_ptr=call.cu_seqlens_q.contiguous(), seqused_k_ptr=call.seqused_k.contiguous(),

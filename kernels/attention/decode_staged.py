@@ -45,8 +45,8 @@ ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, the
              "decode_staged_int8": HEAD_SIZE + 4}       # 132: 128 code bytes, then the f32 scale
 MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the INT4 kernel needs 127)
 PROGRAMS_PER_SM = 2
-_KERNELS = {"decode_staged_int4": ("decode_staged_int4_gluon", "_attn_decode_v6_kernel"),
-            "decode_staged_int8": ("decode_staged_int8_gluon", "_attn_decode_v7_kernel")}
+_KERNELS = {"decode_staged_int4": ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
+            "decode_staged_int8": ("decode_staged_int8_gluon", "_decode_staged_int8_kernel")}
 _RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's offset in shared memory
 
 
@@ -111,7 +111,8 @@ def reads_layout(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return False
 
 
-def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False, row_bytes: int = ROW_BYTES["decode_staged_int4"]) -> int:
+def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False,
+               row_bytes: int = ROW_BYTES["decode_staged_int4"]) -> int:
     """Bytes of a ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads
     with rows of ``row_bytes``, and with ``bulk`` copies one 8-byte mbarrier per stage after them
     (to 16 bytes)."""
@@ -123,7 +124,7 @@ def reserve_ring(compiled, nbytes: int) -> int:
     dynamic shared memory, after Triton's own, and return the ring's offset there (128-byte
     aligned). Done once per compiled kernel: Triton's cache keeps the object, so every later
     launch of it, CUDA graph captures included, gets the ring."""
-    off = getattr(compiled, "_kv6_ring_off", None)
+    off = getattr(compiled, "_kv_ring_off", None)
     if off is not None:
         return off
     if compiled.module is not None:  # loaded without the ring: its shared memory size is fixed
@@ -137,7 +138,7 @@ def reserve_ring(compiled, nbytes: int) -> int:
     off = -(-meta.shared // 128) * 128
     compiled.metadata = meta._replace(shared=off + nbytes)
     compiled.packed_metadata = (meta.num_warps, meta.num_ctas, off + nbytes)
-    compiled._kv6_ring_off = off
+    compiled._kv_ring_off = off
     return off
 
 

@@ -1,15 +1,15 @@
-"""Split-KV INT8 / FP8 decode kernel "v7": v6's design (``_attn_decode_v6``) for 132-byte rows.
+"""Split-KV INT8 / FP8 decode, whole cache blocks staged in shared memory: the INT4 staged
+kernel's design (``decode_staged_int4_gluon``) for 132-byte rows.
 
-Written in session 12 (compiled offline for sm_90), first run on the H200 in session 13: the
-INT8 / FP8 default at head_size 128 for large decode batches (``_attn_launch_v7``).
-
-One program per (sequence, segment) holds every KV head, one warp each; each cache block (SPEC
-§4: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then V half; a row is 128 code
+The INT8 / FP8 default at head_size 128 for large decode batches on CUDA (host side:
+``decode_staged.py``). One program per (sequence, segment) holds every KV head, one warp each;
+each cache block (docs/LAYOUT.md: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then
+V half; a row is 128 code
 bytes and the f32 scale) is copied whole (one bulk copy on sm_90+, else 16-byte ``cp.async``)
 into a ring in dynamic shared memory (reserved by the launcher after Triton's own), and each
 warp reads its head's words with ``ld.shared.b32`` at immediate offsets from one address per
-thread. The ring, its copies and the tile range are v6's (``_attn_decode_v6``'s helpers; 8
-copy rounds per thread for the 132-byte rows where v6 has 4).
+thread. The ring, its copies and the tile range are the INT4 kernel's helpers (8 copy rounds
+per thread for the 132-byte rows where INT4 has 4).
 
 **Maths.** Codes go to fp16 for ``mma.m16n8k16``:
 
@@ -23,7 +23,7 @@ The scores' K axis (head dims) is permuted so that each loaded word feeds two do
 loaded in the same order. The values' M axis (head dims) likewise: row ``M`` of value dot ``m``
 is dim ``16 (M % 8) + 4 (M // 8 + 2 (m // 4)) + m % 4``, undone at the store. Per-token scales:
 the key scale on the score tile (with the softmax scale and ``log2 e``), the value scale in the
-probabilities; the softmax keeps its max over ``s + log2(v_scale)`` as in v6.
+probabilities; the softmax keeps its max over ``s + log2(v_scale)`` as the INT4 kernel does.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ CONV = gl.constexpr("=r,=r,=r,=r,r,r")
 
 @gluon.jit
 def _ld(addr, NKV: gl.constexpr, KIND: gl.constexpr):
-    """8 words per thread of a block of 132-byte rows (v6's :func:`_ld8` with :func:`_lds_asm`)."""
+    """8 words per thread of a block of 132-byte rows (the INT4 kernel's :func:`_ld8` with :func:`_lds_asm`)."""
     return _ld8(addr, _lds_asm(NKV, KIND))
 
 
@@ -138,7 +138,7 @@ def _store_dot(base, acc, o_m, ok3, M: gl.constexpr):
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit(do_not_specialize=["ring_off"])
-def _attn_decode_v7_kernel(
+def _decode_staged_int8_kernel(
     q_ptr,                          # [T, Hq, 128] bf16 / fp16, as given
     kv_ptr,                         # the packed cache as int32 words
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,

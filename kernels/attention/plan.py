@@ -70,8 +70,8 @@ class Rotate(str, enum.Enum):
     NONE = "none"
     IN_KERNEL = "in_kernel"     # the 2D INT4 kernel rotates its query tile
     PROLOGUE = "prologue"       # the code-unit decode kernel rotates in its prologue
-    TRITON = "triton"           # rotate_query._prep_q_kernel first
-    GLUON = "gluon"             # rotate_query_gluon._prep_q_gluon_kernel first (head_size 128, CUDA)
+    TRITON = "triton"           # rotate_query._rotate_query_kernel first
+    GLUON = "gluon"             # rotate_query_gluon._rotate_query_gluon_kernel first (head_size 128, CUDA)
 
 
 class Reduce(str, enum.Enum):

@@ -29,14 +29,15 @@ _GLUON = ("reduce_gluon", "_attn_reduce_gluon_kernel")
 # SEG_CHUNK at a time; each chunk costs a load latency, so smaller tiles (head_size 128 with up
 # to 128 segments) keep the single load.
 #
-# ROTATE (INT4): the merged accumulator is in the rotated domain; the inverse rotation
-# o[j] = s[j] / d * sum_k H[j, k] acc[k] is applied once here, through the Kronecker split of the
-# Sylvester matrix: with k = k_hi * LO + k_lo (and j alike), H[j, k] = H_hi[j_hi, k_hi] H_lo[j_lo, k_lo]
+# ROTATE (INT4): the merged accumulator is in the rotated domain; the inverse rotation o[j] = s[j] /
+# d * sum_k H[j, k] acc[k] is applied once here, through the Kronecker split of the Sylvester
+# matrix: with k = k_hi * LO + k_lo (and j alike), H[j, k] = H_hi[j_hi, k_hi] H_lo[j_lo, k_lo]
 # (popcount(j & k) adds over the two bit fields), so on acc as an [HI, LO] matrix A the product is
-# H_hi A H_lo: HEAD_PAD * (HI + LO) products (2,048 + 1,024 at head_size 128) instead of
-# HEAD_PAD^2 (16,384), and signs of [LO, LO] and [HI, HI] tiles only. The full product cost INT4
-# 7.0 us of reduction at b8@32k and 20.2 us at b32@32k, INT8's reduction 3.1 / 4.8 (H200). HEAD_PAD > HEAD (a power of two) is exact too: the
-# padded dims of acc are 0, and H_HEAD is the top-left block of H_HEAD_PAD.
+# H_hi A H_lo: HEAD_PAD * (HI + LO) products (2,048 + 1,024 at head_size 128) instead of HEAD_PAD^2
+# (16,384), and signs of [LO, LO] and [HI, HI] tiles only. The full product cost INT4 7.0 us of
+# reduction at b8@32k and 20.2 us at b32@32k, INT8's reduction 3.1 / 4.8 (H200). HEAD_PAD > HEAD (a
+# power of two) is exact too: the padded dims of acc are 0, and H_HEAD is the top-left block of
+# H_HEAD_PAD.
 @dual_jit
 def _attn_reduce_kernel(
     out_ptr,                        # [T, Hq, HEAD] written
@@ -83,7 +84,7 @@ def _attn_reduce_kernel(
         jh = tl.arange(0, HI)
         jl = tl.arange(0, LO)
         # signs by selects, not products: Triton turns a sum of a broadcast product of [16, 16]
-        # tiles into a TF32 dot (head_size 256: 4e-4 relative error on the H200, session 13)
+        # tiles into a TF32 dot (head_size 256: 4e-4 relative error on the H200)
         a = tl.reshape(acc, [HI, LO])                                          # A[k_hi, k_lo]
         neg_lo = (hadamard_sign(jl[:, None], jl[None, :]) < 0)[None, :, :]
         b = tl.sum(tl.where(neg_lo, -a[:, None, :], a[:, None, :]), 2)         # A H_lo: [k_hi, j_lo]

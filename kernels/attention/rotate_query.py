@@ -6,8 +6,8 @@ small grids) the code-unit kernel rotate in their own prologue; otherwise one of
 first, once per query token and head, and writes the rotated query in ``parts`` parts (part
 ``x`` = rotated dims ``parts * i + x``, the order the decode kernels' dots want):
 
-- ``_prep_q_kernel`` (Triton, any device and head size);
-- ``rotate_query_gluon._prep_q_gluon_kernel`` (Gluon, CUDA, head_size 128): one warp per token
+- ``_rotate_query_kernel`` (Triton, any device and head size);
+- ``rotate_query_gluon._rotate_query_gluon_kernel`` (Gluon, CUDA, head_size 128): one warp per token
   and head, the Hadamard product in lane butterflies.
 
 ``Plan.rotate`` says which; :func:`rotated_query` runs it.
@@ -26,13 +26,13 @@ from .._jit import cdiv, dual_jit, interpreting
 from . import gluon_probe
 from .common import DOT_FP16, DOT_FP32, hadamard_sign, pdl_enter, pdl_release
 
-_GLUON = ("rotate_query_gluon", "_prep_q_gluon_kernel")
+_GLUON = ("rotate_query_gluon", "_rotate_query_gluon_kernel")
 
 
 # Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). INT4 query: q_out = softmax_scale * H(s * q), fp32,
 # in PARTS parts of HEAD / PARTS dims, part x = rotated dims PARTS * i + x (decode_split: 2, others: 4).
 @dual_jit
-def _prep_q_kernel(
+def _rotate_query_kernel(
     q_ptr, signs_ptr, q_out_ptr, softmax_scale,
     stride_q_t, stride_q_h, stride_q_d,
     NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
@@ -89,7 +89,7 @@ def rotated_query(call, plan) -> tuple:
             NUM_Q_HEADS=q.shape[1], PARTS=plan.rotate_parts, PDL=plan.pdl, RELEASE=release,
             num_warps=1, launch_pdl=plan.pdl)
         return qp, 1.0
-    _prep_q_kernel[(q.shape[0], cdiv(q.shape[1], 16))](
+    _rotate_query_kernel[(q.shape[0], cdiv(q.shape[1], 16))](
         q_ptr=q, signs_ptr=call.signs, q_out_ptr=qp, softmax_scale=call.softmax_scale,
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         NUM_Q_HEADS=q.shape[1], HEAD=call.head_size, BLOCK_H=16,
