@@ -1076,3 +1076,55 @@ def test_kernels_doc_attention_section_is_generated():
     assert got.rstrip("\n") == want.rstrip("\n")
     row = next(line for line in want.splitlines() if line.startswith("| int4 | 8 x 32768 |"))
     assert "`decode_staged_int4`" in row.split("|")[3] and "`decode_block_tiles`" in row.split("|")[4]
+
+
+def test_gluon_probes_compile_a_tiny_input_without_launching(monkeypatch):
+    """The staged kernels', rotation's and reduction's probes build a tiny input of the shape
+    class and only compile (``warmup``; the staged ones also reserve their ring), with the
+    constexprs a real launch of that class passes; a compile error is a cached False, a launch
+    never happens. Run here with a stand-in Gluon kernel on the CPU."""
+    import collections
+
+    from triton.compiler.errors import CompilationError
+
+    from kernels.attention import decode_staged, gluon_probe, reduce, rotate_query
+    meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
+    warmups = []
+
+    class Compiled:
+        def __init__(self):
+            self.metadata, self.module, self.packed_metadata = meta(1, 8, 1000), None, (8, 1, 1000)
+
+    class Kernel:
+        def __init__(self, name, broken=False):
+            self.name, self.broken = name, broken
+
+        def warmup(self, *args, grid, **kw):
+            warmups.append((self.name, grid, kw))
+            if self.broken:
+                raise CompilationError(None, None, "gluon.foo is not defined")
+            return Compiled()
+
+        def __getitem__(self, grid):
+            raise AssertionError("a probe launched a kernel")
+
+    monkeypatch.setattr(gluon_probe, "_VERDICTS", {})
+    monkeypatch.setattr(decode_staged, "_RING_OFFSETS", {})
+    monkeypatch.setattr(gluon_probe, "require", lambda module, name: Kernel(name))
+    cpu = torch.device("cpu")
+    assert decode_staged.probe("decode_staged_int4", INT4, cpu, 8, 4, 4, True, True)
+    name, grid, kw = warmups[-1]
+    assert name == "_decode_staged_int4_kernel" and grid == (1, 2)
+    assert (kw["NKV"], kw["GROUP"], kw["STAGES"], kw["BULK"], kw["PAIR"], kw["PDL"], kw["num_warps"]) == \
+        (8, 4, 4, True, True, True, 8)
+    assert decode_staged.probe("decode_staged_int8", FP8, cpu, 2, 8, 2, False, True)
+    assert warmups[-1][2]["FP8"] and "PDL" not in warmups[-1][2]
+    assert rotate_query.probe(cpu, 32, 4, True, True)
+    assert warmups[-1][0] == "_rotate_query_gluon_kernel" and warmups[-1][2]["RELEASE"]
+    assert reduce.probe(cpu, 32, 33, True, True)
+    assert warmups[-1][0] == "_attn_reduce_gluon_kernel" and warmups[-1][2]["SEG_PAD"] == 64
+    count = len(warmups)
+    assert reduce.probe(cpu, 32, 5, True, True) and len(warmups) == count  # same class: the cached verdict
+    monkeypatch.setattr(gluon_probe, "require", lambda module, name: Kernel(name, broken=True))
+    with pytest.warns(RuntimeWarning, match="_attn_reduce_gluon_kernel did not compile"):
+        assert not reduce.probe(cpu, 32, 5, False, True)

@@ -193,25 +193,26 @@ def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, 
         fn[grid](*args, off, **kw)
 
 
-def probe(path: str, mode: KVQuantMode, device_index: int, num_kv_heads: int, group: int, stages: int, bulk: bool,
+def probe(path: str, mode: KVQuantMode, dev: torch.device, num_kv_heads: int, group: int, stages: int, bulk: bool,
           pdl: bool) -> bool:
-    """Whether the staged kernel of ``path`` compiles on CUDA device ``device_index`` for this
-    shape class (``gluon_probe.compiles``: once per process, on a 2-block cache)."""
+    """Whether the staged kernel of ``path`` compiles on device ``dev`` for this shape class
+    (``gluon_probe.compiles``: once per process, on a 2-block cache)."""
     def compile_once():
         from .call import make_call
         from .plan import Path, Plan, Tiling
-        dev = torch.device("cuda", device_index)
         geo = CacheGeometry(mode, HEAD_SIZE, num_kv_heads, BLOCK_SIZE, torch.bfloat16)
         views = split_kv_cache(geo.new_cache(2, device=dev), mode, HEAD_SIZE)
-        q = torch.zeros(1, num_kv_heads * group, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
-        idx = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        call = make_call(q, views.key_cache, views.value_cache, torch.empty_like(q), idx, idx[1:] * 32, 1, 32, 1.0,
+        # only shapes, dtypes and addresses matter: every tensor is empty (nothing is launched, so
+        # this is safe inside a CUDA graph capture)
+        q = torch.empty(1, num_kv_heads * group, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+        idx = torch.empty(2, dtype=torch.int32, device=dev)
+        call = make_call(q, views.key_cache, views.value_cache, torch.empty_like(q), idx, idx[1:], 1, 32, 1.0,
                          True, (-1, -1), idx.view(1, 2), 0.0, mode, views.k_scale_cache, views.v_scale_cache)
         plan = Plan(Path(path), Tiling(16, 16, 2, num_kv_heads, stages), pdl=pdl, bulk_copies=bulk)
         segm = torch.empty(1, q.shape[1], 2, HEAD_SIZE, dtype=torch.float32, device=dev)
         stats = torch.empty(1, q.shape[1], 2, dtype=torch.float32, device=dev)
         call = dataclasses.replace(call, segm_output=segm, segm_max=stats, segm_expsum=stats)
-        query = q.float() if path == "decode_staged_int4" else q
+        query = torch.empty(q.shape, dtype=torch.float32, device=dev) if path == "decode_staged_int4" else q
         launch(call, plan, query, 1.0, False, compile_only=True)
-    return gluon_probe.compiles(_KERNELS[path][1], device_index, (mode.name, num_kv_heads, group, stages, bulk, pdl),
+    return gluon_probe.compiles(_KERNELS[path][1], dev.index, (mode.name, num_kv_heads, group, stages, bulk, pdl),
                                 compile_once, f"{path} falls back to decode_block_tiles")

@@ -299,7 +299,7 @@ def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
         return None
     stages = max(2, tiling.num_stages) if tiling else S.STAGES[path.value]
     bulk = tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
-    if not S.probe(path.value, call.mode, facts.index, call.num_kv_heads, call.group, stages, bulk, pdl):
+    if not S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group, stages, bulk, pdl):
         return "its Gluon kernel does not compile with this Triton"
     return None
 
@@ -348,6 +348,11 @@ def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
     return path, tiling
 
 
+def _device(facts: DeviceFacts) -> torch.device:
+    """The device the Gluon probes compile for (facts of a real device)."""
+    return torch.device(facts.type, facts.index)
+
+
 def _gluon_edge(call, facts, tuning) -> bool:
     """Whether a Gluon edge kernel (rotation, reduction) may run: head_size 128, a CUDA sm_80+
     device with Gluon, ``tuning.gluon_edges``."""
@@ -373,7 +378,7 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         parts = 2
     num_q_heads = call.q.shape[1]
     if _gluon_edge(call, facts, tuning) and (
-            facts.index is None or Q.probe(facts.index, num_q_heads, parts, pdl, pdl and release)):
+            facts.index is None or Q.probe(_device(facts), num_q_heads, parts, pdl, pdl and release)):
         return Rotate.GLUON, parts, release
     return Rotate.TRITON, parts, release
 
@@ -385,7 +390,7 @@ def _reduction(tiling, call, facts, tuning, pdl) -> Reduce:
         return Reduce.NONE
     rotate = call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     if _gluon_edge(call, facts, tuning) and segs <= R.GLUON_MAX_SEGMENTS and (
-            facts.index is None or R.probe(facts.index, call.q.shape[1], segs, rotate, pdl)):
+            facts.index is None or R.probe(_device(facts), call.q.shape[1], segs, rotate, pdl)):
         return Reduce.GLUON
     return Reduce.TRITON
 

@@ -128,19 +128,18 @@ def reduce_segments(call, plan) -> None:
     )
 
 
-def probe(device_index: int, num_q_heads: int, num_segments: int, rotate: bool, pdl: bool) -> bool:
-    """Whether the Gluon reduction compiles on CUDA device ``device_index`` (once per process and
-    ``(rotate, pdl)``; ``gluon_probe.compiles``)."""
+def probe(dev: torch.device, num_q_heads: int, num_segments: int, rotate: bool, pdl: bool) -> bool:
+    """Whether the Gluon reduction compiles on device ``dev`` (once per process and ``(rotate,
+    pdl)``; ``gluon_probe.compiles``)."""
     def compile_once():
-        dev = torch.device("cuda", device_index)
         out = torch.empty(1, num_q_heads, 128, dtype=torch.bfloat16, device=dev)
-        segm = torch.zeros(1, num_q_heads, num_segments, 128, dtype=torch.float32, device=dev)
-        stats = torch.zeros(1, num_q_heads, num_segments, dtype=torch.float32, device=dev)
-        signs = torch.ones(128, dtype=torch.float32, device=dev)
+        segm = torch.empty(1, num_q_heads, num_segments, 128, dtype=torch.float32, device=dev)  # never launched
+        stats = torch.empty(1, num_q_heads, num_segments, dtype=torch.float32, device=dev)
+        signs = torch.empty(128, dtype=torch.float32, device=dev)
         seg_pad = next_pow2(num_segments)
         gluon_probe.require(*_GLUON).warmup(
             out, segm, stats, stats, signs if rotate else stats, out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=rotate, PDL=pdl,
             num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=pdl, grid=(1, num_q_heads))
-    return gluon_probe.compiles(_GLUON[1], device_index, (rotate, pdl), compile_once,
+    return gluon_probe.compiles(_GLUON[1], dev.index, (rotate, pdl), compile_once,
                                 "the Triton reduction runs instead")

@@ -99,16 +99,15 @@ def rotated_query(call, plan) -> tuple:
     return qp, 1.0
 
 
-def probe(device_index: int, num_q_heads: int, parts: int, pdl: bool, release: bool) -> bool:
-    """Whether the Gluon rotation compiles on CUDA device ``device_index`` (once per process and
-    ``(parts, pdl, release)``; ``gluon_probe.compiles``)."""
+def probe(dev: torch.device, num_q_heads: int, parts: int, pdl: bool, release: bool) -> bool:
+    """Whether the Gluon rotation compiles on device ``dev`` (once per process and ``(parts, pdl,
+    release)``; ``gluon_probe.compiles``)."""
     def compile_once():
-        dev = torch.device("cuda", device_index)
-        q = torch.zeros(1, num_q_heads, 128, dtype=torch.bfloat16, device=dev)
+        q = torch.empty(1, num_q_heads, 128, dtype=torch.bfloat16, device=dev)  # compiled, never launched
         qp = torch.empty(1, num_q_heads, 128, dtype=torch.float32, device=dev)
-        signs = torch.ones(128, dtype=torch.float32, device=dev)
+        signs = torch.empty(128, dtype=torch.float32, device=dev)
         gluon_probe.require(*_GLUON).warmup(
             q, signs, qp, 1.0, q.stride(0), q.stride(1), q.stride(2), NUM_Q_HEADS=num_q_heads, PARTS=parts,
             PDL=pdl, RELEASE=pdl and release, num_warps=1, launch_pdl=pdl, grid=(1, num_q_heads))
-    return gluon_probe.compiles(_GLUON[1], device_index, (parts, pdl, release), compile_once,
+    return gluon_probe.compiles(_GLUON[1], dev.index, (parts, pdl, release), compile_once,
                                 "the Triton query rotation runs instead")
