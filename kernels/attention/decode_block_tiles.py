@@ -37,7 +37,7 @@ from .._jit import dual_jit, interpreting, next_pow2, prev_pow2
 from .common import DOT_FP16, DOT_FP32, LOG2E, apply_softcap, decode_program, to_dot
 from .reduce import REDUCE_ONE_LOAD
 from .rotate_query import query_scales, rotated_query
-from .units import DECODE_MODES, MODE_FP8, MODE_INT4, code_units, decode_args, units_to_dot
+from .units import DECODE_MODES, MODE_FP8, MODE_INT4, decode_args, planned_units, units_to_dot
 
 # Tiling from H200 sweeps (32 query / 8 KV heads, block 16): one KV head per program and one
 # warp at every head size; INT8 / FP8 with 16-key tiles (one block: one block id per tile), INT4
@@ -315,7 +315,7 @@ def launch_block_tiles(call, plan) -> None:
     """Launch ``_decode_block_tiles_kernel`` (grid: sequences x head groups x segments) on ``call``
     (its segment buffers allocated; :func:`reads` true). An INT4 query is rotated first."""
     kernel_mode, off = DECODE_MODES[call.mode]
-    units = code_units(call.k, call.v, call.mode)
+    units = planned_units(call, plan)
     k16, v16, align = units
     tiling, interp = plan.tiling, interpreting(call.q)
     hg = heads_per_program(k16.shape[2], tiling.heads_per_program)

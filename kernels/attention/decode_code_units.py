@@ -39,7 +39,7 @@ from layouts import KVQuantMode
 from .._jit import cdiv, dual_jit, interpreting, next_pow2, prev_pow2
 from .common import DOT_FP16, DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, to_dot
 from .rotate_query import query_scales, rotated_query
-from .units import DECODE_MODES, MODE_FP8, MODE_INT4, code_units, decode_args, units_to_dot
+from .units import DECODE_MODES, MODE_FP8, MODE_INT4, decode_args, planned_units, units_to_dot
 
 # Tiling from H200 sweeps (32 query / 8 KV heads, batch 8 at 32k context; head_size 64, 128 and
 # 256): per mode and head size, keys per tile, warps, stages and the resident programs per SM
@@ -306,7 +306,7 @@ def launch_code_units(call, plan) -> None:
     rotated in the prologue or by the rotation kernel first (``plan.rotate``)."""
     from .plan import Rotate
     kernel_mode, off = DECODE_MODES[call.mode]
-    units = code_units(call.k, call.v, call.mode)
+    units = planned_units(call, plan)
     k16, v16, align = units
     tiling, interp = plan.tiling, interpreting(call.q)
     grid = (call.num_seqs, k16.shape[2], tiling.num_segments)

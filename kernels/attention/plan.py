@@ -165,7 +165,9 @@ class Plan:
     """What :func:`run.run_plan` launches for one call: the kernel (``path``), its tiling, the
     INT4 query rotation (``rotate``, in ``rotate_parts`` parts; ``rotate_release``: the
     rotation kernel lets the next kernel start early), the reduction, programmatic dependent
-    launch, bulk copies (staged kernels), and ``why`` in words."""
+    launch, bulk copies (staged kernels), the alignment (in 16-bit units) of the cache's block and
+    slot strides that the code-unit and block-tile kernels read (``units.code_units``), and
+    ``why`` in words."""
 
     path: Path
     tiling: Tiling
@@ -175,6 +177,7 @@ class Plan:
     reduce: Reduce = Reduce.NONE
     pdl: bool = False
     bulk_copies: bool = False
+    unit_align: int = 0
     why: str = ""
 
 
@@ -207,11 +210,12 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
     why: list = []
     given = call.segm_output.shape[2] if call.segm_output is not None else num_segments
     path, tiling = _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why)
-    path, tiling = _settle(path, tiling, call, facts, tuning, pdl, why)
+    path, tiling, units = _settle(path, tiling, call, facts, tuning, pdl, why)
     rotate, parts, release = _rotation(path, tiling, call, facts, tuning, pdl, why)
     reduce = _reduction(tiling, call, facts, tuning, pdl)
     bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
-    return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, "; ".join(why))
+    align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
+    return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why))
 
 
 def _generic(call: AttnCall, block_m: int, segs: int) -> Tiling:
@@ -305,15 +309,16 @@ def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
 
 
 def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
-    """Step 5: the first path, from ``path`` down, that reads this cache."""
+    """Step 5: the first path, from ``path`` down, that reads this cache; and the cache's
+    ``units.code_units`` where the path reads them."""
     mode = call.mode
     if path == Path.PREFILL_2D:
-        return path, tiling
+        return path, tiling, None
     if tiling.num_segments <= 1 or mode not in DECODE_MODES:
         why.append("one segment or a bf16/fp16 cache: the 2D kernel")
         if tiling.num_segments > 1 and path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
             tiling = _generic(call, tiling.block_m, tiling.num_segments)  # the staged tiling means nothing here
-        return Path.PREFILL_2D, tiling
+        return Path.PREFILL_2D, tiling, None
     if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
         reason = None
         if _STAGED[mode] != path:
@@ -324,7 +329,7 @@ def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
             reason = "its FP8 conversion needs sm_89+"
         reason = reason or _staged_runs(path, call, facts, tuning, pdl, tiling)
         if reason is None:
-            return path, tiling
+            return path, tiling, None
         t = B.tiling(mode, call.head_size)
         why.append(f"{path.value} cannot run ({reason})")
         if t:
@@ -333,19 +338,19 @@ def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         elif call.head_size & (call.head_size - 1) == 0:
             path, tiling = Path.DECODE_SPLIT, _generic(call, tiling.block_m, tiling.num_segments)
         else:
-            return Path.PREFILL_2D, _generic(call, tiling.block_m, tiling.num_segments)
+            return Path.PREFILL_2D, _generic(call, tiling.block_m, tiling.num_segments), None
     units = code_units(call.k, call.v, mode) if path in (Path.DECODE_BLOCK_TILES, Path.DECODE_CODE_UNITS) else None
     if path == Path.DECODE_BLOCK_TILES:
         if units is not None and B.reads(units, call.num_kv_heads, tiling.heads_per_program):
-            return path, tiling
+            return path, tiling, units
         if units is not None:
             why.append("K and V head strides differ or heads per program do not divide the KV heads: "
                        "decode_code_units")
-            return Path.DECODE_CODE_UNITS, tiling
+            return Path.DECODE_CODE_UNITS, tiling, units
     if path in (Path.DECODE_BLOCK_TILES, Path.DECODE_CODE_UNITS) and units is None:
         why.append("the cache rows are not 4-byte aligned 16-bit units: decode_split")
-        return Path.DECODE_SPLIT, _generic(call, tiling.block_m, tiling.num_segments)
-    return path, tiling
+        return Path.DECODE_SPLIT, _generic(call, tiling.block_m, tiling.num_segments), None
+    return path, tiling, units
 
 
 def _device(facts: DeviceFacts) -> torch.device:

@@ -141,6 +141,11 @@ def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
     return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
 
 
+def planned_units(call, plan) -> tuple:
+    """The :func:`code_units` the plan found (``plan.unit_align``), as views: not checked again."""
+    return call.k.view(torch.int16), call.v.view(torch.int16), plan.unit_align
+
+
 def decode_args(call, query, units, q_scale, col_scale) -> dict:
     """The keyword arguments the code-unit and block-tile decode kernels share: tensors, scalars
     and strides (block / slot code strides divided by the units' alignment, ``ALIGN_BS``);
