@@ -52,8 +52,7 @@ from .units import DECODE_MODES, code_units
 
 
 class Path(str, enum.Enum):
-    """The kernel that reads the cache (the file that holds it: ``kernels/attention/<value>.py``,
-    the staged ones' kernels in ``<value>_gluon.py``... see the package docstring)."""
+    """The kernel that reads the cache; each value names its file (see the package docstring)."""
 
     EMPTY = "empty"                            # no query tokens: nothing is launched
     PREFILL_2D = "prefill_2d"                  # prefill_2d.py / prefill_2d_int4.py
@@ -359,8 +358,7 @@ def _device(facts: DeviceFacts) -> torch.device:
 
 
 def _gluon_edge(call, facts, tuning) -> bool:
-    """Whether a Gluon edge kernel (rotation, reduction) may run: head_size 128, a CUDA sm_80+
-    device with Gluon, ``tuning.gluon_edges``."""
+    """Whether a Gluon rotation / reduction may run: head_size 128, CUDA sm_80+ with Gluon, asked for."""
     return call.head_size == 128 and tuning.gluon_edges and facts.cuda_sm80 and facts.gluon
 
 
