@@ -9,9 +9,14 @@ codes; every timed configuration is first checked against the oracle
 ``reference_unified_attention`` on two of its sequences (relative L2 <= 1e-2). Caches smaller
 than 4x the L2 are replicated and the timed call rotates through the copies.
 
-Run: ``PYTHONPATH=. python3 bench/attention.py`` (H200), ``--quick`` (tiny, any device,
-CPU timing by wall clock: a smoke test, not a measurement), ``--sweep`` (tile/warps/segments
-variants of the decode rows, for tuning).
+Every timed call passes its ``kernels.attention.Tuning`` explicitly: ``Tuning()`` (the plan's
+choice) for the default table; ``--pdl``, ``--q-rotation``, ``--paths``, ``--sweep`` and
+``--compare`` time other settings side by side in the same process.
+
+Run: ``python -m bench.attention`` (H200), ``--quick`` (tiny, any device, CPU timing by wall
+clock: a smoke test, not a measurement), ``--sweep`` (tile/warps/segments variants of the
+decode rows, for tuning), ``--paths decode_staged_int4,decode_block_tiles`` (each path with its
+own default tiling, every one a row). Which kernel each shape takes: ``python -m bench.kernels_table``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ import time
 
 import torch
 
-from kernels import _jit
-from kernels._attn_launch import DECODE_STAGES, DECODE_TILE, DECODE_WARPS, AttnConfig, pick_config
-from kernels.attention import unified_attention
+from kernels.attention import Path, Plan, Tuning, attention_plan, unified_attention
+from kernels.attention.plan import DECODE_STAGES, DECODE_TILE, DECODE_WARPS
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 from bench.timing import graph_us
@@ -38,9 +42,8 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
              block_size=16, prefill=(1, 48))
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
-# --compare: v2/v3 variants (kernel 1 = v2, 3 = v3; tile, warps, stages);
-# the first H200 run also timed kernel 1 with (64,4,3), (128,8,3), (64,4,2)
-COMPARE_V2 = ((1, 128, 4, 3), (3, 64, 2, 2), (3, 32, 1, 2))
+# --compare: tilings of the split decode kernels (path; tile, warps, stages)
+COMPARE = ((Path.DECODE_SPLIT, 128, 4, 3), (Path.DECODE_CODE_UNITS, 64, 2, 2), (Path.DECODE_CODE_UNITS, 32, 1, 2))
 
 
 def fill_cache(mode, geo, num_blocks, device, gen):
@@ -87,18 +90,28 @@ def make_problem(mode, batch, ctx, q_len, p, device, seed=0):
                 out=torch.empty_like(q), cache=cache)
 
 
-def call(pb, cfg, table):
+def _args(pb, table):
     v = pb["views"]
-    return unified_attention(pb["q"], v.key_cache, v.value_cache, pb["out"], pb["cu"], pb["seqused_k"],
-                             pb["q_len"], pb["ctx"], pb["q"].shape[-1] ** -0.5, True, (-1, -1), table, 0.0,
-                             None, None, None, kv_quant_mode=pb["mode"], k_scale_cache=v.k_scale_cache,
-                             v_scale_cache=v.v_scale_cache, config=cfg)
+    return ((pb["q"], v.key_cache, v.value_cache, pb["out"], pb["cu"], pb["seqused_k"], pb["q_len"], pb["ctx"],
+             pb["q"].shape[-1] ** -0.5, True, (-1, -1), table, 0.0, None, None, None),
+            dict(kv_quant_mode=pb["mode"], k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache))
 
 
-def check(pb, cfg) -> float:
+def call(pb, tuning: Tuning, table):
+    args, kw = _args(pb, table)
+    return unified_attention(*args, **kw, tuning=tuning)
+
+
+def plan_of(pb, tuning: Tuning) -> Plan:
+    """What ``call(pb, tuning, ...)`` runs (``kernels.attention_plan``)."""
+    args, kw = _args(pb, pb["tables"][0])
+    return attention_plan(*args, **kw, tuning=tuning)
+
+
+def check(pb, tuning) -> float:
     """Relative L2 of the kernel vs the oracle on the first and last sequence (a gathered sub-cache)."""
     pb["out"].fill_(float("nan"))
-    call(pb, cfg, pb["tables"][0])
+    call(pb, tuning, pb["tables"][0])
     seqs = sorted({0, pb["batch"] - 1})
     ids = pb["tables"][0][seqs].long()  # [n, blocks]
     v = pb["views"]
@@ -115,16 +128,16 @@ def check(pb, cfg) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def time_us(pb, cfg) -> float:
+def time_us(pb, tuning) -> float:
     tables = pb["tables"]
     if pb["q"].device.type == "cpu":
         t0 = time.perf_counter()
-        call(pb, cfg, tables[0])
+        call(pb, tuning, tables[0])
         return (time.perf_counter() - t0) * 1e6
 
     def fn():  # one replay runs every copy once: rotation through more than the L2
         for t in tables:
-            call(pb, cfg, t)
+            call(pb, tuning, t)
     return graph_us(fn, REP_MS, len(tables))
 
 
@@ -138,92 +151,101 @@ def copy_gbps(device) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def default_cfg(pb):
-    q = pb["q"]
-    group = q.shape[1] // pb["views"].key_cache.shape[2]
-    return pick_config(pb["mode"], q, group, pb["batch"], pb["q_len"], pb["ctx"], None, None, None)
-
-
-def sweep_cfgs(base: AttnConfig):
-    """Tile / warps / segment-count variants around the launcher's default (same kernel, v1 or v2)."""
-    if base.num_segments == 1:
+def sweep_tunings(base: Tuning, plan: Plan):
+    """Tile / warps / segment-count variants around the plan's tiling (same path), for the split path."""
+    if plan.tiling.num_segments == 1:
         return [base]
     out = [base]
+    pinned = dataclasses.replace(base, path=plan.path)
     for tile, warps in ((128, 4), (64, 4), (64, 8)):
-        out.append(dataclasses.replace(base, tile=tile, num_warps=warps))
+        out.append(dataclasses.replace(pinned, tiling=dataclasses.replace(plan.tiling, tile=tile, num_warps=warps)))
     for mul in (0.5, 2, 4):
-        out.append(dataclasses.replace(base, num_segments=max(2, int(base.num_segments * mul))))
+        segs = max(2, int(plan.tiling.num_segments * mul))
+        out.append(dataclasses.replace(pinned, tiling=dataclasses.replace(plan.tiling, num_segments=segs)))
     return list(dict.fromkeys(out))
 
 
-def compare_cfgs(base: AttnConfig, mode):
-    """The first decode kernel (v1, its own tiling) and tilings of the swapped-operand kernels (v2, v3),
-    all at the default's segment count."""
-    if base.num_segments == 1 or mode == KVQuantMode.NONE:
+def compare_tunings(base: Tuning, plan: Plan, mode):
+    """The 2D kernel's split decode (its own tiling) and tilings of the split decode kernels
+    (``COMPARE``), all at the plan's segment count."""
+    if plan.tiling.num_segments == 1 or mode == KVQuantMode.NONE:
         return [base]
-    v1 = AttnConfig(base.block_m, DECODE_TILE[mode], base.num_segments, DECODE_WARPS, DECODE_STAGES, 0)
-    return [v1] + [AttnConfig(base.block_m, tile, base.num_segments, warps, stages, kernel)
-                   for kernel, tile, warps, stages in COMPARE_V2]
+    t = plan.tiling
+    two_d = dataclasses.replace(base, path=Path.PREFILL_2D, tiling=dataclasses.replace(
+        t, tile=DECODE_TILE[mode], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES, heads_per_program=0))
+    return [two_d] + [dataclasses.replace(base, path=path, tiling=dataclasses.replace(
+        t, tile=tile, num_warps=warps, num_stages=stages, heads_per_program=0))
+        for path, tile, warps, stages in COMPARE]
 
 
+def path_tunings(base: Tuning, paths) -> list:
+    """``base`` asking for each of ``paths`` with that path's default tiling."""
+    return [dataclasses.replace(base, path=Path(p)) for p in paths]
 
-def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,), rot_modes=(None,)):
-    """Rows of the results table. ``pdl_modes``: None (the launcher's choice) or True / False to force
+
+def describe(plan: Plan) -> str:
+    t = plan.tiling
+    return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_segments}, {t.num_warps}, {t.num_stages})"
+
+
+def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_modes=(None,), rot_modes=(None,),
+          paths=()):
+    """Rows of the results table. ``pdl_modes``: None (the default) or True / False to force
     programmatic dependent launch on or off; ``rot_modes``: None (the default) or True / False to rotate
     the INT4 query in the decode kernel or in the separate rotation kernel. With several, every
-    configuration is timed under each combination in turn (same process, same cache); rows of the
-    forced-off runs are marked ``no-PDL`` / ``q-rot-kernel``."""
-    from kernels import _attn_launch_v3 as v3
+    tuning is timed under each combination in turn (same process, same cache); rows of the
+    forced-off runs are marked ``no-PDL`` / ``q-rot-kernel``. ``paths`` (and ``compare``): time each
+    of these paths, every one a row, instead of the best tuning."""
     variants = [(pdl, rot) for pdl in pdl_modes for rot in rot_modes]
     rows = []
     shapes = [(b, c, 1) for c in sorted(p["contexts"], reverse=True) for b in p["batches"]]
     if p["prefill"]:
         shapes.append((p["prefill"][0], p["prefill"][1], p["prefill"][1]))
-    keep, keep_rot = _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE
+    every = compare or bool(paths)
     for batch, ctx, q_len in shapes:
         base_us = {}
         for name in modes:
             pb = make_problem(MODES[name], batch, ctx, q_len, p, device)
-            base = default_cfg(pb)
-            cfgs = sweep_cfgs(base) if sweep and ctx >= sweep_min_ctx else [base]
-            if compare:
-                cfgs = compare_cfgs(base, MODES[name])
             best = {}
-            for cfg in cfgs:
-                for var in variants:
-                    use_pdl, rot = var
-                    _jit.PDL_ENABLED = keep if use_pdl is None else use_pdl
-                    v3.ROTATE_Q_IN_DECODE = keep_rot if rot is None else rot
-                    try:
-                        err = check(pb, cfg)
-                        us = time_us(pb, cfg) if err <= 1e-2 else float("nan")
-                    finally:
-                        _jit.PDL_ENABLED, v3.ROTATE_Q_IN_DECODE = keep, keep_rot
-                    tag = (" no-PDL" if use_pdl is False and len(pdl_modes) > 1 else "") + \
-                        (" q-rot-kernel" if rot is False and len(rot_modes) > 1 else "")
-                    log(f"{name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} err={err:.2e} us={us:.1f}")
-                    if compare:
+            for var in variants:
+                use_pdl, rot = var
+                base = Tuning(pdl=Tuning.pdl if use_pdl is None else use_pdl,
+                              rotate_q_in_decode=Tuning.rotate_q_in_decode if rot is None else rot)
+                plan = plan_of(pb, base)
+                tunings = sweep_tunings(base, plan) if sweep and ctx >= sweep_min_ctx else [base]
+                if compare:
+                    tunings = compare_tunings(base, plan, MODES[name])
+                elif paths and q_len == 1:
+                    tunings = path_tunings(base, paths)
+                tag = (" no-PDL" if use_pdl is False and len(pdl_modes) > 1 else "") + \
+                    (" q-rot-kernel" if rot is False and len(rot_modes) > 1 else "")
+                for tuning in tunings:
+                    ran = plan_of(pb, tuning)
+                    err = check(pb, tuning)
+                    us = time_us(pb, tuning) if err <= 1e-2 else float("nan")
+                    log(f"{name}{tag} b{batch} ctx{ctx} q{q_len} {describe(ran)} err={err:.2e} us={us:.1f}")
+                    if every:
                         if name == "bf16":
                             base_us[var] = us
-                        kernel = "" if MODES[name] == KVQuantMode.NONE else {0: " v1", 1: " v2", 3: " v3", 4: " v4"}[cfg.v2]
-                        rows.append(dict(mode=name + kernel + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
-                                         cfg=cfg, gbps=pb["kv_bytes"] / us / 1e3,
+                        label = "" if MODES[name] == KVQuantMode.NONE else f" {ran.path.value}"
+                        rows.append(dict(mode=name + label + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err,
+                                         plan=ran, gbps=pb["kv_bytes"] / us / 1e3,
                                          vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
                     if err <= 1e-2 and (var not in best or us < best[var][0]):
-                        best[var] = (us, cfg, err, tag)
+                        best[var] = (us, ran, err, tag)
             if len(best) < len(variants):
-                raise RuntimeError(f"{name} b{batch} ctx{ctx}: no configuration passed the oracle check")
-            if compare:
+                raise RuntimeError(f"{name} b{batch} ctx{ctx}: no tuning passed the oracle check")
+            if every:
                 del pb
                 continue
             for var in variants:
-                us, cfg, err, tag = best[var]
+                us, ran, err, tag = best[var]
                 gbps = pb["kv_bytes"] / us / 1e3
-                log(f"BEST {name}{tag} b{batch} ctx{ctx} q{q_len} {cfg} us={us:.1f} GB/s={gbps:.0f}")
+                log(f"BEST {name}{tag} b{batch} ctx{ctx} q{q_len} {describe(ran)} us={us:.1f} GB/s={gbps:.0f}")
                 if name == "bf16":
                     base_us[var] = us
-                rows.append(dict(mode=name + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, cfg=cfg, gbps=gbps,
-                                 vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
+                rows.append(dict(mode=name + tag, batch=batch, ctx=ctx, q_len=q_len, us=us, err=err, plan=ran,
+                                 gbps=gbps, vs_bf16=(base_us[var] / us) if var in base_us else float("nan")))
             del pb
             if device != "cpu":
                 torch.cuda.empty_cache()
@@ -233,15 +255,14 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_mode
 def table(rows, copy, device, argv) -> str:
     name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
     lines = [f"GPU: {name}; device copy bandwidth {copy:.0f} GB/s (read + write)",
-             f"command: `PYTHONPATH=. python3 bench/attention.py {' '.join(argv)}`", "",
-             "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle | config (block_m, tile, segs, warps, stages, v2) |",
+             f"command: `python -m bench.attention {' '.join(argv)}`", "",
+             "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle "
+             "| kernel (block_m, tile, segs, warps, stages) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         kind = "decode" if r["q_len"] == 1 else f"prefill {r['q_len']}"
-        c = r["cfg"]
         lines.append(f"| {r['mode']} | {kind} | {r['batch']} | {r['ctx']} | {r['us']:.1f} | {r['gbps']:.0f} | "
-                     f"{100 * r['gbps'] / copy:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | "
-                     f"{c.block_m}, {c.tile}, {c.num_segments}, {c.num_warps}, {c.num_stages}, {int(c.v2)} |")
+                     f"{100 * r['gbps'] / copy:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | {describe(r['plan'])} |")
     return "\n".join(lines)
 
 
@@ -255,7 +276,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="time tile/warps/segment variants, keep the best")
     parser.add_argument("--sweep-min-ctx", type=int, default=0, help="sweep only rows with at least this context")
     parser.add_argument("--compare", action="store_true",
-                        help="decode rows: time the old kernel (v1) and v2 tilings side by side, every one a row")
+                        help="decode rows: time the 2D kernel's split decode and tilings of decode_split / "
+                             "decode_code_units side by side, every one a row")
+    parser.add_argument("--paths", default="", help="decode rows: time each of these paths (comma separated, "
+                        "e.g. decode_staged_int4,decode_block_tiles) with its default tiling, every one a row")
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
     parser.add_argument("--prefill", type=int, default=None, help="prefill length (0 = no prefill row)")
     parser.add_argument("--log", default=None, help="write every timed variant to this file")
@@ -292,7 +316,8 @@ def run(args, argv=()) -> int:
     log(f"copy {copy:.0f} GB/s")
     pdl_modes = {"auto": (None,), "on": (True,), "off": (False,), "both": (True, False)}[args.pdl]
     rot_modes = {"auto": (None,), "decode": (True,), "kernel": (False,), "both": (True, False)}[args.q_rotation]
-    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes, rot_modes)
+    paths = [Path(x) for x in args.paths.split(",") if x]
+    rows = bench(p, device, modes, args.sweep, log, args.sweep_min_ctx, args.compare, pdl_modes, rot_modes, paths)
     print(table(rows, copy, device, list(argv)))
     if logf:
         logf.close()
@@ -301,7 +326,7 @@ def run(args, argv=()) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv), argv)
 

@@ -5,12 +5,11 @@ through a shuffled block table and only XOR / add them, so they measure the memo
 decode kernel without its maths:
 
 - ``head``: one program per (sequence, KV head, segment), reading that head's ``U`` code words
-  and scale word of each token, as the v3 decode kernel does (branching once on the row's 16-,
-  8- or 4-byte alignment, as v3);
+  and scale word of each token, as ``decode_code_units`` does (branching once on the row's 16-,
+  8- or 4-byte alignment);
 - ``row3d``: one program per (sequence, segment), reading ``[TILE, heads, U]`` code words and
   ``[TILE, heads]`` scale words, i.e. whole token rows;
-- ``block``: one program per (sequence, KV head, segment) addressed as the v4 decode kernel
-  (``_attn_decode_v4``) does: tiles of whole cache blocks, one block id per tile when the tile
+- ``block``: one program per (sequence, KV head, segment) addressed as ``decode_block_tiles`` does: tiles of whole cache blocks, one block id per tile when the tile
   is one block, loop-invariant slot / head offsets, 4-byte words, no alignment branch.
 
 Rows are ``R`` 4-byte words apart (INT4 head_size 128: 17 words = 68 bytes, 16 of them codes;
@@ -18,7 +17,7 @@ INT8: 33 and 32; bf16: 64 and 64 with no scale word). Each probe's result is che
 torch sum on the first run. ``--padded`` also times the real INT4 / INT8 decode on caches whose
 rows are padded (same useful bytes, other alignment).
 
-Run: ``PYTHONPATH=. python3 bench/probe_reads.py`` (H200; ``--block`` times only the ``block``
+Run: ``python -m bench.probe_reads`` (H200; ``--block`` times only the ``block``
 probe's sweep), ``--quick`` (tiny, CPU interpreter: checks the addressing, times nothing).
 """
 
@@ -213,12 +212,13 @@ def padded_decode(mode, batch, ctx, R, device, log=print):
     pb = dict(mode=mode, views=views, tables=[perm], q=q, q_len=1, ctx=ctx, batch=batch,
               cu=torch.arange(batch + 1, dtype=torch.int32, device=device), out=torch.empty_like(q),
               seqused_k=torch.full((batch,), ctx, dtype=torch.int32, device=device))
-    cfg = ba.default_cfg(pb)
-    err = ba.check(pb, cfg)
+    tuning = ba.Tuning()
+    err = ba.check(pb, tuning)
     if not err <= 1e-2:
         raise AssertionError(f"padded {mode.name} R={R}: relative L2 {err:.2e}")
-    us = ba.time_us(pb, cfg)
-    log(f"decode {mode.name} b{batch}@{ctx} row pitch {R} B: {us:.1f} us (rel. L2 {err:.1e}, {cfg})")
+    us = ba.time_us(pb, tuning)
+    log(f"decode {mode.name} b{batch}@{ctx} row pitch {R} B: {us:.1f} us (rel. L2 {err:.1e}, "
+        f"{ba.describe(ba.plan_of(pb, tuning))})")
     return us
 
 
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU interpreter (addressing check)")
     ap.add_argument("--padded", action="store_true", help="also time the decode on padded-row caches")
-    ap.add_argument("--block", action="store_true", help="only the 'block' probe (v4's addressing), b8 and b32 @ 32k")
+    ap.add_argument("--block", action="store_true", help="only the 'block' probe (decode_block_tiles' addressing), b8 and b32 @ 32k")
     ap.add_argument("--out", default=None, help="also append the lines to this file")
     args = ap.parse_args(argv)
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"

@@ -7,8 +7,8 @@ Every kernel compiles on CUDA tensors and runs through Triton's interpreter on C
 from layouts import (KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache,  # noqa: F401
                      kv_cache_uses_per_token_head_scales)
 
-from .attention import unified_attention  # noqa: F401
-from .attention_int4 import unified_attention_int4  # noqa: F401
+from .attention import (Tiling, Tuning, attention_plan, unified_attention,  # noqa: F401
+                        unified_attention_int4)
 from .reference import pack_int4_nibbles, single_rht, unpack_int4_nibbles  # noqa: F401
 from .write import (reshape_and_cache_flash, reshape_and_cache_int4,  # noqa: F401
                     triton_reshape_and_cache_flash_per_token_head_quant, write_plan)

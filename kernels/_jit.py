@@ -16,7 +16,6 @@ with no variable to set, and on the GPU in the same process, so:
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 import torch
@@ -109,31 +108,6 @@ def interpreting(t: torch.Tensor) -> bool:
     are wrong in Triton 3.9's interpreter) while the GPU path stays unchanged.
     """
     return t.device.type == "cpu"
-
-
-# Programmatic dependent launch for the attention kernels (see _attn_common.pdl_enter); a
-# switch so that benchmarks can time both ways in one process.
-PDL_ENABLED = True
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (the launch heuristics' unit); 4 for the interpreter."""
-    if device.type != "cuda":
-        return 4  # interpreter: keep the split small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def pdl(t: torch.Tensor) -> bool:
-    """Whether kernels launched on ``t`` use programmatic dependent launch (CUDA, sm_90+)."""
-    if not PDL_ENABLED or t.device.type != "cuda":
-        return False
-    return _sm_major(torch.cuda.current_device() if t.device.index is None else t.device.index) >= 9
 
 
 def _device_of(args, kwargs) -> torch.device:

@@ -1,6 +1,6 @@
 """``PagedKVCache``: per-layer packed caches, their layout, block allocation, write and attend.
 
-A friendly object on top of the stable low-level functions (SPEC §5): it owns one packed
+A friendly object on top of the stable low-level functions: it owns one packed
 tensor per layer (``layouts.CacheGeometry.new_cache``), the four kernel views of each
 (``layouts.split_kv_cache``), the layout descriptor a connector exchanges, and a free list of
 block ids. ``write`` and ``attend`` call the project's Triton kernels (``backend="triton"``) or

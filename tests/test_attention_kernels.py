@@ -5,36 +5,46 @@ Covers: every cache mode (NONE bf16/fp16, INT8, FP8, INT4) against the plain-PyT
 mixed prefill + decode batches (including an empty sequence); causal and non-causal; sliding
 window; softcap; the 2D and the split-KV paths (segments forced, buffers passed by the caller,
 and the launcher's own choice); strided views of one packed cache and separate tensors;
-launcher errors; the three quantized decode kernels (v1, swapped-operand v2, 16-bit-unit v3),
-on the GPU also with their PTX code conversion; per-head-size v3 tiling; the reduction in
-chunks; programmatic dependent launch (GPU); a smoke run of ``bench/attention.py --quick``.
+launcher errors; every decode kernel forced through ``Tuning.path`` (the 2D kernel, decode_split,
+decode_code_units, decode_block_tiles; on the GPU also with their PTX code conversion, and the
+Gluon staged kernels); the plan's defaults and fallbacks (``attention_plan``, for the CPU and for
+an H200 through fake device facts) and that the planned kernel is the one launched; the Gluon
+compile probe; the reduction in chunks; programmatic dependent launch (GPU); a smoke run of
+``bench/attention.py --quick``.
 
 CPU tensors run through Triton's interpreter (small shapes); a CUDA test runs when a GPU is
 present. Caches are filled with the oracle writer ``reference_reshape_and_cache`` so these
 tests do not depend on the write kernels. Run: ``python -m pytest tests/test_attention_kernels.py``.
 
-Tolerance: relative L2 <= 1e-2 (the project's bound, docs/BENCHMARKS.md). The kernel and the oracle read the same codes, so
+Tolerance: relative L2 <= 1e-2. The kernel and the oracle read the same codes, so
 the difference is only rounding: bf16 output (~2e-3), 16-bit dot operands and the rotated
 query in bf16 for INT4; measured errors sit near 3e-3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from unittest import mock
 
 import pytest
 import torch
 
-from kernels._attn_launch import AttnConfig, pick_config
-from kernels.attention import unified_attention
-from kernels.attention_int4 import unified_attention_int4
+from kernels.attention import (CPU, H200, DeviceFacts, Path, Reduce, Rotate, Tiling, Tuning, attention_plan,
+                               unified_attention, unified_attention_int4)
 from kernels.reference import reference_reshape_and_cache
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, LayoutError, split_kv_cache
 
-TOL = 1e-2  # the project's bound; see the module docstring for where the residual comes from
+TOL = 1e-2  # see the module docstring for where the residual comes from
+P2D, SPLIT, UNITS, BLOCKS = Path.PREFILL_2D, Path.DECODE_SPLIT, Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES
+STAGED4, STAGED8 = Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8
+
+
+def forced(path, block_m, tile, num_segments, num_warps=4, num_stages=2, **kw) -> Tuning:
+    """A Tuning that asks for ``path`` with this tiling (the plan still falls back where the
+    path cannot read the cache)."""
+    return Tuning(path=path, tiling=Tiling(block_m, tile, num_segments, num_warps, num_stages, **kw))
 
 MODES = [
     pytest.param(KVQuantMode.NONE, torch.bfloat16, id="none-bf16"),
@@ -82,6 +92,23 @@ def make_case(mode, dtype, q_lens, k_lens, num_q_heads=8, num_kv_heads=2, head_s
                 block_table=block_table, max_q=max(q_lens), max_k=max(k_lens), mode=mode)
 
 
+def plan_for(mode, batch, ctx, facts=H200, head_size=128, num_q_heads=32, num_kv_heads=8, q_len=1, packed=True,
+             **kw):
+    """``attention_plan`` of a batch of ``batch`` sequences of ``ctx`` keys (``q_len`` queries
+    each) on a 4-block cache of this shape, for ``facts`` (only shapes, strides and addresses
+    are read, so a tiny cache stands for a large one)."""
+    geo = CacheGeometry(mode, head_size, num_kv_heads, 16, torch.bfloat16)
+    views = split_kv_cache(geo.new_cache(4), mode, head_size)
+    if not packed:
+        views = type(views)(*(None if t is None else t.clone() for t in views))
+    q = torch.zeros(batch * q_len, num_q_heads, head_size, dtype=torch.bfloat16)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
+    table = torch.zeros(batch, -(-ctx // 16), dtype=torch.int32)
+    return attention_plan(q, views.key_cache, views.value_cache, q, cu, torch.full((batch,), ctx, dtype=torch.int32),
+                          q_len, ctx, 0.1, True, (-1, -1), table, 0.0, kv_quant_mode=mode,
+                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts, **kw)
+
+
 def run_and_check(c, causal=True, window=(-1, -1), softcap=0.0, out_dtype=None, **kw):
     q, views = c["q"], c["views"]
     out = torch.full(q.shape, float("nan"), dtype=out_dtype or q.dtype, device=q.device)  # poison
@@ -98,6 +125,65 @@ def run_and_check(c, causal=True, window=(-1, -1), softcap=0.0, out_dtype=None, 
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err <= TOL, f"relative L2 {err:.2e} > {TOL}"
     return out
+
+
+# Every kernel a plan can launch, as (module of kernels.attention, name): where its launcher
+# looks it up (the Gluon ones through gluon_probe.require).
+PATH_KERNELS = {
+    Path.PREFILL_2D: ("prefill_2d", "_attn_kernel"),
+    Path.DECODE_SPLIT: ("decode_split", "_decode_split_kernel"),
+    Path.DECODE_CODE_UNITS: ("decode_code_units", "_decode_code_units_kernel"),
+    Path.DECODE_BLOCK_TILES: ("decode_block_tiles", "_decode_block_tiles_kernel"),
+    Path.DECODE_STAGED_INT4: ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
+    Path.DECODE_STAGED_INT8: ("decode_staged_int8_gluon", "_decode_staged_int8_kernel"),
+}
+INT4_2D = ("prefill_2d", "_attn_int4_kernel")
+ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_rotate_query_kernel"),
+                  Rotate.GLUON: ("rotate_query_gluon", "_rotate_query_gluon_kernel")}
+REDUCE_KERNELS = {Reduce.TRITON: ("reduce", "_attn_reduce_kernel"),
+                  Reduce.GLUON: ("reduce_gluon", "_attn_reduce_gluon_kernel")}
+
+
+class _Recorder:
+    """A kernel that logs its name at each launch (``kernel[grid](...)``) and is otherwise the kernel."""
+
+    def __init__(self, name, kernel, log):
+        self._name, self._kernel, self._log = name, kernel, log
+
+    def __getitem__(self, grid):
+        self._log.append(self._name)
+        return self._kernel[grid]
+
+    def __getattr__(self, attr):
+        return getattr(self._kernel, attr)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the kernels launched while the test runs, in order."""
+    import importlib
+
+    from kernels.attention import gluon_probe
+    log = []
+    for module, name in [*PATH_KERNELS.values(), INT4_2D, *ROTATE_KERNELS.values(), *REDUCE_KERNELS.values()]:
+        if not module.endswith("_gluon"):
+            mod = importlib.import_module(f"kernels.attention.{module}")
+            monkeypatch.setattr(mod, name, _Recorder(name, getattr(mod, name), log))
+    real = gluon_probe.require
+    monkeypatch.setattr(gluon_probe, "require", lambda module, name: _Recorder(name, real(module, name), log))
+    return log
+
+
+def expected_launches(plan, mode) -> list:
+    """The kernels ``plan`` names, in launch order: the query rotation, the path's kernel, the reduction."""
+    if plan.path == Path.EMPTY:
+        return []
+    names = [ROTATE_KERNELS[plan.rotate][1]] if plan.rotate in ROTATE_KERNELS else []
+    main = INT4_2D if plan.path == P2D and mode == KVQuantMode.INT4_PER_TOKEN_HEAD else PATH_KERNELS[plan.path]
+    names.append(main[1])
+    if plan.reduce in REDUCE_KERNELS:
+        names.append(REDUCE_KERNELS[plan.reduce][1])
+    return names
 
 
 SCENARIOS = [
@@ -136,10 +222,13 @@ def test_separate_tensors_and_caller_buffers(mode, dtype):
 def test_two_paths_agree_and_heuristic():
     """Decode through 2D and through split-KV gives the same output; the launcher picks split."""
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.float16, q_lens=[1, 1], k_lens=[1100, 1030], seed=5)
-    cfg = pick_config(c["mode"], c["q"], 4, 2, 1, 1100, None, None, None)
-    assert cfg.num_segments > 1, cfg
-    assert pick_config(c["mode"], c["q"], 4, 2, 7, 1100, None, None, None).num_segments == 1
-    assert pick_config(c["mode"], c["q"], 4, 2, 1, 1100, None, None, 1).num_segments == 1  # threshold
+    hq, hkv, head = c["q"].shape[1], c["views"].key_cache.shape[2], c["q"].shape[2]
+    plan = plan_for(c["mode"], 2, 1100, CPU, head, hq, hkv)
+    assert plan.tiling.num_segments > 1, plan
+    plan = plan_for(c["mode"], 2, 1100, CPU, head, hq, hkv, q_len=7)
+    assert (plan.path, plan.tiling.num_segments) == (P2D, 1)
+    plan = plan_for(c["mode"], 2, 1100, CPU, head, hq, hkv, seq_threshold_3D=1)  # threshold
+    assert (plan.path, plan.tiling.num_segments) == (P2D, 1)
     auto = run_and_check(c)
     two_d = run_and_check(c, seq_threshold_3D=0)
     assert ((auto.float() - two_d.float()).norm() / two_d.float().norm()) < 5e-3  # fp16 rounding only
@@ -193,20 +282,20 @@ def test_int4_head_size_error():
 
 
 QUANT = [MODES[2], MODES[3], MODES[4]]
-DECODE_KERNELS = [pytest.param(0, 3, id="v1"), pytest.param(1, 3, id="v2"), pytest.param(3, 3, id="v3"),
-                  pytest.param(4, 2, id="v4")]
+DECODE_KERNELS = [pytest.param(P2D, 3, id="prefill_2d"), pytest.param(SPLIT, 3, id="decode_split"),
+                  pytest.param(UNITS, 3, id="decode_code_units"), pytest.param(BLOCKS, 2, id="decode_block_tiles")]
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
 @pytest.mark.parametrize("kernel,stages", DECODE_KERNELS)
 def test_quantized_decode_kernels(mode, dtype, kernel, stages):
-    """Every quantized decode kernel (v1, swapped-operand v2, 16-bit-unit v3, block-tiled v4) on the
+    """Every quantized decode kernel (2D, decode_split, decode_code_units, decode_block_tiles) on the
     split path: an empty sequence, a segment boundary inside a tile, window, non-causal softcap."""
     c = make_case(mode, dtype, q_lens=[1, 0, 1], k_lens=[70, 5, 130], seed=7)
-    cfg = AttnConfig(16, 32, 3, 4, stages, kernel)
-    run_and_check(c, config=cfg)
-    run_and_check(c, config=cfg, window=(40, -1))
-    run_and_check(c, config=cfg, causal=False, softcap=3.0)
+    cfg = forced(kernel, 16, 32, 3, 4, stages)
+    run_and_check(c, tuning=cfg)
+    run_and_check(c, tuning=cfg, window=(40, -1))
+    run_and_check(c, tuning=cfg, causal=False, softcap=3.0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -214,96 +303,111 @@ def test_quantized_decode_kernels(mode, dtype, kernel, stages):
 @pytest.mark.parametrize("mode,dtype", QUANT)
 @pytest.mark.parametrize("head_size,num_q_heads,num_kv_heads", [(64, 8, 8), (128, 8, 1), (256, 4, 4)])
 def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, device):
-    """The v4 decode kernel vs the oracle: GQA 1 / 4 / 8, sequences of different lengths, partial
+    """decode_block_tiles vs the oracle: GQA 1 / 4 / 8, sequences of different lengths, partial
     last blocks; tiles of one block (one id per tile), of two (ids per key) and of half a block
     (block 32); one, two or all KV heads per program, token-major loads or not; window and
     non-causal softcap."""
     c = make_case(mode, dtype, q_lens=[1, 1, 1], k_lens=[75, 9, 140], head_size=head_size,
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size + num_kv_heads, device=device)
-    cfg = AttnConfig(16, 16, 4, 4, 2, 4)
-    run_and_check(c, config=cfg)
-    run_and_check(c, config=cfg, window=(40, -1))
-    run_and_check(c, config=cfg, causal=False, softcap=3.0)
-    run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
-    run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))
-    run_and_check(c, config=AttnConfig(16, 16, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads), row_loads=False))
-    run_and_check(c, config=AttnConfig(16, 32, 3, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))  # ids per key
+    cfg = forced(BLOCKS, 16, 16, 4, 4, 2)
+    run_and_check(c, tuning=cfg)
+    run_and_check(c, tuning=cfg, window=(40, -1))
+    run_and_check(c, tuning=cfg, causal=False, softcap=3.0)
+    run_and_check(c, tuning=forced(BLOCKS, 16, 32, 4, 1, 2, heads_per_program=1), window=(40, -1))
+    run_and_check(c, tuning=forced(BLOCKS, 16, 16, 3, 2, 2, heads_per_program=min(2, num_kv_heads)))
+    run_and_check(c, tuning=forced(BLOCKS, 16, 16, 3, 2, 2, heads_per_program=min(2, num_kv_heads), row_loads=False))
+    run_and_check(c, tuning=forced(BLOCKS, 16, 32, 3, 2, 2, heads_per_program=min(2, num_kv_heads)))  # ids per key
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 140], head_size=head_size, block_size=32,
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=head_size, device=device)
-    run_and_check(c, config=AttnConfig(16, 16, 4, 1, 2, 4, heads_per_program=1), window=(40, -1))
-    run_and_check(c, config=AttnConfig(16, 16, 4, 2, 2, 4, heads_per_program=min(2, num_kv_heads)))  # token-major
+    run_and_check(c, tuning=forced(BLOCKS, 16, 16, 4, 1, 2, heads_per_program=1), window=(40, -1))
+    run_and_check(c, tuning=forced(BLOCKS, 16, 16, 4, 2, 2, heads_per_program=min(2, num_kv_heads)))  # token-major
 
 
-def _v6_available():
-    from kernels import _attn_launch_v6
-    return torch.cuda.is_available() and _attn_launch_v6.available(torch.device("cuda"))
+def _gluon_available():
+    """A CUDA sm_80+ device whose Triton has Gluon (the staged kernels' probe decides the rest)."""
+    from kernels.attention.plan import device_facts
+    return torch.cuda.is_available() and device_facts(torch.device("cuda")).cuda_sm80 and \
+        device_facts(torch.device("cuda")).gluon
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_v6_falls_back_where_it_cannot_read(device):
-    """AttnConfig.v2 = 6 (the Gluon INT4 decode) on a cache it cannot read takes v4 with v4's
+    """decode_staged_int4 asked for on a cache it cannot read takes decode_block_tiles with its
     tiling and still matches the oracle: the CPU (interpreter), four separate tensors, head_size
-    64; and the launcher never picks v6 on the CPU."""
-    from kernels import _attn_launch_v6
-    cfg = AttnConfig(16, 16, 4, 8, 2, 6)
+    64; and the planner never picks a staged kernel on the CPU."""
+    from kernels.attention import decode_staged
+    cfg = forced(STAGED4, 16, 16, 4, 8, 2)
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
                   num_q_heads=32, num_kv_heads=8, head_size=128, seed=21, device=device, packed=False)
     v = c["views"]
-    assert not _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
-                                      v.v_scale_cache)
-    run_and_check(c, config=cfg)
+    assert not decode_staged.reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache,
+                                          v.k_scale_cache.view(torch.int32), v.v_scale_cache.view(torch.int32))
+    assert _plan_of(c, tuning=cfg).path == BLOCKS
+    run_and_check(c, tuning=cfg)
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140],
                   seed=22, device=device)  # head_size 64
-    run_and_check(c, config=cfg, window=(40, -1))
+    run_and_check(c, tuning=cfg, window=(40, -1))
     for mode, dtype, head_size in ((KVQuantMode.NONE, torch.bfloat16, 64), (KVQuantMode.INT8_PER_TOKEN_HEAD,
                                                                            torch.bfloat16, 96)):
         c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[75, 40], head_size=head_size, seed=23, device=device)
-        run_and_check(c, config=cfg)  # no v4 tiling (bf16, head_size 96): the generic kernels
-    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
-    assert pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 8, 1, 32768, None, None, None).v2 != 6
+        run_and_check(c, tuning=cfg)  # no block-tile tiling (bf16, head_size 96): the generic kernels
+        assert _plan_of(c, tuning=cfg).path in (P2D, SPLIT)
+    assert plan_for(KVQuantMode.INT4_PER_TOKEN_HEAD, 8, 32768, CPU).path == BLOCKS
 
 
-def _matches_v4(c, cfg, v4):
-    """A Gluon decode config (v6, v7) on case ``c`` matches the oracle and the v4 kernel (relative
-    L2 <= 2e-3): causal, a 100-key window, and non-causal with softcap."""
+def _plan_of(c, **kw):
+    """``attention_plan`` of case ``c`` on its own device (as ``run_and_check`` calls it)."""
+    q, views = c["q"], c["views"]
+    return attention_plan(q, views.key_cache, views.value_cache, q, c["cu"], c["seqused_k"], c["max_q"], c["max_k"],
+                          0.1, True, (-1, -1), c["block_table"], 0.0, kv_quant_mode=c["mode"],
+                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, **kw)
+
+
+def _matches_block_tiles(c, cfg, v4):
+    """A staged decode tuning on case ``c`` plans the staged kernel and matches the oracle and
+    decode_block_tiles (relative L2 <= 2e-3): causal, a 100-key window, and non-causal with softcap."""
+    assert _plan_of(c, tuning=cfg).path == cfg.path
     for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
-        got = run_and_check(c, config=cfg, **opts).float()
-        ref = run_and_check(c, config=v4, **opts).float()
+        got = run_and_check(c, tuning=cfg, **opts).float()
+        ref = run_and_check(c, tuning=v4, **opts).float()
         assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
 
 
-@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (64, 8), (16, 4), (4, 1), (8, 2)])
 def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
-    """The v6 decode kernel reads the packed cache itself (``v6_fit``) and matches the oracle and
-    v4: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
+    """The staged INT4 decode kernel reads the packed cache itself and matches the oracle and
+    decode_block_tiles: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
     100-key window, softcap, 3 to 32 segments (empty ones included), rings of 2 to 6 stages (two
     blocks a loop step where even, with bulk copies); the unused rows of each
     last block hold 0xFF poison (scale words NaN), which must not reach the output."""
-    from kernels import _attn_launch_v6
+    from kernels.attention import decode_staged, gluon_probe
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=128, device="cuda",
                   seed=num_q_heads + num_kv_heads)
     v = c["views"]
-    assert _attn_launch_v6.v6_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
-                                  v.v_scale_cache)
-    v4 = AttnConfig(16, 32, 8, 1, 2, 4, heads_per_program=1)
+    assert decode_staged.reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache,
+                                      v.k_scale_cache.view(torch.int32), v.v_scale_cache.view(torch.int32))
+    v4 = forced(BLOCKS, 16, 32, 8, 1, 2, heads_per_program=1)
     # even rings: two blocks a loop step (sm_90); 3 stages: one (odd tile counts in both)
-    for segs, stages in ((3, 2), (32, 2), (3, _attn_launch_v6.STAGES), (5, 6), (5, 3)):
-        _matches_v4(c, AttnConfig(16, 16, segs, num_kv_heads, stages, 6), v4)
-    assert not _attn_launch_v6._DISABLED  # v6 ran (a kernel that fails to compile falls back to v4)
+    for segs, stages in ((3, 2), (32, 2), (3, decode_staged.STAGES[STAGED4.value]), (5, 6), (5, 3)):
+        _matches_block_tiles(c, forced(STAGED4, 16, 16, segs, num_kv_heads, stages), v4)
+    assert not any(gluon_probe.verdicts().values())  # every probe compiled
 
 
 def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
-    """``launch_v6`` compiles each v6 variant once (``warmup``), reserves its ring in dynamic
-    shared memory after Triton's own (128-byte aligned offset, ``stages`` whole blocks), passes
-    that offset as ``ring_off``, and reuses it; each kernel object keeps its own; a kernel that
-    was loaded before its ring was reserved is refused, and another Triton's compiled-kernel object
-    is a compile-type error (v6 switched off, v4 runs)."""
+    """``decode_staged.launch`` compiles each variant once (``warmup``), reserves its ring in
+    dynamic shared memory after Triton's own (128-byte aligned offset, ``stages`` whole blocks),
+    passes that offset as ``ring_off``, and reuses it; each kernel object keeps its own; a kernel
+    that was loaded before its ring was reserved is refused, and another Triton's compiled-kernel
+    object is a compile-type error (so the probe's verdict is: the staged kernel does not run)."""
     import collections
+    import types
 
-    from kernels import _attn_launch_v6 as L6
+    from kernels.attention import decode_staged as L6
+    from kernels.attention import gluon_probe
+    from kernels.attention.plan import Plan
     meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
 
     class Compiled:
@@ -324,18 +428,19 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
 
     monkeypatch.setattr(L6, "_RING_OFFSETS", {})
     q = torch.zeros(2, 32, 128)
-    k = torch.zeros(5, 16, 8, 64, dtype=torch.uint8)
-    bufs = [torch.zeros(1)] * 3
-    args = (torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([20, 30], dtype=torch.int32),
-            torch.zeros(2, 3, dtype=torch.int32), (-1, -1), None)
+    call = types.SimpleNamespace(
+        q=q, k=torch.zeros(5, 16, 8, 64, dtype=torch.uint8), group=4, mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
+        segm_output=torch.zeros(1), segm_max=torch.zeros(1), segm_expsum=torch.zeros(1),
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), seqused_k=torch.tensor([20, 30], dtype=torch.int32),
+        block_table=torch.zeros(2, 3, dtype=torch.int32), window_size=(-1, -1), softcap=0.0, num_seqs=2)
     kernels = []  # alive: the offsets are keyed by kernel object
     for shared, stages, off in ((1024, 4, 1024), (1000, 4, 1024), (0, 2, 0)):
         kernel = Kernel(shared)
         kernels.append(kernel)
-        monkeypatch.setattr(L6, "_kernel", lambda kernel=kernel: kernel)
-        cfg = AttnConfig(16, 16, 4, 8, stages, 6)
+        monkeypatch.setattr(gluon_probe, "require", lambda *a, kernel=kernel: kernel)
+        plan = Plan(STAGED4, Tiling(16, 16, 4, 8, stages))
         for _ in range(2):
-            L6.launch_v6(q, k, *args, cfg, 4, *bufs, q, 0.1, False)
+            L6.launch(call, plan, q, 0.1, False)
         ring = L6.ring_bytes(8, stages)
         assert ring == stages * 2 * 16 * 8 * 68 and kernel.warmups == 1
         assert kernel.compiled.metadata.shared == off + ring and kernel.compiled.packed_metadata == (8, 1, off + ring)
@@ -343,46 +448,46 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     loaded = Compiled(1024)
     loaded.module = object()
     with pytest.raises(RuntimeError, match="loaded before"):
-        L6._reserve_ring(loaded, 4096)
+        L6.reserve_ring(loaded, 4096)
     # another Triton's compiled kernel (metadata not a namedtuple, or other launch metadata): a
-    # compile-type error, so the launcher switches v6 off and runs v4 (nothing patched)
-    for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)), (meta(1, 8, 1024), (8, 1, 1024, 0))):
+    # compile-type error, so the probe says the staged kernel does not compile
+    for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)),
+                          (meta(1, 8, 1024), (8, 1, 1024, 0))):
         other = Compiled(1024)
         other.metadata, other.packed_metadata = meta_, packed
         with pytest.raises(L6.RingUnsupported):
-            L6._reserve_ring(other, 4096)
-        assert other.packed_metadata == packed and not hasattr(other, "_kv6_ring_off")
-    assert L6.RingUnsupported in L6.V6_COMPILE_ERRORS
+            L6.reserve_ring(other, 4096)
+        assert other.packed_metadata == packed and not hasattr(other, "_kv_ring_off")
+    assert L6.RingUnsupported in gluon_probe.COMPILE_ERRORS
 
 
-@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (16, 4), (4, 1), (8, 2)])
 def test_cuda_v7_decode_kernel(mode, num_q_heads, num_kv_heads):
-    """v7 (INT8 / FP8, ``AttnConfig.v2 = 7``) reads the packed cache itself and matches the
-    oracle and v4: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with 0xFF poison in
+    """The staged INT8 / FP8 decode reads the packed cache itself and matches the oracle and
+    decode_block_tiles: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with 0xFF poison in
     the unused rows (NaN codes for FP8), a 100-key window, softcap, 3 and 32 segments, 2 and 3
     stages, bulk and ``cp.async`` copies (sm_90+)."""
-    from kernels import _attn_launch_v7
+    from kernels.attention import decode_staged, gluon_probe
     c = make_case(mode, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640], num_q_heads=num_q_heads,
                   num_kv_heads=num_kv_heads, head_size=128, device="cuda", seed=num_q_heads + 7 * num_kv_heads)
     v = c["views"]
-    assert _attn_launch_v7.v7_fit(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
-    v4 = AttnConfig(16, 16, 8, 1, 2, 4, heads_per_program=1)
-    from kernels import _attn_launch_v6
+    assert decode_staged.reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
+                                      v.v_scale_cache)
+    v4 = forced(BLOCKS, 16, 16, 8, 1, 2, heads_per_program=1)
     for segs, stages, bulk in ((3, 2, True), (32, 3, True), (32, 2, False)):
-        _attn_launch_v6.BULK = bulk
-        try:
-            _matches_v4(c, AttnConfig(16, 16, segs, num_kv_heads, stages, 7), v4)
-        finally:
-            _attn_launch_v6.BULK = True
-    assert not _attn_launch_v7._DISABLED  # v7 ran (a kernel that fails to compile falls back to v4)
+        tuning = dataclasses.replace(forced(STAGED8, 16, 16, segs, num_kv_heads, stages), bulk_copies=bulk)
+        assert _plan_of(c, tuning=tuning).bulk_copies == (bulk and torch.cuda.get_device_capability() >= (9, 0))
+        _matches_block_tiles(c, tuning, v4)
+    assert not any(gluon_probe.verdicts().values())  # every probe compiled
 
 
 def test_v7_reads_only_the_packed_int8_fp8_layout():
-    """``_attn_launch_v7.reads_layout``: the packed INT8 / FP8 views at head_size 128 / block 16 /
-    1-8 KV heads; not INT4, separate tensors or head_size 64. On the CPU, ``v2 = 7`` takes v4."""
-    from kernels._attn_launch_v7 import reads_layout
+    """``decode_staged.reads_layout``: the packed INT8 / FP8 views at head_size 128 / block 16 /
+    1-8 KV heads; not INT4, separate tensors or head_size 64. On the CPU, decode_staged_int8
+    asked for takes decode_block_tiles."""
+    from kernels.attention.decode_staged import reads_layout
     for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
         for nkv in (1, 2, 8):
             c = make_case(mode, torch.bfloat16, q_lens=[1], k_lens=[20], num_q_heads=2 * nkv, num_kv_heads=nkv,
@@ -399,70 +504,133 @@ def test_v7_reads_only_the_packed_int8_fp8_layout():
                   seed=5)
     v = c["views"]
     assert not reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache)
-    run_and_check(c, config=AttnConfig(16, 16, 4, 2, 2, 7))  # CPU: falls back, matches the oracle
+    assert _plan_of(c, tuning=forced(STAGED8, 16, 16, 4, 2, 2)).path == BLOCKS
+    run_and_check(c, tuning=forced(STAGED8, 16, 16, 4, 2, 2))  # CPU: falls back, matches the oracle
 
 
-@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
-def test_cuda_v6_is_the_default_for_large_int4_batches():
-    """The launcher picks v6 for INT4 decode at head_size 128 from ``V6_MIN_KEYS`` keys in the
-    batch (GQA up to 8, up to 8 KV heads), and v4 / v3 below it or for other shapes."""
-    from kernels import _attn_launch_v6
-    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
-    int4 = KVQuantMode.INT4_PER_TOKEN_HEAD
-    big = _attn_launch_v6.V6_MIN_KEYS // 8
-    cfg = pick_config(int4, q, 4, 8, 1, big, None, None, None)
-    assert cfg.v2 == 6 and cfg.num_segments >= 2
-    assert pick_config(int4, q, 4, 8, 1, big // 2, None, None, None).v2 != 6
-    assert pick_config(KVQuantMode.INT8_PER_TOKEN_HEAD, q, 4, 8, 1, big, None, None, None).v2 != 6
-    assert pick_config(int4, q, 16, 8, 1, big, None, None, None).v2 != 6  # GQA 16
+INT4, INT8, FP8, NONE = (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD,
+                         KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.NONE)
+# (mode, head_size, q_lens, k_lens, max_seqlen_k or None, the path on the CPU): max_seqlen_k is an
+# upper bound, so a larger one plans a larger batch on a small cache (the kernels read seqused_k)
+PLAN_GRID = [
+    pytest.param(NONE, 64, [1, 1], [600, 300], None, P2D, id="bf16-decode-split-2d"),
+    pytest.param(NONE, 64, [5, 1], [40, 30], None, P2D, id="bf16-prefill"),
+    pytest.param(INT8, 64, [1, 1], [100, 37], None, BLOCKS, id="int8-h64-decode"),
+    pytest.param(FP8, 128, [1, 1], [100, 37], None, BLOCKS, id="fp8-h128-decode"),
+    pytest.param(FP8, 96, [1, 1], [600, 37], None, P2D, id="fp8-h96-decode"),
+    pytest.param(INT8, 128, [3, 1], [40, 30], None, P2D, id="int8-prefill"),
+    pytest.param(INT4, 64, [1, 1], [100, 37], None, UNITS, id="int4-h64-b2-small"),
+    pytest.param(INT4, 64, [1, 1], [100, 37], 4096, BLOCKS, id="int4-h64-b2-8k-keys"),
+    pytest.param(INT4, 256, [1], [100], None, UNITS, id="int4-h256-b1"),
+    pytest.param(INT4, 32, [1, 1], [100, 37], None, SPLIT, id="int4-h32-units-too-narrow"),
+    pytest.param(INT4, 128, [4, 1], [40, 30], None, P2D, id="int4-prefill"),
+]
 
 
-@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
-@pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
-def test_cuda_v7_is_the_default_for_large_int8_fp8_batches(mode):
-    """The launcher picks v7 (its ring depth, v6's segments) for INT8 / FP8 decode at head_size
-    128 from ``V7_MIN_KEYS`` keys in the batch, and v4 below it, for GQA 16 and head_size 64;
-    the default call matches the oracle."""
-    from kernels import _attn_launch_v7
-    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda")
-    big = _attn_launch_v7.V7_MIN_KEYS // 8
-    cfg = pick_config(mode, q, 4, 8, 1, big, None, None, None)
-    assert cfg.v2 == 7 and cfg.num_stages == _attn_launch_v7.STAGES and cfg.num_segments >= 2
-    assert pick_config(mode, q, 4, 8, 1, big // 2, None, None, None).v2 == 4
-    assert pick_config(mode, q, 16, 8, 1, big, None, None, None).v2 != 7  # GQA 16
-    assert pick_config(mode, q[..., :64], 4, 8, 1, big, None, None, None).v2 != 7
-    assert pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 8, 1, big, None, None, None).v2 != 7
-    c = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[2 * big, 2 * big - 5, 700, big // 3],
-                  num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=13)
-    run_and_check(c)  # pick_config: 4 sequences x 2 big keys, v7
-    assert not _attn_launch_v7._DISABLED
+@pytest.mark.parametrize("mode,head_size,q_lens,k_lens,max_k,cpu_path", PLAN_GRID)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_plan_names_the_kernel_that_runs(mode, head_size, q_lens, k_lens, max_k, cpu_path, device, launched):
+    """For each (mode, head_size, batch, context, device) the plan's path, rotation and reduction
+    are the kernels that the call launches (recorded at launch), in order, and the output
+    matches the oracle; on the CPU the path is the one the rules give."""
+    c = make_case(mode, torch.bfloat16, q_lens=q_lens, k_lens=k_lens, head_size=head_size, seed=len(k_lens),
+                  device=device)
+    c["max_k"] = max_k or c["max_k"]
+    plan = _plan_of(c)
+    if device == "cpu":
+        assert plan.path == cpu_path, plan
+    run_and_check(c)
+    assert launched == expected_launches(plan, mode), plan
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.parametrize("mode", [INT4, INT8, FP8])
+@pytest.mark.parametrize("batch,ctx", [(4, 32768), (12, 11000), (2, 4096)])
+def test_cuda_plan_names_the_kernel_that_runs(mode, batch, ctx, launched):
+    """On the GPU at head_size 128 (32 query / 8 KV heads), from small to staged batches: the
+    launched kernels are the plan's (the staged kernels, their rotation and the Gluon reduction
+    included), and the output matches the oracle."""
+    from kernels.attention import decode_staged
+    c = make_case(mode, torch.bfloat16, q_lens=[1] * batch, k_lens=[ctx - 7 * i for i in range(batch)],
+                  num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=batch)
+    plan = _plan_of(c)
+    staged = batch * ctx >= decode_staged.MIN_KEYS
+    assert (plan.path in (STAGED4, STAGED8)) == staged, plan
+    run_and_check(c)
+    assert launched == expected_launches(plan, mode), plan
+
+
+def test_empty_batch_launches_nothing(launched):
+    """No query tokens: the plan is ``empty`` and nothing is launched; ``out`` is returned as is."""
+    c = make_case(INT4, torch.bfloat16, q_lens=[0, 0], k_lens=[20, 9])
+    assert _plan_of(c).path == Path.EMPTY
+    v = c["views"]
+    out = torch.empty_like(c["q"])
+    assert unified_attention(c["q"], v.key_cache, v.value_cache, out, c["cu"], c["seqused_k"], 0, 20, 0.1, True,
+                             (-1, -1), c["block_table"], 0.0, None, None, None, kv_quant_mode=INT4,
+                             k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache) is out
+    assert launched == []
+
+
+@pytest.mark.parametrize("mode", [KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD,
+                                  KVQuantMode.FP8_PER_TOKEN_HEAD], ids=["int4", "int8", "fp8"])
+def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
+    """On an H200 (fake device facts) the plan takes the staged kernel of the mode (its ring
+    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch, and
+    decode_block_tiles below it, for GQA 16, head_size 64, separate tensors (the staged kernels
+    read only the packed layout: block tiles keep the staged segment count), without Gluon, and
+    (FP8) on an sm_80 device."""
+    from kernels.attention import decode_staged
+    staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
+    big = decode_staged.MIN_KEYS // 8
+    plan = plan_for(mode, 8, big)
+    assert plan.path == staged and plan.tiling.num_stages == decode_staged.STAGES[staged.value]
+    assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) and plan.bulk_copies and plan.pdl
+    assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
+    assert plan.reduce == Reduce.GLUON
+    assert plan_for(mode, 8, big // 2).path == BLOCKS
+    assert plan_for(mode, 8, big, num_q_heads=128).path == BLOCKS                        # GQA 16
+    assert plan_for(mode, 8, big, head_size=64).path == BLOCKS
+    separate = plan_for(mode, 8, big, packed=False)
+    assert (separate.path, separate.tiling.num_segments) == (BLOCKS, plan.tiling.num_segments)
+    assert "not the packed layout" in separate.why
+    no_gluon = plan_for(mode, 8, big, facts=dataclasses.replace(H200, gluon=False))
+    assert no_gluon.path == BLOCKS and no_gluon.reduce == Reduce.TRITON
+    a100 = plan_for(mode, 8, big, facts=DeviceFacts("cuda", 108, (8, 0), gluon=True))
+    assert a100.path == (BLOCKS if mode == KVQuantMode.FP8_PER_TOKEN_HEAD else staged) and not a100.pdl
+    assert not a100.bulk_copies
+    assert plan_for(mode, 8, big, facts=CPU).path == BLOCKS  # never a Gluon kernel on the CPU
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_int4_query_rotation_in_decode_or_kernel(device, head_size, monkeypatch):
-    """INT4 v3 decode: the query rotated in the decode kernel's prologue (the default; at head_size
-    256 for small grids like this one) and by the separate rotation kernel agree (only the fp32
-    order of the rotation's sums differs) and both match the oracle; GQA 4, sequences of
-    different lengths, a partial last block."""
-    import kernels._attn_launch_v3 as v3
+def test_int4_query_rotation_in_decode_or_kernel(device, head_size, monkeypatch, launched):
+    """INT4 decode_code_units: the query rotated in the decode kernel's prologue (the default; at
+    head_size 256 for small grids like this one) and by the separate rotation kernel
+    (``Tuning(rotate_q_in_decode=False)``) agree (only the fp32 order of the rotation's sums
+    differs) and both match the oracle; GQA 4, sequences of different lengths, a partial last block."""
+    from kernels.attention import plan as plan_mod
+    real = plan_mod.device_facts
+    # an H200's resident slots: this grid is small
+    monkeypatch.setattr(plan_mod, "device_facts", lambda dev: dataclasses.replace(real(dev), num_sms=132))
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1, 1], k_lens=[75, 9, 140],
                   head_size=head_size, seed=11, device=device)
-    cfg = AttnConfig(16, 32, 3, 2, 2, 3)
-    monkeypatch.setattr(v3, "num_sms", lambda dev: 132)  # an H200's resident slots: this grid is small
-    prepared, real = [], v3.decode_query
-    monkeypatch.setattr(v3, "decode_query", lambda *a, **kw: prepared.append(kw["prepare"]) or real(*a, **kw))
-    keep = v3.ROTATE_Q_IN_DECODE
-    try:
-        outs = []
-        for fused in (True, False):
-            v3.ROTATE_Q_IN_DECODE = fused
-            outs.append(run_and_check(c, config=cfg).float())
-    finally:
-        v3.ROTATE_Q_IN_DECODE = keep
-    assert prepared == [False, True]  # the prologue, then the rotation kernel
+    outs = []
+    for fused in (True, False):
+        tuning = dataclasses.replace(forced(UNITS, 16, 32, 3, 2, 2), rotate_q_in_decode=fused)
+        plan = _plan_of(c, tuning=tuning)
+        assert plan.rotate == (Rotate.PROLOGUE if fused else _rotation_kernel(c))
+        launched.clear()
+        outs.append(run_and_check(c, tuning=tuning).float())
+        assert launched == expected_launches(plan, c["mode"])
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * outs[1].abs().max().item()
+
+
+def _rotation_kernel(c) -> Rotate:
+    """The rotation kernel a plan picks for case ``c``'s device: Gluon on CUDA at head_size 128."""
+    return Rotate.GLUON if c["q"].is_cuda and c["q"].shape[2] == 128 and _gluon_available() else Rotate.TRITON
 
 
 def test_bench_quick_smoke(capsys):
@@ -489,25 +657,25 @@ def test_cuda_quantized_decode_kernels(mode, dtype, kernel, stages):
     """The GPU-only PTX code conversion of every decode kernel (default tile 128) vs the oracle."""
     c = make_case(mode, dtype, q_lens=[1, 1, 0, 1], k_lens=[1500, 700, 9, 33], num_q_heads=32,
                   num_kv_heads=8, head_size=128, device="cuda", seed=11)
-    # v4: one KV head per program (its default); all 8 heads x 128 keys of INT8 rows would need
+    # block tiles: one KV head per program (its default); all 8 heads x 128 keys of INT8 rows would need
     # more shared memory than an SM has (Triton's OutOfResources)
-    cfg = AttnConfig(16, 128, 4, 4, stages, kernel, heads_per_program=1 if kernel == 4 else 0)
-    run_and_check(c, config=cfg)
-    run_and_check(c, config=cfg, causal=False, window=(200, -1), softcap=30.0)
-    if kernel == 4:  # a register cap, and two heads per program with token-major loads
-        run_and_check(c, config=AttnConfig(16, 32, 4, 1, stages, 4, heads_per_program=1, max_registers=168))
-        run_and_check(c, config=AttnConfig(16, 16, 4, 2, stages, 4, heads_per_program=2))
+    cfg = forced(kernel, 16, 128, 4, 4, stages, heads_per_program=1 if kernel == BLOCKS else 0)
+    run_and_check(c, tuning=cfg)
+    run_and_check(c, tuning=cfg, causal=False, window=(200, -1), softcap=30.0)
+    if kernel == BLOCKS:  # a register cap, and two heads per program with token-major loads
+        run_and_check(c, tuning=forced(BLOCKS, 16, 32, 4, 1, stages, heads_per_program=1, max_registers=168))
+        run_and_check(c, tuning=forced(BLOCKS, 16, 16, 4, 2, stages, heads_per_program=2))
         if mode != KVQuantMode.INT4_PER_TOKEN_HEAD:  # 8 heads x 128 keys of INT8 rows: 287 KB of shared memory
             with pytest.raises(ValueError, match="does not fit this GPU"):  # was Triton's OutOfResources
-                run_and_check(c, config=AttnConfig(16, 128, 4, 4, 4, 4, heads_per_program=8))
+                run_and_check(c, tuning=forced(BLOCKS, 16, 128, 4, 4, 4, heads_per_program=8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("mode,dtype", QUANT)
-@pytest.mark.parametrize("kernel", [3, 4])
-def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device, kernel):
-    """The v3 decode kernel's 16-, 8- and 4-byte row classes (4 KV heads: rows of 36 / 68 bytes
+@pytest.mark.parametrize("kernel", [UNITS, BLOCKS], ids=["decode_code_units", "decode_block_tiles"])
+def test_alignment_classes_and_poisoned_block0(mode, dtype, device, kernel):
+    """decode_code_units' 16-, 8- and 4-byte row classes (4 KV heads: rows of 36 / 68 bytes
     put heads 0, 1, 2 in different classes) and its unmasked code loads: block 0, which keys past
     a sequence read, is left out of every table and poisoned (0xFF: NaN for FP8). Triton's
     interpreter does not turn the e4m3 byte 0xFF into NaN, so only the GPU run tests FP8's mask."""
@@ -523,46 +691,53 @@ def test_v3_alignment_classes_and_poisoned_block0(mode, dtype, device, kernel):
         else:
             t.view(torch.uint8)[0] = 0xFF
     table[table == 0] = spare
-    cfg = AttnConfig(16, 32 if kernel == 3 else 16, 4, 1, 2, kernel)
-    run_and_check(c, config=cfg)
-    run_and_check(c, config=cfg, causal=False, softcap=3.0)
+    cfg = forced(kernel, 16, 32 if kernel == UNITS else 16, 4, 1, 2)
+    run_and_check(c, tuning=cfg)
+    run_and_check(c, tuning=cfg, causal=False, softcap=3.0)
     run_and_check(c)  # the launcher's default
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
 def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
-    """v3 reads rows as 16-bit units, at least 16 of them: INT4 at head_size 32 (8 units) goes to
-    the v2 kernel with v2's tiling, also when the config asks for v3; INT8 / FP8 at head_size 32
-    (16 units) stay on v3."""
+    """decode_code_units reads rows as 16-bit units, at least 16 of them: INT4 at head_size 32 (8
+    units) goes to decode_split with the generic tiling, also when the tuning asks for code
+    units; INT8 / FP8 at head_size 32 (16 units) stay on decode_code_units."""
     c = make_case(mode, dtype, q_lens=[1, 1], k_lens=[70, 33], head_size=32, seed=5)
+    want = SPLIT if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else UNITS
+    assert _plan_of(c).path == want
     run_and_check(c)
-    run_and_check(c, config=AttnConfig(16, 32, 4, 1, 2, 3))
+    plan = _plan_of(c, tuning=forced(UNITS, 16, 32, 4, 1, 2))
+    assert plan.path == want and plan.tiling.tile == (128 if want == SPLIT else 32)
+    run_and_check(c, tuning=forced(UNITS, 16, 32, 4, 1, 2))
 
 
 def test_decode_config_keeps_its_tiling_with_a_given_segment_count():
     """A caller-fixed segment count (num_par_softmax_segments or segment buffers) changes only the
-    split, not the measured tiling: v4 for INT8 / FP8 at head_size 64 / 128 / 256 and INT4 at 64,
-    v3 elsewhere (INT4 with 2 x 4,096 keys stays below v4's threshold at 128 and 256)."""
-    from kernels._attn_launch import pick_config
-    from kernels._attn_launch_v3 import v3_tiling
-    from kernels._attn_launch_v4 import v4_tiling
+    split, not the measured tiling: decode_block_tiles for INT8 / FP8 at head_size 64 / 128 / 256
+    and INT4 at 64, decode_code_units elsewhere (INT4 with 2 x 4,096 keys stays below the block
+    tiles' threshold at 128 and 256)."""
+    from kernels.attention import decode_block_tiles, decode_code_units
     for head_size in (64, 128, 256):
-        q = torch.zeros(2, 8, head_size)
         for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD):
-            v4 = v4_tiling(mode, head_size) if head_size == 64 or mode != KVQuantMode.INT4_PER_TOKEN_HEAD else None
+            blocks = decode_block_tiles.tiling(mode, head_size) \
+                if head_size == 64 or mode != KVQuantMode.INT4_PER_TOKEN_HEAD else None
             for given in (None, 8):
-                cfg = pick_config(mode, q, 4, 2, 1, 4096, None, given, None)
-                got = (cfg.tile, cfg.num_warps, cfg.num_stages, cfg.v2, cfg.heads_per_program)
-                want = (*v4[:3], 4, v4[4]) if v4 else (*v3_tiling(mode, head_size)[:3], 3, 0)
+                plan = plan_for(mode, 2, 4096, CPU, head_size, 8, 2, num_par_softmax_segments=given)
+                t = plan.tiling
+                got = (t.tile, t.num_warps, t.num_stages, plan.path, t.heads_per_program)
+                want = (*blocks[:3], BLOCKS, blocks[4]) if blocks else \
+                    (*decode_code_units.tiling(mode, head_size)[:3], UNITS, 0)
                 assert got == want, (mode, head_size, given)
-            assert pick_config(mode, q, 4, 2, 1, 4096, None, 8, None).num_segments == 8
+            assert plan_for(mode, 2, 4096, CPU, head_size, 8, 2, num_par_softmax_segments=8).tiling.num_segments == 8
 
 
 def test_v4_default_and_segments():
-    """v4 is the default at the measured head sizes (64, 128, 256); INT4 from 8,192 keys in the
+    """decode_block_tiles is the default at the measured head sizes (64, 128, 256); INT4 from 8,192 keys in the
     batch on at 64 and 32,768 at 128 / 256. Its segments aim at the programs per SM, are a power
     of two, at least 2, at most one per tile, and past 16,384 / head_size of 8 tiles at least."""
-    from kernels._attn_launch_v4 import v4_default, v4_segments, v4_tiling
+    from kernels.attention.decode_block_tiles import segments as v4_segments
+    from kernels.attention.decode_block_tiles import tiling as v4_tiling
+    from kernels.attention.decode_block_tiles import wants as v4_default
     int4, int8, fp8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
     for hs in (64, 128, 256):
         assert v4_default(int8, hs, 1, 16) and v4_default(fp8, hs, 1, 16)
@@ -583,28 +758,27 @@ def test_v4_default_and_segments():
 
 
 def test_gluon_decode_segments():
-    """v6 / v7 segments: about 2 programs per SM, then the fewest segments with the same blocks
+    """Staged decode segments: about 2 programs per SM, then the fewest segments with the same blocks
     per segment (the kernels give each ``ceil(blocks / segments)``); at least 2, at most one per
     block. Not a power of two where the SMs divide otherwise."""
-    from kernels._attn_launch_v6 import v6_segments
+    from kernels.attention.decode_staged import segments as v6_segments
     for seqs, ctx, segs in ((8, 32768, 33), (8, 16384, 32), (12, 16384, 22), (24, 8192, 11), (4, 32768, 64),
                             (32, 32768, 8), (16, 16384, 16), (1, 100, 7), (1, 16, 2), (500, 32768, 2)):
         assert v6_segments(132, seqs, ctx) == segs, (seqs, ctx)
         blocks = -(-ctx // 16)
         per = -(-blocks // segs)
         assert segs == 2 or (segs - 1) * per < blocks  # no empty segment
-    q = torch.zeros(12, 32, 128, dtype=torch.bfloat16)
-    with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132), \
-            mock.patch("kernels._attn_launch.v6_default", lambda *a: True):
-        cfg = pick_config(KVQuantMode.INT4_PER_TOKEN_HEAD, q, 4, 12, 1, 16384, None, None, None)
-    assert (cfg.v2, cfg.num_segments) == (6, 22)
+    plan = plan_for(KVQuantMode.INT4_PER_TOKEN_HEAD, 12, 16384, H200)
+    assert (plan.path, plan.tiling.num_segments) == (STAGED4, 22)
 
 
 def test_v3_tiling_per_head_size_and_segments():
     """Measured head sizes get their own tiling; others take the nearest measured one (in log2,
     the smaller on a tie). Segments aim at the tiling's programs per SM, are a power of two, at
     least 2, at most one per tile, and hold at most 2,048 keys."""
-    from kernels._attn_launch_v3 import V3_TILING, v3_segments, v3_tiling
+    from kernels.attention.decode_code_units import TILING as V3_TILING
+    from kernels.attention.decode_code_units import segments as v3_segments
+    from kernels.attention.decode_code_units import tiling as v3_tiling
     int4, int8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD
     assert v3_tiling(int4, 64) == (32, 1, 2, 16) and v3_tiling(int4, 256) == (64, 4, 2, 4)
     assert v3_tiling(int4, 512) == V3_TILING[int4][256] and v3_tiling(int4, 32) == V3_TILING[int4][64]
@@ -619,14 +793,12 @@ def test_v3_tiling_per_head_size_and_segments():
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
     # head_size 128: about 512 programs (4 per SM), at most one tile per segment
     for b, ctx, segs in ((1, 4096, 64), (2, 4096, 32), (4, 2048, 16), (8, 2048, 8), (1, 16384, 64), (1, 2048, 32)):
-        with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132):
-            cfg = pick_config(int4, torch.empty(b, 32, 128), 4, b, 1, ctx, None, None, None)
-        assert (cfg.v2, cfg.num_segments) == (3, segs), (b, ctx, cfg)
+        plan = plan_for(int4, b, ctx, H200)
+        assert (plan.path, plan.tiling.num_segments, plan.rotate) == (UNITS, segs, Rotate.PROLOGUE), (b, ctx, plan)
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
-        q = torch.empty(b, 32, 256)
-        with mock.patch("kernels._attn_launch.num_sms", lambda dev: 132):
-            cfg = pick_config(int4, q, 4, b, 1, ctx, None, None, None)
-        assert (cfg.v2, cfg.num_segments) == (3, segs) and 2 * b * 8 * segs <= 4 * 132
+        plan = plan_for(int4, b, ctx, H200, head_size=256)
+        assert (plan.path, plan.tiling.num_segments) == (UNITS, segs) and 2 * b * 8 * segs <= 4 * 132
+        assert plan.rotate == Rotate.PROLOGUE  # the grid fills at most half the resident slots
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -638,18 +810,17 @@ def test_cuda_pdl_back_to_back(mode, dtype, batch):
     with fresh queries are queued with no sync in between, each writing its own output; every
     output must equal the same call made with PDL off, bit for bit (batch 1 also lets the INT4
     query kernel release the decode kernel early)."""
-    from kernels import _jit
+    from kernels.attention.plan import device_facts
     c = make_case(mode, dtype, q_lens=[1] * batch, k_lens=[700 + 300 * i for i in range(batch)],
                   num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=5)
-    assert _jit.pdl(c["q"]) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert _plan_of(c).pdl == (device_facts(c["q"].device).capability >= (9, 0))
     _queued_calls_match_without_pdl(c, seed=9)
 
 
-def _queued_calls_match_without_pdl(c, seed, **kw):
+def _queued_calls_match_without_pdl(c, seed, tuning=None):
     """Six decode calls on ``c``'s cache with fresh queries, queued with no sync in between, each
     writing its own output, with PDL on and then off: equal bit for bit, and the outputs differ
     from each other. Returns the queries and the outputs (PDL on)."""
-    from kernels import _jit
     views = c["views"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     qs = [torch.randn(c["q"].shape, device="cuda", generator=gen).to(c["q"].dtype) for _ in range(6)]
@@ -660,36 +831,33 @@ def _queued_calls_match_without_pdl(c, seed, **kw):
             unified_attention(q, views.key_cache, views.value_cache, out, c["cu"], c["seqused_k"], 1, c["max_k"],
                               128 ** -0.5, True, (-1, -1), c["block_table"], 0.0, None, None, None,
                               kv_quant_mode=c["mode"], k_scale_cache=views.k_scale_cache,
-                              v_scale_cache=views.v_scale_cache, **kw)
+                              v_scale_cache=views.v_scale_cache, tuning=tuning)
         torch.cuda.synchronize()
         return outs
+    tuning = tuning or Tuning()
     with_pdl = calls()
-    keep = _jit.PDL_ENABLED
-    _jit.PDL_ENABLED = False
-    try:
-        without = calls()
-    finally:
-        _jit.PDL_ENABLED = keep
+    tuning = dataclasses.replace(tuning, pdl=False)
+    without = calls()
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)
     assert not torch.equal(with_pdl[0], with_pdl[1])  # the queries differ, so must the outputs
     return qs, with_pdl
 
 
-@pytest.mark.skipif(not _v6_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
+@pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD])
 def test_cuda_gluon_decode_pdl_back_to_back(mode):
-    """As ``test_cuda_pdl_back_to_back`` for the Gluon decode kernels (v6 INT4: its first block
-    copies start before ``griddepcontrol.wait`` and the query rotation releases it early; v7
-    INT8), forced at 32 segments: six calls queued with no sync equal the same calls with PDL
+    """As ``test_cuda_pdl_back_to_back`` for the staged decode kernels (INT4: its first block
+    copies start before ``griddepcontrol.wait`` and the query rotation releases it early; INT8),
+    forced at 32 segments: six calls queued with no sync equal the same calls with PDL
     off, bit for bit."""
     c = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[700 + 300 * i for i in range(4)], num_q_heads=32,
                   num_kv_heads=8, head_size=128, device="cuda", seed=6)
-    cfg = AttnConfig(16, 16, 32, 8, 4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 2,
-                     6 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 7)
-    qs, with_pdl = _queued_calls_match_without_pdl(c, seed=10, config=cfg)
+    cfg = forced(STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8, 16, 16, 32, 8,
+                 4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 2)
+    qs, with_pdl = _queued_calls_match_without_pdl(c, seed=10, tuning=cfg)
     c["q"] = qs[0]
-    assert torch.equal(run_and_check(c, config=cfg), with_pdl[0])  # and the first matches the oracle
+    assert torch.equal(run_and_check(c, tuning=cfg), with_pdl[0])  # and the first matches the oracle
 
 
 @pytest.mark.parametrize("mode,dtype", [MODES[0], MODES[4]])
@@ -705,124 +873,99 @@ def test_reduction_in_chunks(mode, dtype):
 
 
 def test_decode_kernel_choice_is_checked():
-    """AttnConfig.v2 names a decode kernel (0, 1, 3, 4, 6 or 7; 2, a register-prefetch variant, was
-    removed, and 5 stayed on a branch): anything else is refused before a launch."""
-    c = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1], k_lens=[40])
-    for bad in (2, 5):
-        with pytest.raises(ValueError, match="AttnConfig.v2"):
-            run_and_check(c, config=AttnConfig(16, 32, 2, 1, 2, bad))
+    """``Tuning.path`` names a path (a ``Path`` or its string): anything else is refused when the
+    Tuning is made, before a launch."""
+    assert Tuning(path="decode_block_tiles").path == BLOCKS
+    for bad in ("v4", "decode", 4):
+        with pytest.raises(ValueError, match="Tuning.path: expected one of"):
+            Tuning(path=bad)
 
 
-def test_pdl_switch_and_cpu_launch():
-    """Programmatic dependent launch is a CUDA launch attribute and PTX: never on for CPU tensors
-    (the interpreter cannot run ``griddepcontrol``), and ``PDL_ENABLED = False`` turns it off
-    everywhere. A CPU decode launched through the same code path still matches the oracle."""
-    from kernels import _jit
-    cpu = torch.zeros(1)
-    assert _jit.pdl(cpu) is False
-    keep = _jit.PDL_ENABLED
-    try:
-        _jit.PDL_ENABLED = False
-        assert _jit.pdl(cpu) is False
-        if torch.cuda.is_available():
-            assert _jit.pdl(cpu.cuda()) is False
-    finally:
-        _jit.PDL_ENABLED = keep
+def test_pdl_switch_and_cpu_launch(launched):
+    """Programmatic dependent launch is a CUDA launch attribute and PTX: never planned for CPU
+    tensors (the interpreter cannot run ``griddepcontrol``) or before sm_90, and
+    ``Tuning(pdl=False)`` turns it off. A CPU decode launched through the same code path still
+    matches the oracle."""
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1, 1], k_lens=[90, 40], seed=2)
+    assert not _plan_of(c).pdl
+    assert plan_for(KVQuantMode.INT8_PER_TOKEN_HEAD, 8, 4096, H200).pdl
+    assert not plan_for(KVQuantMode.INT8_PER_TOKEN_HEAD, 8, 4096, H200, tuning=Tuning(pdl=False)).pdl
+    assert not plan_for(KVQuantMode.INT8_PER_TOKEN_HEAD, 8, 4096, DeviceFacts("cuda", 108, (8, 0), True)).pdl
+    plan = _plan_of(c, num_par_softmax_segments=3)
     run_and_check(c, num_par_softmax_segments=3)  # rotation, decode and reduction kernels, all given launch_pdl
+    assert launched == expected_launches(plan, c["mode"]) and len(launched) == 2  # prologue rotation, reduction
 
 
-@pytest.mark.parametrize("which", [6, 7])
-def test_gluon_kernel_that_does_not_compile_is_switched_off_once(which, monkeypatch):
-    """A v6 (INT4) or v7 (INT8) kernel that does not compile with this Triton (another Gluon API)
-    costs one RuntimeWarning naming it: the call falls back to v4 and still matches the oracle,
-    that kernel alone is switched off for the process, and a CUDA error is not mistaken for a
-    compile failure."""
+def test_gluon_probe_verdict_is_cached_and_warns_once(monkeypatch):
+    """``gluon_probe.compiles``: a compile failure (another Gluon API) is one RuntimeWarning naming
+    the kernel and a cached False for that shape class (no second attempt, no second warning);
+    a kernel that compiles is a cached True; a CUDA error is not mistaken for a compile failure."""
     from triton.compiler.errors import CompilationError
 
-    import kernels._attn_launch as launch
-    from kernels import _attn_launch_v6, _attn_launch_v7
-    mod, other = (_attn_launch_v6, _attn_launch_v7) if which == 6 else (_attn_launch_v7, _attn_launch_v6)
-    mode = KVQuantMode.INT4_PER_TOKEN_HEAD if which == 6 else KVQuantMode.INT8_PER_TOKEN_HEAD
-    monkeypatch.setattr(mod, "_DISABLED", [])
-    monkeypatch.setattr(other, "_DISABLED", [])
-    monkeypatch.setattr(launch, f"v{which}_fit", lambda *a: mod.available(torch.device("cuda", 0)))
-    monkeypatch.setattr(mod, "_capable", lambda index: True)
-    monkeypatch.setattr(mod, "_kernel", lambda: object())
+    from kernels.attention import gluon_probe
+    monkeypatch.setattr(gluon_probe, "_VERDICTS", {})
     calls = []
 
-    def broken(*a, **kw):
+    def broken():
         calls.append(1)
         raise CompilationError(None, None, "gluon.foo is not defined")
-    monkeypatch.setattr(launch, f"launch_v{which}", broken)
-    c = make_case(mode, torch.bfloat16, q_lens=[1, 1], k_lens=[75, 140], num_q_heads=32, num_kv_heads=8,
-                  head_size=128, seed=24)
-    cfg = AttnConfig(16, 16, 4, 8, 2, which)
-    with pytest.warns(RuntimeWarning, match=rf"\(v{which}\) did not compile"):
-        run_and_check(c, config=cfg)
-    assert calls == [1] and mod._DISABLED and not mod.available(torch.device("cuda", 0))
-    assert not other._DISABLED
+    with pytest.warns(RuntimeWarning, match=r"_k did not compile.*Triton kernel runs instead"):
+        assert not gluon_probe.compiles("_k", 0, (8, 4), broken, "the Triton kernel runs instead")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        run_and_check(c, config=cfg)  # switched off: no second attempt, no second warning
-    assert calls == [1]
+        assert not gluon_probe.compiles("_k", 0, (8, 4), broken, "the Triton kernel runs instead")
+        assert not gluon_probe.compiles("_k", 0, (4, 4), broken, "...")  # another class: probed, no warning
+    assert calls == [1, 1] and gluon_probe.verdicts()[("_k", 0, (8, 4))].startswith("CompilationError")
+    assert gluon_probe.compiles("_ok", 0, (), lambda: calls.append(2), "")
+    assert gluon_probe.compiles("_ok", 0, (), lambda: calls.append(2), "") and calls == [1, 1, 2]
 
-    def cuda_error(*a, **kw):
+    def cuda_error():
         raise RuntimeError("Triton Error [CUDA]: an illegal instruction was encountered")
-    monkeypatch.setattr(mod, "_DISABLED", [])
-    monkeypatch.setattr(launch, f"launch_v{which}", cuda_error)
     with pytest.raises(RuntimeError, match="illegal instruction"):
-        run_and_check(c, config=cfg)
-    assert not mod._DISABLED
+        gluon_probe.compiles("_cuda", 0, (), cuda_error, "")
+    assert ("_cuda", 0, ()) not in gluon_probe.verdicts()
+    with pytest.raises(gluon_probe.GluonUnavailable):
+        gluon_probe.require("no_such_module", "_kernel")
 
 
-def test_gluon_edges_that_do_not_compile_are_switched_off_once(monkeypatch):
-    """The Gluon query rotation and reduction (``_attn_launch_edges``): a kernel that does not
-    compile with this Triton costs one RuntimeWarning naming it, the Triton kernel does the work
-    (the reduction still matches a float64 merge), and that kernel alone is switched off."""
-    from triton.compiler.errors import CompilationError
-
-    from kernels import _attn_launch_edges as E
-    from kernels.reference import rht_signs
-    monkeypatch.setattr(E, "_DISABLED", [])
-    monkeypatch.setattr(E, "_PREP_DISABLED", [])
-    monkeypatch.setattr(E, "gluon_fit", lambda *a: not E._DISABLED)
-    monkeypatch.setattr(E, "prep_fit", lambda q: not E._PREP_DISABLED)
-    calls = []
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                calls.append(grid)
-                raise CompilationError(None, None, "gluon.foo is not defined")
-            return launch
-    monkeypatch.setattr(E, "_gluon_kernel", lambda: Broken())
-    monkeypatch.setattr(E, "_prep_kernel", lambda: Broken())
-    g = torch.Generator().manual_seed(5)
-    part, mx, sm = torch.randn(2, 3, 4, 128, generator=g), torch.randn(2, 3, 4, generator=g), torch.rand(2, 3, 4) + 0.5
-    out = torch.empty(2, 3, 128)
-    with pytest.warns(RuntimeWarning, match=r"split-KV reduction did not compile.*Triton reduction runs instead"):
-        E.launch_reduce(out, part, mx, sm, 128, 4)
-    w = torch.exp2(mx.double() - mx.double().amax(-1, keepdim=True))
-    ref = (part.double() * w[..., None]).sum(-2) / (sm.double() * w).sum(-1, keepdim=True)
-    assert torch.allclose(out.double(), ref, atol=1e-5) and len(calls) == 1 and E._DISABLED
-    assert not E._PREP_DISABLED
-    q, qp = torch.randn(2, 3, 128), torch.empty(2, 3, 128)
-    with pytest.warns(RuntimeWarning, match=r"INT4 query rotation did not compile.*Triton rotation runs instead"):
-        assert not E.prep_q_gluon(q, rht_signs(128, "cpu"), qp, 0.1, 4, False, False)
-    assert len(calls) == 2 and E._PREP_DISABLED
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # both switched off: no second attempt, no second warning
-        E.launch_reduce(out, part, mx, sm, 128, 4)
-        assert not E.prep_q_gluon(q, rht_signs(128, "cpu"), qp, 0.1, 4, False, False)
-    assert len(calls) == 2
+@pytest.mark.parametrize("mode", [KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD])
+def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkeypatch):
+    """On a real device (facts with an index) the plan asks each Gluon kernel's probe once per
+    shape class before it picks it: where the staged kernel, the rotation or the reduction does
+    not compile, the plan names the Triton kernel instead (decode_block_tiles with its own
+    segments, the Triton rotation and reduction), and says why; nothing is decided at launch."""
+    from kernels.attention import decode_staged, reduce, rotate_query
+    asked = []
+    monkeypatch.setattr(decode_staged, "probe", lambda path, *a: asked.append(path) or False)
+    monkeypatch.setattr(rotate_query, "probe", lambda *a: asked.append("rotate") or False)
+    monkeypatch.setattr(reduce, "probe", lambda *a: asked.append("reduce") or False)
+    real = DeviceFacts("cuda", 132, (9, 0), gluon=True, index=0)
+    big = decode_staged.MIN_KEYS // 8
+    plan = plan_for(mode, 8, big, real)
+    assert plan.path == BLOCKS and plan.reduce == Reduce.TRITON
+    no_gluon = dataclasses.replace(H200, gluon=False)
+    assert plan.tiling.num_segments == plan_for(mode, 8, big, no_gluon).tiling.num_segments
+    staged = "decode_staged_int4" if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else "decode_staged_int8"
+    assert asked[0] == staged and "reduce" in asked
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        assert plan.rotate == Rotate.TRITON and "rotate" in asked
+    forced_plan = plan_for(mode, 8, big, real, tuning=forced(staged, 16, 16, 8, 8, 2))
+    assert forced_plan.path == BLOCKS and "does not compile" in forced_plan.why
+    monkeypatch.setattr(decode_staged, "probe", lambda *a: True)
+    monkeypatch.setattr(reduce, "probe", lambda *a: True)
+    assert plan_for(mode, 8, big, real).path == staged
+    assert plan_for(mode, 8, big, real).reduce == Reduce.GLUON
 
 
 def test_v6_reads_only_the_packed_int4_layout():
-    """``_attn_launch_v6.reads_layout`` (device independent) accepts the views ``split_kv_cache``
+    """``decode_staged.reads_layout`` (device independent) accepts the views ``split_kv_cache``
     makes of a packed INT4 cache at head_size 128, block 16, 1-8 KV heads, GQA up to 8, and
     refuses separate tensors, a misaligned cache, block size 32, 16 KV heads and GQA 16."""
-    from kernels._attn_launch_v6 import reads_layout
+    from kernels.attention import decode_staged
+
+    def reads_layout(q, k, v, ks, vs):
+        return decode_staged.reads_layout(KVQuantMode.INT4_PER_TOKEN_HEAD, q, k, v, ks.view(torch.int32),
+                                          vs.view(torch.int32))
 
     def views(num_kv_heads, block_size=16, offset=0):
         geo = CacheGeometry(KVQuantMode.INT4_PER_TOKEN_HEAD, 128, num_kv_heads, block_size, torch.bfloat16)
@@ -850,21 +993,22 @@ def test_v6_reads_only_the_packed_int4_layout():
 @pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_query_rotation_in_parts(device, parts, dtype):
-    """``decode_query`` (INT4) against ``softmax_scale * H (s * q)`` by butterflies in float64,
-    rotated dim ``parts * i + x`` at ``x * 128 / parts + i``; on CUDA the Gluon kernel (lane
-    butterflies) rotates, on the CPU the Triton one (a dot with the Hadamard matrix)."""
-    from kernels import _attn_launch_edges as E
-    from kernels._attn_launch_v3 import decode_query
-    from kernels.reference import rht_signs
+    """``rotate_query.rotated_query`` (INT4) against ``softmax_scale * H (s * q)`` by butterflies
+    in float64, rotated dim ``parts * i + x`` at ``x * 128 / parts + i``; on CUDA the Gluon kernel
+    (lane butterflies) rotates, on the CPU the Triton one (a dot with the Hadamard matrix)."""
+    import types
+
+    from kernels.attention.plan import Plan
+    from kernels.attention.rotate_query import rotated_query
+    from layouts import rht_signs
     g = torch.Generator().manual_seed(parts)
     q = (torch.randn(5, 6, 128, generator=g) * 3).to(dtype)
     q[1, 2, 7] = 300.0                                     # an outlier channel
     signs = rht_signs(128, device)
-    qp, q_scale, _, _ = decode_query(q.to(device), signs, 0.125, 128, KVQuantMode.INT4_PER_TOKEN_HEAD, 0.0,
-                                     device == "cpu", parts, False, False)
+    call = types.SimpleNamespace(q=q.to(device), signs=signs, softmax_scale=0.125, head_size=128)
+    kind = Rotate.GLUON if device == "cuda" and _gluon_available() else Rotate.TRITON
+    qp, q_scale = rotated_query(call, Plan(BLOCKS, Tiling(16, 16, 2), rotate=kind, rotate_parts=parts))
     assert q_scale == 1.0
-    if device == "cuda":
-        assert not E._PREP_DISABLED
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < 128:                                 # Sylvester's construction, exact
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -879,13 +1023,17 @@ def test_query_rotation_in_parts(device, parts, dtype):
                                                (128, 160), (256, 5)])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "int4-rotation"])
 def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segments, rotate):
-    """``launch_reduce`` against a float64 merge of the segments (weights ``exp2(max_s - max)``,
+    """``reduce.reduce_segments`` against a float64 merge of the segments (weights ``exp2(max_s - max)``,
     an empty segment with max ``-inf``, a row with no visible key -> 0) and, for INT4, the inverse
     rotation ``s * H acc / d`` by butterflies (``reference.fwht``): the Triton kernel's Kronecker
     split of the Hadamard matrix (``HI x LO``) at head sizes 16-256, one load and chunked segments
     (160); on CUDA at head_size 128 and up to 64 segments, the Gluon kernel's lane butterflies."""
-    from kernels._attn_launch import launch_reduce
-    from kernels.reference import fwht, rht_signs
+    import types
+
+    from kernels.attention.plan import Plan
+    from kernels.attention.reduce import GLUON_MAX_SEGMENTS, reduce_segments
+    from kernels.reference import fwht
+    from layouts import rht_signs
     g = torch.Generator().manual_seed(head_size + segments)
     t, hq, pad = 3, 4, max(16, head_size)
     part = torch.randn(t, hq, segments, pad, generator=g)
@@ -897,11 +1045,10 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     sm[2, 3] = 0.0
     signs = rht_signs(head_size, device) if rotate else None
     out = torch.full((t, hq, head_size), float("nan"), device=device)
-    launch_reduce(out, part.to(device), mx.to(device), sm.to(device), head_size, segments, signs)
-    if device == "cuda":  # the Gluon kernel merged it where it applies, and compiled
-        from kernels import _attn_launch_edges as LR
-        assert not LR._DISABLED
-        assert LR.gluon_fit(out, part, head_size, segments) == (head_size == 128 and segments <= LR.GLUON_MAX_SEGMENTS)
+    call = types.SimpleNamespace(out=out, segm_output=part.to(device), segm_max=mx.to(device),
+                                 segm_expsum=sm.to(device), signs=signs, head_size=head_size)
+    gluon = device == "cuda" and _gluon_available() and head_size == 128 and segments <= GLUON_MAX_SEGMENTS
+    reduce_segments(call, Plan(BLOCKS, Tiling(16, 16, segments), reduce=Reduce.GLUON if gluon else Reduce.TRITON))
     m = mx.double().amax(-1, keepdim=True)
     w = torch.exp2(mx.double() - torch.where(m == float("-inf"), 0.0, m))
     total = (sm.double() * w).sum(-1, keepdim=True)
@@ -912,3 +1059,72 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     diff = (out.double().cpu() - ref).abs()
     assert torch.allclose(out.double().cpu(), ref, atol=1e-5, rtol=1e-4), (diff.max().item(), diff.argmax().item())
     assert (out[2, 3] == 0).all()
+
+
+def test_kernels_doc_attention_section_is_generated():
+    """docs/KERNELS.md's "## Attention" section is exactly what ``python -m bench.kernels_table``
+    prints from ``attention_plan`` (regenerate it after changing a rule); it names the staged
+    INT4 kernel for b8 x 32768 on an H200 and decode_block_tiles for it on the CPU."""
+    import pathlib
+
+    from bench import kernels_table
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "KERNELS.md").read_text()
+    start = doc.index("## Attention\n")
+    end = doc.find("\n## ", start + 1)
+    got = doc[start:] if end < 0 else doc[start:end + 1]
+    want = kernels_table.section()
+    assert got.rstrip("\n") == want.rstrip("\n")
+    row = next(line for line in want.splitlines() if line.startswith("| int4 | 8 x 32768 |"))
+    assert "`decode_staged_int4`" in row.split("|")[3] and "`decode_block_tiles`" in row.split("|")[4]
+
+
+def test_gluon_probes_compile_a_tiny_input_without_launching(monkeypatch):
+    """The staged kernels', rotation's and reduction's probes build a tiny input of the shape
+    class and only compile (``warmup``; the staged ones also reserve their ring), with the
+    constexprs a real launch of that class passes; a compile error is a cached False, a launch
+    never happens. Run here with a stand-in Gluon kernel on the CPU."""
+    import collections
+
+    from triton.compiler.errors import CompilationError
+
+    from kernels.attention import decode_staged, gluon_probe, reduce, rotate_query
+    meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
+    warmups = []
+
+    class Compiled:
+        def __init__(self):
+            self.metadata, self.module, self.packed_metadata = meta(1, 8, 1000), None, (8, 1, 1000)
+
+    class Kernel:
+        def __init__(self, name, broken=False):
+            self.name, self.broken = name, broken
+
+        def warmup(self, *args, grid, **kw):
+            warmups.append((self.name, grid, kw))
+            if self.broken:
+                raise CompilationError(None, None, "gluon.foo is not defined")
+            return Compiled()
+
+        def __getitem__(self, grid):
+            raise AssertionError("a probe launched a kernel")
+
+    monkeypatch.setattr(gluon_probe, "_VERDICTS", {})
+    monkeypatch.setattr(decode_staged, "_RING_OFFSETS", {})
+    monkeypatch.setattr(gluon_probe, "require", lambda module, name: Kernel(name))
+    cpu = torch.device("cpu")
+    assert decode_staged.probe("decode_staged_int4", INT4, cpu, 8, 4, 4, True, True)
+    name, grid, kw = warmups[-1]
+    assert name == "_decode_staged_int4_kernel" and grid == (1, 2)
+    assert (kw["NKV"], kw["GROUP"], kw["STAGES"], kw["BULK"], kw["PAIR"], kw["PDL"], kw["num_warps"]) == \
+        (8, 4, 4, True, True, True, 8)
+    assert decode_staged.probe("decode_staged_int8", FP8, cpu, 2, 8, 2, False, True)
+    assert warmups[-1][2]["FP8"] and "PDL" not in warmups[-1][2]
+    assert rotate_query.probe(cpu, 32, 4, True, True)
+    assert warmups[-1][0] == "_rotate_query_gluon_kernel" and warmups[-1][2]["RELEASE"]
+    assert reduce.probe(cpu, 32, 33, True, True)
+    assert warmups[-1][0] == "_attn_reduce_gluon_kernel" and warmups[-1][2]["SEG_PAD"] == 64
+    count = len(warmups)
+    assert reduce.probe(cpu, 32, 5, True, True) and len(warmups) == count  # same class: the cached verdict
+    monkeypatch.setattr(gluon_probe, "require", lambda module, name: Kernel(name, broken=True))
+    with pytest.warns(RuntimeWarning, match="_attn_reduce_gluon_kernel did not compile"):
+        assert not reduce.probe(cpu, 32, 5, False, True)

@@ -1,84 +1,54 @@
-"""The GPU sweep helpers' CPU-side logic: decode sweep configurations, the profiling driver's
-``--cfg`` and the read probes' addressing (the timing itself needs a GPU).
+"""The GPU benchmark helpers' CPU-side logic: the attention benchmark's tunings (sweep, compare,
+paths), the profiling driver's ``--tiling``, and the read probes' addressing (the timing itself needs a GPU).
 
 Run: python -m pytest tests/test_sweep_tools.py -q
 """
 
 import pytest
 
-from kernels._attn_launch import AttnConfig
 from bench import attention as B
 from bench import profile_decode as P
-from bench import sweep_decode as S
+from kernels.attention import Path, Tuning
 
 
-def test_sweep_configs_default_first_old_default_and_segment_scaling():
-    pb = B.make_problem(B.MODES["int8"], 2, 64, 1, B.QUICK, "cpu")
-    base = AttnConfig(16, 32, 4, 1, 2, 3)
-    got = S.configs(base, B.MODES["int8"], [(64, 2, 2, 3), (32, 1, 2, 3)], [0.5, 1, 2], [], True, pb)
-    assert got[0] == base
-    assert got[1].v2 == 0  # the previous (v1) INT8 default, from the launcher with v3 switched off
-    assert S.L.DECODE_V2[B.MODES["int8"]] == 3  # and switched back on
-    assert [c.num_segments for c in got[2:] if c.tile == 64] == [2, 4, 8]  # 4 x (0.5, 1, 2) x 64 / 64
-    # 4 x (0.5, 1, 2) x 64 / 32; the first equals the default and is not repeated
-    assert [c.num_segments for c in got if c.tile == 32 and c.v2 == 3] == [4, 8, 16]
-    assert len(got) == len(set(got))
-    explicit = S.configs(base, B.MODES["int4"], [(64, 2, 2, 3)], [1], [3, 5], True, pb)
-    assert [c.num_segments for c in explicit[1:]] == [3, 5]  # no old default for INT4
-    v4 = S.configs(base, B.MODES["int8"], [(16, 1, 2, 4, 1), (16, 4, 2, 4)], [1], [8], False, pb)
-    assert [(c.v2, c.heads_per_program) for c in v4[1:]] == [(4, 1), (4, 0)]  # optional 5th field
+def test_attention_bench_tunings_pin_the_path_and_vary_the_tiling():
+    """bench.attention: ``--sweep`` varies the plan's tiling on the plan's path (the default first,
+    no repeats); ``--compare`` times the 2D kernel and the split decode tilings at the plan's
+    segment count; ``--paths`` asks for each path with its own tiling. Every variant is a Tuning."""
+    pb = B.make_problem(B.MODES["int8"], 2, 4096, 1, dict(B.QUICK, head_size=128), "cpu")
+    base = Tuning()
+    plan = B.plan_of(pb, base)
+    assert plan.path == Path.DECODE_BLOCK_TILES and plan.tiling.num_segments > 1
+    swept = B.sweep_tunings(base, plan)
+    assert swept[0] == base and len(swept) == len(set(swept))
+    assert all(t.path == plan.path for t in swept[1:])
+    assert sorted({t.tiling.num_segments for t in swept[1:]}) == sorted(
+        {plan.tiling.num_segments, *(max(2, int(plan.tiling.num_segments * m)) for m in (0.5, 2, 4))})
+    compared = B.compare_tunings(base, plan, B.MODES["int8"])
+    assert [t.path for t in compared] == [Path.PREFILL_2D, Path.DECODE_SPLIT, Path.DECODE_CODE_UNITS,
+                                          Path.DECODE_CODE_UNITS]
+    assert {t.tiling.num_segments for t in compared} == {plan.tiling.num_segments}
+    assert [B.plan_of(pb, t).path for t in compared] == [t.path for t in compared]  # the CPU reads them all
+    paths = B.path_tunings(base, [Path.DECODE_STAGED_INT8, Path.DECODE_CODE_UNITS])
+    assert [B.plan_of(pb, t).path for t in paths] == [Path.DECODE_BLOCK_TILES, Path.DECODE_CODE_UNITS]
 
 
-def test_profile_decode_cfg_and_no_gpu_exit(monkeypatch, capsys):
-    base = AttnConfig(16, 64, 16, 2, 2, 3)
-    assert P.parse_cfg("32:1:2:3:8", base) == AttnConfig(16, 32, 8, 1, 2, 3)
-    assert P.parse_cfg("32:1:2:3", base).num_segments == 32  # the default's keys per segment kept
-    assert P.parse_cfg("128:4:3:0", base).num_segments == 8
-    # v4: one KV head per program unless asked (0 = all heads), or the launcher's own v4 choice
-    assert P.parse_cfg("16:1:2:4", base).heads_per_program == 1
-    assert P.parse_cfg("16:4:2:4:8:0", base).heads_per_program == 0
-    v4 = AttnConfig(16, 32, 16, 1, 2, 4, heads_per_program=2)
-    assert P.parse_cfg("16:1:2:4", v4).heads_per_program == 2 and P.parse_cfg("16:1:2:3", v4).heads_per_program == 0
+def test_profile_decode_tiling_and_no_gpu_exit(monkeypatch, capsys):
+    """bench/profile_decode.py: ``--tiling`` around the plan's tiling (segments keep the keys per
+    segment unless given; heads per program only for decode_block_tiles); without a GPU it says so."""
+    pb = B.make_problem(B.MODES["int8"], 2, 4096, 1, dict(B.QUICK, head_size=128), "cpu")
+    plan = B.plan_of(pb, Tuning())
+    t = P.parse_tiling("32:1:2:8", plan, Path.DECODE_CODE_UNITS)
+    assert (t.tile, t.num_warps, t.num_stages, t.num_segments, t.heads_per_program) == (32, 1, 2, 8, 0)
+    t = P.parse_tiling("32:1:2", plan, Path.DECODE_CODE_UNITS)
+    assert t.num_segments == max(2, plan.tiling.num_segments * plan.tiling.tile // 32)
+    assert P.parse_tiling("16:4:2:8:2", plan, Path.DECODE_BLOCK_TILES).heads_per_program == 2
+    assert P.parse_tiling("16:4:2", plan, Path.DECODE_BLOCK_TILES).heads_per_program == plan.tiling.heads_per_program
     monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
     assert P.main(["--mode", "int4"]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_bench_decode_v4_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """bench/bench_decode_v4.py: malformed shapes, variants or modes are argparse errors (exit 2)
-    before any GPU work; without a GPU it says so and returns 1."""
-    from bench import bench_decode_v4 as V4
-    for bad in (["--variants", "16:1:2"], ["--variants", "16:1:x:8:1"], ["--shapes", "8"], ["--modes", "int5"],
-                ["--rounds", "0"], ["--placements", "0"], ["--placements", "x"]):
-        with pytest.raises(SystemExit) as e:
-            V4.main(bad)
-        assert e.value.code == 2, bad
-    monkeypatch.setattr(V4.torch.cuda, "is_available", lambda: False)
-    assert V4.main(["--variants", "16:1:2:8:1 32:1:2:8:1:0:168", "--rounds", "2", "--placements", "3"]) == 1
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_bench_decode_v6_arguments_and_no_gpu_exit(monkeypatch, capsys):
-    """bench/bench_decode_v6.py: malformed shapes, rounds, ring depths or segment counts are argparse
-    errors (exit 2) before any GPU work; without a GPU it says so and returns 1; its v6 segment
-    counts bracket the launcher's, at each ring depth asked for (only the launcher's with
-    ``spread=False``; given counts, once each, with ``segments``)."""
-    from bench import bench_decode_v6 as V6
-    for bad in (["--shapes", "8"], ["--shapes", "8xk"], ["--shapes", "0x4096"], ["--rounds", "0"],
-                ["--stages", "1,3"], ["--stages", "x"], ["--segments", "1,32"], ["--segments", "a"]):
-        with pytest.raises(SystemExit) as e:
-            V6.main(bad)
-        assert e.value.code == 2, bad
-    monkeypatch.setattr(V6.torch.cuda, "is_available", lambda: False)
-    assert V6.main(["--shapes", "8x32768", "--probe"]) == 1
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-    v4, s6, v6s = V6.configs(132, 8, 32768, 8)
-    assert (v4.v2, s6, [c.num_segments for c in v6s]) == (4, 33, [16, 33, 66])  # 264 programs on 132 SMs
-    assert all(c.v2 == 6 and c.tile == 16 and c.num_stages == V6.L6.STAGES for c in v6s)
-    _, _, v6s = V6.configs(132, 8, 32768, 8, (2, 4), spread=False)
-    assert [(c.num_segments, c.num_stages) for c in v6s] == [(33, 2), (33, 4)]
-    _, _, v6s = V6.configs(132, 8, 32768, 8, (4,), segments=(33, 32, 33))  # 33: 264 programs on 132 SMs
-    assert [c.num_segments for c in v6s] == [32, 33]
+    with pytest.raises(SystemExit):
+        P.main(["--path", "v4"])
 
 
 def test_probe_reads_quick():

@@ -1,6 +1,6 @@
-"""The PTX that the v6 INT4 decode kernel generates for its copies and shared-memory loads
-(``kernels/_attn_decode_v6.py``): checked on the CPU against the packed cache's byte layout
-(docs/LAYOUT.md). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
+"""The PTX that the staged INT4 decode kernel generates for its copies and shared-memory loads
+(``kernels/attention/decode_staged_int4_gluon.py``): checked on the CPU against the packed
+cache's byte layout (docs/LAYOUT.md). The kernel itself runs only on a GPU (tests/test_attention_kernels.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-v6 = pytest.importorskip("kernels._attn_decode_v6", reason="needs Triton's Gluon dialect",
-                         exc_type=ImportError)
+int4 = pytest.importorskip("kernels.attention.decode_staged_int4_gluon",
+                         reason="needs Triton's Gluon dialect", exc_type=ImportError)
 
 ROW = 68  # bytes per (token, head) row: 64 code bytes, then the scale word
 
@@ -23,7 +23,7 @@ def _offsets(asm: str, op: str) -> list[int]:
 def test_block_copy_covers_the_block_once(nkv):
     """Every thread's 4 + 1 sixteen-byte copies, the fifth only for the first ``8 x nkv``
     threads, cover a whole block (K and V halves: ``2 x 16 x nkv x 68`` bytes) exactly once."""
-    asm = v6._copy_asm.fn(nkv, 4)
+    asm = int4._copy_asm.fn(nkv, 4)
     offs = _offsets(asm, "cp.async.cg.shared.global")
     assert len(offs) == 5 and asm.count("16;") == 5
     stage = 2 * 16 * nkv * ROW
@@ -46,11 +46,11 @@ def test_loads_reach_each_threads_words(nkv):
 
     want_k = [row(kr) + 4 * w for kr, w in ((0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9))]
     want_v = [row(key) + 4 * w for w, key in ((0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9))]
-    assert _offsets(v6._lds_asm.fn(nkv, "k"), "ld.shared.b32") == want_k
-    assert _offsets(v6._lds_asm.fn(nkv, "v"), "ld.shared.b32") == want_v
-    assert _offsets(v6._scales_asm.fn(nkv, 68), "ld.shared.b32") == [0, row(8)]  # the scale words
+    assert _offsets(int4._lds_asm.fn(nkv, "k"), "ld.shared.b32") == want_k
+    assert _offsets(int4._lds_asm.fn(nkv, "v"), "ld.shared.b32") == want_v
+    assert _offsets(int4._scales_asm.fn(nkv, 68), "ld.shared.b32") == [0, row(8)]  # the scale words
     # the zero points: scale words of keys 2c, 2c + 1, then 2c + 8, 2c + 9
-    assert _offsets(v6._zp_asm.fn(nkv), "ld.shared.b32") == [0, row(1), row(8), row(9)]
+    assert _offsets(int4._zp_asm.fn(nkv), "ld.shared.b32") == [0, row(1), row(8), row(9)]
 
 
 def test_zero_point_operand_bits():
@@ -58,7 +58,7 @@ def test_zero_point_operand_bits():
     ``-(1024 + 16 zp)``: run its ``prmt`` / ``lop3`` / ``shl`` on sample words in Python."""
     import numpy as np
 
-    asm = v6._zp_asm.fn(8)
+    asm = int4._zp_asm.fn(8)
     assert "prmt.b32 x, a, b, 0x5410" in asm
     assert "lop3.b32 $0, x, 0x000F000F, 0xE400E400, 0xEA" in asm and "shl.b32 x, x, 4" in asm
     assert "lop3.b32 $4, x, 0x00F000F0, 0xE400E400, 0xEA" in asm

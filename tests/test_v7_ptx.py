@@ -1,4 +1,4 @@
-"""The PTX of the experimental INT8 / FP8 decode kernel v7 (``kernels/_attn_decode_v7.py``),
+"""The PTX of the staged INT8 / FP8 decode kernel (``kernels/attention/decode_staged_int8_gluon.py``),
 emulated on the CPU against the packed cache's byte layout (docs/LAYOUT.md): which words each thread
 loads, and what the conversions make of them, must give every score and value dot the dims the
 query loads and the store expect."""
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-v7 = pytest.importorskip("kernels._attn_decode_v7", reason="needs Triton's Gluon dialect", exc_type=ImportError)
-v6 = pytest.importorskip("kernels._attn_decode_v6", reason="needs Triton's Gluon dialect", exc_type=ImportError)
+int8 = pytest.importorskip("kernels.attention.decode_staged_int8_gluon", reason="needs Triton's Gluon dialect",
+                         exc_type=ImportError)
+int4 = pytest.importorskip("kernels.attention.decode_staged_int4_gluon", reason="needs Triton's Gluon dialect",
+                         exc_type=ImportError)
 
 ROW = 132
 
@@ -74,7 +76,7 @@ def _word(row_bytes: np.ndarray, w: int) -> int:
 
 def _stage(seed, nkv, fp8):
     """A ring stage's K half (16 keys of ``nkv`` heads) whose head-0 rows are random bytes (no
-    NaN codes for FP8), and ``code(key, dim)``: the fp16 value v7's conversion must give for that
+    NaN codes for FP8), and ``code(key, dim)``: the fp16 value the INT8 / FP8 kernel's conversion must give for that
     byte (INT8: ``1152 + c``; FP8: the e4m3 value)."""
     rows = np.random.default_rng(seed).integers(0, 256, size=(16, ROW), dtype=np.uint8)
     if fp8:
@@ -100,7 +102,7 @@ def test_score_operands_hold_the_dims_the_query_loads(fp8):
     nkv = 2
     ks = ROW * nkv
     stage, code = _stage(1, nkv, fp8)
-    k_off, k2_off = _offsets(v7._lds_asm.fn(nkv, "k")), _offsets(v7._lds_asm.fn(nkv, "k2"))
+    k_off, k2_off = _offsets(int8._lds_asm.fn(nkv, "k")), _offsets(int8._lds_asm.fn(nkv, "k2"))
 
     for r in range(8):
         for c in range(4):
@@ -109,7 +111,7 @@ def test_score_operands_hold_the_dims_the_query_loads(fp8):
                 words = [int(stage[base + o: base + o + 4].view(np.uint32)[0]) for o in offs]
                 # element pairs in register order: (r, c-pair), (r + 8, c-pair), (r, c+4 pair), (r + 8, c+4 pair)
                 for pair, (key, p) in enumerate(((r, c), (r + 8, c), (r, c + 4), (r + 8, c + 4))):
-                    regs = _run(v7._kconv_asm.fn(fp8), words[2 * pair: 2 * pair + 2])
+                    regs = _run(int8._kconv_asm.fn(fp8), words[2 * pair: 2 * pair + 2])
                     for n, i in enumerate(dots):
                         for e, got in enumerate(_halves(regs[n])):
                             dim = 4 * (8 * (i // 2) + p) + 2 * (i % 2) + e
@@ -124,7 +126,7 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
     nkv = 4
     ks = ROW * nkv
     stage, code = _stage(2, nkv, fp8)
-    v_off, v2_off = _offsets(v7._lds_asm.fn(nkv, "v")), _offsets(v7._lds_asm.fn(nkv, "v2"))
+    v_off, v2_off = _offsets(int8._lds_asm.fn(nkv, "v")), _offsets(int8._lds_asm.fn(nkv, "v2"))
 
     for r in range(8):
         for c in range(4):
@@ -132,7 +134,7 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
             for offs, dots in ((v_off, range(4)), (v2_off, range(4, 8))):
                 words = [int(stage[base + o: base + o + 4].view(np.uint32)[0]) for o in offs]
                 for pair, (M, key0) in enumerate(((r, 2 * c), (r + 8, 2 * c), (r, 2 * c + 8), (r + 8, 2 * c + 8))):
-                    regs = _run(v7._vconv_asm.fn(fp8), words[2 * pair: 2 * pair + 2])
+                    regs = _run(int8._vconv_asm.fn(fp8), words[2 * pair: 2 * pair + 2])
                     for j, m in enumerate(dots):
                         dim = 16 * (M % 8) + 4 * (M // 8 + 2 * (m // 4)) + m % 4
                         assert _halves(regs[j]) == [code(key0, dim), code(key0 + 1, dim)], (r, c, m, M)
@@ -142,7 +144,7 @@ def test_value_operands_hold_the_dims_the_store_expects(fp8):
 def test_block_copy_and_scale_words(nkv):
     """8 + 1 sixteen-byte copies per thread cover a 132-byte-row block exactly once; the scale
     loads reach keys r and r + 8."""
-    asm = v6._copy_asm.fn(nkv, 8)  # v6's copy with v7's 8 rounds (132-byte rows)
+    asm = int4._copy_asm.fn(nkv, 8)  # the INT4 kernel's copy with 8 rounds (132-byte rows)
     offs = [int(m) for m in re.findall(r"cp\.async\.cg\.shared\.global \[\$1\+(\d+)\]", asm)]
     covered = []
     for tid in range(32 * nkv):
@@ -150,4 +152,4 @@ def test_block_copy_and_scale_words(nkv):
             if i < 8 or tid < 8 * nkv:
                 covered.extend(range(16 * tid + off, 16 * tid + off + 16))
     assert sorted(covered) == list(range(2 * 16 * nkv * ROW))
-    assert _offsets(v6._scales_asm.fn(nkv, ROW)) == [0, 8 * ROW * nkv]  # v7 loads its scale words with v6._ld_scales
+    assert _offsets(int4._scales_asm.fn(nkv, ROW)) == [0, 8 * ROW * nkv]  # the INT8 kernel loads its scale words with the INT4 kernel's _ld_scales

@@ -7,10 +7,16 @@ sharing one KV head, so every K/V byte it loads feeds all heads of the group (GQ
 
 from __future__ import annotations
 
+import torch
 import triton.language as tl
 
-from ._attn_common import LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot, visible
-from ._jit import dual_jit
+from layouts import KVQuantMode
+
+from .._jit import dual_jit, interpreting
+from .call import kv_align
+from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
+                     visible)
+from .prefill_2d_int4 import _attn_int4_kernel
 
 
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS). One program: one q
@@ -121,3 +127,50 @@ def _attn_kernel(
         o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # no visible key -> 0 (as the oracle)
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def launch_2d(call, plan) -> None:
+    """Launch the 2D kernel (``_attn_kernel``, or ``prefill_2d_int4._attn_int4_kernel`` on INT4
+    caches) on ``call``: grid (q tiles, KV heads, segments); with more than one segment it writes
+    ``call``'s segment buffers (allocated), else ``call.out``."""
+    q, k, v, out, tiling = call.q, call.k, call.v, call.out, plan.tiling
+    num_tokens, num_q_heads = q.shape[:2]
+    num_seqs = call.num_seqs
+    split = tiling.num_segments > 1
+    block_q = tiling.block_m // call.group
+    align = kv_align(k, v)
+    if interpreting(q):
+        dot = DOT_FP32.value
+    elif call.mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+        dot = DOT_FP16.value  # int8 / e4m3 codes convert exactly and cheaply to fp16
+    else:
+        dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
+    ks, vs = call.ks, call.vs
+    grid = (num_tokens // block_q + num_seqs, k.shape[2], tiling.num_segments)
+    common = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, out_ptr=call.segm_output if split else out,
+        segm_max_ptr=call.segm_max if split else out, segm_sum_ptr=call.segm_expsum if split else out,
+        block_table_ptr=call.block_table, cu_seqlens_q_ptr=call.cu_seqlens_q.contiguous(),
+        seqused_k_ptr=call.seqused_k.contiguous(),
+        softmax_scale=call.softmax_scale, softcap=call.softcap,
+        window_left=int(call.window_size[0]), window_right=int(call.window_size[1]), num_seqs=num_seqs,
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align,
+        stride_k_h=k.stride(2) // align, stride_k_d=k.stride(3),
+        stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align,
+        stride_v_h=v.stride(2) // align, stride_v_d=v.stride(3),
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_bt_s=call.block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=call.group, HEAD=call.head_size, BLOCK_SIZE=k.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE=tiling.tile, DOT=dot,
+        CAUSAL=call.causal, USE_SOFTCAP=call.softcap > 0,
+        SPLIT=split, NUM_SEGMENTS=tiling.num_segments, KV_ALIGN=align, PDL=plan.pdl, launch_pdl=plan.pdl,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )
+    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        _attn_int4_kernel[grid](signs_ptr=call.signs, **common)
+    else:
+        _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
+                           IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)

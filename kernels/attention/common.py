@@ -33,7 +33,7 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_release(PDL: tl.constexpr):
     """Let the next kernel of the stream be scheduled now rather than when this one's programs
     exit (it still waits in its own :func:`pdl_enter`). Only for small grids: the next kernel's
-    programs then hold SM slots while they wait (H200, docs/bench/attention.md: calling this in
+    programs then hold SM slots while they wait (H200: calling this in
     every decode kernel made INT4 at batch 8, 32k context 6-8% slower)."""
     if PDL:
         gdc_launch_dependents()
@@ -148,7 +148,7 @@ def segment_tiles(k_lo, k_hi, seg_idx, TILE: tl.constexpr, NUM_SEGMENTS: tl.cons
 @triton.jit
 def decode_tile_softmax(s, n_ok, k_zp, k_sc, q_sum, v_zp, v_sc, m_i, l_i, col_scale, softcap,
                         USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    """One key tile of the swapped-operand decode kernels' online softmax (v2 and v3).
+    """One key tile of the swapped-operand decode kernels' online softmax (decode_split, decode_code_units).
 
     ``s [TILE, GP]`` is the raw code dot ``codes_K . q^T`` (code offset included); per key, zero
     point ``k_zp`` (offset folded in) and scale ``k_sc``; ``q_sum [GP]`` is the sum of the rounded

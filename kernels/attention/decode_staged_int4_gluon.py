@@ -1,22 +1,27 @@
-"""Split-KV INT4 decode kernel "v6": whole cache blocks in shared memory, every KV head, one warp each.
+"""Split-KV INT4 decode, whole cache blocks staged in shared memory, every KV head, one warp each.
 
-Written in Gluon (``triton.experimental.gluon``, Triton >= 3.6, NVIDIA sm_80+) with inline PTX
-for the shared-memory ring; the Triton kernels v3 / v4 serve everything else (and the CPU).
+Written in Gluon (``triton.experimental.gluon``, Triton 3.6, NVIDIA sm_80+) with inline PTX for
+the shared-memory ring; the Triton kernels serve everything else (and the CPU). Host side
+(layout checks, segments, ring, launch): ``decode_staged.py``. The helpers of the ring (copies,
+barriers, block-id queue, tile range, output rows) are shared with ``decode_staged_int8_gluon``.
 
-**Why.** The v4 kernel reads each KV head's 68-byte rows on their own, 544 bytes apart, and
-runs at that access pattern's rate (docs/bench/attention.md, sessions 6-10). Here one program
-per (sequence, segment) holds every KV head, and each cache block is copied as it lies in the
-packed cache (SPEC §4: ``2 x 16 x num_kv_heads x 68`` contiguous bytes: K half, then V half) by
+This module is over 400 lines because the kernel and its ring helpers are one piece of inline
+PTX addressing: split apart they would be read apart.
+
+**Why.** ``decode_block_tiles`` reads each KV head's 68-byte rows on their own, 544 bytes
+apart, and runs at that access pattern's rate. Here one program per (sequence, segment) holds
+every KV head, and each cache block is copied as it lies in the packed cache
+(docs/LAYOUT.md: ``2 x 16 x num_kv_heads x 68`` contiguous bytes: K half, then V half) by
 16-byte ``cp.async`` into a ring of ``STAGES`` blocks; each thread copies 4.25 chunks with
 immediate offsets from one address. Each warp then reads its head's rows, codes and scale words,
 with ``ld.shared.b32`` at immediate offsets from one address per thread. Gluon's shared layouts
 cannot state the 17-word row pitch in Triton 3.6 (the padded layout is not lowered on NVIDIA,
 and TMA boxes cannot start at 68-byte offsets), so the ring is addressed by the kernel's own
 inline PTX, in dynamic shared memory after Triton's own: the launcher reserves it
-(``_attn_launch_v6._reserve_ring``) and passes its offset (``ring_off``); a small Triton
+(``decode_staged.reserve_ring``) and passes its offset (``ring_off``); a small Triton
 allocation (``anchor``) makes the kernel declare ``global_smem``, the base it is addressed from.
 
-**Maths** (as v4; SPEC §3). The query arrives rotated and scaled (``_prep_q_kernel``, 4
+**Maths** (as ``decode_block_tiles``; docs/LAYOUT.md). The query arrives rotated and scaled (``_rotate_query_kernel``, 4
 parts). Nibble ``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores are
 ``sum_n N_n . Q_n^T``, where ``N_n`` holds nibble ``n`` of every word: one
 ``mma.m16n8k16`` k-step per nibble position, with the words as the K axis, so words go from
@@ -25,7 +30,7 @@ fp16x2 registers: ``1024 + c`` for even ``n``, ``1024 + 16 c`` for odd ``n`` (th
 parts are pre-divided by 16). Each dot starts from minus its offset and zero-point share: per key
 for the scores, per tile for the values. The tensor cores add that share to the products, so no
 large offset is left to cancel in the fp32 sums (cancelling it once per segment instead gave a
-relative L2 of 2.9e-3 at b32@32k against v4's 1.6e-3). The values' share is itself a dot:
+relative L2 of 2.9e-3 at b32@32k against ``decode_block_tiles``' 1.6e-3). The values' share is itself a dot:
 the probabilities times a row of ``-(1024 + zp)`` per key (``-(1024 + 16 zp)`` for odd ``n``), so
 its result has the accumulator's layout with no reduction across lanes. The per-token key scale
 is applied to the score tile. The online softmax keeps its running max over
@@ -34,22 +39,22 @@ normaliser, and the accumulators and the sum share the max's units (the reductio
 that max). The value product is ``N_n^T . P'`` per nibble position, with the keys as the K axis.
 The query heads of a KV head are the N axis (8, ``GROUP`` used).
 
-**Two blocks a step** (``PAIR``, bulk copies, an even ring): each loop step waits for two
+**Two blocks a step** (``PAIR``: bulk copies and an even ring): each loop step waits for two
 adjacent ring slots and takes both blocks' scores through one online-softmax step (one running
 max, one ``alpha``), so the accumulators' rescale, the cross-lane max and the ring's barrier and
 refill are paid once per 32 keys: 619-627 SASS instructions per step against 355 per block
-(sm_90, 6 / 4 stages, 128 registers, no spills), 4-5% faster on the H200 (docs/bench/attention.md, session 14). Both
+(sm_90, 6 / 4 stages, 128 registers, no spills), 4-5% faster on the H200. Both
 blocks' offset and zero-point shares go into the first block's value dots (one ``c`` per nibble
 parity), so the second block's offset cancels one fp32 rounding later: relative L2 against the
 oracle 1.84e-3 instead of 1.76e-3 at b8@32k.
 
-**Warp 0 refills** (``WARP0``, with ``PAIR``): one thread issues each bulk copy, but the
-copies' address and mbarrier arithmetic and the block-id queue's loads ran in every warp.
-Behind a branch on ``%tid.x < 32`` warps 1.. run 543 SASS instructions per step and warp 0 647
-(offline sm_90), against 624 for every warp: 4-7% faster on the H200 (docs/bench/attention.md,
-session 18). Every warp still meets at the block barrier before the refills.
+**Warp 0 refills** (with ``PAIR``): one thread issues each bulk copy, so the copies' address
+and mbarrier arithmetic and the block-id queue's loads run in warp 0 alone, behind a branch on
+``%tid.x < 32``: warps 1.. run 543 SASS instructions per step and warp 0 647 (offline sm_90),
+against 624 for every warp, 4-7% faster on the H200. Every warp still meets at the block
+barrier before the refills.
 
-Writes the split buffers of ``_attn_reduce_kernel`` (rotated dims, natural order). Masked keys
+Writes the split buffers of ``reduce._attn_reduce_kernel`` (rotated dims, natural order). Masked keys
 (past the sequence, outside the window) get a ``-inf`` score and a zero value scale, so
 poisoned bytes in a block's unused rows never reach the output.
 """
@@ -60,7 +65,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._gluon_pdl import gdc_wait
+from .gluon_pdl import gdc_wait
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
@@ -84,7 +89,7 @@ def _copy_asm(nkv, rounds):
     ``8 x nkv x (4 rounds + 1)`` chunks of 16 bytes over ``32 x nkv`` threads, thread-major):
     ``cp.async.cg`` at ``$1`` / ``$2`` and ``rounds - 1`` more a step of ``32 x nkv x 16`` bytes
     apart where ``$3`` (the block is copied), one more where ``$4`` (the tail: the first
-    ``8 x nkv`` threads). v6's 68-byte rows: 4 rounds; v7's 132-byte rows: 8."""
+    ``8 x nkv`` threads). INT4's 68-byte rows: 4 rounds; INT8 / FP8's 132-byte rows: 8."""
     step = 512 * nkv
     lines = [f"@p cp.async.cg.shared.global [$1+{i * step}], [$2+{i * step}], 16;" for i in range(rounds)]
     return ("{ .reg .pred p; setp.ne.b32 p, $3, 0; " + " ".join(lines) + " setp.ne.b32 p, $4, 0; "
@@ -148,8 +153,8 @@ def _copy_block(saddr, gaddr, ok, tail, NKV: gl.constexpr, ROUNDS: gl.constexpr)
 @gluon.jit
 def _ld8(addr, ASM: gl.constexpr):
     """8 words per thread from the ring, at the constant offsets of ``ASM`` (a module's
-    ``_lds_asm``: v6's block of 68-byte rows, v7's of 132) from each thread's first address, which
-    ``addr`` holds in all its elements; in dot operand A register order. Not pure: ordered after
+    ``_lds_asm``: a block of 68-byte rows here, of 132 in ``decode_staged_int8_gluon``) from each
+    thread's first address, which ``addr`` holds in all its elements; in dot operand A register order. Not pure: ordered after
     the ring's barrier."""
     return gl.inline_asm_elementwise(asm=ASM, constraints=LD8, args=[addr], dtype=gl.int32, is_pure=False, pack=8)
 
@@ -164,7 +169,7 @@ def _ld_codes(addr, NKV: gl.constexpr, KIND: gl.constexpr):
 @gluon.jit
 def _ld_scales(addr, NKV: gl.constexpr, ROW_BYTES: gl.constexpr = 68):
     """The scale words of keys r and r + 8 (``[NKV, TILE]``, per key) from each thread's first
-    address, for rows of ``ROW_BYTES`` (v6: 68, v7: 132)."""
+    address, for rows of ``ROW_BYTES`` (INT4: 68, INT8 / FP8: 132)."""
     return gl.inline_asm_elementwise(asm=_scales_asm(NKV, ROW_BYTES), constraints="=r,=r,r,r", args=[addr],
                                      dtype=gl.int32, is_pure=False, pack=2)
 
@@ -288,7 +293,7 @@ def _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP: gl.constexpr):
-    """One tile of the online softmax v6 and v7 share. ``s`` [NKV, TILE, 8]: the raw scores
+    """One tile of the online softmax both staged kernels share. ``s`` [NKV, TILE, 8]: the raw scores
     (:func:`_scaled_scores`). The running max ``m_i`` is taken over ``s + log2(v_scale)``: then
     ``p * v_scale <= 1`` fits fp16 with no per-tile normaliser, and the sum ``l_acc`` (per key
     row) and the accumulators share its units. Returns the fp16 ``p * v_scale``, the accumulators'
@@ -338,7 +343,7 @@ def _softmax_pair(s_a, s_b, k_sc_a, k_sc_b, v_sc_a, v_sc_b, ok_a, ok_b, m_i, l_a
 def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr,
                  GROUP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, ROW_L: gl.constexpr):
     """Store the segment's running max ``m_i`` [NKV, 8] and sum (``l_acc`` [NKV, TILE, 8] summed
-    over its key rows) of each query head (v6, v7): the reduction's split buffers."""
+    over its key rows) of each query head (both staged kernels): the reduction's split buffers."""
     r_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, ROW_L))
     r_g = gl.arange(0, 8, layout=gl.SliceLayout(0, ROW_L))
     rows = (tok.to(gl.int64) * NUM_Q_HEADS + r_h[:, None] * GROUP + r_g[None, :]) * NUM_SEGMENTS + seg_idx
@@ -351,7 +356,7 @@ def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEA
 def _out_rows(tok, seg_idx, MMA: gl.constexpr, NKV: gl.constexpr, INNER: gl.constexpr, GROUP: gl.constexpr,
               NUM_Q_HEADS: gl.constexpr, NUM_SEGMENTS: gl.constexpr):
     """Where the value accumulators ``[NKV, INNER, 8]`` (layout ``MMA``: KV head, M index, query
-    head of the group) go in the split output (v6, v7): each element's output row, its mask (query
+    head of the group) go in the split output (both staged kernels): each element's output row, its mask (query
     heads past ``GROUP`` are padding) and the M index ``[INNER]``, which each kernel maps to dims."""
     o_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
     o_m = gl.arange(0, INNER, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -446,8 +451,8 @@ def _ring_advance(ring, bars, kv_ptr, blk, t, t1, j, slot, first, tid, tail, str
 
 
 @gluon.jit(do_not_specialize=["ring_off"])
-def _attn_decode_v6_kernel(
-    q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_prep_q_kernel``)
+def _decode_staged_int4_kernel(
+    q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_rotate_query_kernel``)
     kv_ptr,                         # the packed cache as int32 words
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
@@ -458,11 +463,9 @@ def _attn_decode_v6_kernel(
     ring_off,                       # bytes from the dynamic shared memory's base to the ring
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
-    PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
-    WARP0: gl.constexpr = False,    # PAIR: only warp 0 runs the refills' code
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -513,7 +516,7 @@ def _attn_decode_v6_kernel(
     # longer than a tile when every SM streams the cache
     b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - (2 if PAIR else 1), t1)
 
-    if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_prep_q_kernel) output
+    if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_rotate_query_kernel) output
         gdc_wait(ring_off)
     # the query, B operand: Q_n [NKV, WORDS, 8] fp16, Q_n[h, w, g] = rotated dim 8 w + n of head
     # h * GROUP + g = part n % 4, unit 2 w + n // 4; odd n over 16 (their codes come as 16 c)
@@ -558,8 +561,8 @@ def _attn_decode_v6_kernel(
             slot = j % STAGES
             n = t + STAGES + 2
             gl.thread_barrier()  # every warp is done with the previous step's two slots: refill them
-            # WARP0: only warp 0 runs the refills' code (the copies are one thread's anyway); else every warp
-            if (_in_warp0(ring_off) if WARP0 else 1) != 0:
+            # only warp 0 runs the refills' code (the copies are one thread's anyway)
+            if _in_warp0(ring_off) != 0:
                 _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 2 < t1, (j + STAGES - 2) % STAGES, first, stride_blk,
                             STAGE_BYTES)
                 _issue_bulk(ring, bars, kv_ptr, b1, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
@@ -621,9 +624,9 @@ def _attn_decode_v6_kernel(
         for t in range(t0, t1):
             j = t - t0
             slot = j % STAGES
-            # _ring_advance written out (v7 calls it): as a call the bulk builds get the same instructions in
-            # another order and register assignment (offline sm_90, sessions 13 and 16); on the H200,
-            # b8@32k, 5 stages: 101.8 / 102.0 us against 101.0 / 100.6 written out, 3 stages equal (session 16)
+            # _ring_advance written out (the INT8 / FP8 kernel calls it): as a call the bulk builds get the
+            # same instructions in another order and register assignment (offline sm_90), about 1% slower
+            # on the H200 at b8@32k with 5 stages
             if BULK:  # every warp is done with the slot of tile j - 1: refill it, then wait for tile j
                 gl.thread_barrier()
                 _issue_bulk(ring, bars, kv_ptr, b0, t + STAGES - 1 < t1, (j + STAGES - 1) % STAGES, first, stride_blk,
@@ -636,36 +639,35 @@ def _attn_decode_v6_kernel(
                        STAGE_BYTES, NKV, 4)
             n = t + STAGES + 3
             b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
-            if not PROBE:
-                sb = ring + slot * STAGE_BYTES
-                ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
-                vsw = _ld_scales(sb + HALF_B + s_off, NKV)
-                k_pos = t * TILE + tok_i
-                n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
-                ksw = gl.where(n_ok, ksw, 0)
-                vsw = gl.where(n_ok, vsw, 0)
-                k_zp = (ksw & 0xF).to(gl.float32)
-                k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
-                v_sc = (vsw & -16).to(gl.float32, bitcast=True)
-                s = _scores(sb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV)  # [NKV, TILE, 8]
-                pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
-                p_b = gl.convert_layout(pv, b_l)
-                # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
-                # the tensor cores: its rows are the same, as the accumulator's layout wants them
-                zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
-                c_even = mma_v2(zd_even, p_b, zero_o)
-                c_odd = mma_v2(zd_odd, p_b, zero_o)
-                vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
-                v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
-                a3 = alpha[:, None, :]
-                acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
-                acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
-                acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
-                acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
-                acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
-                acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
-                acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
-                acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
+            sb = ring + slot * STAGE_BYTES
+            ksw = _ld_scales(sb + s_off, NKV)                                   # [NKV, TILE]
+            vsw = _ld_scales(sb + HALF_B + s_off, NKV)
+            k_pos = t * TILE + tok_i
+            n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :] & (ksw == ksw)
+            ksw = gl.where(n_ok, ksw, 0)
+            vsw = gl.where(n_ok, vsw, 0)
+            k_zp = (ksw & 0xF).to(gl.float32)
+            k_sc = (ksw & -16).to(gl.float32, bitcast=True) * col_scale
+            v_sc = (vsw & -16).to(gl.float32, bitcast=True)
+            s = _scores(sb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV)  # [NKV, TILE, 8]
+            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
+            p_b = gl.convert_layout(pv, b_l)
+            # the tile's offset and zero-point share, -sum_k (1024 + zp_k) p'_k (odd n: 16 zp_k), on
+            # the tensor cores: its rows are the same, as the accumulator's layout wants them
+            zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
+            c_even = mma_v2(zd_even, p_b, zero_o)
+            c_odd = mma_v2(zd_odd, p_b, zero_o)
+            vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
+            a3 = alpha[:, None, :]
+            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
+            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
+            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
+            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
+            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
+            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
+            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
+            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
     if not BULK:
         async_copy.wait_group(0)
 

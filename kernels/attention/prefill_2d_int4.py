@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from ._attn_common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
-from ._jit import dual_jit
+from .common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
+from .._jit import dual_jit
 
 
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS), as _attn_kernel.

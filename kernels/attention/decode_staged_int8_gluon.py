@@ -1,15 +1,15 @@
-"""Split-KV INT8 / FP8 decode kernel "v7": v6's design (``_attn_decode_v6``) for 132-byte rows.
+"""Split-KV INT8 / FP8 decode, whole cache blocks staged in shared memory: the INT4 staged
+kernel's design (``decode_staged_int4_gluon``) for 132-byte rows.
 
-Written in session 12 (compiled offline for sm_90), first run on the H200 in session 13: the
-INT8 / FP8 default at head_size 128 for large decode batches (``_attn_launch_v7``).
-
-One program per (sequence, segment) holds every KV head, one warp each; each cache block (SPEC
-§4: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then V half; a row is 128 code
+The INT8 / FP8 default at head_size 128 for large decode batches on CUDA (host side:
+``decode_staged.py``). One program per (sequence, segment) holds every KV head, one warp each;
+each cache block (docs/LAYOUT.md: ``2 x 16 x num_kv_heads x 132`` contiguous bytes, K half then
+V half; a row is 128 code
 bytes and the f32 scale) is copied whole (one bulk copy on sm_90+, else 16-byte ``cp.async``)
 into a ring in dynamic shared memory (reserved by the launcher after Triton's own), and each
 warp reads its head's words with ``ld.shared.b32`` at immediate offsets from one address per
-thread. The ring, its copies and the tile range are v6's (``_attn_decode_v6``'s helpers; 8
-copy rounds per thread for the 132-byte rows where v6 has 4).
+thread. The ring, its copies and the tile range are the INT4 kernel's helpers (8 copy rounds
+per thread for the 132-byte rows where INT4 has 4).
 
 **Maths.** Codes go to fp16 for ``mma.m16n8k16``:
 
@@ -23,7 +23,7 @@ The scores' K axis (head dims) is permuted so that each loaded word feeds two do
 loaded in the same order. The values' M axis (head dims) likewise: row ``M`` of value dot ``m``
 is dim ``16 (M % 8) + 4 (M // 8 + 2 (m // 4)) + m % 4``, undone at the store. Per-token scales:
 the key scale on the score tile (with the softmax scale and ``log2 e``), the value scale in the
-probabilities; the softmax keeps its max over ``s + log2(v_scale)`` as in v6.
+probabilities; the softmax keeps its max over ``s + log2(v_scale)`` as the INT4 kernel does.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ._attn_decode_v6 import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
+from .decode_staged_int4_gluon import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
                               _ring_start, _softmax_tile, _store_stats, _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
@@ -92,7 +92,7 @@ CONV = gl.constexpr("=r,=r,=r,=r,r,r")
 
 @gluon.jit
 def _ld(addr, NKV: gl.constexpr, KIND: gl.constexpr):
-    """8 words per thread of a block of 132-byte rows (v6's :func:`_ld8` with :func:`_lds_asm`)."""
+    """8 words per thread of a block of 132-byte rows (the INT4 kernel's :func:`_ld8` with :func:`_lds_asm`)."""
     return _ld8(addr, _lds_asm(NKV, KIND))
 
 
@@ -138,7 +138,7 @@ def _store_dot(base, acc, o_m, ok3, M: gl.constexpr):
 
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit(do_not_specialize=["ring_off"])
-def _attn_decode_v7_kernel(
+def _decode_staged_int8_kernel(
     q_ptr,                          # [T, Hq, 128] bf16 / fp16, as given
     kv_ptr,                         # the packed cache as int32 words
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
@@ -151,7 +151,6 @@ def _attn_decode_v7_kernel(
     ring_off,                       # bytes from the dynamic shared memory's base to the ring
     NUM_Q_HEADS: gl.constexpr, NKV: gl.constexpr, GROUP: gl.constexpr, FP8: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
-    PROBE: gl.constexpr = False,    # copies only (a read probe: measures the copy ring alone)
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
@@ -244,38 +243,37 @@ def _attn_decode_v7_kernel(
                       BULK)
         n = t + STAGES + 3
         b0, b1, b2, b3 = b1, b2, b3, gl.load(bt_row + n, mask=n < t1, other=0)
-        if not PROBE:
-            sb = ring + slot * STAGE_BYTES
-            ksw = _ld_scales(sb + s_off, NKV, 132)                               # [NKV, TILE]
-            vsw = _ld_scales(sb + HALF_B + s_off, NKV, 132)
-            k_pos = t * TILE + tok_i
-            n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :]
-            k_sc = gl.where(n_ok, ksw.to(gl.float32, bitcast=True), 0.0) * qk_scale
-            v_sc = gl.where(n_ok, vsw.to(gl.float32, bitcast=True), 0.0)
-            kw = _ld(sb + k_off, NKV, "k")
-            k0, k1, k2, k3 = _kconv(kw, FP8)
-            s = mma_v2(k0, q0, s_init)
-            s = mma_v2(k1, q1, s)
-            s = mma_v2(k2, q2, s)
-            s = mma_v2(k3, q3, s)
-            kw = _ld(sb + k_off, NKV, "k2")
-            k4, k5, k6, k7 = _kconv(kw, FP8)
-            s = mma_v2(k4, q4, s)
-            s = mma_v2(k5, q5, s)
-            s = mma_v2(k6, q6, s)
-            s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
-            pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
-            p_b = gl.convert_layout(pv, b_l)
-            if FP8:
-                c_v = zero_o
-            else:  # -1152 sum_k p'_k in every row, as the value dots' accumulator input
-                c_v = mma_v2(neg_off, p_b, zero_o)
-            a3 = alpha[:, None, :]
-            # a block's unused rows may hold NaN codes (FP8 0x7F / 0xFF): 0 x NaN would reach the sums
-            v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
-            acc0, acc1, acc2, acc3 = _values_half(sb + v_off, "v", v_ok, p_b, c_v, a3, acc0, acc1, acc2, acc3, NKV, FP8)
-            acc4, acc5, acc6, acc7 = _values_half(sb + v_off, "v2", v_ok, p_b, c_v, a3, acc4, acc5, acc6, acc7, NKV,
-                                                  FP8)
+        sb = ring + slot * STAGE_BYTES
+        ksw = _ld_scales(sb + s_off, NKV, 132)                               # [NKV, TILE]
+        vsw = _ld_scales(sb + HALF_B + s_off, NKV, 132)
+        k_pos = t * TILE + tok_i
+        n_ok = ((k_pos < k_hi) & (k_pos >= k_lo))[None, :]
+        k_sc = gl.where(n_ok, ksw.to(gl.float32, bitcast=True), 0.0) * qk_scale
+        v_sc = gl.where(n_ok, vsw.to(gl.float32, bitcast=True), 0.0)
+        kw = _ld(sb + k_off, NKV, "k")
+        k0, k1, k2, k3 = _kconv(kw, FP8)
+        s = mma_v2(k0, q0, s_init)
+        s = mma_v2(k1, q1, s)
+        s = mma_v2(k2, q2, s)
+        s = mma_v2(k3, q3, s)
+        kw = _ld(sb + k_off, NKV, "k2")
+        k4, k5, k6, k7 = _kconv(kw, FP8)
+        s = mma_v2(k4, q4, s)
+        s = mma_v2(k5, q5, s)
+        s = mma_v2(k6, q6, s)
+        s = mma_v2(k7, q7, s)                                               # [NKV, TILE, 8]
+        pv, alpha, m_i, l_acc = _softmax_tile(s, k_sc, v_sc, n_ok, m_i, l_acc, softcap, USE_SOFTCAP)
+        p_b = gl.convert_layout(pv, b_l)
+        if FP8:
+            c_v = zero_o
+        else:  # -1152 sum_k p'_k in every row, as the value dots' accumulator input
+            c_v = mma_v2(neg_off, p_b, zero_o)
+        a3 = alpha[:, None, :]
+        # a block's unused rows may hold NaN codes (FP8 0x7F / 0xFF): 0 x NaN would reach the sums
+        v_ok = ((t * TILE + vt >= k_lo) & (t * TILE + vt < k_hi))[None, None, :]
+        acc0, acc1, acc2, acc3 = _values_half(sb + v_off, "v", v_ok, p_b, c_v, a3, acc0, acc1, acc2, acc3, NKV, FP8)
+        acc4, acc5, acc6, acc7 = _values_half(sb + v_off, "v2", v_ok, p_b, c_v, a3, acc4, acc5, acc6, acc7, NKV,
+                                              FP8)
     if not BULK:
         async_copy.wait_group(0)
 

@@ -1,5 +1,5 @@
 """The Sylvester Walsh-Hadamard product of a 128-dim row held by one warp, in Gluon, and the INT4
-query rotation built on it (``_prep_q_gluon_kernel``, the GPU twin of ``_prep_q_kernel``).
+query rotation built on it (``_rotate_query_gluon_kernel``, the GPU twin of ``_rotate_query_kernel``).
 
 A row lies across a warp's lanes, lane ``l`` holding dims ``4 l .. 4 l + 3``. ``H x`` is then 7
 radix-2 stages in place: the two on bits 0-1 of the dim inside each lane (adds and
@@ -12,7 +12,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._gluon_pdl import gdc_release, gdc_wait
+from .gluon_pdl import gdc_release, gdc_wait
 
 HEAD = gl.constexpr(128)
 
@@ -52,7 +52,7 @@ def fwht128(x):
 
 
 @gluon.jit
-def _prep_q_gluon_kernel(
+def _rotate_query_gluon_kernel(
     q_ptr, signs_ptr, q_out_ptr, softmax_scale,
     stride_q_t, stride_q_h, stride_q_d,
     NUM_Q_HEADS: gl.constexpr, PARTS: gl.constexpr,
@@ -60,7 +60,7 @@ def _prep_q_gluon_kernel(
     RELEASE: gl.constexpr,          # let the decode kernel be scheduled at the start
 ):
     """One warp per (token, head): ``softmax_scale * H (s * q)`` in fp32, written in ``PARTS``
-    parts as ``_prep_q_kernel`` writes it (rotated dim ``PARTS * i + x`` at ``x * 128 / PARTS + i``)."""
+    parts as ``_rotate_query_kernel`` writes it (rotated dim ``PARTS * i + x`` at ``x * 128 / PARTS + i``)."""
     R_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
                                          order=[1, 0])
     tok = gl.program_id(0).to(gl.int64)

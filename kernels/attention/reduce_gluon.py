@@ -1,15 +1,15 @@
 """The split-KV reduction at head_size 128 on the GPU, in Gluon: ``_attn_reduce_kernel``'s merge,
-with the INT4 inverse rotation as a warp's lane butterflies (``_hadamard_gluon.fwht128``).
+with the INT4 inverse rotation as a warp's lane butterflies (``rotate_query_gluon.fwht128``).
 
 One program per (token, query head), a warp per ``SEG_PAD / num_warps`` segments. The whole
 ``[SEG_PAD, 128]`` tile of segment rows is one load, so every row is in flight at once; each
 thread takes the maximum and the weighted sum of ``l`` over all segments itself, so the only
 exchange between warps is the sum of the weighted rows. The Triton kernel changes layouts
 through shared memory behind 16 barriers for its Kronecker products (offline sm_90: 672 SASS
-instructions); this one has 2 barriers. H200, session 18 (docs/bench/attention.md): INT4
+instructions); this one has 2 barriers. On the H200: INT4
 b32@32k's reduction 2.5 µs against 11.3, b12@32k 3.4 against 5.9.
 
-The CPU (Triton's interpreter) and other head sizes keep ``_attn_reduce._attn_reduce_kernel``.
+The CPU (Triton's interpreter) and other head sizes keep ``reduce._attn_reduce_kernel``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._gluon_pdl import gdc_wait
-from ._hadamard_gluon import HEAD, fwht128
+from .gluon_pdl import gdc_wait
+from .rotate_query_gluon import HEAD, fwht128
 
 
 @gluon.jit

@@ -1,8 +1,11 @@
-"""Split-KV decode kernel for the quantized caches (INT8, FP8, INT4 per-token-head), "v2".
+"""Split-KV decode kernel for any quantized cache (INT8, FP8, INT4 per-token-head), and its launcher.
+
+The portable fallback of the decode family: it reads the cache through byte strides, so it serves
+the quantized caches the code-unit and block-tile kernels cannot read (rows not 4-byte aligned).
 
 Decode has one query token per sequence and a small GQA group (4 query heads per KV head in
-the benchmark), so the old kernel's ``[BLOCK_M = 16, TILE]`` score tile wasted 3/4 of every
-MMA row and every softmax element, and its codes were the dots' B operand. Here the dots are
+the benchmark), so the 2D kernel's ``[BLOCK_M = 16, TILE]`` score tile wastes 3/4 of every
+MMA row and every softmax element there, with the codes as the dots' B operand. Here the dots are
 swapped ("swap AB"): the converted codes are the A operand, the tiny query / probability
 tiles the B operand, and every tile is ``[keys, GP]`` with ``GP`` = the group padded to a
 power of two (>= 8):
@@ -27,9 +30,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attn_common import DOT_FP32, decode_program, decode_tile_softmax, hadamard_sign, pdl_enter, pdl_release, to_dot
-from ._attn_units import MODE_INT4, MODE_INT8
-from ._jit import dual_jit
+from layouts import KVQuantMode
+
+from .._jit import dual_jit, interpreting, next_pow2
+from .call import kv_align
+from .common import DOT_FP16, DOT_FP32, decode_program, decode_tile_softmax, to_dot
+from .rotate_query import query_scales, rotated_query
+from .units import DECODE_MODES, MODE_INT4, MODE_INT8
+
+MIN_GP = 8  # the query-head (N) side of the dots is padded to at least this
 
 
 @triton.jit
@@ -122,7 +131,7 @@ def _load_tile(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, t, t_end, k_lo, k
 # Grid: (num_seqs, num_kv_heads, NUM_SEGMENTS). Writes the split buffers of _attn_reduce_kernel
 # (accumulator rows [T, Hq, NUM_SEGMENTS, HEAD], INT4 still rotated, in natural element order).
 @dual_jit
-def _attn_decode_kernel(
+def _decode_split_kernel(
     q_ptr,                          # [T, Hq, HEAD] fp32 (scaled; INT4: rotated, even half | odd half)
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, HEAD or HEAD // 2] codes
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] fp32 (INT4: int32 bits scale | zp)
@@ -212,34 +221,33 @@ def _attn_decode_kernel(
     tl.store(segm_sum_ptr + row, l_i, mask=g_ok)
 
 
-# Grid: (num_tokens, cdiv(num_q_heads, BLOCK_H)). INT4 query: q_out = softmax_scale * H(s * q), fp32,
-# in PARTS parts of HEAD / PARTS dims, part x = rotated dims PARTS * i + x (v2 kernel: 2, v3: 4).
-@dual_jit
-def _prep_q_kernel(
-    q_ptr, signs_ptr, q_out_ptr, softmax_scale,
-    stride_q_t, stride_q_h, stride_q_d,
-    NUM_Q_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, DOT: tl.constexpr,
-    PARTS: tl.constexpr,
-    PDL: tl.constexpr,              # launched with launch_pdl (pdl_enter)
-    RELEASE: tl.constexpr,          # pdl_release at the start
-):
-    pdl_enter(PDL)
-    if RELEASE:  # a handful of programs: the decode kernel may be scheduled at once
-        pdl_release(PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = head < NUM_Q_HEADS
-    offs_d = tl.arange(0, HEAD)
-    # q in its own dtype: times the +-1 signs and Hadamard entries, the 16-bit dot is exact up to
-    # the fp32 accumulation (DOT_FP32, interpreter: everything in fp32)
-    q = tl.load(q_ptr + tok * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=h_ok[:, None], other=0.0)
-    if DOT == DOT_FP32:
-        q = q.to(tl.float32)
-    out = q_out_ptr + (tok * NUM_Q_HEADS + head)[:, None] * HEAD
-    P: tl.constexpr = HEAD // PARTS
-    offs_p = tl.arange(0, P)
-    q = q * tl.load(signs_ptr + offs_d)[None, :].to(q.dtype)
-    for x in tl.static_range(PARTS):
-        qx = tl.dot(q, hadamard_sign(offs_d[:, None], PARTS * offs_p[None, :] + x).to(q.dtype)) * softmax_scale
-        tl.store(out + x * P + offs_p[None, :], qx, mask=h_ok[:, None])
+def launch_split(call, plan) -> None:
+    """Launch ``_decode_split_kernel`` (grid: sequences x KV heads x segments) on ``call`` (its
+    segment buffers allocated); an INT4 query is rotated first (``plan.rotate``, 2 parts)."""
+    q, k, v, tiling = call.q, call.k, call.v, plan.tiling
+    interp = interpreting(q)
+    align = kv_align(k, v)
+    grid = (call.num_seqs, k.shape[2], tiling.num_segments)
+    qp, q_scale = rotated_query(call, plan)
+    use_softcap, col_scale = query_scales(call)
+    code_dim = call.head_size // 2 if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD else call.head_size
+    mode_id, off = DECODE_MODES[call.mode]
+    ks, vs = call.ks, call.vs
+    _decode_split_kernel[grid](
+        q_ptr=qp, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, segm_out_ptr=call.segm_output,
+        segm_max_ptr=call.segm_max, segm_sum_ptr=call.segm_expsum, block_table_ptr=call.block_table,
+        cu_seqlens_q_ptr=call.cu_seqlens_q.contiguous(), seqused_k_ptr=call.seqused_k.contiguous(),
+        q_scale=q_scale, col_scale=col_scale, softcap=call.softcap,
+        window_left=int(call.window_size[0]), window_right=int(call.window_size[1]),
+        stride_q_t=qp.stride(0), stride_q_h=qp.stride(1), stride_q_d=qp.stride(2),
+        stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
+        stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align, stride_v_h=v.stride(2) // align,
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_bt_s=call.block_table.stride(0),
+        NUM_Q_HEADS=q.shape[1], GROUP=call.group, GP=max(MIN_GP, next_pow2(call.group)),
+        HEAD=call.head_size, D=code_dim, OFF=off, BLOCK_SIZE=k.shape[1], TILE=tiling.tile, MODE=mode_id,
+        DOT=DOT_FP32.value if interp else DOT_FP16.value, ASM=not interp,
+        CAUSAL=call.causal, USE_SOFTCAP=use_softcap, NUM_SEGMENTS=tiling.num_segments, KV_ALIGN=align,
+        PDL=plan.pdl, launch_pdl=plan.pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )

@@ -1,6 +1,6 @@
 """Programmatic dependent launch inside Gluon kernels (sm_90+; the launcher passes ``launch_pdl``):
-the two ``griddepcontrol`` instructions as inline PTX, for v6 and the Gluon query rotation and
-reduction. (The Triton kernels use ``triton.language.extra.cuda``'s, in ``_attn_common``.)"""
+the two ``griddepcontrol`` instructions as inline PTX, for the staged INT4 decode and the Gluon query rotation and
+reduction. (The Triton kernels use ``triton.language.extra.cuda``'s, in ``common.py``.)"""
 
 from __future__ import annotations
 

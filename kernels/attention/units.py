@@ -1,4 +1,9 @@
-"""Code units -> dot operands for the v3 decode kernel (``_attn_decode_v3``).
+"""The cache as 16-bit code units: the view the code-unit and block-tile decode kernels read.
+
+Host side: :func:`code_units` (the int16 views of K and V and their alignment, or None where the
+view does not exist), :func:`decode_args` (the keyword arguments both kernels share) and
+``DECODE_MODES`` (the kernels' ``MODE`` and code offset ``OFF`` per cache mode). Device side:
+:func:`units_to_dot`.
 
 The kernel reads cache rows as ``int16`` units: 4 INT4 nibbles (dims ``4u .. 4u+3``) or 2 INT8 /
 FP8 bytes (dims ``2u, 2u+1``). Triton hands ``inline_asm_elementwise(pack=2)`` one 32-bit
@@ -8,10 +13,15 @@ holds one dim of both, as fp16x2 (the dot operand layout wants pairs along its K
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
-from ._attn_common import to_dot
+from layouts import KVQuantMode
+
+from .common import to_dot
 
 MODE_INT8 = tl.constexpr(1)
 MODE_FP8 = tl.constexpr(2)
@@ -106,3 +116,52 @@ def units_to_dot(u, MODE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
             c2, c3 = c0, c1
         c0, c1, c2, c3 = to_dot(c0, DOT), to_dot(c1, DOT), to_dot(c2, DOT), to_dot(c3, DOT)
     return c0, c1, c2, c3
+
+
+# kernel MODE and code offset OFF of the swapped-operand decode kernels (split, code units, block tiles)
+DECODE_MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: (MODE_INT8.value, 1152.0),
+                KVQuantMode.FP8_PER_TOKEN_HEAD: (MODE_FP8.value, 0.0),
+                KVQuantMode.INT4_PER_TOKEN_HEAD: (MODE_INT4.value, -8.0)}
+
+
+def code_units(k: torch.Tensor, v: torch.Tensor, mode: KVQuantMode):
+    """``(k, v)`` as int16 code units and the unit alignment (2, 4 or 8) of their block and slot
+    strides, or None where the code-unit kernels cannot read them (units < 16, rows not 4-byte aligned)."""
+    if mode not in DECODE_MODES:
+        return None
+    if k.shape[3] * k.element_size() // 2 < 16 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    byte_strides = [s * t.element_size() for t in (k, v) for s in t.stride()[:3]]
+    offsets = [t.storage_offset() * t.element_size() for t in (k, v)]
+    if any(s % 4 for s in byte_strides + offsets):
+        return None
+    g = 0
+    for s in byte_strides[:2] + byte_strides[3:5]:
+        g = math.gcd(g, s // 2)
+    return k.view(torch.int16), v.view(torch.int16), min(8, g & -g) if g else 8
+
+
+def planned_units(call, plan) -> tuple:
+    """The :func:`code_units` the plan found (``plan.unit_align``), as views: not checked again."""
+    return call.k.view(torch.int16), call.v.view(torch.int16), plan.unit_align
+
+
+def decode_args(call, query, units, q_scale, col_scale) -> dict:
+    """The keyword arguments the code-unit and block-tile decode kernels share: tensors, scalars
+    and strides (block / slot code strides divided by the units' alignment, ``ALIGN_BS``);
+    ``call`` an ``AttnCall`` with its segment buffers, ``query`` what the kernel reads as q."""
+    k16, v16, align = units
+    ks, vs = call.ks.view(torch.int32), call.vs.view(torch.int32)
+    return dict(
+        q_ptr=query, k_ptr=k16, v_ptr=v16, k_scale_ptr=ks, v_scale_ptr=vs,
+        segm_out_ptr=call.segm_output, segm_max_ptr=call.segm_max, segm_sum_ptr=call.segm_expsum,
+        block_table_ptr=call.block_table, cu_seqlens_q_ptr=call.cu_seqlens_q.contiguous(),
+        seqused_k_ptr=call.seqused_k.contiguous(),
+        softmax_scale=q_scale, col_scale=col_scale, softcap=call.softcap,
+        window_left=int(call.window_size[0]), window_right=int(call.window_size[1]),
+        stride_q_t=query.stride(0), stride_q_h=query.stride(1), stride_q_d=query.stride(2),
+        stride_k_b=k16.stride(0) // align, stride_k_s=k16.stride(1) // align,
+        stride_v_b=v16.stride(0) // align, stride_v_s=v16.stride(1) // align,
+        stride_ks_b=ks.stride(0), stride_ks_s=ks.stride(1), stride_ks_h=ks.stride(2),
+        stride_vs_b=vs.stride(0), stride_vs_s=vs.stride(1), stride_vs_h=vs.stride(2),
+        stride_bt_s=call.block_table.stride(0))

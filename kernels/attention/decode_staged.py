@@ -1,0 +1,218 @@
+"""Host side of the whole-block-staged decode kernels (Gluon): which caches they read, their
+segments, their shared-memory ring, their compile probe and their launch.
+
+``decode_staged_int4_gluon`` (INT4) and ``decode_staged_int8_gluon`` (INT8 / FP8) copy whole
+cache blocks (every KV head, K and V halves) into a ring in shared memory, one program per
+(sequence, segment) and one warp per KV head. They read one layout only: the packed cache as
+``layouts.split_kv_cache`` views it at head_size 128 and block size 16 (V half right after the
+K half, each row's 4-byte scale right after its code bytes, blocks 16-byte aligned), with at
+most 8 KV heads (a power of two) and at most 8 query heads per KV head; INT8 / FP8 also need a
+query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruction).
+
+They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, where the
+H200 measured them faster than ``decode_block_tiles``: 1.24-1.50x from 262,144 keys, 1.04-1.14x
+(INT4) at 131,072; at 65,536 keys they tie, and a single sequence (a few programs of many
+blocks each) is slower. Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
+FP8 2 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM); segments for
+about two programs per SM. On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
+0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic
+dependent launch (0.8-2.2% faster): its first block copies start before ``griddepcontrol.wait``.
+
+The ring lives in dynamic shared memory after Triton's own: each variant is compiled once
+(``warmup``), and :func:`reserve_ring` raises the compiled kernel's shared-memory size by the
+ring before its first launch and passes the ring's offset to the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from layouts import CacheGeometry, KVQuantMode, split_kv_cache
+
+from . import gluon_probe
+from .gluon_probe import RingUnsupported
+
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+MAX_KV_HEADS = 8                    # one warp per KV head
+MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
+MIN_KEYS = 131072                   # sequences x context from which a staged kernel is the default
+STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
+          "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
+ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, then the scale word
+             "decode_staged_int8": HEAD_SIZE + 4}       # 132: 128 code bytes, then the f32 scale
+MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the INT4 kernel needs 127)
+PROGRAMS_PER_SM = 2
+_KERNELS = {"decode_staged_int4": ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
+            "decode_staged_int8": ("decode_staged_int8_gluon", "_decode_staged_int8_kernel")}
+_RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's offset in shared memory
+
+
+def kernel(path: str):
+    """The Gluon kernel of ``path`` (``gluon_probe.gluon_kernel``), or None without Gluon."""
+    return gluon_probe.gluon_kernel(*_KERNELS[path])
+
+
+def wants(head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seqlen_k: int) -> bool:
+    """The shape a staged kernel takes by default: head_size 128, at most 8 query heads per KV
+    head and 8 KV heads, and at least ``MIN_KEYS`` keys in the batch."""
+    return (head_size == HEAD_SIZE and group <= MAX_GROUP and num_kv_heads <= MAX_KV_HEADS
+            and num_seqs * max_seqlen_k >= MIN_KEYS)
+
+
+def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
+    """Segments per sequence: about ``PROGRAMS_PER_SM`` programs per SM (rounded down), at least
+    2, at most one per block, then the fewest segments that keep the same blocks per segment
+    (the kernels give each segment ``ceil(blocks / segments)`` blocks). Not a power of two where
+    the SMs divide otherwise: on 132 SMs b12@16k takes 22 segments, b24@8k 11, b8@32k 33 (63
+    blocks each); b8@16k 32 (33 would leave one empty), b4@32k 64, b32@32k 8. Against the power
+    of two below, on the H200: INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k within
+    1.6% either way."""
+    blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
+    want = max(1, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), blocks))
+    per_segment = -(-blocks // want)
+    return max(2, -(-blocks // per_segment))
+
+
+def packed_views(q, k, v, ks, vs, code_bytes: int) -> bool:
+    """The layout checks both kernels share: block size 16, 1-8 KV heads (a power of two), at most
+    8 query heads per KV head, rows of ``code_bytes`` codes then the 4-byte scale, V half right
+    after the K half, blocks 16-byte aligned (copied whole), the scale views' word strides and
+    addresses right after each row's codes."""
+    nkv, row = k.shape[2], code_bytes + 4
+    if k.shape[1] != BLOCK_SIZE or nkv > MAX_KV_HEADS or nkv & (nkv - 1) or q.shape[1] % nkv:
+        return False
+    if q.shape[1] // nkv > MAX_GROUP:
+        return False
+    half = BLOCK_SIZE * nkv * row
+    rows = (nkv * row, row, 1)
+    if k.stride()[1:] != rows or v.stride()[1:] != rows or k.stride(0) != v.stride(0):
+        return False
+    if v.data_ptr() - k.data_ptr() != half or k.stride(0) < 2 * half or k.stride(0) % 16 or k.data_ptr() % 16:
+        return False  # blocks copied whole, 16 bytes at a time
+    words = (k.stride(0) // 4, nkv * row // 4, row // 4)
+    if ks.element_size() != 4 or ks.stride() != words or vs.stride() != words:
+        return False
+    return ks.data_ptr() == k.data_ptr() + code_bytes and vs.data_ptr() == v.data_ptr() + code_bytes
+
+
+def reads_layout(mode: KVQuantMode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor,
+                 vs: torch.Tensor) -> bool:
+    """Whether the four views are the packed cache a staged kernel reads (any device); ``ks`` /
+    ``vs``: the scale caches as 4-byte words."""
+    if q.shape[2] != HEAD_SIZE or k.element_size() != 1:
+        return False
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return k.dtype == torch.uint8 and k.shape[3] == HEAD_SIZE // 2 and packed_views(q, k, v, ks, vs, HEAD_SIZE // 2)
+    if mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+        return q.stride(2) == 1 and k.shape[3] == HEAD_SIZE and packed_views(q, k, v, ks, vs, HEAD_SIZE)
+    return False
+
+
+def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False,
+               row_bytes: int = ROW_BYTES["decode_staged_int4"]) -> int:
+    """Bytes of a ring: ``stages`` whole cache blocks (K and V halves) of ``num_kv_heads`` heads
+    with rows of ``row_bytes``, and with ``bulk`` copies one 8-byte mbarrier per stage after them
+    (to 16 bytes)."""
+    return stages * 2 * BLOCK_SIZE * num_kv_heads * row_bytes + (-(-8 * stages // 16) * 16 if bulk else 0)
+
+
+def reserve_ring(compiled, nbytes: int) -> int:
+    """Make ``compiled`` (a Triton ``CompiledKernel`` not yet loaded) launch with ``nbytes`` more
+    dynamic shared memory, after Triton's own, and return the ring's offset there (128-byte
+    aligned). Done once per compiled kernel: Triton's cache keeps the object, so every later
+    launch of it, CUDA graph captures included, gets the ring."""
+    off = getattr(compiled, "_kv_ring_off", None)
+    if off is not None:
+        return off
+    if compiled.module is not None:  # loaded without the ring: its shared memory size is fixed
+        raise RuntimeError("kernels: a staged decode kernel was loaded before its shared-memory ring was reserved")
+    meta, packed = getattr(compiled, "metadata", None), getattr(compiled, "packed_metadata", None)
+    # Triton 3.6: a namedtuple, and the launch's (num_warps, num_ctas, shared)
+    if not (hasattr(meta, "_replace") and isinstance(getattr(meta, "shared", None), int) and isinstance(packed, tuple)
+            and packed == (meta.num_warps, meta.num_ctas, meta.shared)):
+        raise RingUnsupported(f"kernels: cannot reserve the staged decode's shared-memory ring in this Triton's "
+                              f"compiled kernel ({type(meta).__name__}, launch metadata {packed!r})")
+    off = -(-meta.shared // 128) * 128
+    compiled.metadata = meta._replace(shared=off + nbytes)
+    compiled.packed_metadata = (meta.num_warps, meta.num_ctas, off + nbytes)
+    compiled._kv_ring_off = off
+    return off
+
+
+class _Words:
+    """The packed cache's base as an int32 pointer argument (Triton reads ``data_ptr`` and ``dtype``)."""
+
+    dtype = torch.int32
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
+    """The kernel's constexprs and launch options for ``call`` under ``plan``."""
+    nkv = call.k.shape[2]
+    kw = dict(NUM_Q_HEADS=call.q.shape[1], NKV=nkv, GROUP=call.group, USE_SOFTCAP=use_softcap,
+              NUM_SEGMENTS=plan.tiling.num_segments, STAGES=stages, BULK=plan.bulk_copies)
+    if path == "decode_staged_int4":  # with bulk copies and an even ring: two blocks per loop step
+        kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, launch_pdl=plan.pdl)
+    else:
+        kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD)
+    return kw
+
+
+def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, compile_only: bool = False) -> None:
+    """Launch the staged kernel of ``plan.path`` (grid: sequences x segments, one warp per KV
+    head) on ``call`` (its segment buffers allocated). ``query``: INT4 the rotated query
+    (``rotate_query``, 4 parts, fp32), INT8 / FP8 ``call.q``; ``scale``: INT4 the key scales'
+    factor ``col_scale``, INT8 / FP8 ``softmax_scale`` (times ``log2 e`` without softcap).
+    Each variant is compiled once and its ring reserved before its first launch;
+    ``compile_only``: that, and no launch (the compile probe)."""
+    path = plan.path.value
+    k, tiling = call.k, plan.tiling
+    stages = max(2, tiling.num_stages)
+    ring = ring_bytes(k.shape[2], stages, plan.bulk_copies, ROW_BYTES[path])
+    fn = gluon_probe.require(*_KERNELS[path])
+    grid = (call.num_seqs, tiling.num_segments)
+    args = [query, _Words(k.data_ptr()), call.segm_output, call.segm_max, call.segm_expsum, call.block_table,
+            call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous(), float(scale), call.softcap,
+            int(call.window_size[0]), int(call.window_size[1]), query.stride(0), query.stride(1),
+            k.stride(0) // 4, call.block_table.stride(0)]
+    kw = _constexprs(path, call, plan, use_softcap, stages)
+    kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS)
+    key = (id(fn), query.device.index, tuple(sorted(kw.items())))
+    off = _RING_OFFSETS.get(key)
+    if off is None:
+        off = _RING_OFFSETS[key] = reserve_ring(fn.warmup(*args, 0, grid=grid, **kw), ring)
+    if not compile_only:
+        fn[grid](*args, off, **kw)
+
+
+def probe(path: str, mode: KVQuantMode, dev: torch.device, num_kv_heads: int, group: int, stages: int, bulk: bool,
+          pdl: bool) -> bool:
+    """Whether the staged kernel of ``path`` compiles on device ``dev`` for this shape class
+    (``gluon_probe.compiles``: once per process, on a 2-block cache)."""
+    def compile_once():
+        from .call import make_call
+        from .plan import Path, Plan, Tiling
+        geo = CacheGeometry(mode, HEAD_SIZE, num_kv_heads, BLOCK_SIZE, torch.bfloat16)
+        views = split_kv_cache(geo.new_cache(2, device=dev), mode, HEAD_SIZE)
+        # only shapes, dtypes and addresses matter: every tensor is empty (nothing is launched, so
+        # this is safe inside a CUDA graph capture)
+        q = torch.empty(1, num_kv_heads * group, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+        idx = torch.empty(2, dtype=torch.int32, device=dev)
+        call = make_call(q, views.key_cache, views.value_cache, torch.empty_like(q), idx, idx[1:], 1, 32, 1.0,
+                         True, (-1, -1), idx.view(1, 2), 0.0, mode, views.k_scale_cache, views.v_scale_cache)
+        plan = Plan(Path(path), Tiling(16, 16, 2, num_kv_heads, stages), pdl=pdl, bulk_copies=bulk)
+        segm = torch.empty(1, q.shape[1], 2, HEAD_SIZE, dtype=torch.float32, device=dev)
+        stats = torch.empty(1, q.shape[1], 2, dtype=torch.float32, device=dev)
+        call = dataclasses.replace(call, segm_output=segm, segm_max=stats, segm_expsum=stats)
+        query = torch.empty(q.shape, dtype=torch.float32, device=dev) if path == "decode_staged_int4" else q
+        launch(call, plan, query, 1.0, False, compile_only=True)
+    return gluon_probe.compiles(_KERNELS[path][1], dev.index, (mode.name, num_kv_heads, group, stages, bulk, pdl),
+                                compile_once, f"{path} falls back to decode_block_tiles")

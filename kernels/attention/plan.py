@@ -1,0 +1,399 @@
+"""The one decision of a paged-attention call: which kernel runs, with which tiling, and why.
+
+:func:`plan_call` (behind ``kernels.attention_plan`` and ``kernels.unified_attention``) reads a
+validated :class:`~kernels.attention.call.AttnCall`, the :class:`Tuning` and the device's
+:class:`DeviceFacts`, and returns a frozen :class:`Plan`; ``run.run_plan`` launches exactly
+that plan, with no check or fallback of its own.
+
+Order of the questions (each asked once):
+
+1. No query tokens: nothing runs (``empty``).
+2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
+   2D kernel (``prefill_2d``).
+3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
+   keys split into segments when the 2D grid would leave SMs idle.
+4. Quantized decode, the first path that *wants* the batch (a shape rule measured on the H200):
+   ``decode_staged_int4`` / ``decode_staged_int8`` (Gluon; large batches, head_size 128, at most
+   8 KV heads and 8 query heads per KV head; a CUDA sm_80+ device whose Triton compiles it),
+   else ``decode_block_tiles`` (head_size 64 / 128 / 256; INT4 only from a number of keys on),
+   else ``decode_code_units``. Its tiling sets the segment count; one segment: the 2D kernel.
+5. Whether that path *fits* the cache as laid out (strides, alignment, the packed layout of
+   the staged kernels): if not, the next one down the list that does (``decode_split`` reads
+   any quantized cache), keeping the segment count.
+6. Around the kernel: how an INT4 query is rotated (in the 2D kernel, in the code-unit
+   kernel's prologue, or by a Triton / Gluon rotation kernel first), which kernel merges the
+   segments (Triton / Gluon), programmatic dependent launch, bulk copies.
+
+``Tuning.path`` / ``Tuning.tiling`` replace the choice of steps 2-4 (benchmarks and tests); step
+5 still applies. ``docs/KERNELS.md`` lists the plans over a grid of shapes
+(``python -m bench.attention --plans``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from layouts import KVQuantMode
+
+from .._jit import next_pow2, prev_pow2
+from . import decode_block_tiles as B
+from . import decode_code_units as C
+from . import decode_staged as S
+from . import reduce as R
+from . import rotate_query as Q
+from .call import AttnCall
+from .units import DECODE_MODES, code_units
+
+
+class Path(str, enum.Enum):
+    """The kernel that reads the cache; each value names its file (see the package docstring)."""
+
+    EMPTY = "empty"                            # no query tokens: nothing is launched
+    PREFILL_2D = "prefill_2d"                  # prefill_2d.py / prefill_2d_int4.py
+    DECODE_SPLIT = "decode_split"              # decode_split.py
+    DECODE_CODE_UNITS = "decode_code_units"    # decode_code_units.py
+    DECODE_BLOCK_TILES = "decode_block_tiles"  # decode_block_tiles.py
+    DECODE_STAGED_INT4 = "decode_staged_int4"  # decode_staged.py + decode_staged_int4_gluon.py
+    DECODE_STAGED_INT8 = "decode_staged_int8"  # decode_staged.py + decode_staged_int8_gluon.py (INT8 / FP8)
+
+
+class Rotate(str, enum.Enum):
+    """Where an INT4 query gets the cache's rotation (``none`` for the other modes)."""
+
+    NONE = "none"
+    IN_KERNEL = "in_kernel"     # the 2D INT4 kernel rotates its query tile
+    PROLOGUE = "prologue"       # the code-unit decode kernel rotates in its prologue
+    TRITON = "triton"           # rotate_query._rotate_query_kernel first
+    GLUON = "gluon"             # rotate_query_gluon._rotate_query_gluon_kernel first (head_size 128, CUDA)
+
+
+class Reduce(str, enum.Enum):
+    """Which kernel merges the split-KV segments (``none``: one segment, nothing to merge)."""
+
+    NONE = "none"
+    TRITON = "triton"           # reduce._attn_reduce_kernel
+    GLUON = "gluon"             # reduce_gluon._attn_reduce_gluon_kernel (head_size 128, <= 64 segments, CUDA)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tiling of one launch (``num_segments`` 1: no split; > 1: split-KV and a reduction)."""
+
+    block_m: int                # 2D kernel: query rows per program (tokens x heads of one KV group), pow2 >= 16
+    tile: int                   # keys per inner iteration, power of two >= 16
+    num_segments: int = 1
+    num_warps: int = 4
+    num_stages: int = 2         # pipeline stages; the staged kernels: ring depth in cache blocks
+    heads_per_program: int = 0  # decode_block_tiles: KV heads per program (0 = all)
+    row_loads: bool = True      # decode_block_tiles with several heads per program: token-major loads
+    max_registers: int = 0      # decode_block_tiles / staged on a GPU: ptxas register cap per thread (0 = default)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Settings of the planner, passed explicitly (benchmarks, tests); ``Tuning()`` is the default.
+
+    ``path`` / ``tiling``: use this kernel / tiling instead of the planner's choice (a path that
+    cannot read the cache still falls back, see the module docstring); ``path`` may be a
+    :class:`Path` or its string. ``pdl``: programmatic dependent launch where the device has it
+    (sm_90+). ``rotate_q_in_decode``: the code-unit decode kernel may rotate an INT4 query in
+    its prologue (off: always the rotation kernel). ``bulk_copies``: the staged kernels copy
+    each block with one bulk copy on sm_90+ (off: 16-byte ``cp.async``). ``gluon_edges``: the
+    Gluon query rotation and reduction where they apply (off: the Triton ones)."""
+
+    path: Optional[Path] = None
+    tiling: Optional[Tiling] = None
+    pdl: bool = True
+    rotate_q_in_decode: bool = True
+    bulk_copies: bool = True
+    gluon_edges: bool = True
+
+    def __post_init__(self):
+        if self.path is not None and not isinstance(self.path, Path):
+            try:
+                object.__setattr__(self, "path", Path(self.path))
+            except ValueError:
+                raise ValueError(f"Tuning.path: expected one of {[p.value for p in Path]}, got {self.path!r}") from None
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the planner asks of the device. ``index`` set (facts of a real CUDA device, from
+    :func:`device_facts`): the Gluon kernels are compiled once per shape class before the plan
+    picks them (``gluon_probe``); None (facts given, e.g. :data:`H200` on a CPU): ``gluon``
+    is trusted as it is."""
+
+    type: str                   # "cpu" (Triton's interpreter) or "cuda"
+    num_sms: int                # the heuristics' unit; 4 for the interpreter (keeps splits small)
+    capability: tuple = (0, 0)  # CUDA compute capability
+    gluon: bool = False         # Triton's Gluon dialect imports
+    index: Optional[int] = None
+
+    @property
+    def cuda_sm80(self) -> bool:
+        return self.type == "cuda" and tuple(self.capability) >= (8, 0)
+
+
+CPU = DeviceFacts("cpu", 4)
+H200 = DeviceFacts("cuda", 132, (9, 0), gluon=True)
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The facts of a real device (asked once per device)."""
+    if device.type != "cuda":
+        return CPU
+    index = torch.cuda.current_device() if device.index is None else device.index
+    try:
+        import triton.experimental.gluon  # noqa: F401
+        gluon = True
+    except Exception:
+        gluon = False
+    return DeviceFacts("cuda", torch.cuda.get_device_properties(index).multi_processor_count,
+                       tuple(torch.cuda.get_device_capability(index)), gluon, index)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`run.run_plan` launches for one call: the kernel (``path``), its tiling, the
+    INT4 query rotation (``rotate``, in ``rotate_parts`` parts; ``rotate_release``: the
+    rotation kernel lets the next kernel start early), the reduction, programmatic dependent
+    launch, bulk copies (staged kernels), the alignment (in 16-bit units) of the cache's block and
+    slot strides that the code-unit and block-tile kernels read (``units.code_units``), and
+    ``why`` in words."""
+
+    path: Path
+    tiling: Tiling
+    rotate: Rotate = Rotate.NONE
+    rotate_parts: int = 0
+    rotate_release: bool = False
+    reduce: Reduce = Reduce.NONE
+    pdl: bool = False
+    bulk_copies: bool = False
+    unit_align: int = 0
+    why: str = ""
+
+
+DEFAULT_TUNING = Tuning()
+# The generic decode tiling (the 2D kernel's split decode, decode_split, and the fallbacks to
+# them): quantized tiles of 128 keys beat 64 by 15-25% at 32k context on the H200; bf16: 64.
+DECODE_TILE = {KVQuantMode.NONE: 64, KVQuantMode.INT8_PER_TOKEN_HEAD: 128,
+               KVQuantMode.FP8_PER_TOKEN_HEAD: 128, KVQuantMode.INT4_PER_TOKEN_HEAD: 128}
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+PREFILL_BLOCK_M = 64
+PREFILL_TILE = 64
+TARGET_PROGRAMS_PER_SM = 16  # 2D split decode: segments until the grid holds about this many programs per SM
+MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in reduction than it saves
+SPLIT_PROGRAMS_PER_SM = 2    # decode_split asked for without a tiling: segments for about this many per SM
+_STAGED = {KVQuantMode.INT4_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT4,
+           KVQuantMode.INT8_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT8,
+           KVQuantMode.FP8_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT8}
+
+
+def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_segments: Optional[int] = None,
+              tuning: Optional[Tuning] = None, facts: Optional[DeviceFacts] = None) -> Plan:
+    """The :class:`Plan` of ``call`` (see the module docstring); launches nothing (a real CUDA
+    device's first plan of a Gluon kernel compiles it once, see ``gluon_probe``)."""
+    tuning = tuning or DEFAULT_TUNING
+    facts = facts or device_facts(call.q.device)
+    if call.q.shape[0] == 0:
+        return Plan(Path.EMPTY, Tiling(16, 16), why="no query tokens: nothing is launched")
+    pdl = tuning.pdl and facts.type == "cuda" and tuple(facts.capability) >= (9, 0)
+    why: list = []
+    given = call.segm_output.shape[2] if call.segm_output is not None else num_segments
+    path, tiling = _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why)
+    path, tiling, units = _settle(path, tiling, call, facts, tuning, pdl, why)
+    rotate, parts, release = _rotation(path, tiling, call, facts, tuning, pdl, why)
+    reduce = _reduction(tiling, call, facts, tuning, pdl)
+    bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
+    align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
+    return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why))
+
+
+def _generic(call: AttnCall, block_m: int, segs: int) -> Tiling:
+    return Tiling(block_m, DECODE_TILE[call.mode], segs, DECODE_WARPS, DECODE_STAGES)
+
+
+def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
+    """Steps 2-4: the wanted path and its tiling (or the one ``tuning`` asks for)."""
+    decode = call.max_seqlen_q == 1 and not (seq_threshold_3D is not None and call.num_seqs > seq_threshold_3D)
+    if tuning.path is not None:
+        why.append(f"{tuning.path.value} asked for (Tuning.path)")
+        return tuning.path, tuning.tiling or _tiling(tuning.path, call, facts, decode, given)
+    if not decode:
+        why.append(f"prefill / mixed batch (max_seqlen_q {call.max_seqlen_q})" if call.max_seqlen_q != 1 else
+                   f"decode batch of {call.num_seqs} sequences > seq_threshold_3D {seq_threshold_3D}")
+        return Path.PREFILL_2D, tuning.tiling or _tiling(Path.PREFILL_2D, call, facts, False, given)
+    head, mode = call.head_size, call.mode
+    keys = call.num_seqs * call.max_seqlen_k
+    if mode not in DECODE_MODES or head & (head - 1):
+        why.append("decode on a bf16/fp16 cache" if mode not in DECODE_MODES else
+                   f"decode at head_size {head}, not a power of two")
+        path = Path.PREFILL_2D
+    elif _staged_wanted(call, facts, tuning, pdl):
+        path = _STAGED[mode]
+        why.append(f"decode, {keys} keys in the batch >= {S.MIN_KEYS}, head_size 128, group {call.group}, "
+                   f"{call.num_kv_heads} KV heads")
+    elif B.wants(mode, head, call.num_seqs, call.max_seqlen_k):
+        path = Path.DECODE_BLOCK_TILES
+        why.append(f"decode at head_size {head}" + (f", {keys} keys >= {B.INT4_MIN_KEYS[head]}"
+                                                      if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else ""))
+    else:
+        path = Path.DECODE_CODE_UNITS
+        why.append(f"decode at head_size {head}" + (f", {keys} keys < {B.INT4_MIN_KEYS[head]}"
+                                                     if head in B.INT4_MIN_KEYS else ""))
+    tiling = tuning.tiling or _tiling(path, call, facts, True, given)
+    if tiling.num_segments <= 1 and path != Path.PREFILL_2D:
+        why.append("one segment: the 2D kernel")
+        return Path.PREFILL_2D, _generic(call, tiling.block_m, tiling.num_segments)
+    return path, tiling
+
+
+def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given: Optional[int]) -> Tiling:
+    """The default tiling of ``path`` for ``call`` (``given``: the caller's segment count)."""
+    mode, head, ctx, sms = call.mode, call.head_size, call.max_seqlen_k, facts.num_sms
+    block_m = max(16, next_pow2(call.group))
+    pairs = max(1, call.num_seqs * call.num_kv_heads)
+    if path == Path.PREFILL_2D and not decode:
+        return Tiling(max(PREFILL_BLOCK_M, block_m), PREFILL_TILE)  # no split: the caller's count is for decode
+    if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
+        segs = given or S.segments(sms, call.num_seqs, ctx)
+        return Tiling(block_m, 16, int(segs), call.num_kv_heads, S.STAGES[path.value])
+    t = B.tiling(mode, head) if path == Path.DECODE_BLOCK_TILES else None
+    if t:
+        groups = max(1, pairs // max(1, t[4] or call.num_kv_heads))
+        want = B.segments(sms, groups, ctx, t[0], t[3], head)
+        segs = given or prev_pow2(max(1, min(want, ctx)))
+        return Tiling(block_m, t[0], int(segs), t[1], t[2], heads_per_program=t[4])
+    if path == Path.DECODE_CODE_UNITS and mode in DECODE_MODES:
+        t = C.tiling(mode, head)
+        want = C.segments(sms, pairs, ctx, t[0], t[3], C.rotate_needs_small_grid(mode, head))
+        segs = given or prev_pow2(max(1, min(want, ctx)))
+        return Tiling(block_m, t[0], int(segs), t[1], t[2])
+    tile = DECODE_TILE[mode]
+    if path == Path.DECODE_SPLIT:  # about SPLIT_PROGRAMS_PER_SM programs per SM, one tile per segment at least
+        want, cap = max(2, SPLIT_PROGRAMS_PER_SM * sms // pairs), max(1, ctx // tile)
+    else:
+        want, cap = TARGET_PROGRAMS_PER_SM * sms // pairs, max(1, ctx // (tile * MIN_TILES_PER_SEGMENT))
+    return _generic(call, block_m, int(given or prev_pow2(max(1, min(want, cap)))))
+
+
+def _staged_wanted(call, facts, tuning, pdl) -> bool:
+    """Whether a staged kernel takes this decode batch by default: its shape rule, and a device
+    where it runs (:func:`_staged_runs`)."""
+    return (S.wants(call.head_size, call.group, call.num_kv_heads, call.num_seqs, call.max_seqlen_k)
+            and _staged_runs(_STAGED[call.mode], call, facts, tuning, pdl, None) is None)
+
+
+def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
+    """None where the staged kernel ``path`` runs on this device, else why not."""
+    if not facts.cuda_sm80:
+        return "no CUDA sm_80+ device"
+    if not facts.gluon:
+        return "no Gluon in this Triton"
+    if facts.index is None:
+        return None
+    stages = max(2, tiling.num_stages) if tiling else S.STAGES[path.value]
+    bulk = tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
+    if not S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group, stages, bulk, pdl):
+        return "its Gluon kernel does not compile with this Triton"
+    return None
+
+
+def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
+    """Step 5: the first path, from ``path`` down, that reads this cache; and the cache's
+    ``units.code_units`` where the path reads them."""
+    mode = call.mode
+    if path == Path.PREFILL_2D:
+        return path, tiling, None
+    if tiling.num_segments <= 1 or mode not in DECODE_MODES:
+        why.append("one segment or a bf16/fp16 cache: the 2D kernel")
+        if tiling.num_segments > 1 and path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
+            tiling = _generic(call, tiling.block_m, tiling.num_segments)  # the staged tiling means nothing here
+        return Path.PREFILL_2D, tiling, None
+    if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
+        reason = None
+        if _STAGED[mode] != path:
+            reason = f"{path.value} does not read {mode.name} caches"
+        elif not S.reads_layout(mode, call.q, call.k, call.v, call.ks, call.vs):
+            reason = "the cache is not the packed layout (or its shape is not one it reads)"
+        elif mode == KVQuantMode.FP8_PER_TOKEN_HEAD and tuple(facts.capability) < (8, 9):
+            reason = "its FP8 conversion needs sm_89+"
+        reason = reason or _staged_runs(path, call, facts, tuning, pdl, tiling)
+        if reason is None:
+            return path, tiling, None
+        t = B.tiling(mode, call.head_size)
+        why.append(f"{path.value} cannot run ({reason})")
+        if t:
+            path = Path.DECODE_BLOCK_TILES
+            tiling = dataclasses.replace(tiling, tile=t[0], num_warps=t[1], num_stages=t[2], heads_per_program=t[4])
+        elif call.head_size & (call.head_size - 1) == 0:
+            path, tiling = Path.DECODE_SPLIT, _generic(call, tiling.block_m, tiling.num_segments)
+        else:
+            return Path.PREFILL_2D, _generic(call, tiling.block_m, tiling.num_segments), None
+    units = code_units(call.k, call.v, mode) if path in (Path.DECODE_BLOCK_TILES, Path.DECODE_CODE_UNITS) else None
+    if path == Path.DECODE_BLOCK_TILES:
+        if units is not None and B.reads(units, call.num_kv_heads, tiling.heads_per_program):
+            return path, tiling, units
+        if units is not None:
+            why.append("K and V head strides differ or heads per program do not divide the KV heads: "
+                       "decode_code_units")
+            return Path.DECODE_CODE_UNITS, tiling, units
+    if path in (Path.DECODE_BLOCK_TILES, Path.DECODE_CODE_UNITS) and units is None:
+        why.append("the cache rows are not 4-byte aligned 16-bit units: decode_split")
+        return Path.DECODE_SPLIT, _generic(call, tiling.block_m, tiling.num_segments), None
+    return path, tiling, units
+
+
+def _device(facts: DeviceFacts) -> torch.device:
+    """The device the Gluon probes compile for (facts of a real device)."""
+    return torch.device(facts.type, facts.index)
+
+
+def _gluon_edge(call, facts, tuning) -> bool:
+    """Whether a Gluon rotation / reduction may run: head_size 128, CUDA sm_80+ with Gluon, asked for."""
+    return call.head_size == 128 and tuning.gluon_edges and facts.cuda_sm80 and facts.gluon
+
+
+def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
+    """Step 6: ``(Rotate, parts, release)`` of an INT4 query."""
+    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD or path == Path.DECODE_STAGED_INT8:
+        return Rotate.NONE, 0, False
+    if path == Path.PREFILL_2D:
+        return Rotate.IN_KERNEL, 0, False
+    parts, release = 4, False
+    if path == Path.DECODE_CODE_UNITS:
+        grid = call.num_seqs * call.num_kv_heads * tiling.num_segments
+        small = 2 * grid <= C.tiling(call.mode, call.head_size)[3] * facts.num_sms  # half the resident slots
+        if tuning.rotate_q_in_decode and (small or call.head_size <= C.ROTATE_Q_MAX_HEAD):
+            return Rotate.PROLOGUE, 0, False
+        release = small
+    elif path == Path.DECODE_STAGED_INT4:
+        release = pdl
+    elif path == Path.DECODE_SPLIT:
+        parts = 2
+    num_q_heads = call.q.shape[1]
+    if _gluon_edge(call, facts, tuning) and (
+            facts.index is None or Q.probe(_device(facts), num_q_heads, parts, pdl, pdl and release)):
+        return Rotate.GLUON, parts, release
+    return Rotate.TRITON, parts, release
+
+
+def _reduction(tiling, call, facts, tuning, pdl) -> Reduce:
+    """Step 6: the kernel that merges the segments."""
+    segs = tiling.num_segments
+    if segs <= 1:
+        return Reduce.NONE
+    rotate = call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    if _gluon_edge(call, facts, tuning) and segs <= R.GLUON_MAX_SEGMENTS and (
+            facts.index is None or R.probe(_device(facts), call.q.shape[1], segs, rotate, pdl)):
+        return Reduce.GLUON
+    return Reduce.TRITON
+

@@ -1,0 +1,56 @@
+"""Run a :class:`~kernels.attention.plan.Plan`: the path's launcher, then the reduction.
+
+Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNCHERS`, the
+rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``).
+"""
+
+from __future__ import annotations
+
+from triton.runtime.errors import OutOfResources
+
+from . import decode_staged
+from .call import AttnCall, with_segment_buffers
+from .decode_block_tiles import launch_block_tiles
+from .decode_code_units import launch_code_units
+from .decode_split import launch_split
+from .plan import Path, Plan
+from .prefill_2d import launch_2d
+from .reduce import reduce_segments
+from .rotate_query import query_scales, rotated_query
+
+
+def launch_staged(call: AttnCall, plan: Plan) -> None:
+    """The staged decode: INT4 rotates its query first (``rotate_query``), INT8 / FP8 read
+    ``call.q`` with the softmax scale folded into the key scales' factor."""
+    query, q_scale = rotated_query(call, plan)
+    use_softcap, col_scale = query_scales(call)
+    if plan.path == Path.DECODE_STAGED_INT4:
+        decode_staged.launch(call, plan, query, col_scale, use_softcap)
+    else:
+        decode_staged.launch(call, plan, query, q_scale * col_scale, use_softcap)
+
+
+LAUNCHERS = {
+    Path.PREFILL_2D: launch_2d,
+    Path.DECODE_SPLIT: launch_split,
+    Path.DECODE_CODE_UNITS: launch_code_units,
+    Path.DECODE_BLOCK_TILES: launch_block_tiles,
+    Path.DECODE_STAGED_INT4: launch_staged,
+    Path.DECODE_STAGED_INT8: launch_staged,
+}
+
+
+def run_plan(call: AttnCall, plan: Plan):
+    """Launch ``plan`` on ``call``; returns ``call.out`` (written in place)."""
+    if plan.path == Path.EMPTY:
+        return call.out
+    if plan.tiling.num_segments > 1:
+        call = with_segment_buffers(call, plan.tiling.num_segments)
+    try:
+        LAUNCHERS[plan.path](call, plan)
+    except OutOfResources as e:  # a caller's tiling too large for this GPU: say which, before any output
+        raise ValueError(f"{plan.path.value} with {plan.tiling} does not fit this GPU ({e}); use fewer keys per "
+                         "tile, KV heads per program or stages") from e
+    if plan.tiling.num_segments > 1:
+        reduce_segments(call, plan)
+    return call.out
