@@ -24,6 +24,7 @@ import zmq
 from layouts import (LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
                      TransferError, check_compatible)
 from .blocks import device_ids, slice_bytes
+from .describe import describe_reply
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
 from .security import start_authenticator
@@ -78,7 +79,7 @@ class PrefillEndpoint:
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
-        self.metrics = Metrics()
+        self.metrics = Metrics("prefill")
         self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames)
         self._leases: dict[str, Lease] = {}
         self._expiry: list = []                  # heap of (expires_at, tid); stale entries skipped
@@ -205,6 +206,8 @@ class PrefillEndpoint:
             return self._reply(ident, Header(MsgType.PONG))
         if h.type == MsgType.PONG:
             return None
+        if h.type == MsgType.DESCRIBE:   # answered before any handshake: see kvconnector/describe.py
+            return self._reply(ident, describe_reply(self.descriptor, self._leases, self._lock))
         if not peer["ok"]:
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.HANDSHAKE_REQUIRED,
                                              msg="send HELLO with a compatible descriptor first"))
@@ -215,8 +218,8 @@ class PrefillEndpoint:
             if not self._end_lease(h.tid, reason):
                 self.metrics.ignore(f"duplicate_{reason}")
             elif reason == "acked" and h.tid in self._started:
-                t0, nbytes = self._started.pop(h.tid)
-                self.metrics.completed(nbytes, time.monotonic() - t0)
+                t0, nbytes, num_blocks = self._started.pop(h.tid)
+                self.metrics.completed(nbytes, time.monotonic() - t0, num_blocks)
             return None
         self.metrics.ignore(f"unexpected_{h.type.name}")
 
@@ -228,6 +231,7 @@ class PrefillEndpoint:
         except LayoutMismatchError as e:
             self.errors.append(e)
             self.metrics.fail("layout_mismatch")
+            self.metrics.handshake_refused(n for n, _, _ in e.differences)
             peer["ok"] = False
             diffs = [[n, a, b] for n, a, b in e.differences]
             return self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=False, msg=str(e), diffs=diffs))
@@ -260,7 +264,7 @@ class PrefillEndpoint:
                                     h.heads, self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev))
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
-        self._started[h.tid] = (time.monotonic(), nbytes)
+        self._started[h.tid] = (time.monotonic(), nbytes, len(lease.block_ids) * len(self.caches))
 
     def _on_tick(self, now: float) -> float:
         with self._lock:
