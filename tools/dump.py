@@ -207,7 +207,8 @@ def local_descriptor(remote: LayoutDescriptor, num_transfer_blocks: int, **overr
 
 
 def pull_to_dump(endpoint: str, out_path, transfer_id: str | None = None, layers="all", timeout_s: float = 30.0,
-                 progress: bool = True, say=None, **overrides) -> DumpInfo:
+                 progress: bool = True, say=None, num_transfer_blocks: int | None = None,
+                 **overrides) -> DumpInfo:
     """DESCRIBE the endpoint, pull one published transfer with the layout it announced, dump it.
 
     ``transfer_id`` None: the only published transfer. ``overrides``: :data:`LAYOUT_FLAGS`
@@ -220,6 +221,9 @@ def pull_to_dump(endpoint: str, out_path, transfer_id: str | None = None, layers
     say(f"asking {endpoint} for its layout (DESCRIBE, {min(timeout_s, 10.0):g} s) ...")
     info = describe_endpoint(endpoint, timeout_s=min(timeout_s, 10.0))
     tid, nblk = info.pick_transfer(transfer_id)
+    if num_transfer_blocks is not None and num_transfer_blocks != nblk:
+        raise LayoutError(f"--num-transfer-blocks: expected {nblk} (announced by {endpoint} for {tid!r}), "
+                          f"got {num_transfer_blocks}")
     desc = local_descriptor(info.descriptor, nblk, **overrides)
     desc.validate()
     layer_ids = None if layers == "all" else parse_ids(layers, desc.num_layers, "--layers")
@@ -234,6 +238,8 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pull from a running prefill endpoint (its layout is asked for: no layout flags)")
     g.add_argument("--endpoint", help="tcp://host:port of the prefill endpoint (e.g. what `kvconnector serve` printed)")
     g.add_argument("--transfer-id", help="published transfer to pull (default: the only one published)")
+    g.add_argument("--num-transfer-blocks", type=positive_int,
+                   help="optional: the transfer's block count, checked against what the endpoint announces")
     g.add_argument("--timeout", type=non_negative_float, default=30.0, help="handshake and pull deadline, seconds")
     o = p.add_argument_group("override the announced layout (optional; the handshake refuses a mismatch)")
     o.add_argument("--kv-cache-dtype", type=cache_mode, help="local cache dtype (vLLM string)")
@@ -268,6 +274,7 @@ def _run(args) -> int:
     if args.endpoint:
         info = pull_to_dump(args.endpoint, args.output, args.transfer_id, args.layers, args.timeout,
                             progress=not args.no_progress, say=progress_printer(),
+                            num_transfer_blocks=args.num_transfer_blocks,
                             **{k: getattr(args, k) for k in LAYOUT_FLAGS})
     else:
         info = dump_cache_file(args.cache, args.output, args.layers, args.blocks, tid=args.tid,

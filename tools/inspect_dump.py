@@ -234,6 +234,7 @@ def _run(args) -> int:
             args.dump = os.path.join(tmp, "pulled.kvd")
             pull_to_dump(args.endpoint, args.dump, args.transfer_id, "all", args.timeout,
                          progress=not args.no_progress, say=progress_printer(),
+                         num_transfer_blocks=args.num_transfer_blocks,
                          **{k: getattr(args, k) for k in LAYOUT_FLAGS})
             return _inspect(args)
     return _inspect(args)
