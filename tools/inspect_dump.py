@@ -242,6 +242,8 @@ def _run(args) -> int:
 
 def _inspect(args) -> int:
     src = BlockSource(args.dump)
+    if args.endpoint:   # name what was pulled, not the temporary file
+        src.path, src.kind = args.endpoint, f"pulled from a prefill endpoint (tid {src.reader.info.tid!r})"
     ref = BlockSource(args.reference) if args.reference else None
     try:
         n = len(src.layers) * len(src.block_ids)
