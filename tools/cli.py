@@ -82,7 +82,8 @@ _PRECHECKS = {"bench-transfer": _check_bench_transfer}
 
 def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``wanted``, only that subcommand's module is imported."""
-    parser = OneLineParser(prog="kvconnector", description=__doc__.splitlines()[0],
+    parser = OneLineParser(prog="kvconnector", description="Quantized paged KV caches (INT4/INT8/FP8 per token "
+                           "and head) and their prefill -> decode transfer: one subcommand per tool.",
                            epilog="Run `kvconnector COMMAND --help` for a command's options and examples.")
     parser.add_argument("--version", action="store_true", help="print the package and protocol versions")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
