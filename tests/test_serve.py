@@ -182,3 +182,23 @@ def test_metrics_port_counters_move_after_a_pull():
     finally:
         out = _stop(proc)
     assert json.loads(out.strip().splitlines()[-1])["pulls_total"] == {"ok": 1}
+
+
+def test_port_given_or_any_is_the_port_printed():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc, info = _start("--fill", "random", "--layers", "1", "--num-blocks", "4", "--blocks-per-transfer", "2",
+                        "--port", str(port))
+    try:
+        assert info["endpoint"] == f"tcp://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+    proc, info = _start("--fill", "random", "--layers", "1", "--num-blocks", "4", "--blocks-per-transfer", "2")
+    try:
+        assert 0 < int(info["endpoint"].rsplit(":", 1)[1]) <= 65535 and info["cache"] == "synthetic: random bytes"
+    finally:
+        _stop(proc)
