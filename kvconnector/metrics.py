@@ -19,6 +19,7 @@ Events come in through four calls made by the endpoints:
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter, deque
@@ -43,6 +44,10 @@ PROMETHEUS_KEYS = {
 }
 
 
+MAX_LABEL_VALUES = 32         # distinct outcome / field label values per metric; more become "other"
+_LABEL_RE = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
 def prometheus_available() -> bool:
     """True when ``prometheus_client`` can be imported."""
     try:
@@ -57,6 +62,21 @@ class _Prometheus:
 
     _lock = threading.Lock()
     _made: dict | None = None
+    _seen: dict = {}     # metric key -> label values used so far
+
+    @classmethod
+    def label(cls, key: str, value: str) -> str:
+        """``value`` as a label of metric ``key``: reasons and field names come partly from the
+        peer (ERROR codes, HELLO_ACK diffs), so odd or too many distinct values become "other"."""
+        value = str(value)
+        with cls._lock:
+            seen = cls._seen.setdefault(key, set())
+            if value in seen:
+                return value
+            if not _LABEL_RE.fullmatch(value) or len(seen) >= MAX_LABEL_VALUES:
+                return "other"
+            seen.add(value)
+            return value
 
     @classmethod
     def collectors(cls) -> dict | None:
@@ -136,7 +156,7 @@ class Metrics:
                 self.outcomes[reason] += 1
         if self._prom:
             if reason not in NOT_PULL_OUTCOMES:
-                self._prom["pulls_total"].labels(self.role, reason).inc()
+                self._prom["pulls_total"].labels(self.role, _Prometheus.label("pulls_total", reason)).inc()
             if reason == "checksum":
                 self._prom["checksum_failures_total"].labels(self.role).inc()
             elif reason == "lease_expired":
@@ -149,7 +169,8 @@ class Metrics:
             self.refused_fields.update(fields)
         if self._prom:
             for f in fields:
-                self._prom["handshake_refusals_total"].labels(self.role, f).inc()
+                self._prom["handshake_refusals_total"].labels(
+                    self.role, _Prometheus.label("handshake_refusals_total", f)).inc()
 
     def ignore(self, reason: str) -> None:
         with self._lock:

@@ -63,3 +63,15 @@ def test_prometheus_collectors_follow_the_events():
     assert _sample("kvconnector_handshake_refusals_total", role=role, field="head_size") >= 1
     assert _sample("kvconnector_transfer_seconds_count", role=role) >= 1
     assert _sample("kvconnector_transfer_seconds_bucket", role=role, le="0.01") >= 1
+
+
+@needs_prometheus
+def test_peer_controlled_labels_are_bounded():
+    """Failure reasons and field names partly come from the peer: odd ones become "other"."""
+    role = "test-labels"
+    m = Metrics(role)
+    m.fail("Weird Code! {}")
+    m.handshake_refused(["x" * 200])
+    assert _sample("kvconnector_pulls_total", role=role, outcome="other") == 1
+    assert _sample("kvconnector_handshake_refusals_total", role=role, field="other") == 1
+    assert m.snapshot()["pulls_total"] == {"Weird Code! {}": 1}   # stats() keeps the raw reason
