@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -170,8 +171,9 @@ def test_metrics_port_counters_move_after_a_pull():
         with DecodeEndpoint([torch.zeros(bad.geometry().shape(16), dtype=torch.uint8) for _ in range(2)], bad) as dec:
             with pytest.raises(Exception, match="block_size"):
                 dec.connect(info["endpoint"], timeout_s=20)
-        after = scrape()
-        while after.get('kvconnector_pulls_total{outcome="ok",role="prefill"}', 0) < 1:   # the ACK is async
+        after, give_up = scrape(), time.monotonic() + 10.0
+        while after.get('kvconnector_pulls_total{outcome="ok",role="prefill"}', 0) < 1 and time.monotonic() < give_up:
+            time.sleep(0.05)          # the ACK reaches the prefill side asynchronously
             after = scrape()
         sent = 'kvconnector_bytes_total{direction="sent",role="prefill"}'
         assert after[sent] - before.get(sent, 0) == res.nbytes
