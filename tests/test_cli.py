@@ -131,3 +131,19 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
     rc = main(["quickstart"])
     err = capsys.readouterr().err
     assert rc == 70 and "Traceback" in err and "KeyError" in err and "a bug in kvconnector" in err
+
+
+def test_missing_optional_package_is_usage_but_own_module_is_a_bug(monkeypatch, capsys):
+    import tools.quickstart as qs
+
+    def missing(name):
+        def run(args):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return run
+    monkeypatch.setattr(qs, "run", missing("prometheus_client"))
+    assert main(["quickstart"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "prometheus_client" in err
+    monkeypatch.setattr(qs, "run", missing("kvconnector.nope"))
+    assert main(["quickstart"]) == 70
+    assert "Traceback" in capsys.readouterr().err

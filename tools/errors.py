@@ -47,6 +47,15 @@ def error_line(command: str, e: BaseException) -> str:
     return f"kvconnector {command}: error: {kind}{one_line(e)}"
 
 
+OWN_PACKAGES = ("kvconnector", "kernels", "layouts", "tools", "bench")
+
+
+def _own_module_missing(e: BaseException) -> bool:
+    """A missing optional package (gguf, prometheus_client, ...) is the user's environment; a
+    missing module of this project is a bug."""
+    return isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OWN_PACKAGES
+
+
 def run_guarded(command: str, fn, args) -> int:
     """Run ``fn(args)``; usage errors become one stderr line and exit 2, bugs keep their traceback."""
     try:
@@ -58,10 +67,16 @@ def run_guarded(command: str, fn, args) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except USAGE_ERRORS as e:
+        if _own_module_missing(e):
+            return _bug(command)
         print(error_line(command, e), file=sys.stderr)
         return EXIT_USAGE
     except Exception:
-        traceback.print_exc()
-        print(f"kvconnector {command}: internal error (a bug in kvconnector; please report it with the "
-              f"traceback above)", file=sys.stderr)
-        return EXIT_BUG
+        return _bug(command)
+
+
+def _bug(command: str) -> int:
+    traceback.print_exc()
+    print(f"kvconnector {command}: internal error (a bug in kvconnector; please report it with the "
+          f"traceback above)", file=sys.stderr)
+    return EXIT_BUG
