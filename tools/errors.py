@@ -2,8 +2,9 @@
 
 A *usage or environment* error (a bad option value, a missing file, a port in use, a peer
 that does not answer, a layout mismatch) is one line ``kvconnector <cmd>: error: <Type>: <msg>``
-and exit code 2 (:data:`USAGE_ERRORS`). Anything else is a bug in this project: its traceback
-is kept and labelled as one, exit code 70 (``EX_SOFTWARE``).
+and exit code 2 (:data:`USAGE_ERRORS`; a missing optional package such as ``gguf`` counts,
+a missing module of this project does not). Anything else is a bug in this project: its
+traceback is kept and labelled as one, exit code 70 (``EX_SOFTWARE``).
 """
 
 from __future__ import annotations
