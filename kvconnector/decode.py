@@ -86,7 +86,7 @@ class DecodeEndpoint:
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.max_frame_bytes, self.curve = max_frame_bytes, curve
-        self.metrics = Metrics()
+        self.metrics = Metrics("decode")
         self.errors: list[Exception] = []
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
@@ -274,6 +274,7 @@ class DecodeEndpoint:
             self.shared_heads = None
             self.errors.append(err)
             self.metrics.fail("layout_mismatch")
+            self.metrics.handshake_refused(d[0] for d in getattr(err, "differences", ()))
         first = not self._hs_done.is_set()
         self._hs_error = err
         self._hs_done.set()
@@ -433,7 +434,7 @@ class DecodeEndpoint:
             del self._pending[p.transfer_id]
             self._send(Header(MsgType.ACK, tid=p.transfer_id, ok=True))
             r = p.finish()
-            self.metrics.completed(r.nbytes, r.elapsed_s)
+            self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and self._gpu_writes[0][0].query():

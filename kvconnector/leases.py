@@ -12,6 +12,7 @@ for peers.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class LeaseTable:
         """The live lease of ``tid`` (None when not published or ended)."""
         with self._lock:
             return self._live.get(tid)
+
+    def listing(self, limit: int) -> list[list]:
+        """``[transfer id, block count]`` of up to ``limit`` live leases, oldest first."""
+        with self._lock:
+            return [[tid, len(lease.block_ids)] for tid, lease in itertools.islice(self._live.items(), limit)]
 
     def held(self) -> list[str]:
         """Transfer ids whose blocks are leased: live, or ended and still draining."""

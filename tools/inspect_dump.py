@@ -5,15 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 
 import torch
 
 from layouts import KVQuantMode, LayoutDescriptor, LayoutMismatchError
 
 from .cache_stats import KV_NAMES, CacheStats
-from .dump import cli_guard, load_cache_file
+from .dump import LAYOUT_FLAGS, add_endpoint_arguments, cli_guard, load_cache_file, progress_printer, pull_to_dump
+from .errors import UsageError
 from kvconnector.dumpfile import MAGIC, DumpReader
+
+
+EXAMPLES = """\
+  kvconnector inspect blocks.kvd                      # layout + per layer/head statistics
+  kvconnector inspect blocks.kvd --per-block --json
+  kvconnector inspect int4.kvd --reference bf16.kvd --plot int4.png
+  kvconnector inspect --endpoint tcp://127.0.0.1:41234  # pull the published transfer, inspect it
+"""
 
 
 class BlockSource:
@@ -206,16 +217,33 @@ def plot(st: CacheStats, path, title: str = "") -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dump", help="dump file (or cache file) to inspect")
+    p.add_argument("dump", nargs="?", help="dump file (or cache file) to inspect; or use --endpoint")
     p.add_argument("--reference", help="unquantized dump or cache file of the same blocks: error per head")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="OUT.png", help="write histograms and a layer x head heat map")
     p.add_argument("--per-block", action="store_true", help="statistics per block too (table rows, JSON entries)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_endpoint_arguments(p)
 
 
 def _run(args) -> int:
+    if (args.dump is None) == (args.endpoint is None):
+        raise UsageError("give either a dump (or cache) file or --endpoint (not both)")
+    if args.endpoint:   # pull one published transfer into a temporary dump, inspect that
+        with tempfile.TemporaryDirectory(prefix="kvc-inspect-") as tmp:
+            args.dump = os.path.join(tmp, "pulled.kvd")
+            pull_to_dump(args.endpoint, args.dump, args.transfer_id, "all", args.timeout,
+                         progress=not args.no_progress, say=progress_printer(),
+                         num_transfer_blocks=args.num_transfer_blocks,
+                         **{k: getattr(args, k) for k in LAYOUT_FLAGS})
+            return _inspect(args)
+    return _inspect(args)
+
+
+def _inspect(args) -> int:
     src = BlockSource(args.dump)
+    if args.endpoint:   # name what was pulled, not the temporary file
+        src.path, src.kind = args.endpoint, f"pulled from a prefill endpoint (tid {src.reader.info.tid!r})"
     ref = BlockSource(args.reference) if args.reference else None
     try:
         n = len(src.layers) * len(src.block_ids)

