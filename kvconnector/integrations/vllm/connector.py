@@ -84,6 +84,10 @@ class KVConnector(KVConnectorBase_V1):
                                      tp_rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size)
             self._spec = spec
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True      # save_kv_layer runs between layers: it must not be skipped by a graph replay
+
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         names = [n for n in self.layer_names if n in kv_caches]

@@ -49,6 +49,14 @@ def engine_descriptor(*, block_size: int, num_kv_heads: int, head_size: int, dty
                                           head_start=tp_rank * num_kv_heads, total_num_kv_heads=tp_size * num_kv_heads)
 
 
+def rank_endpoint(endpoint: str, tp_rank: int) -> str:
+    """The prefill endpoint of tensor-parallel rank ``tp_rank``: rank r binds ``port + r``, and decode
+    rank r pulls from prefill rank r (both engines must use the same tensor parallelism; the
+    handshake refuses other head ranges)."""
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + tp_rank}"
+
+
 class Stats:
     """Counters and per-request timings; also appended as JSON lines to ``path`` when given
     (tests and operators read them: ``{"event": ..., "req": ..., "t": wall time, ...}``)."""
@@ -149,7 +157,7 @@ class WorkerSide:
                     self.prefill.release(rid)
             self._delayed.update(meta.delayed)
         for params in meta.remote_releases:      # loads skipped: tell the prefill side now
-            ep = self._decoders.get(params["remote_endpoint"])
+            ep = self._decoders.get(rank_endpoint(params["remote_endpoint"], self.tp_rank))
             if ep is not None:
                 ep.abort(params["remote_request_id"])
 
@@ -192,12 +200,13 @@ class WorkerSide:
         dst = spec.block_ids[:len(remote_ids)]
         t0 = time.time()
         deadline = float(self.config.get("pull_deadline_s", 10.0))
+        endpoint = rank_endpoint(p["remote_endpoint"], self.tp_rank)
         try:
-            ep = self._decoder(p["remote_endpoint"])
+            ep = self._decoder(endpoint)
             handle = ep.pull(p["remote_request_id"], dst, deadline_s=deadline)
             result = handle.result(timeout=deadline + 5.0)
         except TimeoutError:          # TransferTimeoutError too: a dead or silent peer, reconnect next time
-            self._drop_decoder(p["remote_endpoint"])
+            self._drop_decoder(endpoint)
             raise
         keep = [i for i in range(len(dst)) if i >= spec.num_local_blocks]
         if keep:
