@@ -24,6 +24,7 @@ COMMANDS = {
     "load": "tools.load_dump",
     "bench-kernels": "tools.bench_kernels",
     "bench-transfer": "bench.transfer",
+    "proxy": "tools.proxy",
 }
 
 
