@@ -26,7 +26,7 @@ from .cache_layout import probe_block_map
 from .scheduler import ConnectorMeta, SchedulerSide
 from .worker import WorkerSide, engine_descriptor
 
-log = logging.getLogger("kvconnector.vllm")
+log = logging.getLogger("vllm.kvconnector")  # a child of vLLM's logger: printed with its handlers
 
 
 class _Meta(ConnectorMeta, KVConnectorMetadata):

@@ -38,7 +38,7 @@ from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
 from .cache_layout import BlockMap, gather_packed, scatter_packed
 from .scheduler import ConnectorMeta
 
-log = logging.getLogger("kvconnector.vllm")
+log = logging.getLogger("vllm.kvconnector")  # a child of vLLM's logger: printed with its handlers
 
 
 def engine_descriptor(*, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, num_layers: int,
