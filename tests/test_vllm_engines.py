@@ -120,16 +120,16 @@ def test_disaggregated_tokens_equal_single_engine(engines, prompts, reference):
     first = [e for e in read_stats(stats, "first_step") if e["t"] >= t0]
     assert sorted((e["computed_before"], e["computed_now"]) for e in first) == sorted((len(p) - 1, 1) for p in prompts)
     published = {e["req"]: e for e in read_stats(stats, "published")}
-    by_req = {e["req"]: e for e in loaded}
-    exposed, whole = [], []
-    for p in params:                       # loaded events name the decode request; match by order of tokens
+    rows = []
+    for p in params:                       # loaded events name the decode request: match by token count
         pub = published[p["remote_request_id"]]
         ld = next(e for e in loaded if e["tokens"] == pub["tokens"])
-        exposed.append(ld["t_ready"] - pub["t_last_layer"])
-        whole.append(ld["t_ready"] - pub["t_first_layer"])
-    print(f"\nexposed transfer (last prefill layer -> decode ready): {[round(x * 1e3, 1) for x in exposed]} ms; "
-          f"whole (first layer staged -> decode ready): {[round(x * 1e3, 1) for x in whole]} ms; "
-          f"decode engine requests {len(by_req)}")
+        rows.append((pub["tokens"], ld["t_ready"] - pub["t_last_layer"], ld["t_ready"] - pub["t_first_layer"],
+                     ld["t_ready"] - ld["t_start"], ld["bytes"]))
+    print("\ntokens | last prefill layer -> decode ready | first layer staged -> decode ready | "
+          "pull (handshake + wire + copy into vLLM's blocks) | bytes")
+    for r in rows:
+        print(f"{r[0]} | {r[1] * 1e3:.1f} ms | {r[2] * 1e3:.1f} ms | {r[3] * 1e3:.1f} ms | {r[4]}")
 
 
 def test_mismatched_decode_refused_both_ends(engines, prompts, reference):

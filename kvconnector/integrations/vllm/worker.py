@@ -34,6 +34,7 @@ import torch
 
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
+from kvconnector.security import keys_from_config
 from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
 from .cache_layout import BlockMap, gather_packed, scatter_packed
 from .scheduler import ConnectorMeta
@@ -80,7 +81,9 @@ class WorkerSide:
     config : dict
         ``kv_connector_extra_config``: ``host`` (bind, default 127.0.0.1), ``port`` (prefill
         rank 0; rank r binds ``port + r``), ``lease_s`` (30), ``pull_deadline_s`` (10),
-        ``handshake_s`` (3), ``peer_timeout_s`` (3), ``stats_path`` (optional JSON lines file).
+        ``handshake_s`` (3), ``peer_timeout_s`` (3), ``stats_path`` (optional JSON lines file),
+        ``curve`` (optional ZeroMQ CURVE keys, see :func:`kvconnector.security.keys_from_config`:
+        prefill ``{"secret_file", "authorized"}``, decode ``{"secret_file", "server_key"}``).
     is_producer, is_consumer : bool
     """
 
@@ -121,7 +124,8 @@ class WorkerSide:
             self.prefill = PrefillEndpoint(self.staging, self.descriptor, host=self.config.get("host", "127.0.0.1"),
                                            port=int(self.config.get("port", 0)) + (self.tp_rank if self.config.get("port") else 0),
                                            on_release=self._on_release, lease_s=float(self.config.get("lease_s", 30.0)),
-                                           peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)))
+                                           peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
+                                           curve=keys_from_config(self.config.get("curve"), "server"))
             log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
                      self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
 
@@ -179,7 +183,7 @@ class WorkerSide:
             if ep is not None:
                 return ep
             ep = DecodeEndpoint(self.staging, self.descriptor, peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                copy_threads=0)
+                                curve=keys_from_config(self.config.get("curve"), "client"))
             try:
                 ep.connect(endpoint, timeout_s=float(self.config.get("handshake_s", 3.0)))
             except BaseException:
