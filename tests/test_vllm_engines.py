@@ -2,7 +2,7 @@
 
 Two engines in two processes (prefill ``kv_producer``, decode ``kv_consumer``, block size 32,
 ``kv_load_failure_policy=recompute``) plus, for the mismatch test, a decode engine with block
-size 64. The non-disaggregated reference is the decode engine itself serving the same prompts
+size 64 and ``kv_load_failure_policy=fail``. The non-disaggregated reference is the decode engine itself serving the same prompts
 without ``kv_transfer_params`` (same weights, same config, prefix caching off, so it computes
 every prompt token). Greedy decoding; tokens must be equal.
 
@@ -65,14 +65,14 @@ def prompts(model_dir):
 
 @pytest.fixture(scope="module")
 def engines(model_dir, tmp_path_factory):
-    """Prefill, decode and mismatched decode (block size 64) engines, started together."""
+    """Prefill, decode (policy recompute) and mismatched decode (block size 64, policy fail) engines."""
     stats = str(tmp_path_factory.mktemp("vllm") / "stats.jsonl")
     port = free_port()
     common = {"stats_path": stats, "pull_deadline_s": 20, "handshake_s": 5, "peer_timeout_s": 3}
     procs = {
         "prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK, extra={**common, "port": port, "lease_s": 60}),
         "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra=common),
-        "decode64": EngineProc(model_dir, "kv_consumer", block_size=2 * BLOCK, extra=common),
+        "decode64": EngineProc(model_dir, "kv_consumer", block_size=2 * BLOCK, extra=common, policy="fail"),
     }
     try:
         for p in procs.values():
@@ -124,26 +124,32 @@ def test_disaggregated_tokens_equal_single_engine(engines, prompts, reference):
     for p in params:                       # loaded events name the decode request: match by token count
         pub = published[p["remote_request_id"]]
         ld = next(e for e in loaded if e["tokens"] == pub["tokens"])
-        rows.append((pub["tokens"], ld["t_ready"] - pub["t_last_layer"], ld["t_ready"] - pub["t_first_layer"],
-                     ld["t_ready"] - ld["t_start"], ld["bytes"]))
-    print("\ntokens | last prefill layer -> decode ready | first layer staged -> decode ready | "
-          "pull (handshake + wire + copy into vLLM's blocks) | bytes")
+        pull = ld["t_ready"] - ld["t_start"]
+        rows.append((pub["tokens"], pub["stage_s"], ld["t_ready"] - pub["t_last_layer"], pull,
+                     pub["stage_s"] + pull, ld["bytes"]))
+    print("\ntokens | staging inside the prefill forward | exposed: last prefill layer -> decode ready "
+          "(router hop + pull) | pull (handshake + wire + copy into vLLM's blocks) | whole transfer work "
+          "(staging + pull) | bytes")
     for r in rows:
-        print(f"{r[0]} | {r[1] * 1e3:.1f} ms | {r[2] * 1e3:.1f} ms | {r[3] * 1e3:.1f} ms | {r[4]}")
+        print(f"{r[0]} | {r[1] * 1e3:.1f} ms | {r[2] * 1e3:.1f} ms | {r[3] * 1e3:.1f} ms | {r[4] * 1e3:.1f} ms | {r[5]}")
 
 
 def test_mismatched_decode_refused_both_ends(engines, prompts, reference):
+    """Block size 64 against 32: both ends refuse, no byte moves, vLLM's ``fail`` policy ends the
+    requests with an error (no wrong tokens), and the engine keeps serving."""
     procs, stats = engines
     t0 = time.time()
     params = prefill(procs, prompts[:2])
     out = procs["decode64"].generate(prompts[:2], params, max_tokens=MAX_TOKENS)
-    assert [ids for ids, _, _, _ in out] == reference[:2]          # recomputed by policy: correct tokens
-    assert [cached for _, cached, _, _ in out] == [0, 0]
+    assert [(ids, reason) for ids, _, _, reason in out] == [([], "error"), ([], "error")]
     failed = [e for e in read_stats(stats, "load_failed") if e["t"] >= t0]
     assert len(failed) == 2 and all("LayoutMismatchError" in e["error"] and "block_size" in e["error"] for e in failed)
+    assert not [e for e in read_stats(stats, "loaded") if e["t"] >= t0]
     procs["prefill"].generate(prompts[:1], None, max_tokens=1)       # one step so the prefill worker reports
     refused = [e for e in read_stats(stats, "endpoint_error") if e["t"] >= t0]
     assert refused and all("block_size" in e["error"] and "64" in e["error"] for e in refused)
+    again = procs["decode64"].generate(prompts[:2], None, max_tokens=MAX_TOKENS)   # still serving, same tokens
+    assert [ids for ids, _, _, _ in again] == reference[:2]
 
 
 def test_prefill_killed_before_pull_decode_recomputes(engines, prompts, reference):

@@ -105,6 +105,7 @@ class WorkerSide:
         self._first_layer_t: dict = {}    # req_id -> wall time its first layer was staged
         self._last_layer_t: dict = {}     # req_id -> wall time its last layer was staged
         self._errors_seen = 0
+        self._stage_s: dict = {}          # req_id -> seconds spent staging its layers (inside the forward)
 
     # ---- registration ------------------------------------------------------------------
     def register(self, caches: list, layer_names: list, bmap: BlockMap, dtype: torch.dtype) -> None:
@@ -116,7 +117,8 @@ class WorkerSide:
                                             head_size=bmap.head_size, dtype=dtype, num_layers=len(caches),
                                             num_blocks=num_blocks, tp_rank=self.tp_rank, tp_size=self.tp_size)
         geo = self.descriptor.geometry()
-        flat = torch.zeros((len(caches), *geo.shape(num_blocks)), dtype=geo.storage_dtype, device=caches[0].device)
+        # untouched until a block is staged or pulled (no zero fill: only published / pulled blocks are read)
+        flat = torch.empty((len(caches), *geo.shape(num_blocks)), dtype=geo.storage_dtype, device=caches[0].device)
         self.staging = list(flat.unbind(0))
         self.stats.event("registered", layout=bmap.name, fingerprint=self.descriptor.fingerprint(),
                          num_blocks=num_blocks, num_layers=len(caches))
@@ -137,6 +139,7 @@ class WorkerSide:
         if idx is None:
             return
         n = self.bmap.block_size
+        t0 = time.perf_counter()
         for s in meta.saves:
             first_pos, last_pos = s.stage_from_token // n, (s.first_token + s.num_tokens - 1) // n
             ids = s.block_ids[first_pos:last_pos + 1]
@@ -145,6 +148,10 @@ class WorkerSide:
                 self._first_layer_t.setdefault(s.req_id, time.time())
             if idx == len(self.caches) - 1:
                 self._last_layer_t[s.req_id] = time.time()
+        if meta.saves:    # staging time of this layer, shared by the step's requests
+            dt = (time.perf_counter() - t0) / len(meta.saves)
+            for s in meta.saves:
+                self._stage_s[s.req_id] = self._stage_s.get(s.req_id, 0.0) + dt
 
     def wait_for_save(self, meta: ConnectorMeta) -> None:
         if self.prefill is not None:
@@ -155,7 +162,8 @@ class WorkerSide:
                     self._published.add(s.req_id)
                     self.stats.event("published", req=s.req_id, blocks=len(ids), tokens=s.num_prompt_tokens,
                                      t_first_layer=self._first_layer_t.pop(s.req_id, None),
-                                     t_last_layer=self._last_layer_t.pop(s.req_id, None))
+                                     t_last_layer=self._last_layer_t.pop(s.req_id, None),
+                                     stage_s=self._stage_s.pop(s.req_id, 0.0))
             for rid in meta.released:
                 if rid in self._published:
                     self.prefill.release(rid)
