@@ -124,3 +124,13 @@ def test_scheduler_prefill_then_decode_bookkeeping():
     assert (load.req_id, load.block_ids, load.num_local_blocks) == ("d1", [7, 8, 11], 0)
     plain = _request("d2", 10, None)
     assert dec.get_num_new_matched_tokens(plain, 0) == (0, False)
+
+
+def test_package_import_does_not_import_vllm():
+    """``import kvconnector.integrations.vllm`` stays free of vLLM; the class resolves lazily."""
+    import subprocess
+    import sys
+    code = ("import sys, kvconnector, kvconnector.integrations.vllm as m; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; print(m.__all__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "KVConnector" in r.stdout, r.stderr
