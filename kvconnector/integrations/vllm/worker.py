@@ -158,7 +158,12 @@ class WorkerSide:
             for s in meta.saves:
                 if s.completes_prompt:
                     ids = s.block_ids[:-(-s.num_prompt_tokens // self.bmap.block_size)]
-                    self.prefill.publish(s.req_id, ids)
+                    try:
+                        self.prefill.publish(s.req_id, ids)
+                    except ValueError as e:   # e.g. published already: never fail vLLM's step for it
+                        self.stats.event("publish_failed", req=s.req_id, error=f"{type(e).__name__}: {e}")
+                        log.warning("kvconnector: cannot publish %s: %s", s.req_id, e)
+                        continue
                     self._published.add(s.req_id)
                     self.stats.event("published", req=s.req_id, blocks=len(ids), tokens=s.num_prompt_tokens,
                                      t_first_layer=self._first_layer_t.pop(s.req_id, None),
