@@ -155,6 +155,10 @@ class WorkerSide:
 
     def wait_for_save(self, meta: ConnectorMeta) -> None:
         if self.prefill is not None:
+            if self.staging[0].is_cuda and any(s.completes_prompt for s in meta.saves):
+                # the staging copies were queued on the engine's stream: they must be done before a
+                # peer can read the blocks (the endpoint's copy stream does not know that stream)
+                torch.cuda.current_stream(self.staging[0].device).synchronize()
             for s in meta.saves:
                 if s.completes_prompt:
                     ids = s.block_ids[:-(-s.num_prompt_tokens // self.bmap.block_size)]
@@ -230,6 +234,8 @@ class WorkerSide:
             ids = [dst[i] for i in keep]
             for layer, engine in enumerate(self.caches):
                 scatter_packed(self.staging[layer], self.bmap, ids, engine, ids)
+            if self.caches[0].is_cuda:    # done before vLLM is told the blocks are there
+                torch.cuda.current_stream(self.caches[0].device).synchronize()
         return {"bytes": result.nbytes, "blocks": len(keep), "t_start": t0, "t_ready": time.time(),
                 "tokens": min(int(p["remote_num_tokens"]), len(dst) * self.bmap.block_size)
                 - spec.num_local_blocks * self.bmap.block_size}
