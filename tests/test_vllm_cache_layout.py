@@ -134,3 +134,35 @@ def test_package_import_does_not_import_vllm():
             "assert 'vllm' not in sys.modules, 'vllm imported'; print(m.__all__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "KVConnector" in r.stdout, r.stderr
+
+
+def test_permuted_engine_tensor_maps_memory_order():
+    """A logical ``[num_blocks, H, N, 2D]`` tensor stored as ``[num_blocks, N, H, 2D]`` (a stride
+    permutation, as vLLM's CUDA layouts do): the map follows memory, and copies round-trip."""
+    def physical(num_blocks):
+        return torch.zeros(num_blocks, N, H, 2 * D, dtype=torch.bfloat16).transpose(1, 2)   # logical B,H,N,2D
+
+    def write(key, value, cache, slots):        # through the logical view: (B, H, N, 2D) -> K | V halves
+        kc, vc = cache.split(D, dim=-1)
+        kc[slots // N, :, slots % N] = key
+        vc[slots // N, :, slots % N] = value
+
+    eng = physical(4)
+    bmap = probe_block_map(write, tuple(eng.shape), torch.bfloat16, N, H, D, strides=eng.stride())
+    assert bmap.name == f"K@0:N,H,D | V@{D}:N,H,D", bmap.name
+    _roundtrip_on(write, eng, bmap)
+    with pytest.raises(LayoutError, match="dense range"):
+        gather_packed(eng[:, :, :, :D], bmap, [0], torch.zeros(1, 2, N, H, D, dtype=torch.bfloat16), [0])
+
+
+def _roundtrip_on(write, eng, bmap):
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(N, H, D, generator=gen).bfloat16()
+    v = torch.randn(N, H, D, generator=gen).bfloat16()
+    write(k, v, eng, torch.arange(2 * N, 3 * N))        # block 2
+    packed = torch.zeros(1, 2, N, H, D, dtype=torch.bfloat16)
+    gather_packed(eng, bmap, [2], packed, [0])
+    assert torch.equal(packed[0, 0], k) and torch.equal(packed[0, 1], v)
+    back = torch.zeros_like(eng)
+    scatter_packed(packed, bmap, [0], back, [2])
+    assert torch.equal(back, eng)

@@ -70,7 +70,7 @@ def _describe(perm: torch.Tensor, n: int, h: int, d: int) -> str:
 
 
 def probe_block_map(write: Callable, shape: tuple, dtype: torch.dtype, block_size: int,
-                    num_kv_heads: int, head_size: int, device="cpu") -> BlockMap:
+                    num_kv_heads: int, head_size: int, device="cpu", strides: tuple | None = None) -> BlockMap:
     """Find where the engine's writer puts every K/V element of a block.
 
     Parameters
@@ -81,6 +81,8 @@ def probe_block_map(write: Callable, shape: tuple, dtype: torch.dtype, block_siz
         ``slot_mapping [num_tokens]`` int64.
     shape, dtype : the engine's per-layer cache tensor shape (any ``num_blocks``) and dtype
         (bf16 or fp16: coordinates up to 256 are exact integers in both).
+    strides : the engine tensor's strides (default: contiguous). The scratch tensor gets the
+        same strides, so the map is of the block's *memory* order, whatever the logical shape.
 
     Raises
     ------
@@ -94,17 +96,20 @@ def probe_block_map(write: Callable, shape: tuple, dtype: torch.dtype, block_siz
                           f"got {dtype}, {n}, {h}, {d}")
     per_block = 2 * n * h * d
     coords = []
+    if int(torch.Size(shape[1:]).numel()) != per_block:
+        raise LayoutError(f"engine cache {tuple(shape)}: expected {per_block} elements per block "
+                          f"(2 x {n} x {h} x {d}), got {torch.Size(shape[1:]).numel()}")
+    inner = tuple(strides[1:]) if strides is not None else torch.empty(shape[1:], device="meta").stride()
     for axis in range(3):       # slot, head, element index, one pass each
-        scratch = torch.zeros((2, *shape[1:]), dtype=dtype, device=device)
-        if scratch[0].numel() != per_block:
-            raise LayoutError(f"engine cache {tuple(shape)}: expected {per_block} elements per block "
-                              f"(2 x {n} x {h} x {d}), got {scratch[0].numel()}")
+        scratch = torch.empty_strided((2, *shape[1:]), (per_block, *inner), dtype=dtype, device=device)
+        block_rows(scratch, per_block).zero_()
         grid = torch.meshgrid(torch.arange(n), torch.arange(h), torch.arange(d), indexing="ij")[axis]
         val = (grid + 1).to(dtype=dtype, device=device)          # 1..256: exact, never 0
         write(val.contiguous(), (-val).contiguous(), scratch, torch.arange(n, 2 * n, dtype=torch.int64, device=device))
-        if scratch[0].any():
+        rows = block_rows(scratch, per_block)
+        if rows[0].any():
             raise LayoutError("engine cache probe: the writer touched block 0 (slots were in block 1)")
-        coords.append(scratch[1].reshape(-1).float().cpu())
+        coords.append(rows[1].float().cpu())
     t, hh, i = coords
     kv = (t < 0).long()
     if not ((t != 0) & (hh != 0) & (i != 0)).all() or not ((hh < 0) == (t < 0)).all():
@@ -119,13 +124,28 @@ def probe_block_map(write: Callable, shape: tuple, dtype: torch.dtype, block_siz
     return BlockMap(perm, n, h, d, _describe(perm, n, h, d))
 
 
+def _dense_block(cache: torch.Tensor, block_elems: int) -> bool:
+    """True when axis 0 steps whole blocks and each block's elements fill one dense range
+    (any order of the inner axes: a permuted layout is fine, padding or overlap is not)."""
+    if cache.numel() != cache.shape[0] * block_elems or (cache.shape[0] > 1 and cache.stride(0) != block_elems):
+        return False
+    expect = 1
+    for size, stride in sorted(((int(z), int(t)) for z, t in zip(cache.shape[1:], cache.stride()[1:]) if z > 1),
+                               key=lambda p: p[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return expect == block_elems
+
+
 def block_rows(cache: torch.Tensor, block_elems: int) -> torch.Tensor:
-    """``[num_blocks, block_elems]`` view of an engine cache tensor (contiguous blocks)."""
+    """``[num_blocks, block_elems]`` view, in memory order, of an engine cache tensor whose blocks
+    are dense ranges (its logical axes may be permuted in memory); never a copy."""
     num_blocks = int(cache.shape[0])
-    if cache.numel() != num_blocks * block_elems or not cache.is_contiguous():
-        raise LayoutError(f"engine cache: expected {num_blocks} contiguous blocks of {block_elems} elements, "
-                          f"got shape {tuple(cache.shape)} strides {cache.stride()}")
-    return cache.view(num_blocks, block_elems)
+    if not _dense_block(cache, block_elems):
+        raise LayoutError(f"engine cache: expected {num_blocks} blocks of {block_elems} elements, each one dense "
+                          f"range of memory, got shape {tuple(cache.shape)} strides {cache.stride()}")
+    return cache.as_strided((num_blocks, block_elems), (block_elems, 1), cache.storage_offset())
 
 
 def gather_packed(engine: torch.Tensor, bmap: BlockMap, block_ids, out: torch.Tensor, out_ids) -> None:

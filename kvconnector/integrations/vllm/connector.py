@@ -94,12 +94,13 @@ class KVConnector(KVConnectorBase_V1):
         caches = [kv_caches[n] for n in names]
         first = caches[0]
         for n, c in zip(names, caches):
-            if c.shape != first.shape or c.dtype != first.dtype:
-                raise ValueError(f"kvconnector: layer {n}: expected {tuple(first.shape)} {first.dtype} like "
-                                 f"{names[0]}, got {tuple(c.shape)} {c.dtype}")
+            if c.shape != first.shape or c.dtype != first.dtype or c.stride() != first.stride():
+                raise ValueError(f"kvconnector: layer {n}: expected {tuple(first.shape)} {first.dtype} strides "
+                                 f"{first.stride()} like {names[0]}, got {tuple(c.shape)} {c.dtype} {c.stride()}")
         s = self._spec
         bmap = probe_block_map(_engine_writer(self._vllm_config, names[0]), tuple(first.shape), first.dtype,
-                               s.block_size, s.num_kv_heads, s.head_size, device=first.device)
+                               s.block_size, s.num_kv_heads, s.head_size, device=first.device,
+                               strides=tuple(first.stride()))
         log.info("kvconnector: engine cache %s %s, block interior %s", tuple(first.shape), first.dtype, bmap.name)
         self.worker.register(caches, names, bmap, first.dtype)
 
