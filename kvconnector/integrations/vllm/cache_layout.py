@@ -125,9 +125,10 @@ def probe_block_map(write: Callable, shape: tuple, dtype: torch.dtype, block_siz
 
 
 def _dense_block(cache: torch.Tensor, block_elems: int) -> bool:
-    """True when axis 0 steps whole blocks and each block's elements fill one dense range
-    (any order of the inner axes: a permuted layout is fine, padding or overlap is not)."""
-    if cache.numel() != cache.shape[0] * block_elems or (cache.shape[0] > 1 and cache.stride(0) != block_elems):
+    """True when each block's elements fill one dense range of memory (any order of the inner
+    axes: a permuted layout is fine, padding or overlap is not); blocks may lie further apart
+    (e.g. one layer's blocks interleaved with the other layers')."""
+    if cache.numel() != cache.shape[0] * block_elems or (cache.shape[0] > 1 and cache.stride(0) < block_elems):
         return False
     expect = 1
     for size, stride in sorted(((int(z), int(t)) for z, t in zip(cache.shape[1:], cache.stride()[1:]) if z > 1),
@@ -145,7 +146,8 @@ def block_rows(cache: torch.Tensor, block_elems: int) -> torch.Tensor:
     if not _dense_block(cache, block_elems):
         raise LayoutError(f"engine cache: expected {num_blocks} blocks of {block_elems} elements, each one dense "
                           f"range of memory, got shape {tuple(cache.shape)} strides {cache.stride()}")
-    return cache.as_strided((num_blocks, block_elems), (block_elems, 1), cache.storage_offset())
+    return cache.as_strided((num_blocks, block_elems), (cache.stride(0) if num_blocks > 1 else block_elems, 1),
+                            cache.storage_offset())
 
 
 def gather_packed(engine: torch.Tensor, bmap: BlockMap, block_ids, out: torch.Tensor, out_ids) -> None:
