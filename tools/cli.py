@@ -32,6 +32,7 @@ COMMANDS = {
     "load": "tools.load_dump",
     "bench-kernels": "tools.bench_kernels",
     "bench-transfer": "bench.transfer",
+    "proxy": "tools.proxy",
 }
 
 # examples of the subcommands whose modules live outside tools/ (or predate EXAMPLES)

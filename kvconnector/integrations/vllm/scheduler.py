@@ -1,0 +1,179 @@
+"""Scheduler side of the vLLM connector: which requests save, which load, and what the decode side gets.
+
+Flow of one disaggregated request (``kv_transfer_params`` travel through the router):
+
+1. The router sends the prompt to the prefill engine with ``{"do_remote_decode": True}`` and
+   ``max_tokens=1``. :meth:`SchedulerSide.update_state_after_alloc` marks it for saving; every
+   step that computes its prompt tokens puts a :class:`SaveSpec` in the step's metadata, and
+   the workers stage each layer's blocks as the layer finishes and publish them under the
+   request id once the prompt is complete.
+2. :meth:`SchedulerSide.request_finished` keeps the blocks (returns True: the workers report
+   the request in ``finished_sending`` when the decode side acknowledged, aborted, or the lease
+   ran out) and returns the parameters the decode side needs: endpoint, request id, block
+   ids, token count, block size, layout fingerprint (:func:`decode_params`).
+3. The router sends the prompt to the decode engine with those parameters. The scheduler
+   asks :meth:`SchedulerSide.get_num_new_matched_tokens`: the prompt tokens not cached
+   locally, loaded asynchronously. After allocation a :class:`LoadSpec` goes to the workers,
+   which pull in the background; vLLM keeps the request waiting until the workers report it
+   in ``finished_recving`` (with ``failed_recving`` on failure, which vLLM's
+   ``kv_load_failure_policy`` turns into a recompute or an error).
+
+Pure Python: requests, block lists and scheduler outputs are duck-typed, so the logic is
+testable without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PARAM_KEYS = ("remote_endpoint", "remote_request_id", "remote_block_ids", "remote_num_tokens",
+              "remote_block_size", "layout_fingerprint")
+
+
+@dataclass
+class SaveSpec:
+    """One request's prompt tokens computed this step (prefill side)."""
+
+    req_id: str
+    block_ids: list          # the request's engine blocks (group 0), in token order
+    first_token: int         # tokens already computed before this step
+    num_tokens: int          # prompt tokens computed this step
+    num_prompt_tokens: int
+    stage_from_token: int = 0  # first token whose block is staged: 0 on the request's first step, so
+                               # blocks found in the local prefix cache are shipped too
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.first_token + self.num_tokens >= self.num_prompt_tokens
+
+
+@dataclass
+class LoadSpec:
+    """One request whose prompt blocks are pulled from a prefill worker (decode side)."""
+
+    req_id: str
+    params: dict             # the prefill side's kv_transfer_params
+    block_ids: list          # local engine blocks, in token order (at least len(remote) of them)
+    num_local_blocks: int    # leading blocks already computed locally (prefix cache): not overwritten
+
+
+@dataclass
+class ConnectorMeta:
+    """What the scheduler tells the workers for one step (picklable)."""
+
+    saves: list = field(default_factory=list)      # SaveSpec
+    loads: list = field(default_factory=list)      # LoadSpec
+    delayed: list = field(default_factory=list)    # req ids whose blocks wait for finished_sending
+    released: list = field(default_factory=list)   # own req ids whose published blocks are no longer needed
+    remote_releases: list = field(default_factory=list)   # prefill params of loads skipped (all cached locally)
+    first_steps: dict = field(default_factory=dict)  # loaded req id -> (tokens computed before, tokens computed now)
+                                                     # in its first step after the load (what vLLM asked for)
+
+
+def decode_params(params: dict | None) -> dict | None:
+    """The prefill side's parameters when ``params`` ask for a remote prefill, else None."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    if any(k not in params for k in PARAM_KEYS) or not params["remote_block_ids"]:
+        return None
+    return params
+
+
+class SchedulerSide:
+    """State of the scheduler-side connector.
+
+    Parameters
+    ----------
+    block_size : int
+        Tokens per engine block.
+    endpoint : str
+        ``tcp://host:port`` that decode workers pull from (this engine's rank-0 worker).
+    fingerprint : str
+        Layout fingerprint of this engine's wire format (for the decode side's early check).
+    is_producer, is_consumer : bool
+        The engine's ``kv_role``.
+    """
+
+    def __init__(self, *, block_size: int, endpoint: str, fingerprint: str = "",
+                 is_producer: bool = True, is_consumer: bool = True) -> None:
+        self.block_size, self.endpoint, self.fingerprint = block_size, endpoint, fingerprint
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self._saving: dict = {}       # req_id -> request, until its prompt is fully computed
+        self._started: set = set()    # req ids with at least one SaveSpec sent
+        self._loading: dict = {}      # req_id -> request, until its first step after the load
+        self._meta = ConnectorMeta()
+
+    # ---- decode side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = decode_params(request.kv_transfer_params) if self.is_consumer else None
+        if params is None:
+            return 0, False
+        remote = min(int(params["remote_num_tokens"]), request.num_prompt_tokens)
+        count = remote - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, block_ids: list, num_hashed_blocks: int,
+                                 num_external_tokens: int) -> None:
+        """``block_ids``: the request's blocks of group 0 after allocation; ``num_hashed_blocks``:
+        how many leading ones are local prefix-cache hits."""
+        params = request.kv_transfer_params or {}
+        if self.is_producer and params.get("do_remote_decode"):
+            self._saving[request.request_id] = request
+        remote = decode_params(params) if self.is_consumer else None
+        if remote is None:
+            return
+        params["do_remote_prefill"] = False          # one transfer per request, even if rescheduled
+        if num_external_tokens > 0:
+            self._meta.loads.append(LoadSpec(request.request_id, dict(remote), list(block_ids), num_hashed_blocks))
+            self._loading[request.request_id] = request
+        else:                                        # all cached locally: let the prefill side release now
+            self._meta.remote_releases.append(dict(remote))
+
+    # ---- prefill side ----------------------------------------------------------------
+    def build_meta(self, scheduled: dict, block_ids_of) -> ConnectorMeta:
+        """Metadata of one step.
+
+        Parameters
+        ----------
+        scheduled : dict req_id -> tokens scheduled this step
+        block_ids_of : callable(req_id) -> list of the request's block ids (group 0)
+        """
+        for req_id, request in list(self._saving.items()):
+            n = scheduled.get(req_id, 0)
+            first = request.num_computed_tokens
+            if n <= 0 or first >= request.num_prompt_tokens:
+                continue
+            n = min(n, request.num_prompt_tokens - first)
+            first_step = req_id not in self._started
+            self._started.add(req_id)
+            spec = SaveSpec(req_id, list(block_ids_of(req_id)), first, n, request.num_prompt_tokens,
+                            0 if first_step else first)
+            self._meta.saves.append(spec)
+            if spec.completes_prompt:
+                del self._saving[req_id]
+                self._started.discard(req_id)
+        for req_id in [r for r in self._loading if scheduled.get(r, 0) > 0]:
+            request = self._loading.pop(req_id)
+            self._meta.first_steps[req_id] = (request.num_computed_tokens, scheduled[req_id])
+        meta, self._meta = self._meta, ConnectorMeta()
+        return meta
+
+    def request_finished(self, request, block_ids: list, finished_ok: bool) -> tuple[bool, dict | None]:
+        """``finished_ok``: the request stopped or hit its length cap (not aborted)."""
+        self._saving.pop(request.request_id, None)
+        self._started.discard(request.request_id)
+        self._loading.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        if not finished_ok or len(block_ids) < num_blocks or request.num_computed_tokens < request.num_prompt_tokens:
+            self._meta.released.append(request.request_id)
+            return False, None
+        self._meta.delayed.append(request.request_id)
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_endpoint": self.endpoint, "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids[:num_blocks]), "remote_num_tokens": request.num_prompt_tokens,
+            "remote_block_size": self.block_size, "layout_fingerprint": self.fingerprint,
+        }

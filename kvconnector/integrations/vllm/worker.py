@@ -1,0 +1,286 @@
+"""Worker side of the vLLM connector: stage layers as they finish, publish, pull, report.
+
+Each worker keeps a *staging* cache in the project's packed layout (one tensor per layer, as
+many blocks as the engine, block ``b`` of staging standing for engine block ``b``), described
+by a truthful :class:`layouts.LayoutDescriptor`. The endpoints only ever see staging caches, so
+the handshake compares real layouts on both ends, whatever order the engine keeps its blocks in
+(:mod:`.cache_layout` finds that order with the engine's own writer).
+
+Prefill (``kv_producer``): ``save_kv_layer`` copies the blocks the step wrote, for that layer
+only, from the engine tensor into staging while the later layers still compute; when the
+prompt is complete the blocks are published under the request id (a lease). The lease ends
+when the decode side ACKs, ABORTs or it expires; only then is the request reported in
+``finished_sending`` so vLLM frees its blocks (block ``b`` of staging is reused only after
+engine block ``b`` is).
+
+Decode (``kv_consumer``): each load is pulled into staging on a background thread (handshake,
+pull with a deadline), then copied into the engine's blocks in the engine's order; the request
+is reported in ``finished_recving`` when that is done, and also in ``failed_recving`` when the
+pull failed (layout mismatch, dead or silent peer, deadline, corrupt frame): vLLM's
+``kv_load_failure_policy`` then recomputes the prompt or fails the request. Nothing waits
+without a deadline, and a failed load never leaves partial bytes that vLLM would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvconnector.decode import DecodeEndpoint
+from kvconnector.prefill import PrefillEndpoint
+from kvconnector.security import keys_from_config
+from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
+from .cache_layout import BlockMap, gather_packed, scatter_packed
+from .scheduler import ConnectorMeta
+
+log = logging.getLogger("vllm.kvconnector")  # a child of vLLM's logger: printed with its handlers
+
+
+def engine_descriptor(*, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, num_layers: int,
+                      num_blocks: int, tp_rank: int = 0, tp_size: int = 1) -> LayoutDescriptor:
+    """Descriptor of the staging cache that mirrors an unquantized engine cache (one TP rank)."""
+    geo = CacheGeometry(KVQuantMode.NONE, head_size, num_kv_heads, block_size, dtype)
+    return LayoutDescriptor.from_geometry(geo, num_layers=num_layers, num_blocks=num_blocks,
+                                          head_start=tp_rank * num_kv_heads, total_num_kv_heads=tp_size * num_kv_heads)
+
+
+def rank_endpoint(endpoint: str, tp_rank: int) -> str:
+    """The prefill endpoint of tensor-parallel rank ``tp_rank``: rank r binds ``port + r``, and decode
+    rank r pulls from prefill rank r (both engines must use the same tensor parallelism; the
+    handshake refuses other head ranges)."""
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + tp_rank}"
+
+
+class Stats:
+    """Counters and per-request timings; also appended as JSON lines to ``path`` when given
+    (tests and operators read them: ``{"event": ..., "req": ..., "t": wall time, ...}``)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.counts, self._lock = path, {}, threading.Lock()
+
+    def event(self, name: str, **fields) -> None:
+        with self._lock:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"event": name, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+
+
+class WorkerSide:
+    """Worker-side state; see the module docstring.
+
+    Parameters
+    ----------
+    config : dict
+        ``kv_connector_extra_config``: ``host`` (bind, default 127.0.0.1), ``port`` (prefill
+        rank 0; rank r binds ``port + r``), ``lease_s`` (30), ``pull_deadline_s`` (10),
+        ``handshake_s`` (3), ``peer_timeout_s`` (3), ``stats_path`` (optional JSON lines file),
+        ``curve`` (optional ZeroMQ CURVE keys, see :func:`kvconnector.security.keys_from_config`:
+        prefill ``{"secret_file", "authorized"}``, decode ``{"secret_file", "server_key"}``).
+    is_producer, is_consumer : bool
+    """
+
+    def __init__(self, config: dict, *, is_producer: bool, is_consumer: bool, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        self.config, self.is_producer, self.is_consumer = config, is_producer, is_consumer
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.stats = Stats(config.get("stats_path"))
+        self.prefill: PrefillEndpoint | None = None
+        self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
+        self._decoders_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvc-vllm-load") if is_consumer else None
+        self._loads: dict = {}                    # req_id -> Future
+        self._lock = threading.Lock()
+        self._ended: dict = {}                    # req_id -> lease end reason (I/O thread)
+        self._published: set = set()
+        self._delayed: set = set()
+        self._finished_seen: set = set()
+        self._first_layer_t: dict = {}    # req_id -> wall time its first layer was staged
+        self._last_layer_t: dict = {}     # req_id -> wall time its last layer was staged
+        self._errors_seen = 0
+        self._stage_s: dict = {}          # req_id -> seconds spent staging its layers (inside the forward)
+
+    # ---- registration ------------------------------------------------------------------
+    def register(self, caches: list, layer_names: list, bmap: BlockMap, dtype: torch.dtype) -> None:
+        """``caches``: the engine's per-layer tensors in layer order; ``bmap``: their block order."""
+        self.caches, self.bmap = caches, bmap
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        num_blocks = int(caches[0].shape[0])
+        self.descriptor = engine_descriptor(block_size=bmap.block_size, num_kv_heads=bmap.num_kv_heads,
+                                            head_size=bmap.head_size, dtype=dtype, num_layers=len(caches),
+                                            num_blocks=num_blocks, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        geo = self.descriptor.geometry()
+        # untouched until a block is staged or pulled (no zero fill: only published / pulled blocks are read)
+        flat = torch.empty((len(caches), *geo.shape(num_blocks)), dtype=geo.storage_dtype, device=caches[0].device)
+        self.staging = list(flat.unbind(0))
+        self.stats.event("registered", layout=bmap.name, fingerprint=self.descriptor.fingerprint(),
+                         num_blocks=num_blocks, num_layers=len(caches))
+        if self.is_producer:
+            self.prefill = PrefillEndpoint(self.staging, self.descriptor, host=self.config.get("host", "127.0.0.1"),
+                                           port=int(self.config.get("port", 0)) + (self.tp_rank if self.config.get("port") else 0),
+                                           on_release=self._on_release, lease_s=float(self.config.get("lease_s", 30.0)),
+                                           peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
+                                           curve=keys_from_config(self.config.get("curve"), "server"))
+            log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
+                     self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
+
+    # ---- prefill side ------------------------------------------------------------------
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: ConnectorMeta) -> None:
+        if not meta.saves or self.prefill is None:
+            return
+        idx = self.layer_index.get(layer_name)
+        if idx is None:
+            return
+        n = self.bmap.block_size
+        t0 = time.perf_counter()
+        for s in meta.saves:
+            first_pos, last_pos = s.stage_from_token // n, (s.first_token + s.num_tokens - 1) // n
+            ids = s.block_ids[first_pos:last_pos + 1]
+            gather_packed(kv_layer, self.bmap, ids, self.staging[idx], ids)
+            if idx == 0:
+                self._first_layer_t.setdefault(s.req_id, time.time())
+            if idx == len(self.caches) - 1:
+                self._last_layer_t[s.req_id] = time.time()
+        if meta.saves:    # staging time of this layer, shared by the step's requests
+            dt = (time.perf_counter() - t0) / len(meta.saves)
+            for s in meta.saves:
+                self._stage_s[s.req_id] = self._stage_s.get(s.req_id, 0.0) + dt
+
+    def wait_for_save(self, meta: ConnectorMeta) -> None:
+        if self.prefill is not None:
+            if self.staging[0].is_cuda and any(s.completes_prompt for s in meta.saves):
+                # the staging copies were queued on the engine's stream: they must be done before a
+                # peer can read the blocks (the endpoint's copy stream does not know that stream)
+                torch.cuda.current_stream(self.staging[0].device).synchronize()
+            for s in meta.saves:
+                if s.completes_prompt:
+                    ids = s.block_ids[:-(-s.num_prompt_tokens // self.bmap.block_size)]
+                    try:
+                        self.prefill.publish(s.req_id, ids)
+                    except ValueError as e:   # e.g. published already: never fail vLLM's step for it
+                        self.stats.event("publish_failed", req=s.req_id, error=f"{type(e).__name__}: {e}")
+                        log.warning("kvconnector: cannot publish %s: %s", s.req_id, e)
+                        continue
+                    self._published.add(s.req_id)
+                    self.stats.event("published", req=s.req_id, blocks=len(ids), tokens=s.num_prompt_tokens,
+                                     t_first_layer=self._first_layer_t.pop(s.req_id, None),
+                                     t_last_layer=self._last_layer_t.pop(s.req_id, None),
+                                     stage_s=self._stage_s.pop(s.req_id, 0.0))
+            for rid in meta.released:
+                if rid in self._published:
+                    self.prefill.release(rid)
+            self._delayed.update(meta.delayed)
+        for params in meta.remote_releases:      # loads skipped: tell the prefill side now
+            ep = self._decoders.get(rank_endpoint(params["remote_endpoint"], self.tp_rank))
+            if ep is not None:
+                ep.abort(params["remote_request_id"])
+
+    def _on_release(self, tid: str, block_ids, reason: str) -> None:
+        with self._lock:
+            self._ended[tid] = reason
+        self.stats.event("lease_end", req=tid, reason=reason)
+
+    # ---- decode side -------------------------------------------------------------------
+    def start_load(self, meta: ConnectorMeta) -> None:
+        for rid, (before, now) in meta.first_steps.items():
+            self.stats.event("first_step", req=rid, computed_before=before, computed_now=now)
+        for spec in meta.loads:
+            self._loads[spec.req_id] = self._pool.submit(self._load, spec)
+
+    def _decoder(self, endpoint: str) -> DecodeEndpoint:
+        with self._decoders_lock:
+            ep = self._decoders.get(endpoint)
+            if ep is not None:
+                return ep
+            ep = DecodeEndpoint(self.staging, self.descriptor, peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
+                                curve=keys_from_config(self.config.get("curve"), "client"))
+            try:
+                ep.connect(endpoint, timeout_s=float(self.config.get("handshake_s", 3.0)))
+            except BaseException:
+                ep.close()
+                raise
+            self._decoders[endpoint] = ep
+            return ep
+
+    def _drop_decoder(self, endpoint: str) -> None:
+        with self._decoders_lock:
+            ep = self._decoders.pop(endpoint, None)
+        if ep is not None:
+            ep.close()
+
+    def _load(self, spec) -> dict:
+        p = spec.params
+        remote_ids = list(p["remote_block_ids"])
+        dst = spec.block_ids[:len(remote_ids)]
+        t0 = time.time()
+        deadline = float(self.config.get("pull_deadline_s", 10.0))
+        endpoint = rank_endpoint(p["remote_endpoint"], self.tp_rank)
+        try:
+            ep = self._decoder(endpoint)
+            handle = ep.pull(p["remote_request_id"], dst, deadline_s=deadline)
+            result = handle.result(timeout=deadline + 5.0)
+        except TimeoutError:          # TransferTimeoutError too: a dead or silent peer, reconnect next time
+            self._drop_decoder(endpoint)
+            raise
+        keep = [i for i in range(len(dst)) if i >= spec.num_local_blocks]
+        if keep:
+            ids = [dst[i] for i in keep]
+            for layer, engine in enumerate(self.caches):
+                scatter_packed(self.staging[layer], self.bmap, ids, engine, ids)
+            if self.caches[0].is_cuda:    # done before vLLM is told the blocks are there
+                torch.cuda.current_stream(self.caches[0].device).synchronize()
+        return {"bytes": result.nbytes, "blocks": len(keep), "t_start": t0, "t_ready": time.time(),
+                "tokens": min(int(p["remote_num_tokens"]), len(dst) * self.bmap.block_size)
+                - spec.num_local_blocks * self.bmap.block_size}
+
+    # ---- both --------------------------------------------------------------------------
+    def transfer_results(self, finished_req_ids) -> tuple[set, set, set]:
+        """``(finished_sending, finished_recving, failed_recving)`` for this step."""
+        self._finished_seen.update(finished_req_ids or ())
+        sending = set()
+        with self._lock:
+            for rid in list(self._delayed):
+                if rid in self._finished_seen and (rid in self._ended or rid not in self._published):
+                    sending.add(rid)
+                    self._delayed.discard(rid)
+                    self._finished_seen.discard(rid)
+                    self._published.discard(rid)
+                    self._ended.pop(rid, None)
+        if self.prefill is not None:      # refusals and bad frames the endpoint recorded
+            errors = self.prefill.errors
+            for e in errors[self._errors_seen:]:
+                self.stats.event("endpoint_error", error=f"{type(e).__name__}: {e}")
+                log.warning("kvconnector prefill endpoint: %s: %s", type(e).__name__, e)
+            self._errors_seen = len(errors)
+        recving, failed = set(), set()
+        for rid, fut in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[rid]
+            recving.add(rid)
+            err = fut.exception()
+            if err is None:
+                r = fut.result()
+                self.stats.event("loaded", req=rid, **r)
+            else:
+                failed.add(rid)
+                self.stats.event("load_failed", req=rid, error=f"{type(err).__name__}: {err}")
+                log.warning("kvconnector: load of %s failed (%s: %s); vLLM's kv_load_failure_policy decides",
+                            rid, type(err).__name__, err)
+        self._finished_seen -= {r for r in self._finished_seen if r not in self._delayed and r not in self._published}
+        return sending, recving, failed
+
+    def close(self) -> None:
+        if self.prefill is not None:
+            self.prefill.close()
+        for ep in list(self._decoders.values()):
+            ep.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

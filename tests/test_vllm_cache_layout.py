@@ -1,0 +1,180 @@
+"""The engine-cache probe (``kvconnector.integrations.vllm.cache_layout``) and the scheduler-side
+bookkeeping, without engines; the CPU-backend case runs vLLM's real cache writer when vLLM is
+installed.
+
+Run::
+
+    python -m pytest tests/test_vllm_cache_layout.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvconnector.integrations.vllm.cache_layout import gather_packed, probe_block_map, scatter_packed
+from kvconnector.integrations.vllm.scheduler import SchedulerSide
+from layouts import LayoutError
+
+N, H, D = 32, 3, 64
+
+
+def packed_writer(key, value, cache, slots):
+    """The project's packed layout ``[num_blocks, 2, N, H, D]`` (identity map)."""
+    c = cache.view(cache.shape[0], 2, N, H, D)
+    c[slots // N, 0, slots % N] = key
+    c[slots // N, 1, slots % N] = value
+
+
+def vllm_cpu_writer(isa):
+    from vllm import _custom_ops as ops
+
+    def write(key, value, cache, slots):
+        kc, vc = cache.view(cache.shape[0], H, 2 * N, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
+    return write
+
+
+def _roundtrip(write, shape, bmap):
+    """Engine blocks -> packed (must hold the K/V written) -> engine again (must equal)."""
+    gen = torch.Generator().manual_seed(0)
+    eng = torch.zeros(4, *shape[1:], dtype=torch.bfloat16)
+    k = torch.randn(2 * N, H, D, generator=gen).bfloat16()
+    v = torch.randn(2 * N, H, D, generator=gen).bfloat16()
+    write(k, v, eng, torch.arange(N, 3 * N))              # blocks 1 and 2
+    packed = torch.full((3, 2, N, H, D), float("nan"), dtype=torch.bfloat16)
+    gather_packed(eng, bmap, [2, 1], packed, [0, 2])
+    assert torch.equal(packed[2, 0], k[:N]) and torch.equal(packed[2, 1], v[:N])
+    assert torch.equal(packed[0, 0], k[N:]) and torch.equal(packed[0, 1], v[N:])
+    back = torch.zeros_like(eng)
+    scatter_packed(packed, bmap, [2, 0], back, [1, 2])
+    assert torch.equal(back, eng)
+
+
+def test_packed_writer_is_identity():
+    shape = (10, 2, N, H, D)
+    bmap = probe_block_map(packed_writer, shape, torch.bfloat16, N, H, D)
+    assert bmap.is_identity() and bmap.name == "K@0:N,H,D | V@6144:N,H,D"
+    _roundtrip(packed_writer, shape, bmap)
+
+
+def test_vllm_cpu_backend_block_interior():
+    """vLLM's CPU cache ``[num_blocks, H, N, 2D]`` really is, per head, K as [D, N] then V as [N, D]."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    shape = (10, H, N, 2 * D)
+    for isa in ("vec", "vec16"):
+        write = vllm_cpu_writer(isa)
+        bmap = probe_block_map(write, shape, torch.bfloat16, N, H, D)
+        assert bmap.name == f"K@0:H,D,N | V@{N * D}:H,N,D", (isa, bmap.name)
+        _roundtrip(write, shape, bmap)
+
+
+def test_probe_refuses_padding_and_duplicates():
+    shape = (4, 2, N, H, D)
+
+    def drops_last_slot(key, value, cache, slots):
+        packed_writer(key[:-1], value[:-1], cache, slots[:-1])
+
+    def k_twice(key, value, cache, slots):
+        packed_writer(key, key, cache, slots)
+
+    with pytest.raises(LayoutError, match="not written once"):
+        probe_block_map(drops_last_slot, shape, torch.bfloat16, N, H, D)
+    with pytest.raises(LayoutError, match="hold the same"):
+        probe_block_map(k_twice, shape, torch.bfloat16, N, H, D)
+    with pytest.raises(LayoutError, match="expected bf16/fp16"):
+        probe_block_map(packed_writer, shape, torch.float8_e4m3fn, N, H, D)
+
+
+def _request(rid, prompt_len, params, computed=0):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt_len, kv_transfer_params=params,
+                           num_computed_tokens=computed)
+
+
+def test_scheduler_prefill_then_decode_bookkeeping():
+    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", fingerprint="f", is_producer=True,
+                        is_consumer=False)
+    req = _request("r1", 70, {"do_remote_decode": True})
+    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
+    meta = pre.build_meta({"r1": 64}, lambda rid: [4, 9, 2])              # chunked: 64 of 70 tokens
+    assert [(s.first_token, s.num_tokens, s.stage_from_token, s.completes_prompt) for s in meta.saves] == \
+        [(0, 64, 0, False)]
+    req.num_computed_tokens = 64
+    meta = pre.build_meta({"r1": 6}, lambda rid: [4, 9, 2])
+    assert [(s.first_token, s.num_tokens, s.stage_from_token, s.completes_prompt) for s in meta.saves] == \
+        [(64, 6, 64, True)]
+    assert not pre.build_meta({"r1": 1}, lambda rid: [4, 9, 2]).saves        # decode steps are not saved
+    req.num_computed_tokens = 70
+    delay, params = pre.request_finished(req, [4, 9, 2], finished_ok=True)
+    assert delay and params["remote_block_ids"] == [4, 9, 2] and params["remote_num_tokens"] == 70
+    assert pre.build_meta({}, None).delayed == ["r1"]
+    aborted = _request("r2", 40, {"do_remote_decode": True}, computed=40)
+    assert pre.request_finished(aborted, [1, 3], finished_ok=False) == (False, None)
+    assert pre.build_meta({}, None).released == ["r2"]
+
+    dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", is_producer=False, is_consumer=True)
+    d = _request("d1", 70, dict(params))
+    assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
+    assert dec.get_num_new_matched_tokens(d, 64) == (6, True)
+    dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
+    assert dec.get_num_new_matched_tokens(d, 0) == (0, False)               # one transfer per request
+    load = dec.build_meta({}, None).loads[0]
+    assert (load.req_id, load.block_ids, load.num_local_blocks) == ("d1", [7, 8, 11], 0)
+    plain = _request("d2", 10, None)
+    assert dec.get_num_new_matched_tokens(plain, 0) == (0, False)
+
+
+def test_package_import_does_not_import_vllm():
+    """``import kvconnector.integrations.vllm`` stays free of vLLM; the class resolves lazily."""
+    import subprocess
+    import sys
+    code = ("import sys, kvconnector, kvconnector.integrations.vllm as m; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; print(m.__all__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "KVConnector" in r.stdout, r.stderr
+
+
+def test_permuted_engine_tensor_maps_memory_order():
+    """A logical ``[num_blocks, H, N, 2D]`` tensor stored as ``[num_blocks, N, H, 2D]`` (a stride
+    permutation, as vLLM's CUDA layouts do): the map follows memory, and copies round-trip."""
+    def physical(num_blocks):
+        return torch.zeros(num_blocks, N, H, 2 * D, dtype=torch.bfloat16).transpose(1, 2)   # logical B,H,N,2D
+
+    def write(key, value, cache, slots):        # through the logical view: (B, H, N, 2D) -> K | V halves
+        kc, vc = cache.split(D, dim=-1)
+        kc[slots // N, :, slots % N] = key
+        vc[slots // N, :, slots % N] = value
+
+    eng = physical(4)
+    bmap = probe_block_map(write, tuple(eng.shape), torch.bfloat16, N, H, D, strides=eng.stride())
+    assert bmap.name == f"K@0:N,H,D | V@{D}:N,H,D", bmap.name
+    _roundtrip_on(write, eng, bmap)
+    with pytest.raises(LayoutError, match="dense range"):
+        gather_packed(eng[:, :, :, :D], bmap, [0], torch.zeros(1, 2, N, H, D, dtype=torch.bfloat16), [0])
+
+
+def _roundtrip_on(write, eng, bmap):
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(N, H, D, generator=gen).bfloat16()
+    v = torch.randn(N, H, D, generator=gen).bfloat16()
+    write(k, v, eng, torch.arange(2 * N, 3 * N))        # block 2
+    packed = torch.zeros(1, 2, N, H, D, dtype=torch.bfloat16)
+    gather_packed(eng, bmap, [2], packed, [0])
+    assert torch.equal(packed[0, 0], k) and torch.equal(packed[0, 1], v)
+    back = torch.zeros_like(eng)
+    scatter_packed(packed, bmap, [0], back, [2])
+    assert torch.equal(back, eng)
+
+
+def test_blocks_interleaved_across_layers():
+    """Blocks of one layer ``2·N·H·D`` elements apart from each other by the other layers' blocks
+    (a block-outermost allocation): each block is still one dense range, copies round-trip."""
+    shape = (4, 2, N, H, D)
+    both = torch.zeros(4, 2, *shape[1:], dtype=torch.bfloat16)     # [num_blocks, layers, ...]
+    layer1 = both[:, 1]
+    bmap = probe_block_map(packed_writer, shape, torch.bfloat16, N, H, D, strides=layer1.stride())
+    assert bmap.is_identity()
+    _roundtrip_on(packed_writer, layer1, bmap)
+    assert not both[:, 0].any()                                       # the other layer untouched

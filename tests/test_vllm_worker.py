@@ -1,0 +1,145 @@
+"""The vLLM adapter's worker side (``kvconnector.integrations.vllm.worker``) without vLLM: two
+workers in one process over loopback, engine caches laid out like vLLM's CPU backend (per head,
+K as ``[head_size, block_size]`` then V as ``[block_size, head_size]``), on CPU and, when
+present, CUDA (the adapter's CUDA path is the same code on CUDA tensors).
+
+Run::
+
+    python -m pytest tests/test_vllm_worker.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvconnector.integrations.vllm.cache_layout import probe_block_map
+from kvconnector.integrations.vllm.scheduler import ConnectorMeta, LoadSpec, SaveSpec
+from kvconnector.integrations.vllm.worker import WorkerSide
+
+pytestmark = pytest.mark.timeout(120)
+
+H, D, LAYERS, NBLK = 2, 64, 3, 16
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
+
+def cpu_like_writer(n):
+    """A writer with vLLM's CPU-backend block interior, for engine tensors ``[num_blocks, H, n, 2D]``."""
+    def write(key, value, cache, slots):
+        v = cache.view(cache.shape[0], H, 2, n * D)
+        kreg, vreg = v[:, :, 0].view(-1, H, D, n), v[:, :, 1].view(-1, H, n, D)
+        b, t = slots // n, slots % n
+        kreg[b, :, :, t] = key
+        vreg[b, :, t, :] = value
+    return write
+
+
+def make_worker(device, n, producer: bool, **config):
+    w = WorkerSide({"handshake_s": 2, "peer_timeout_s": 1, "pull_deadline_s": 5, "lease_s": 10, **config},
+                   is_producer=producer, is_consumer=not producer)
+    shape = (NBLK, H, n, 2 * D)
+    caches = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+    bmap = probe_block_map(cpu_like_writer(n), shape, torch.bfloat16, n, H, D, device=device)
+    w.register(caches, [f"layer.{i}" for i in range(LAYERS)], bmap, torch.bfloat16)
+    return w
+
+
+def wait_results(w, finished=(), want="recving", timeout_s=20.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        sending, recving, failed = w.transfer_results(set(finished))
+        got = {"sending": sending, "recving": recving}[want]
+        if got:
+            return got, failed
+        time.sleep(0.02)
+    raise TimeoutError(f"no {want} within {timeout_s} s")
+
+
+def prefill_request(w, n, req_id, block_ids, num_tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    slots = (torch.tensor(block_ids)[:, None] * n + torch.arange(n)).reshape(-1)[:num_tokens]
+    for cache in w.caches:      # what vLLM's forward writes, layer by layer
+        k = torch.randn(num_tokens, H, D, generator=gen).bfloat16().to(cache.device)
+        v = torch.randn(num_tokens, H, D, generator=gen).bfloat16().to(cache.device)
+        cpu_like_writer(n)(k, v, cache, slots.to(cache.device))
+    meta = ConnectorMeta(saves=[SaveSpec(req_id, list(block_ids), 0, num_tokens, num_tokens)])
+    for i, cache in enumerate(w.caches):
+        w.save_layer(f"layer.{i}", cache, meta)
+    w.wait_for_save(meta)
+    return {"do_remote_prefill": True, "remote_endpoint": w.prefill.endpoint, "remote_request_id": req_id,
+            "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens, "remote_block_size": n,
+            "layout_fingerprint": w.descriptor.fingerprint()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pull_lands_in_engine_order_and_releases_prefill_blocks(device):
+    n = 32
+    pre, dec = make_worker(device, n, True), make_worker(device, n, False)
+    try:
+        params = prefill_request(pre, n, "r1", [3, 9, 4], 70, seed=1)
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("d1", params, [5, 6, 7, 8], 0)]))
+        recving, failed = wait_results(dec)
+        assert recving == {"d1"} and not failed
+        for src, dst in zip(pre.caches, dec.caches):        # whole blocks, in the engine's own order
+            assert torch.equal(dst[[5, 6, 7]], src[[3, 9, 4]])
+            assert not dst[8].any() and not dst[[0, 1, 2, 3, 4]].any()
+        # the scheduler marks r1 delayed when it finishes; its blocks free once the lease ended (ACK)
+        pre.wait_for_save(ConnectorMeta(delayed=["r1"]))
+        sending, _ = wait_results(pre, finished={"r1"}, want="sending")
+        assert sending == {"r1"}
+        assert pre.stats.counts.get("lease_end") == 1
+    finally:
+        pre.close()
+        dec.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_local_prefix_blocks_are_not_overwritten(device):
+    n = 32
+    pre, dec = make_worker(device, n, True), make_worker(device, n, False)
+    try:
+        params = prefill_request(pre, n, "r2", [1, 2], 50, seed=2)
+        for c in dec.caches:
+            c[10].fill_(7.0)                                  # a block the decode side already holds
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("d2", params, [10, 11], 1)]))
+        recving, failed = wait_results(dec)
+        assert recving == {"d2"} and not failed
+        for src, dst in zip(pre.caches, dec.caches):
+            assert (dst[10] == 7.0).all() and torch.equal(dst[11], src[2])
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_failures_are_reported_per_request_within_deadlines():
+    n = 32
+    pre, dec = make_worker("cpu", n, True), make_worker("cpu", n, False)
+    other = make_worker("cpu", 2 * n, False)       # another block size: refused on both ends
+    try:
+        params = prefill_request(pre, n, "r3", [0], 20, seed=3)
+        other.start_load(ConnectorMeta(loads=[LoadSpec("m1", params, [1], 0)]))
+        recving, failed = wait_results(other)
+        assert recving == failed == {"m1"}
+        assert other.stats.counts.get("load_failed") == 1
+        assert not other.caches[0].any()                  # not one byte landed
+        pre.transfer_results(set())                       # the prefill side's record of the refusal
+        assert pre.stats.counts.get("endpoint_error", 0) >= 1
+
+        missing = dict(params, remote_request_id="never-published")
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("u1", missing, [2], 0)]))
+        recving, failed = wait_results(dec)
+        assert recving == failed == {"u1"}
+
+        pre.close()                                       # prefill gone before the pull
+        t0 = time.monotonic()
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("k1", params, [3], 0)]))
+        recving, failed = wait_results(dec, timeout_s=30)
+        assert recving == failed == {"k1"} and time.monotonic() - t0 < 15
+        assert not dec.caches[0][3].any()
+    finally:
+        pre.close()
+        dec.close()
+        other.close()

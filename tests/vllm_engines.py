@@ -1,0 +1,102 @@
+"""Real vLLM engines in child processes, driven over a pipe (used by tests/test_vllm_*.py).
+
+Each :class:`EngineProc` runs one offline ``vllm.LLM`` (engine core in the same process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with kvconnector as its KV connector, and answers
+``generate`` commands with, per prompt, the generated token ids, vLLM's ``num_cached_tokens``
+and the ``kv_transfer_params`` the request returned. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy: str, prefix_caching: bool,
+           env: dict) -> None:
+    os.environ.update(env)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    tc = KVTransferConfig(kv_connector="KVConnector", kv_connector_module_path="kvconnector.integrations.vllm",
+                          kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
+    llm = LLM(model_dir, dtype="bfloat16", max_model_len=1024, enforce_eager=True, block_size=block_size,
+              max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=prefix_caching, kv_transfer_config=tc,
+              seed=0)
+    conn.send(("ready", None))
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "exit":
+            break
+        prompts, params, max_tokens = args
+        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                              extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        conn.send(("ok", [(list(o.outputs[0].token_ids), o.num_cached_tokens, o.kv_transfer_params,
+                           o.outputs[0].finish_reason) for o in outs]))
+    conn.send(("bye", None))
+
+
+class EngineProc:
+    """One vLLM engine in a spawned process.
+
+    Parameters
+    ----------
+    role : "kv_producer" or "kv_consumer"
+    extra : the connector's ``kv_connector_extra_config``
+    policy : vLLM's ``kv_load_failure_policy`` ("recompute" or "fail")
+    prefix_caching : vLLM's ``enable_prefix_caching``
+    """
+
+    def __init__(self, model_dir: str, role: str, *, block_size: int = 32, extra: dict | None = None,
+                 policy: str = "recompute", prefix_caching: bool = False, start_timeout_s: float = 420.0) -> None:
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, prefix_caching, env),
+                                daemon=True)
+        self.proc.start()
+        self.start_timeout_s = start_timeout_s
+
+    def wait_ready(self) -> None:
+        self._recv(self.start_timeout_s, "ready")
+
+    def _recv(self, timeout_s: float, want: str):
+        end = time.monotonic() + timeout_s
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self.proc.exitcode}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"engine: no {want!r} within {timeout_s} s")
+        kind, payload = self.conn.recv()
+        if kind != want:
+            raise RuntimeError(f"engine: expected {want!r}, got {kind!r}")
+        return payload
+
+    def generate(self, prompts: list, params: list | None = None, max_tokens: int = 8, timeout_s: float = 300.0):
+        """``[(token_ids, num_cached_tokens, kv_transfer_params, finish_reason)]`` per prompt."""
+        self.conn.send(("generate", (prompts, params or [None] * len(prompts), max_tokens)))
+        return self._recv(timeout_s, "ok")
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", None))
+                self._recv(30, "bye")
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+        self.kill()
