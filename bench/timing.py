@@ -1,5 +1,5 @@
-"""CUDA-graph timing shared by the kernel benchmarks (``bench_write``, ``bench_attention``,
-``probe_reads``)."""
+"""CUDA-graph timing shared by the kernel benchmarks (``bench.write``, ``bench.attention``,
+``bench.probe_reads``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ def graph_us(fn, rep_ms: float, calls: int = 1, sync: bool = True) -> float:
 
     ``fn`` runs once first, then the device is synchronized: ``do_bench_cudagraph`` runs on a new
     side stream that does not wait for the inputs' set-up on the current one. Without the sync,
-    ``bench_write``'s tables stopped on illegal addresses (docs/bench/write.md, session 9);
-    ``sync=False`` exists only to reproduce that."""
+    the write benchmark's tables stopped on illegal addresses; ``sync=False`` exists only to
+    reproduce that."""
     import torch
     import triton.testing
 

@@ -1,7 +1,20 @@
 """Triton kernels (and their plain-PyTorch twins) for per-token-head quantized paged KV caches.
 
-Every kernel compiles on CUDA tensors and runs through Triton's interpreter on CPU tensors
-(``kernels._jit.dual_jit``); ``kernels.reference`` holds the oracle of each.
+Three wings, each with a package docstring that maps its files:
+
+- ``kernels/write/``: the cache writers (bf16 copy, symmetric INT8 / FP8, INT4 with the
+  rotation in registers or on tensor cores, the tiled INT4 path with the MSE range search);
+  ``write_plan(...)`` decides which one serves a call.
+- ``kernels/attention/``: paged attention (the 2D prefill / mixed kernel, the portable Triton
+  decode family, the Gluon decode that stages whole cache blocks for large batches on CUDA
+  GPUs, the split-KV reduction, the INT4 query rotation); ``attention_plan(...)`` decides.
+- ``kernels/reference/``: the plain-PyTorch oracle of every kernel; it imports nothing from the
+  kernels, and the kernels import nothing from it.
+
+docs/KERNELS.md lists which kernel runs for which call on CPU and on an H200, and why each
+exists. Every kernel compiles on CUDA tensors and runs through Triton's interpreter on CPU
+tensors (``kernels._jit.dual_jit``). The package re-exports the oracle's ``single_rht`` and
+nibble packing, names vLLM users expect here.
 """
 
 from layouts import (KVQuantMode, get_kv_quant_mode, is_quantized_kv_cache,  # noqa: F401

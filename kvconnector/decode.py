@@ -11,6 +11,11 @@ An ERROR from the prefill side about a pending pull fails it at once with :class
 (its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
 fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while writing a
 pull's blocks fails that pull (``write_error``) instead of leaving it to its deadline.
+
+The module is over 400 lines because it is one state machine run by one I/O thread: the
+handshake, the pull table and the checks above, and the landing of bytes on CPU and CUDA
+caches read top to bottom in one place; the reusable pieces (frames, staging, the handle) are
+already their own modules.
 """
 
 from __future__ import annotations

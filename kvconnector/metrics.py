@@ -5,7 +5,7 @@ Each endpoint owns one :class:`Metrics` (``role`` ``"prefill"`` or ``"decode"``)
 ``prometheus-client`` is installed, the same events also move process-wide Prometheus
 collectors labelled by role; :func:`start_metrics_server` serves them over HTTP (what
 ``kvconnector serve --metrics-port`` runs). The Prometheus name of a snapshot key ``k`` in
-:data:`PROMETHEUS_KEYS` is ``kvconnector_`` + ``k`` (docs/OPERATIONS.md lists them).
+:data:`PROMETHEUS_KEYS` is ``kvconnector_`` + ``k`` (docs/DEPLOY.md, "Operations", lists them).
 
 Events come in through four calls made by the endpoints:
 

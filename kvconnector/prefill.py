@@ -19,6 +19,10 @@ application's ``on_release`` in :attr:`PrefillEndpoint.callback_errors` (they ch
 A lease is reported ended (``on_release``, :meth:`~PrefillEndpoint.held`) only once no byte of
 its blocks can still be read: messages not yet handed to ZeroMQ are dropped, and the release
 waits for staging jobs still running and for zero-copy messages still queued in ZeroMQ.
+
+The module is over 400 lines because it is one state machine run by one I/O thread (handshake,
+dispatch, streams, failures and lease ends, which must be read together); leases, frame
+building and DESCRIBE are their own modules.
 """
 
 from __future__ import annotations

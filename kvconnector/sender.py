@@ -5,7 +5,7 @@ A message carries one layer x a run of positions, or, when a whole layer is smal
 layer-major), spread evenly over the fewest messages of at most ``PACK_BYTES``. Measured on 2
 cores (16-block transfers, 8 layers): one message per layer pays ~50 µs of Python per message
 on each side; one 8 MiB message for everything loses the overlap of gather, socket and write;
-4 MiB packs were fastest (1, 2 and 8 MiB tried, see docs/bench/transfer.md).
+4 MiB packs were fastest (1, 2 and 8 MiB tried; docs/DESIGN_NOTES.md).
 
 CPU caches, all heads: when the runs of consecutive source blocks are long, each run is one
 payload frame sent straight from the cache (zero copy; the lease guarantees the blocks do not

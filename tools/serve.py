@@ -15,7 +15,7 @@ than a few thousand rows use the kernel's PyTorch oracle, said in the output), s
 side can rebuild the exact source from the seed and every statistic is a real writer's.
 ``--fill random`` serves random bytes instead (transfer benchmarks). ``--cache`` serves a
 saved cache file, ``--from-dump`` the blocks of a dump file. ``--metrics-port`` serves
-Prometheus metrics (docs/OPERATIONS.md). The endpoint runs until ``--duration-s`` passes,
+Prometheus metrics (docs/DEPLOY.md, "Operations"). The endpoint runs until ``--duration-s`` passes,
 stdin closes (``--until-stdin-eof``), or Ctrl-C.
 """
 
