@@ -29,6 +29,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
+EXAMPLES = """\
+  kvconnector proxy --prefill http://p1:8100 --decode http://d1:8200 --port 8000
+  kvconnector proxy --prefill http://p1:8100 --prefill http://p2:8100 --decode http://d1:8200 --decode http://d2:8200
+"""
+
 
 def add_arguments(p) -> None:
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
