@@ -112,17 +112,6 @@ def timing_sets(mode_name, num_tokens, head_size, device, slot_order="tokens"):
                           slot_order=slot_order)[1]
 
 
-def interleaved_us(sets, calls: dict, nbytes, device, rounds):
-    """``rounds`` rounds of every ``calls[name](key, value, slots, cache, views)`` over ``sets`` in
-    turn, then a copy of ``nbytes``: ({name: µs per call, a value per round}, [copy µs per round])."""
-    times, copy = {name: [] for name in calls}, []
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(_time_us(_each(sets, call), device, len(sets)))
-        copy.append(time_copy(nbytes, device))
-    return times, copy
-
-
 def time_write(mode_name, num_tokens, head_size, device, tuning=None, slot_order="tokens"):
     nbytes, sets = timing_sets(mode_name, num_tokens, head_size, device, slot_order)
     us = _time_us(_each(sets, lambda k, v, s, c, views: _write(mode_name, k, v, s, views, tuning)), device,

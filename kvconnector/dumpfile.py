@@ -40,6 +40,8 @@ from layouts import CorruptFrameError, LayoutDescriptor, LayoutError, ProtocolVe
 MAGIC = b"\x93KVDUMP\n"          # high bit and newline catch 7-bit and text-mode mangling
 END_MAGIC = b"\nPMUDVK\x93"
 DUMP_FORMAT_VERSION = 1
+# Protocol versions a dump may follow: their BLOCKS framing is the same (3 added DESCRIBE only).
+READABLE_PROTOCOLS = (2, 3)
 MAX_FILE_HEADER_BYTES = 64 << 20  # a header lists layers and block ids: 64 MiB is ~10M ids
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
@@ -137,7 +139,7 @@ class DumpWriter:
             raise LayoutError(f"dump layer {layer} block {block_id}: expected {self.geo.block_bytes} "
                               f"bytes, got {memoryview(payload).nbytes}")
         d = self.info.desc
-        h = Header(MsgType.BLOCKS, seq=i, tid=self.info.tid, layer=layer, first=i % len(self.info.block_ids),
+        h = Header(MsgType.BLOCKS, version=PROTOCOL_VERSION, seq=i, tid=self.info.tid, layer=layer, first=i % len(self.info.block_ids),
                    nblk=1, heads=(d.head_start, d.head_start + d.num_kv_heads),
                    last=i == self.info.num_messages - 1)
         self._offsets.append(self._f.tell())
@@ -252,8 +254,9 @@ class DumpReader:
         if not isinstance(h, dict) or not {"protocol", "desc", "fingerprint", "tid", "layers",
                                            "block_ids"} <= set(h):
             raise CorruptFrameError("file header: missing fields (protocol, desc, fingerprint, tid, layers, block_ids)")
-        if h["protocol"] != PROTOCOL_VERSION:
-            raise ProtocolVersionError(f"dump protocol version: expected {PROTOCOL_VERSION}, got {h['protocol']}")
+        if h["protocol"] not in READABLE_PROTOCOLS:
+            raise ProtocolVersionError(f"dump protocol version: expected one of {list(READABLE_PROTOCOLS)}, "
+                                       f"got {h['protocol']}")
         desc = LayoutDescriptor.from_dict(h["desc"])
         if desc.fingerprint() != h["fingerprint"]:
             raise CorruptFrameError(f"file header fingerprint: descriptor hashes to {desc.fingerprint()}, "
@@ -285,7 +288,7 @@ class DumpReader:
         at = self._f.tell()
         where = f"layer {layer} block {block_id} (message {i}, frame {2 * i}, byte {at})"
         try:
-            h = decode_header(self._frame(MAX_HEADER_BYTES, "header frame"))
+            h = decode_header(self._frame(MAX_HEADER_BYTES, "header frame"), versions=READABLE_PROTOCOLS)
             if h.type != MsgType.BLOCKS:
                 raise CorruptFrameError(f"message type: expected BLOCKS, got {h.type.name}")
             d = self.info.desc

@@ -188,8 +188,9 @@ def _check_int(name: str, v, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
     return v
 
 
-def decode_header(buf) -> Header:
-    """Decode and validate one header frame.
+def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
+    """Decode and validate one header frame whose ``v`` is one of ``versions`` (the live
+    protocol: only this version; dump files accept older versions with the same BLOCKS framing).
 
     Raises
     ------
@@ -197,7 +198,7 @@ def decode_header(buf) -> Header:
         Oversized frame, undecodable msgpack, a missing key, or a field of the wrong
         type or range (the message names the field, expected vs got).
     ProtocolVersionError
-        The header's ``v`` is not :data:`PROTOCOL_VERSION`.
+        The header's ``v`` is not in ``versions``.
     """
     n = len(buf)
     if n > MAX_HEADER_BYTES:
@@ -211,11 +212,11 @@ def decode_header(buf) -> Header:
     if not isinstance(raw, dict):
         raise _fail("<header>", "a map", raw)
     version = raw.get("v")
-    if version != PROTOCOL_VERSION or type(version) is not int:  # 1.0 and True == 1 too
+    if version not in versions or type(version) is not int:  # 1.0 and True == 1 too
         if not isinstance(version, int) or isinstance(version, bool):
             raise _fail("v", "int protocol version", version)
-        raise ProtocolVersionError(
-            f"header field 'v': expected protocol version {PROTOCOL_VERSION}, got {version}")
+        want = " or ".join(map(str, versions))
+        raise ProtocolVersionError(f"header field 'v': expected protocol version {want}, got {version}")
     t = raw.get("t")
     try:
         mtype = MsgType(_check_int("t", t, 1, _MAX_TYPE))

@@ -347,3 +347,24 @@ def test_dump_from_endpoint_needs_no_layout_flags(files, tmp_path, capsys):
         assert r.info.tid == "req-2" and r.info.desc == f["desc"].with_(num_blocks=2)
         for rec in r:
             assert bytes(rec.payload) == _bytes(f["caches"][rec.layer][[5, 0][rec.block_id]]).numpy().tobytes()
+
+
+@pytest.mark.parametrize("version, readable", [(2, True), (1, False)], ids=["protocol-2", "protocol-1"])
+def test_dumps_of_older_protocols(files, tmp_path, monkeypatch, version, readable):
+    """A dump written under protocol 2 (the same BLOCKS framing as 3) reads back byte-exact;
+    protocol 1's is refused with ProtocolVersionError before any block is read."""
+    from kvconnector import dumpfile
+    from layouts import ProtocolVersionError
+
+    f, path = files["int4"], tmp_path / f"v{version}.kvd"
+    monkeypatch.setattr(dumpfile, "PROTOCOL_VERSION", version)
+    write_dump(path, f["caches"], f["desc"], layers=[1], block_ids=[3, 2])
+    monkeypatch.undo()
+    if not readable:
+        with pytest.raises(ProtocolVersionError, match="dump protocol version"):
+            load_dump(path)
+        return
+    desc, caches = load_dump(path)
+    assert desc == f["desc"] and sorted(caches) == [1]
+    for b in (3, 2):
+        assert torch.equal(_bytes(caches[1][b]), _bytes(f["caches"][1][b]))

@@ -89,3 +89,25 @@ def test_only_unquantized_to_per_token_head_converts():
     with pytest.raises(LayoutMismatchError, match="quant_mode"):
         wire_descriptor(q_desc, "int4_per_token_head")                 # already quantized source
     assert KVQuantMode(wire_descriptor(desc, "int4_per_token_head").quant_mode) == KVQuantMode.INT4_PER_TOKEN_HEAD
+
+
+def test_convert_demo_on_the_project_runner():
+    """``kvconnector convert-demo``: the project's runner prefills in bf16, the prefill side
+    converts to INT4 on the wire, and the decode side's pulled bytes equal its own writer's on the
+    same K/V; then it generates from them. SmolLM2 when its package is installed (as in CI), else
+    the synthetic model of the same shapes."""
+    import subprocess
+    import sys
+
+    from tools.llama import find_gguf_path
+    model = "smollm2" if find_gguf_path() else "synthetic"
+    args = ["--model", model] + (["--synthetic-layers", "2"] if model == "synthetic" else [])
+    r = subprocess.run([sys.executable, "-m", "tools.cli", "convert-demo", *args], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "converted to int4_per_token_head on the prefill side" in r.stdout
+    assert "pulled bytes equal the decode side's own writer on the same K/V: True" in r.stdout
+    if model == "smollm2":   # on this prompt the INT4 continuation is the bf16 run's, token for token
+        decoded = r.stdout.split("decode (int4_per_token_head cache):")[1].split("\n")[0].strip()
+        reference = r.stdout.split("all-bf16 reference:")[1].split("(")[0].strip()
+        assert decoded == reference, (decoded, reference)

@@ -33,6 +33,8 @@ COMMANDS = {
     "bench-kernels": "tools.bench_kernels",
     "bench-transfer": "bench.transfer",
     "proxy": "tools.proxy",
+    "export-hf": "tools.hf_export",
+    "convert-demo": "tools.convert_demo",
 }
 
 # examples of the subcommands whose modules live outside tools/ (or predate EXAMPLES)

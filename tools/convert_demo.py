@@ -12,7 +12,7 @@ wire descriptor, pulls into other block ids, and then:
 
 Usage::
 
-    python -m tools.convert_demo [--model auto|smollm2|synthetic] [--decode-mode int4_per_token_head]
+    kvconnector convert-demo [--model auto|smollm2|synthetic] [--decode-mode int4_per_token_head]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import torch
 
 
-def run(model: str = "auto", decode_mode: str = "int4_per_token_head", prompt: str = "What is the capital of France?",
+def convert_and_generate(model: str = "auto", decode_mode: str = "int4_per_token_head", prompt: str = "What is the capital of France?",
         max_new_tokens: int = 12, block_size: int = 16, backend: str = "triton-write", synthetic_layers=None,
         seed: int = 0) -> dict:
     from kernels.paged_cache import PagedKVCache
@@ -83,16 +83,29 @@ def run(model: str = "auto", decode_mode: str = "int4_per_token_head", prompt: s
             "reference_text": tok.decode(ref), "agree": agree, "compared": min(len(out), len(ref))}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+EXAMPLES = """\
+  kvconnector convert-demo                                   # SmolLM2 (or synthetic) bf16 -> INT4
+  kvconnector convert-demo --decode-mode int8_per_token_head --model synthetic
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="auto", choices=("auto", "smollm2", "synthetic"))
     p.add_argument("--decode-mode", default="int4_per_token_head",
                    choices=("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head"))
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--synthetic-layers", type=int, default=None)
-    args = p.parse_args(argv)
-    r = run(args.model, args.decode_mode, args.prompt, args.max_new_tokens, synthetic_layers=args.synthetic_layers)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    r = convert_and_generate(args.model, args.decode_mode, args.prompt, args.max_new_tokens, synthetic_layers=args.synthetic_layers)
     print(f"model {r['model']}: bf16 prefill of {r['prompt_tokens']} tokens ({r['prefill_s']:.1f} s), converted "
           f"to {r['decode_mode']} on the prefill side ({r['convert_s']:.1f} s), {r['blocks']} blocks x layers = "
           f"{r['bytes']} bytes pulled")

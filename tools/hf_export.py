@@ -9,7 +9,7 @@ same config and that one is saved, in bf16. Offline only: no hub access is neede
 
 Usage::
 
-    python -m tools.hf_export [--out DIR]      # prints the folder
+    kvconnector export-hf [--out DIR]      # prints the folder
 """
 
 from __future__ import annotations
@@ -62,12 +62,24 @@ def export_smollm2(out_dir: str = DEFAULT_DIR, dtype: str = "bfloat16") -> str:
     return out_dir
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=DEFAULT_DIR)
-    args = p.parse_args(argv)
+EXAMPLES = """\
+  kvconnector export-hf --out /models/smollm2      # then point vLLM's --model at that folder
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=DEFAULT_DIR, help=f"folder to write (default {DEFAULT_DIR})")
+
+
+def run(args) -> int:
     print(export_smollm2(args.out))
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

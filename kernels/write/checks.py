@@ -134,11 +134,6 @@ def cache_alignment(*caches: torch.Tensor) -> int:
     return 4 if all(st % 4 == 0 for c in caches for st in c.stride()[:3]) else 1
 
 
-def scale_bits_view(scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The float32 scale tensor reinterpreted as int32 words (same storage, same strides)."""
-    return None if scale is None else scale.view(torch.int32)
-
-
 def packed_rows(t: torch.Tensor) -> bool:
     """Whether ``[num_tokens, num_kv_heads, head_size]`` ``t`` is one stretch of rows (head stride
     ``head_size``, token stride ``num_kv_heads · head_size``)."""

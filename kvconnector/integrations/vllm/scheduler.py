@@ -89,7 +89,8 @@ class SchedulerSide:
     endpoint : str
         ``tcp://host:port`` that decode workers pull from (this engine's rank-0 worker).
     fingerprint : str
-        Layout fingerprint of this engine's wire format (for the decode side's early check).
+        Layout fingerprint of this engine's wire format, carried in ``kv_transfer_params`` for
+        operators and logs (the layouts themselves are checked on both ends by the pull's handshake).
     is_producer, is_consumer : bool
         The engine's ``kv_role``.
     """

@@ -28,14 +28,14 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
 from kvconnector.security import keys_from_config
-from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
+from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor, TransferTimeoutError
 from .cache_layout import BlockMap, gather_packed, scatter_packed
 from .scheduler import ConnectorMeta
 
@@ -175,7 +175,12 @@ class WorkerSide:
                                      stage_s=self._stage_s.pop(s.req_id, 0.0))
             for rid in meta.released:
                 if rid in self._published:
-                    self.prefill.release(rid)
+                    # start the release and go on: vLLM frees the blocks once ``on_release`` has
+                    # run (get_finished), so the step never waits for a transfer still reading them
+                    try:
+                        self.prefill.release(rid, timeout_s=0.05)
+                    except TransferTimeoutError:
+                        self.stats.event("release_pending", req=rid)
             self._delayed.update(meta.delayed)
         for params in meta.remote_releases:      # loads skipped: tell the prefill side now
             ep = self._decoders.get(rank_endpoint(params["remote_endpoint"], self.tp_rank))
