@@ -6,7 +6,7 @@ Everything here runs before a kernel is launched, so a bad call raises a
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
