@@ -16,37 +16,22 @@ def port_number(text: str) -> int:
     return port
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+def _bounded(parse, low: float, what: str):
+    """An argparse type: ``parse(text)``, refused with one line unless ``>= low`` (nan too)."""
+    def check(text: str):
+        try:
+            x = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if not x >= low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return x
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    """An int >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
-
-
-def non_negative_float(text: str) -> float:
-    """A float >= 0 (durations, timeouts)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    if not x >= 0:   # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return x
+positive_int = _bounded(int, 1, "an integer >= 1")
+non_negative_int = _bounded(int, 0, "an integer >= 0")
+non_negative_float = _bounded(float, 0.0, "a number >= 0")     # durations, timeouts
 
 
 def cache_mode(text: str) -> str:
