@@ -134,6 +134,23 @@ def cache_alignment(*caches: torch.Tensor) -> int:
     return 4 if all(st % 4 == 0 for c in caches for st in c.stride()[:3]) else 1
 
 
+def stride_args(t, align: int = 1, ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> dict:
+    """The stride arguments every write kernel takes: K / V input rows (token, head), the
+    caches' (block, slot, head) strides in units of ``align`` elements (:func:`cache_alignment`),
+    and, with ``ks`` / ``vs``, the scale views' (block, slot, head) strides."""
+    kcs = [st // align for st in t.key_cache.stride()[:3]]
+    vcs = [st // align for st in t.value_cache.stride()[:3]]
+    args = dict(
+        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
+        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
+        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
+        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2])
+    if ks is not None:
+        args.update(stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
+                    stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2))
+    return args
+
+
 def packed_rows(t: torch.Tensor) -> bool:
     """Whether ``[num_tokens, num_kv_heads, head_size]`` ``t`` is one stretch of rows (head stride
     ``head_size``, token stride ``num_kv_heads · head_size``)."""

@@ -22,7 +22,7 @@ import torch
 from layouts import rht_signs
 
 from .._jit import dual_jit
-from .checks import cache_alignment
+from .checks import cache_alignment, stride_args
 from .device_math import (NAN_SCALE, int4_codes, int4_scale_zp, int4_sq_err, pack_nibbles, rotate_chunk,
                           row_min_max, to_model_dtype)
 from .plan import WriteArgs, WritePlan, launch
@@ -179,8 +179,6 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
     dev = str(t.key.device)
     ks, vs = t.k_scale_cache.view(torch.int32), t.v_scale_cache.view(torch.int32)
     align = cache_alignment(t.key_cache, t.value_cache)
-    kcs = [st // align for st in t.key_cache.stride()[:3]]
-    vcs = [st // align for st in t.value_cache.stride()[:3]]
     num_rows = shape.num_tokens * shape.num_kv_heads
     ch = chunk_size(d)
     dot = tuning.rotation == "dot"  # tuning.resolve_tuning allows it for chunks of at most 128
@@ -190,12 +188,7 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
         rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
         shrink_ptr=device_shrink(plan.shrink, dev),
         num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,
-        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
-        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
-        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
-        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
-        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
-        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        **stride_args(t, align, ks, vs),
         ROWS=tuning.rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
         INTERPRET=plan.interpret, NUM_SHRINK=len(plan.shrink), CACHE_ALIGN=align,
         NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,

@@ -43,7 +43,7 @@ import triton.language as tl
 from layouts import rht_signs
 
 from .._jit import dual_jit
-from .checks import cache_alignment, packed_rows
+from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
                           pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal)
 from .int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, mma_table, packed_range
@@ -380,8 +380,6 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
     dev = str(t.key.device)
     ks, vs = t.k_scale_cache.view(torch.int32), t.v_scale_cache.view(torch.int32)
     align = cache_alignment(t.key_cache, t.value_cache)
-    kcs = [st // align for st in t.key_cache.stride()[:3]]
-    vcs = [st // align for st in t.value_cache.stride()[:3]]
     parts = d // MMA_COLS if mma else tuning.parts
     signs = rht_signs(d, dev)
     args = dict(
@@ -389,12 +387,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping, sign_ptr=signs,
         tab_ptr=mma_table(d, t.key.dtype, dev) if mma else signs,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
-        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
-        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
-        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
-        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
-        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
-        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        **stride_args(t, align, ks, vs),
         ROWS=tuning.rows, D=d, PARTS=parts, LOG2_N=(d // parts).bit_length() - 1, INTERPRET=plan.interpret,
         CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         CONTIG=packed_rows(t.key) and packed_rows(t.value), FAST_RCP=bool(tuning.fast_rcp),

@@ -16,7 +16,7 @@ import triton.language as tl
 from layouts import KVQuantMode
 
 from .._jit import dual_jit, next_pow2
-from .checks import cache_alignment
+from .checks import cache_alignment, stride_args
 from .device_math import (NAN_SCALE, divide_rows, markstein_div, round_half_even, row_min_max, tile_rows,
                           to_fp8e4m3_bits)
 from .plan import WriteArgs, WritePlan, launch
@@ -83,19 +83,12 @@ def launch_symmetric(plan: WritePlan, t: WriteArgs) -> None:
     shape, tuning = plan.shape, plan.tuning
     align = cache_alignment(t.key_cache, t.value_cache)
     ks, vs = t.k_scale_cache.view(torch.int32), t.v_scale_cache.view(torch.int32)
-    kcs = [st // align for st in t.key_cache.stride()[:3]]
-    vcs = [st // align for st in t.value_cache.stride()[:3]]
     launch(_reshape_and_cache_symmetric_kernel, plan.grid, dict(
         key_ptr=t.key, value_ptr=t.value,
         key_cache_ptr=t.key_cache.view(torch.uint8), value_cache_ptr=t.value_cache.view(torch.uint8),
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
-        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
-        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
-        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
-        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
-        stride_ks_block=ks.stride(0), stride_ks_slot=ks.stride(1), stride_ks_head=ks.stride(2),
-        stride_vs_block=vs.stride(0), stride_vs_slot=vs.stride(1), stride_vs_head=vs.stride(2),
+        **stride_args(t, align, ks, vs),
         ROWS=tuning.rows, HEAD_SIZE=shape.head_size, BLOCK_D=next_pow2(shape.head_size),
         FP8=plan.mode == KVQuantMode.FP8_PER_TOKEN_HEAD, INTERPRET=plan.interpret,
         CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from .._jit import dual_jit, next_pow2
+from .checks import stride_args
 from .device_math import tile_rows, to_model_dtype
 from .plan import WriteArgs, WritePlan, launch
 
@@ -49,15 +50,11 @@ def _reshape_and_cache_flash_kernel(
 def launch_unquantized(plan: WritePlan, t: WriteArgs) -> None:
     """Run an ``unquantized`` plan on ``t`` (validated by :func:`~kernels.write.plan.write_plan`)."""
     shape, tuning = plan.shape, plan.tuning
-    kcs, vcs = t.key_cache.stride(), t.value_cache.stride()
     launch(_reshape_and_cache_flash_kernel, plan.grid, dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         slot_mapping_ptr=t.slot_mapping,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
-        stride_key_token=t.key.stride(0), stride_key_head=t.key.stride(1),
-        stride_value_token=t.value.stride(0), stride_value_head=t.value.stride(1),
-        stride_kc_block=kcs[0], stride_kc_slot=kcs[1], stride_kc_head=kcs[2],
-        stride_vc_block=vcs[0], stride_vc_slot=vcs[1], stride_vc_head=vcs[2],
+        **stride_args(t),
         ROWS=tuning.rows, HEAD_SIZE=shape.head_size, BLOCK_D=next_pow2(shape.head_size),
         INTERPRET=plan.interpret, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         num_warps=tuning.num_warps))
