@@ -54,8 +54,10 @@ WHY = {
 }
 
 
-def plan(mode, batch, ctx, facts, head_size=128, num_q_heads=32, num_kv_heads=8, q_len=1, packed=True) -> Plan:
-    """``attention_plan`` of ``batch`` sequences of ``ctx`` keys (``q_len`` queries each) for ``facts``."""
+def plan(mode, batch, ctx, facts, head_size=128, num_q_heads=32, num_kv_heads=8, q_len=1, packed=True, **kw) -> Plan:
+    """``attention_plan`` of ``batch`` sequences of ``ctx`` keys (``q_len`` queries each) for ``facts``
+    (``kw``: more ``attention_plan`` keywords). Only shapes, strides and addresses are read, so a
+    4-block cache stands for a large one."""
     geo = CacheGeometry(mode, head_size, num_kv_heads, 16, torch.bfloat16)
     views = split_kv_cache(geo.new_cache(4), mode, head_size)
     if not packed:
@@ -65,7 +67,7 @@ def plan(mode, batch, ctx, facts, head_size=128, num_q_heads=32, num_kv_heads=8,
     table = torch.zeros(batch, -(-ctx // 16), dtype=torch.int32)
     return attention_plan(q, views.key_cache, views.value_cache, q, cu, torch.full((batch,), ctx, dtype=torch.int32),
                           q_len, ctx, head_size ** -0.5, True, (-1, -1), table, 0.0, kv_quant_mode=mode,
-                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts)
+                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts, **kw)
 
 
 def cell(p: Plan) -> str:

@@ -92,21 +92,11 @@ def make_case(mode, dtype, q_lens, k_lens, num_q_heads=8, num_kv_heads=2, head_s
                 block_table=block_table, max_q=max(q_lens), max_k=max(k_lens), mode=mode)
 
 
-def plan_for(mode, batch, ctx, facts=H200, head_size=128, num_q_heads=32, num_kv_heads=8, q_len=1, packed=True,
-             **kw):
-    """``attention_plan`` of a batch of ``batch`` sequences of ``ctx`` keys (``q_len`` queries
-    each) on a 4-block cache of this shape, for ``facts`` (only shapes, strides and addresses
-    are read, so a tiny cache stands for a large one)."""
-    geo = CacheGeometry(mode, head_size, num_kv_heads, 16, torch.bfloat16)
-    views = split_kv_cache(geo.new_cache(4), mode, head_size)
-    if not packed:
-        views = type(views)(*(None if t is None else t.clone() for t in views))
-    q = torch.zeros(batch * q_len, num_q_heads, head_size, dtype=torch.bfloat16)
-    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
-    table = torch.zeros(batch, -(-ctx // 16), dtype=torch.int32)
-    return attention_plan(q, views.key_cache, views.value_cache, q, cu, torch.full((batch,), ctx, dtype=torch.int32),
-                          q_len, ctx, 0.1, True, (-1, -1), table, 0.0, kv_quant_mode=mode,
-                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts, **kw)
+def plan_for(mode, batch, ctx, facts=H200, *shape, **kw):
+    """``attention_plan`` of a batch of ``batch`` sequences of ``ctx`` keys for ``facts``: the
+    same helper that generates docs/KERNELS.md (``bench.kernels_table.plan``)."""
+    from bench.kernels_table import plan
+    return plan(mode, batch, ctx, facts, *shape, **kw)
 
 
 def run_and_check(c, causal=True, window=(-1, -1), softcap=0.0, out_dtype=None, **kw):
@@ -302,7 +292,7 @@ def test_quantized_decode_kernels(mode, dtype, kernel, stages):
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("mode,dtype", QUANT)
 @pytest.mark.parametrize("head_size,num_q_heads,num_kv_heads", [(64, 8, 8), (128, 8, 1), (256, 4, 4)])
-def test_v4_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, device):
+def test_block_tiles_decode_kernel(mode, dtype, head_size, num_q_heads, num_kv_heads, device):
     """decode_block_tiles vs the oracle: GQA 1 / 4 / 8, sequences of different lengths, partial
     last blocks; tiles of one block (one id per tile), of two (ids per key) and of half a block
     (block 32); one, two or all KV heads per program, token-major loads or not; window and
@@ -332,7 +322,7 @@ def _gluon_available():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_v6_falls_back_where_it_cannot_read(device):
+def test_staged_int4_falls_back_where_it_cannot_read(device):
     """decode_staged_int4 asked for on a cache it cannot read takes decode_block_tiles with its
     tiling and still matches the oracle: the CPU (interpreter), four separate tensors, head_size
     64; and the planner never picks a staged kernel on the CPU."""
@@ -364,19 +354,19 @@ def _plan_of(c, **kw):
                           k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, **kw)
 
 
-def _matches_block_tiles(c, cfg, v4):
+def _matches_block_tiles(c, cfg, block_tiles):
     """A staged decode tuning on case ``c`` plans the staged kernel and matches the oracle and
     decode_block_tiles (relative L2 <= 2e-3): causal, a 100-key window, and non-causal with softcap."""
     assert _plan_of(c, tuning=cfg).path == cfg.path
     for opts in ({}, dict(window=(100, -1)), dict(causal=False, softcap=30.0)):
         got = run_and_check(c, tuning=cfg, **opts).float()
-        ref = run_and_check(c, tuning=v4, **opts).float()
+        ref = run_and_check(c, tuning=block_tiles, **opts).float()
         assert ((got - ref).norm() / ref.norm()).item() <= 2e-3
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (64, 8), (16, 4), (4, 1), (8, 2)])
-def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
+def test_cuda_staged_int4_decode_kernel(num_q_heads, num_kv_heads):
     """The staged INT4 decode kernel reads the packed cache itself and matches the oracle and
     decode_block_tiles: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
     100-key window, softcap, 3 to 32 segments (empty ones included), rings of 2 to 6 stages (two
@@ -389,14 +379,14 @@ def test_cuda_v6_decode_kernel(num_q_heads, num_kv_heads):
     v = c["views"]
     assert decode_staged.reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache,
                                       v.k_scale_cache.view(torch.int32), v.v_scale_cache.view(torch.int32))
-    v4 = forced(BLOCKS, 16, 32, 8, 1, 2, heads_per_program=1)
+    block_tiles = forced(BLOCKS, 16, 32, 8, 1, 2, heads_per_program=1)
     # even rings: two blocks a loop step (sm_90); 3 stages: one (odd tile counts in both)
     for segs, stages in ((3, 2), (32, 2), (3, decode_staged.STAGES[STAGED4.value]), (5, 6), (5, 3)):
-        _matches_block_tiles(c, forced(STAGED4, 16, 16, segs, num_kv_heads, stages), v4)
+        _matches_block_tiles(c, forced(STAGED4, 16, 16, segs, num_kv_heads, stages), block_tiles)
     assert not any(gluon_probe.verdicts().values())  # every probe compiled
 
 
-def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
+def test_staged_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     """``decode_staged.launch`` compiles each variant once (``warmup``), reserves its ring in
     dynamic shared memory after Triton's own (128-byte aligned offset, ``stages`` whole blocks),
     passes that offset as ``ring_off``, and reuses it; each kernel object keeps its own; a kernel
@@ -405,7 +395,7 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     import collections
     import types
 
-    from kernels.attention import decode_staged as L6
+    from kernels.attention import decode_staged as staged
     from kernels.attention import gluon_probe
     from kernels.attention.plan import Plan
     meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
@@ -426,7 +416,7 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: self.launches.append((grid, args[-1], kw["STAGES"]))
 
-    monkeypatch.setattr(L6, "_RING_OFFSETS", {})
+    monkeypatch.setattr(staged, "_RING_OFFSETS", {})
     q = torch.zeros(2, 32, 128)
     call = types.SimpleNamespace(
         q=q, k=torch.zeros(5, 16, 8, 64, dtype=torch.uint8), group=4, mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
@@ -440,31 +430,31 @@ def test_v6_ring_is_reserved_once_before_the_first_launch(monkeypatch):
         monkeypatch.setattr(gluon_probe, "require", lambda *a, kernel=kernel: kernel)
         plan = Plan(STAGED4, Tiling(16, 16, 4, 8, stages))
         for _ in range(2):
-            L6.launch(call, plan, q, 0.1, False)
-        ring = L6.ring_bytes(8, stages)
+            staged.launch(call, plan, q, 0.1, False)
+        ring = staged.ring_bytes(8, stages)
         assert ring == stages * 2 * 16 * 8 * 68 and kernel.warmups == 1
         assert kernel.compiled.metadata.shared == off + ring and kernel.compiled.packed_metadata == (8, 1, off + ring)
         assert kernel.launches == [((2, 4), off, stages)] * 2
     loaded = Compiled(1024)
     loaded.module = object()
     with pytest.raises(RuntimeError, match="loaded before"):
-        L6.reserve_ring(loaded, 4096)
+        staged.reserve_ring(loaded, 4096)
     # another Triton's compiled kernel (metadata not a namedtuple, or other launch metadata): a
     # compile-type error, so the probe says the staged kernel does not compile
     for meta_, packed in ((dict(num_warps=8, num_ctas=1, shared=1024), (8, 1, 1024)),
                           (meta(1, 8, 1024), (8, 1, 1024, 0))):
         other = Compiled(1024)
         other.metadata, other.packed_metadata = meta_, packed
-        with pytest.raises(L6.RingUnsupported):
-            L6.reserve_ring(other, 4096)
+        with pytest.raises(staged.RingUnsupported):
+            staged.reserve_ring(other, 4096)
         assert other.packed_metadata == packed and not hasattr(other, "_kv_ring_off")
-    assert L6.RingUnsupported in gluon_probe.COMPILE_ERRORS
+    assert staged.RingUnsupported in gluon_probe.COMPILE_ERRORS
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (16, 4), (4, 1), (8, 2)])
-def test_cuda_v7_decode_kernel(mode, num_q_heads, num_kv_heads):
+def test_cuda_staged_int8_decode_kernel(mode, num_q_heads, num_kv_heads):
     """The staged INT8 / FP8 decode reads the packed cache itself and matches the oracle and
     decode_block_tiles: GQA 1 / 2 / 4 / 8, a one-key sequence, partial last blocks with 0xFF poison in
     the unused rows (NaN codes for FP8), a 100-key window, softcap, 3 and 32 segments, 2 and 3
@@ -475,15 +465,15 @@ def test_cuda_v7_decode_kernel(mode, num_q_heads, num_kv_heads):
     v = c["views"]
     assert decode_staged.reads_layout(c["mode"], c["q"], v.key_cache, v.value_cache, v.k_scale_cache,
                                       v.v_scale_cache)
-    v4 = forced(BLOCKS, 16, 16, 8, 1, 2, heads_per_program=1)
+    block_tiles = forced(BLOCKS, 16, 16, 8, 1, 2, heads_per_program=1)
     for segs, stages, bulk in ((3, 2, True), (32, 3, True), (32, 2, False)):
         tuning = dataclasses.replace(forced(STAGED8, 16, 16, segs, num_kv_heads, stages), bulk_copies=bulk)
         assert _plan_of(c, tuning=tuning).bulk_copies == (bulk and torch.cuda.get_device_capability() >= (9, 0))
-        _matches_block_tiles(c, tuning, v4)
+        _matches_block_tiles(c, tuning, block_tiles)
     assert not any(gluon_probe.verdicts().values())  # every probe compiled
 
 
-def test_v7_reads_only_the_packed_int8_fp8_layout():
+def test_staged_int8_reads_only_the_packed_int8_fp8_layout():
     """``decode_staged.reads_layout``: the packed INT8 / FP8 views at head_size 128 / block 16 /
     1-8 KV heads; not INT4, separate tensors or head_size 64. On the CPU, decode_staged_int8
     asked for takes decode_block_tiles."""
@@ -698,7 +688,7 @@ def test_alignment_classes_and_poisoned_block0(mode, dtype, device, kernel):
 
 
 @pytest.mark.parametrize("mode,dtype", QUANT)
-def test_decode_falls_back_where_v3_cannot_read_the_cache(mode, dtype):
+def test_decode_falls_back_where_code_units_cannot_read_the_cache(mode, dtype):
     """decode_code_units reads rows as 16-bit units, at least 16 of them: INT4 at head_size 32 (8
     units) goes to decode_split with the generic tiling, also when the tuning asks for code
     units; INT8 / FP8 at head_size 32 (16 units) stay on decode_code_units."""
@@ -731,30 +721,30 @@ def test_decode_config_keeps_its_tiling_with_a_given_segment_count():
             assert plan_for(mode, 2, 4096, CPU, head_size, 8, 2, num_par_softmax_segments=8).tiling.num_segments == 8
 
 
-def test_v4_default_and_segments():
+def test_block_tiles_default_and_segments():
     """decode_block_tiles is the default at the measured head sizes (64, 128, 256); INT4 from 8,192 keys in the
     batch on at 64 and 32,768 at 128 / 256. Its segments aim at the programs per SM, are a power
     of two, at least 2, at most one per tile, and past 16,384 / head_size of 8 tiles at least."""
-    from kernels.attention.decode_block_tiles import segments as v4_segments
-    from kernels.attention.decode_block_tiles import tiling as v4_tiling
-    from kernels.attention.decode_block_tiles import wants as v4_default
+    from kernels.attention.decode_block_tiles import segments as bt_segments
+    from kernels.attention.decode_block_tiles import tiling as bt_tiling
+    from kernels.attention.decode_block_tiles import wants as bt_wants
     int4, int8, fp8 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
     for hs in (64, 128, 256):
-        assert v4_default(int8, hs, 1, 16) and v4_default(fp8, hs, 1, 16)
-    assert not v4_default(int8, 32, 8, 32768) and not v4_default(fp8, 512, 8, 32768)
-    assert v4_tiling(int8, 96) is None and v4_tiling(KVQuantMode.NONE, 128) is None
-    assert not v4_default(int4, 128, 1, 4096) and not v4_default(int4, 128, 2, 8192)
-    assert not v4_default(int4, 256, 2, 8192) and v4_default(int4, 256, 8, 4096)
-    assert v4_default(int4, 64, 2, 4096) and not v4_default(int4, 64, 1, 4096)
-    assert v4_default(int4, 128, 1, 32768) and v4_default(int4, 128, 8, 4096)
-    assert not v4_default(KVQuantMode.NONE, 128, 8, 32768)
-    assert v4_segments(132, 64, 32768, 16, 8) == 16     # b8 x 8 heads: 8 x 132 / 64 = 16.5
-    assert v4_segments(132, 256, 32768, 16, 8) == 4     # b32: 4.1 -> 4 (no keys-per-segment cap)
-    assert v4_segments(132, 8, 2048, 16, 8) == 128      # at most one per tile
-    assert v4_segments(132, 4096, 100, 16, 8) == 2      # at least 2
+        assert bt_wants(int8, hs, 1, 16) and bt_wants(fp8, hs, 1, 16)
+    assert not bt_wants(int8, 32, 8, 32768) and not bt_wants(fp8, 512, 8, 32768)
+    assert bt_tiling(int8, 96) is None and bt_tiling(KVQuantMode.NONE, 128) is None
+    assert not bt_wants(int4, 128, 1, 4096) and not bt_wants(int4, 128, 2, 8192)
+    assert not bt_wants(int4, 256, 2, 8192) and bt_wants(int4, 256, 8, 4096)
+    assert bt_wants(int4, 64, 2, 4096) and not bt_wants(int4, 64, 1, 4096)
+    assert bt_wants(int4, 128, 1, 32768) and bt_wants(int4, 128, 8, 4096)
+    assert not bt_wants(KVQuantMode.NONE, 128, 8, 32768)
+    assert bt_segments(132, 64, 32768, 16, 8) == 16     # b8 x 8 heads: 8 x 132 / 64 = 16.5
+    assert bt_segments(132, 256, 32768, 16, 8) == 4     # b32: 4.1 -> 4 (no keys-per-segment cap)
+    assert bt_segments(132, 8, 2048, 16, 8) == 128      # at most one per tile
+    assert bt_segments(132, 4096, 100, 16, 8) == 2      # at least 2
     # past the reduction's one load (segments x head_size <= 16K), segments of 8 tiles at least
-    assert v4_segments(132, 8, 4096, 16, 8, 128) == 128 and v4_segments(132, 8, 4096, 16, 8, 256) == 64
-    assert v4_segments(132, 8, 32768, 16, 8, 256) == 128 and v4_segments(132, 8, 2048, 16, 8, 512) == 32
+    assert bt_segments(132, 8, 4096, 16, 8, 128) == 128 and bt_segments(132, 8, 4096, 16, 8, 256) == 64
+    assert bt_segments(132, 8, 32768, 16, 8, 256) == 128 and bt_segments(132, 8, 2048, 16, 8, 512) == 32
 
 
 def test_gluon_decode_segments():
@@ -772,7 +762,7 @@ def test_gluon_decode_segments():
     assert (plan.path, plan.tiling.num_segments) == (STAGED4, 22)
 
 
-def test_v3_tiling_per_head_size_and_segments():
+def test_code_units_tiling_per_head_size_and_segments():
     """Measured head sizes get their own tiling; others take the nearest measured one (in log2,
     the smaller on a tie). Segments aim at the tiling's programs per SM, are a power of two, at
     least 2, at most one per tile, and hold at most 2,048 keys."""
@@ -957,7 +947,7 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
     assert plan_for(mode, 8, big, real).reduce == Reduce.GLUON
 
 
-def test_v6_reads_only_the_packed_int4_layout():
+def test_staged_int4_reads_only_the_packed_int4_layout():
     """``decode_staged.reads_layout`` (device independent) accepts the views ``split_kv_cache``
     makes of a packed INT4 cache at head_size 128, block 16, 1-8 KV heads, GQA up to 8, and
     refuses separate tensors, a misaligned cache, block size 32, 16 KV heads and GQA 16."""
