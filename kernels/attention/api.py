@@ -28,12 +28,12 @@ from .run import run_plan
 
 def _planned(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
              block_table, softcap, seq_threshold_3D, num_par_softmax_segments, softmax_segm_output, softmax_segm_max,
-             softmax_segm_expsum, kv_quant_mode, k_scale_cache, v_scale_cache, tuning, device):
+             softmax_segm_expsum, kv_quant_mode, k_scale_cache, v_scale_cache, tuning, device, num_decode_seqs):
     call = make_call(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      window_size, block_table, softcap, kv_quant_mode, k_scale_cache, v_scale_cache,
                      softmax_segm_output, softmax_segm_max, softmax_segm_expsum)
     return call, plan_call(call, seq_threshold_3D=seq_threshold_3D, num_segments=num_par_softmax_segments,
-                           tuning=tuning, facts=device)
+                           tuning=tuning, facts=device, num_decode_seqs=num_decode_seqs)
 
 
 def unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -41,7 +41,7 @@ def unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_s
                       k_descale, v_descale, seq_threshold_3D=None, num_par_softmax_segments=None,
                       softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None,
                       kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None, *,
-                      tuning: Optional[Tuning] = None):
+                      tuning: Optional[Tuning] = None, num_decode_seqs: Optional[int] = None):
     """Varlen paged attention; writes ``out`` in place and returns it.
 
     Parameters
@@ -71,6 +71,11 @@ def unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_s
     k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, required for
         the per-token-head modes (strided views of the row tails are fine).
     tuning : Tuning, optional; the planner's settings (benchmarks, tests; default ``Tuning()``).
+    num_decode_seqs : int, optional; sequences ``[0, num_decode_seqs)`` have one query token
+        each and come first (as vLLM orders a batch; known on the host). A mixed batch then runs
+        its decode rows through the decode kernels and the rest through the 2D kernel, back to
+        back, on views of q / out (no copy, no device sync). None: one plan for the whole batch.
+        Must be in ``[0, num_seqs]`` (LayoutError).
 
     Raises
     ------
@@ -80,7 +85,7 @@ def unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_s
     call, plan = _planned(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                           window_size, block_table, softcap, seq_threshold_3D, num_par_softmax_segments,
                           softmax_segm_output, softmax_segm_max, softmax_segm_expsum, kv_quant_mode, k_scale_cache,
-                          v_scale_cache, tuning, None)
+                          v_scale_cache, tuning, None, num_decode_seqs)
     return run_plan(call, plan)
 
 
@@ -89,7 +94,8 @@ def attention_plan(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seql
                    k_descale=None, v_descale=None, seq_threshold_3D=None, num_par_softmax_segments=None,
                    softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None,
                    kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None, *,
-                   tuning: Optional[Tuning] = None, device: Optional[DeviceFacts] = None) -> Plan:
+                   tuning: Optional[Tuning] = None, device: Optional[DeviceFacts] = None,
+                   num_decode_seqs: Optional[int] = None) -> Plan:
     """The :class:`Plan` that :func:`unified_attention` runs for these arguments (validated the
     same way, LayoutError alike); launches nothing. ``device``: the facts to plan for (e.g.
     ``kernels.attention.H200`` with CPU tensors) instead of the tensors' device; only
@@ -100,12 +106,13 @@ def attention_plan(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seql
     -------
     Plan
         ``path`` (the kernel: ``Path`` names its file), ``tiling``, the INT4 query rotation, the
-        reduction, PDL, bulk copies and ``why`` in words.
+        reduction, PDL, bulk copies and ``why`` in words; a mixed batch (``num_decode_seqs``):
+        path ``mixed`` and ``parts`` = (the decode rows' plan, the chunk rows' plan).
     """
     return _planned(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                     window_size, block_table, softcap, seq_threshold_3D, num_par_softmax_segments, softmax_segm_output,
                     softmax_segm_max, softmax_segm_expsum, kv_quant_mode, k_scale_cache, v_scale_cache, tuning,
-                    device)[1]
+                    device, num_decode_seqs)[1]
 
 
 def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -113,7 +120,7 @@ def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, 
                            k_scale_cache, v_scale_cache, seq_threshold_3D=None,
                            num_par_softmax_segments=None, softmax_segm_output=None,
                            softmax_segm_max=None, softmax_segm_expsum=None, *,
-                           tuning: Optional[Tuning] = None):
+                           tuning: Optional[Tuning] = None, num_decode_seqs: Optional[int] = None):
     """Varlen paged attention over an INT4 per-token-head cache; writes ``out`` in place.
 
     Parameters
@@ -132,7 +139,7 @@ def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, 
         low 4 bits are the zero point.
     seq_threshold_3D, num_par_softmax_segments, softmax_segm_* : split-KV controls and buffers,
         as :func:`kernels.unified_attention`.
-    tuning : Tuning, optional; as :func:`unified_attention`.
+    tuning, num_decode_seqs : optional; as :func:`unified_attention`.
 
     Returns
     -------
@@ -141,4 +148,5 @@ def unified_attention_int4(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, 
     return unified_attention(q, k, v, out, cu_seqlens_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                              causal, window_size, block_table, softcap, None, None, None, seq_threshold_3D,
                              num_par_softmax_segments, softmax_segm_output, softmax_segm_max, softmax_segm_expsum,
-                             KVQuantMode.INT4_PER_TOKEN_HEAD, k_scale_cache, v_scale_cache, tuning=tuning)
+                             KVQuantMode.INT4_PER_TOKEN_HEAD, k_scale_cache, v_scale_cache, tuning=tuning,
+                             num_decode_seqs=num_decode_seqs)

@@ -54,6 +54,7 @@ class AttnCall:
     max_seqlen_k: int
     head_size: int
     group: int                      # query heads per KV head
+    first_token: int = 0            # cu_seqlens_q[0], known on the host: > 0 for the chunk half of a mixed call
 
     @property
     def num_seqs(self) -> int:
@@ -149,6 +150,30 @@ def validate(q, k, v, out, cu_seqlens_q, seqused_k, block_table, mode, k_scale_c
     if max_seqlen_q < 0:
         _fail(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
     return head_size, num_kv_heads, num_q_heads // num_kv_heads
+
+
+def check_num_decode_seqs(call: AttnCall, num_decode_seqs) -> int:
+    """``num_decode_seqs`` as an int in ``[0, num_seqs]`` with at least that many query rows; LayoutError otherwise."""
+    d = num_decode_seqs
+    if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= min(call.num_seqs, call.q.shape[0]):
+        _fail(f"num_decode_seqs must be an int in [0, min(num_seqs={call.num_seqs}, num_tokens={call.q.shape[0]})], "
+              f"got {d!r}")
+    return d
+
+
+def split_mixed(call: AttnCall, d: int) -> tuple:
+    """The two halves of a mixed call whose first ``d`` sequences have one query token each:
+    ``(decode, chunk)``. Both are views, nothing is copied: the decode half is rows ``[0, d)`` of
+    q / out, ``cu_seqlens_q[:d + 1]``, ``seqused_k[:d]``, ``block_table[:d]`` (a decode batch of
+    its own, ``max_seqlen_q`` 1, the caller's segment buffers if any); the chunk half is
+    sequences ``[d, num_seqs)`` over the whole q / out (``cu_seqlens_q[d:]`` holds absolute row
+    offsets, ``first_token`` = d), no segment buffers."""
+    decode = dataclasses.replace(call, q=call.q[:d], out=call.out[:d], cu_seqlens_q=call.cu_seqlens_q[:d + 1],
+                                 seqused_k=call.seqused_k[:d], block_table=call.block_table[:d], max_seqlen_q=1)
+    chunk = dataclasses.replace(call, cu_seqlens_q=call.cu_seqlens_q[d:], seqused_k=call.seqused_k[d:],
+                                block_table=call.block_table[d:], segm_output=None, segm_max=None,
+                                segm_expsum=None, first_token=call.first_token + d)
+    return decode, chunk
 
 
 def with_segment_buffers(call: AttnCall, segs: int) -> AttnCall:

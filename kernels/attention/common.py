@@ -192,7 +192,7 @@ def decode_program(cu_seqlens_q_ptr, seqused_k_ptr, window_left, window_right,
 
 
 @triton.jit
-def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right,
+def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right,
                     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
                     TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PDL: tl.constexpr):
     """2D-path program of grid ``(q blocks, KV heads, segments)``, after :func:`pdl_enter` (before
@@ -200,9 +200,10 @@ def q_block_program(cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, wind
     ``kv_head``, as ``BLOCK_M`` rows. Returns ``kv_head``, ``seg_idx``, the sequence, whether the
     block holds any query, per row ``[BLOCK_M]`` the token index, query head, validity and
     position, the visible keys ``[k_lo, k_hi)`` of the whole block and segment ``seg_idx``'s tiles
-    ``[t0, t1)``."""
+    ``[t0, t1)``. ``q_block_base``: the q block of program 0 (``cu_seqlens_q[0] // BLOCK_Q``, 0
+    unless the sequences start after the first rows of q, as the chunk half of a mixed call)."""
     pdl_enter(PDL)
-    q_block_global = tl.program_id(0)
+    q_block_global = tl.program_id(0) + q_block_base
     kv_head = tl.program_id(1)
     seg_idx = tl.program_id(2)
     seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)

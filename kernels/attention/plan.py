@@ -7,7 +7,11 @@ that plan, with no check or fallback of its own.
 
 Order of the questions (each asked once):
 
-1. No query tokens: nothing runs (``empty``).
+1. No query tokens: nothing runs (``empty``). A mixed batch whose decode rows the caller
+   counted (``num_decode_seqs`` D, 0 < D < num_seqs: sequences ``[0, D)`` have one query token
+   each and come first): two plans run back to back (``mixed``), the first D sequences as a
+   decode batch of their own (these questions again), the others through the 2D kernel.
+   D == num_seqs: a decode batch; D == 0: as without it.
 2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
    2D kernel (``prefill_2d``).
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
@@ -47,7 +51,7 @@ from . import decode_code_units as C
 from . import decode_staged as S
 from . import reduce as R
 from . import rotate_query as Q
-from .call import AttnCall
+from .call import AttnCall, check_num_decode_seqs, split_mixed
 from .units import DECODE_MODES, code_units
 
 
@@ -55,6 +59,7 @@ class Path(str, enum.Enum):
     """The kernel that reads the cache; each value names its file (see the package docstring)."""
 
     EMPTY = "empty"                            # no query tokens: nothing is launched
+    MIXED = "mixed"                            # decode rows then chunk rows: Plan.parts, launched back to back
     PREFILL_2D = "prefill_2d"                  # prefill_2d.py / prefill_2d_int4.py
     DECODE_SPLIT = "decode_split"              # decode_split.py
     DECODE_CODE_UNITS = "decode_code_units"    # decode_code_units.py
@@ -166,7 +171,9 @@ class Plan:
     rotation kernel lets the next kernel start early), the reduction, programmatic dependent
     launch, bulk copies (staged kernels), the alignment (in 16-bit units) of the cache's block and
     slot strides that the code-unit and block-tile kernels read (``units.code_units``), and
-    ``why`` in words."""
+    ``why`` in words. A mixed call (``path`` MIXED) is two plans run back to back, ``parts`` =
+    (the plan of its first ``num_decode_seqs`` sequences as a decode batch of their own, the 2D
+    plan of the others); its own tiling is the chunk part's."""
 
     path: Path
     tiling: Tiling
@@ -178,6 +185,8 @@ class Plan:
     bulk_copies: bool = False
     unit_align: int = 0
     why: str = ""
+    parts: tuple = ()
+    num_decode_seqs: int = 0
 
 
 DEFAULT_TUNING = Tuning()
@@ -198,13 +207,22 @@ _STAGED = {KVQuantMode.INT4_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT4,
 
 
 def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_segments: Optional[int] = None,
-              tuning: Optional[Tuning] = None, facts: Optional[DeviceFacts] = None) -> Plan:
+              tuning: Optional[Tuning] = None, facts: Optional[DeviceFacts] = None,
+              num_decode_seqs: Optional[int] = None) -> Plan:
     """The :class:`Plan` of ``call`` (see the module docstring); launches nothing (a real CUDA
-    device's first plan of a Gluon kernel compiles it once, see ``gluon_probe``)."""
+    device's first plan of a Gluon kernel compiles it once, see ``gluon_probe``).
+    ``num_decode_seqs``: sequences ``[0, num_decode_seqs)`` have one query token each and come
+    first (the caller knows it on the host): see :func:`_plan_mixed`."""
     tuning = tuning or DEFAULT_TUNING
     facts = facts or device_facts(call.q.device)
     if call.q.shape[0] == 0:
         return Plan(Path.EMPTY, Tiling(16, 16), why="no query tokens: nothing is launched")
+    if num_decode_seqs is not None:
+        d = check_num_decode_seqs(call, num_decode_seqs)
+        if 0 < d < call.num_seqs:
+            return _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts)
+        if d == call.num_seqs:  # every sequence is a decode row: a decode batch
+            call = dataclasses.replace(call, max_seqlen_q=1)
     pdl = tuning.pdl and facts.type == "cuda" and tuple(facts.capability) >= (9, 0)
     why: list = []
     given = call.segm_output.shape[2] if call.segm_output is not None else num_segments
@@ -215,6 +233,22 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
     bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
     align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
     return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why))
+
+
+def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
+    """A mixed call split at sequence ``d`` (``call.split_mixed``): the decode rows get the plan of
+    a decode batch of their own (``tuning`` as given), the chunk rows the 2D kernel's prefill
+    tiling (``tuning.path`` / ``tiling`` are for the decode rows); no copy, no device sync."""
+    decode, chunk = split_mixed(call, d)
+    dec = plan_call(decode, seq_threshold_3D=seq_threshold_3D, num_segments=num_segments, tuning=tuning, facts=facts)
+    pdl = tuning.pdl and facts.type == "cuda" and tuple(facts.capability) >= (9, 0)
+    tiling = _tiling(Path.PREFILL_2D, chunk, facts, False, None)
+    rotate = _rotation(Path.PREFILL_2D, tiling, chunk, facts, tuning, pdl, [])[0]
+    rows = chunk.num_seqs
+    why = f"prefill rows of {rows} sequence{'s' * (rows > 1)} after {d} decode row{'s' * (d > 1)}"
+    pre = Plan(Path.PREFILL_2D, tiling, rotate, pdl=pdl, why=why)
+    return Plan(Path.MIXED, tiling, pdl=pdl, parts=(dec, pre), num_decode_seqs=d,
+                why=f"mixed batch: {d} decode rows -> {dec.path.value} ({dec.why}), then {why} -> prefill_2d")
 
 
 def _generic(call: AttnCall, block_m: int, segs: int) -> Tiling:

@@ -19,7 +19,8 @@ from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to
 from .prefill_2d_int4 import _attn_int4_kernel
 
 
-# Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS). One program: one q
+# Grid: (num_tokens // BLOCK_Q - q_block_base + num_seqs, num_kv_heads, NUM_SEGMENTS), program 0 at q block
+# q_block_base (the chunk half of a mixed call starts after the decode rows). One program: one q
 # tile of one sequence x one KV head x one segment of the visible keys, streamed TILE keys at a
 # time with an online softmax. Scores: S = (q . codes) * k_scale[column] (the per-token scale
 # scales score columns, never elements); P is multiplied by v_scale / max(v_scale) per column
@@ -33,7 +34,7 @@ def _attn_kernel(
     out_ptr,                        # out [T, Hq, D] or segm_output [T, Hq, NUM_SEGMENTS, HEAD_PAD]
     segm_max_ptr, segm_sum_ptr,     # [T, Hq, NUM_SEGMENTS] fp32 (SPLIT only)
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
-    softmax_scale, softcap, window_left, window_right, num_seqs,
+    softmax_scale, softcap, window_left, window_right, num_seqs, q_block_base,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -52,8 +53,8 @@ def _attn_kernel(
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
-        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE,
-        NUM_SEGMENTS, PDL)
+        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
+        GROUP, TILE, NUM_SEGMENTS, PDL)
     if not has_rows:
         return
 
@@ -146,14 +147,15 @@ def launch_2d(call, plan) -> None:
     else:
         dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
     ks, vs = call.ks, call.vs
-    grid = (num_tokens // block_q + num_seqs, k.shape[2], tiling.num_segments)
+    base = call.first_token // block_q  # the q block that cu_seqlens_q[0] falls in (host int, no sync)
+    grid = (num_tokens // block_q - base + num_seqs, k.shape[2], tiling.num_segments)
     common = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, k_scale_ptr=ks, v_scale_ptr=vs, out_ptr=call.segm_output if split else out,
         segm_max_ptr=call.segm_max if split else out, segm_sum_ptr=call.segm_expsum if split else out,
         block_table_ptr=call.block_table, cu_seqlens_q_ptr=call.cu_seqlens_q.contiguous(),
         seqused_k_ptr=call.seqused_k.contiguous(),
         softmax_scale=call.softmax_scale, softcap=call.softcap,
-        window_left=int(call.window_size[0]), window_right=int(call.window_size[1]), num_seqs=num_seqs,
+        window_left=int(call.window_size[0]), window_right=int(call.window_size[1]), num_seqs=num_seqs, q_block_base=base,
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align,
         stride_k_h=k.stride(2) // align, stride_k_d=k.stride(3),

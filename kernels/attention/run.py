@@ -1,7 +1,8 @@
 """Run a :class:`~kernels.attention.plan.Plan`: the path's launcher, then the reduction.
 
 Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNCHERS`, the
-rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``).
+rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``); a mixed plan
+runs its two parts on the two halves of the call (``call.split_mixed``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from triton.runtime.errors import OutOfResources
 
 from . import decode_staged
-from .call import AttnCall, with_segment_buffers
+from .call import AttnCall, split_mixed, with_segment_buffers
 from .decode_block_tiles import launch_block_tiles
 from .decode_code_units import launch_code_units
 from .decode_split import launch_split
@@ -43,6 +44,11 @@ LAUNCHERS = {
 def run_plan(call: AttnCall, plan: Plan):
     """Launch ``plan`` on ``call``; returns ``call.out`` (written in place)."""
     if plan.path == Path.EMPTY:
+        return call.out
+    if plan.path == Path.MIXED:  # the decode rows' plan, then the chunk rows' (views of call, nothing copied)
+        decode, chunk = split_mixed(call, plan.num_decode_seqs)
+        run_plan(decode, plan.parts[0])
+        run_plan(chunk, plan.parts[1])
         return call.out
     if plan.tiling.num_segments > 1:
         call = with_segment_buffers(call, plan.tiling.num_segments)

@@ -1,0 +1,110 @@
+"""Mixed batches (``num_decode_seqs``): decode rows through the decode kernels, chunk rows through the 2D kernel.
+
+Covers: every cache mode (bf16, INT8, FP8, INT4) against the oracle ``reference_unified_attention``
+(relative L2 <= 1e-2) with 1, 3 and 17 decode rows (17 puts the chunk's first row in the 2D
+kernel's second q block, so its grid starts past program 0), one and two chunks, decode rows
+whose context is shorter than one cache block, chunks that start mid-block; the kernels launched
+are the decode plan's then the 2D kernel (recorded at launch); every output row is written
+(``out`` poisoned with NaN first); the plan's split and its validation; without
+``num_decode_seqs`` the plan is unchanged. CPU through Triton's interpreter (tiny shapes); the
+same cases on CUDA when a GPU is present.
+
+Run: ``python -m pytest tests/test_mixed_batches.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import H200, Path, attention_plan
+from layouts import KVQuantMode, LayoutError
+from tests.test_attention_kernels import (P2D, expected_launches, launched, make_case,  # noqa: F401 (fixture)
+                                          run_and_check)
+
+MODES = [
+    pytest.param(KVQuantMode.NONE, id="bf16"),
+    pytest.param(KVQuantMode.INT8_PER_TOKEN_HEAD, id="int8"),
+    pytest.param(KVQuantMode.FP8_PER_TOKEN_HEAD, id="fp8"),
+    pytest.param(KVQuantMode.INT4_PER_TOKEN_HEAD, id="int4"),
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
+# (decode contexts, chunks as (query tokens, context)); block size 16.
+MIXES = [
+    # one decode row shorter than a block; one chunk starting mid-block (keys 35..39 of 40)
+    pytest.param([9], [(5, 40)], id="1dec-short-1chunk-midblock"),
+    # three decode rows (short, long, longer); two chunks: one mid-block, one whole prefill
+    pytest.param([9, 70, 130], [(6, 38), (17, 17)], id="3dec-2chunks"),
+    # 17 decode rows: the chunk's rows start in the 2D kernel's second q block (BLOCK_Q 16)
+    pytest.param([5 + 3 * i for i in range(17)], [(9, 25)], id="17dec-1chunk-base1"),
+]
+
+
+def _mixed_case(mode, dec_ctx, chunks, device, seed=0):
+    q_lens = [1] * len(dec_ctx) + [n for n, _ in chunks]
+    k_lens = list(dec_ctx) + [k for _, k in chunks]
+    return make_case(mode, torch.bfloat16, q_lens=q_lens, k_lens=k_lens, device=device, seed=seed)
+
+
+def _plan(c, facts=None, **kw):
+    v = c["views"]
+    return attention_plan(c["q"], v.key_cache, v.value_cache, c["q"], c["cu"], c["seqused_k"], c["max_q"],
+                          c["max_k"], c["q"].shape[-1] ** -0.5, True, (-1, -1), c["block_table"], 0.0,
+                          kv_quant_mode=c["mode"], k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache,
+                          device=facts, **kw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dec_ctx,chunks", MIXES)
+@pytest.mark.parametrize("segments", [None, 2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_matches_oracle_and_launches_both_paths(mode, dec_ctx, chunks, segments, device, launched):
+    """The output (poisoned first) matches the oracle on every row, and the launched kernels are
+    the decode rows' plan (as a decode batch of their own) followed by the 2D kernel."""
+    c = _mixed_case(mode, dec_ctx, chunks, device, seed=len(dec_ctx))
+    d = len(dec_ctx)
+    kw = dict(num_decode_seqs=d, num_par_softmax_segments=segments)
+    plan = _plan(c, **kw)
+    assert plan.path == Path.MIXED and plan.num_decode_seqs == d, plan
+    dec, pre = plan.parts
+    alone = make_case(mode, torch.bfloat16, q_lens=[1] * d, k_lens=dec_ctx, device=device)
+    alone["max_k"] = c["max_k"]
+    assert dec == _plan(alone, num_par_softmax_segments=segments), "decode rows planned as a decode batch of their own"
+    assert pre.path == P2D and pre.tiling.num_segments == 1
+    if segments:
+        assert dec.tiling.num_segments == segments and dec.path != P2D or mode == KVQuantMode.NONE, dec
+    run_and_check(c, **kw)
+    assert launched == expected_launches(dec, mode) + expected_launches(pre, mode), plan
+    if mode == KVQuantMode.NONE:
+        return
+    launched.clear()  # the same batch without num_decode_seqs: one 2D launch, as before
+    assert _plan(c).path == P2D
+    run_and_check(c)
+    assert launched == expected_launches(_plan(c), mode)
+
+
+def test_plan_of_a_mixed_batch_on_an_h200():
+    """Planned for an H200 (16 decode rows at 512 keys + one 64-token chunk, head 128, 32 q / 8
+    KV heads): INT8 decode rows take a split decode kernel, the chunk the 2D kernel; ``why``
+    names both; D == num_seqs plans a decode batch, D == 0 the single 2D plan."""
+    mode = KVQuantMode.INT8_PER_TOKEN_HEAD
+    c = make_case(mode, torch.bfloat16, q_lens=[1] * 16 + [64], k_lens=[512] * 16 + [512], num_q_heads=32,
+                  num_kv_heads=8, head_size=128)
+    plan = _plan(c, H200, num_decode_seqs=16)
+    assert plan.path == Path.MIXED
+    assert plan.parts[0].path not in (P2D, Path.EMPTY) and plan.parts[0].tiling.num_segments > 1, plan
+    assert plan.parts[1].path == P2D and "16 decode rows" in plan.why and "prefill_2d" in plan.why
+    assert _plan(c, H200, num_decode_seqs=0) == _plan(c, H200)
+    dec = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[512] * 4, num_q_heads=32, num_kv_heads=8,
+                    head_size=128)
+    dec["max_q"] = 3  # a loose host bound: the caller's count says these are decode rows
+    assert _plan(dec, H200, num_decode_seqs=4) == (lambda d: (d.update(max_q=1), _plan(d, H200))[1])(dict(dec))
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 2.0, "1", True])
+def test_num_decode_seqs_is_checked(bad):
+    c = _mixed_case(KVQuantMode.INT8_PER_TOKEN_HEAD, [9], [(5, 40), (3, 3)], "cpu")
+    with pytest.raises(LayoutError, match=r"num_decode_seqs must be an int in \[0, min\(num_seqs=3"):
+        _plan(c, num_decode_seqs=bad)
