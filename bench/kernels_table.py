@@ -21,7 +21,9 @@ from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD, "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD,
          "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
 DECODE = [(1, 4096), (2, 32768), (8, 32768), (32, 32768), (12, 16384), (64, 4096)]
+MIXED = [(1, 4096, 128, 4096), (16, 8192, 512, 8192), (64, 32768, 2048, 32768)]  # decode rows @ ctx, chunk @ ctx
 FILES = {
+    Path.MIXED: "`plan.py`, `run.py` (then its parts' files)",
     Path.PREFILL_2D: "`prefill_2d.py` (INT4: `prefill_2d_int4.py`)",
     Path.DECODE_SPLIT: "`decode_split.py`",
     Path.DECODE_CODE_UNITS: "`decode_code_units.py`",
@@ -30,7 +32,11 @@ FILES = {
     Path.DECODE_STAGED_INT8: "`decode_staged.py` + `decode_staged_int8_gluon.py`",
 }
 WHY = {
-    Path.PREFILL_2D: "Several queries per sequence (prefill, mixed batches): a program owns a tile of query rows "
+    Path.MIXED: "A mixed batch whose decode rows the caller counts (`num_decode_seqs`; vLLM puts them first): "
+                "the decode rows run as a decode batch of their own (their plan is `parts[0]`), then the chunk "
+                "rows through the 2D kernel (`parts[1]`), on views of q and out: no copy, no device sync. "
+                "Without the count the whole batch takes the 2D kernel.",
+    Path.PREFILL_2D: "Several queries per sequence (prefill, a mixed batch's chunks): a program owns a tile of query rows "
                      "x the GQA group, so each K/V byte feeds every head of the group. Also the bf16/fp16 decode "
                      "(keys split into segments when the grid would leave SMs idle), quantized decode at head "
                      "sizes that are not a power of two, and any decode that ends up with one segment.",
@@ -70,8 +76,26 @@ def plan(mode, batch, ctx, facts, head_size=128, num_q_heads=32, num_kv_heads=8,
                           k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts, **kw)
 
 
+def mixed_plan(mode, d, ctx, chunk, chunk_ctx, facts) -> Plan:
+    """``attention_plan`` with ``num_decode_seqs=d``: ``d`` decode rows of ``ctx`` keys, then one
+    chunk of ``chunk`` queries over ``chunk_ctx`` keys (head 128, 32 query / 8 KV heads)."""
+    geo = CacheGeometry(mode, 128, 8, 16, torch.bfloat16)
+    views = split_kv_cache(geo.new_cache(4), mode, 128)
+    q = torch.zeros(d + chunk, 32, 128, dtype=torch.bfloat16)
+    cu = torch.tensor(list(range(d + 1)) + [d + chunk], dtype=torch.int32)
+    table = torch.zeros(d + 1, -(-max(ctx, chunk_ctx) // 16), dtype=torch.int32)
+    seqused = torch.tensor([ctx] * d + [chunk_ctx], dtype=torch.int32)
+    return attention_plan(q, views.key_cache, views.value_cache, q, cu, seqused, chunk, max(ctx, chunk_ctx),
+                          128 ** -0.5, True, (-1, -1), table, 0.0, kv_quant_mode=mode,
+                          k_scale_cache=views.k_scale_cache, v_scale_cache=views.v_scale_cache, device=facts,
+                          num_decode_seqs=d)
+
+
 def cell(p: Plan) -> str:
-    """One plan as a table cell: the path, its segments, the INT4 rotation and the reduction."""
+    """One plan as a table cell: the path, its segments, the INT4 rotation and the reduction (a
+    mixed plan: its two parts)."""
+    if p.parts:
+        return " + ".join(cell(part) for part in p.parts)
     extra = [f"{p.tiling.num_segments} seg"] if p.tiling.num_segments > 1 else []
     if p.rotate.value not in ("none", "in_kernel"):
         extra.append(f"rot {p.rotate.value}")
@@ -107,7 +131,15 @@ def section() -> str:
     out += ["", "### Other head sizes (32 query / 8 KV heads)", ""]
     for head in (64, 256, 96, 32):
         out += [f"head_size {head}:", ""] + table(head, 32, 8, [(1, 4096, 1), (8, 32768, 1)]) + [""]
-    out += ["### Caches the staged kernels cannot read", "",
+    out += ["### Mixed batches (`num_decode_seqs`), head_size 128, 32 query / 8 KV heads", "",
+            "Decode rows first, then one prefill chunk; the cell is the decode rows' plan + the chunk's.", "",
+            "| mode | decode rows x context + chunk @ context | H200 (132 SMs, sm_90, Gluon) | CPU (interpreter) |",
+            "|---|---|---|---|"]
+    for name, mode in MODES.items():
+        for d, ctx, chunk, chunk_ctx in MIXED:
+            cells = [cell(mixed_plan(mode, d, ctx, chunk, chunk_ctx, f)) for f in (H200, CPU)]
+            out.append(f"| {name} | {d} x {ctx} + {chunk} @ {chunk_ctx} | {cells[0]} | {cells[1]} |")
+    out += ["", "### Caches the staged kernels cannot read", "",
             "Four separate tensors (not the packed layout) at INT4 b8 x 32768: H200 "
             f"{cell(plan(KVQuantMode.INT4_PER_TOKEN_HEAD, 8, 32768, H200, packed=False))}; 16 query heads per KV "
             f"head: {cell(plan(KVQuantMode.INT4_PER_TOKEN_HEAD, 8, 32768, H200, num_q_heads=128))}. A Triton whose "

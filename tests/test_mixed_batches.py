@@ -108,3 +108,18 @@ def test_num_decode_seqs_is_checked(bad):
     c = _mixed_case(KVQuantMode.INT8_PER_TOKEN_HEAD, [9], [(5, 40), (3, 3)], "cpu")
     with pytest.raises(LayoutError, match=r"num_decode_seqs must be an int in \[0, min\(num_seqs=3"):
         _plan(c, num_decode_seqs=bad)
+
+
+def test_bench_quick_mixed_smoke(capsys):
+    """``python -m bench.attention --quick --mixed`` prints one row per mix and mode with the
+    ratio (a)/(b), every mixed call checked against the oracle."""
+    from bench import attention as bench_attention
+
+    assert bench_attention.main(["--quick", "--mixed", "--modes", "int8,int4"]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith(("| int8 |", "| int4 |"))]
+    assert len(rows) == 2 * len(bench_attention.QUICK_MIXES), text
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")]
+        assert float(cells[-3]) <= 1e-2, row  # rel. L2 of the mixed call vs the oracle
+        assert float(cells[7]) > 0 and cells[-2].startswith(("decode_", "prefill_2d")), row
