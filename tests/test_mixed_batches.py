@@ -56,11 +56,30 @@ def _plan(c, facts=None, **kw):
                           device=facts, **kw)
 
 
+def _record_2d_grids(monkeypatch) -> list:
+    """The grids of the 2D kernels' launches while the test runs, in order."""
+    from kernels.attention import prefill_2d
+    grids = []
+
+    class Grid:
+        def __init__(self, kernel):
+            self._kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return self._kernel[grid]
+
+    for name in ("_attn_kernel", "_attn_int4_kernel"):
+        monkeypatch.setattr(prefill_2d, name, Grid(getattr(prefill_2d, name)))
+    return grids
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dec_ctx,chunks", MIXES)
 @pytest.mark.parametrize("segments", [None, 2])
 @pytest.mark.parametrize("device", DEVICES)
-def test_mixed_batch_matches_oracle_and_launches_both_paths(mode, dec_ctx, chunks, segments, device, launched):
+def test_mixed_batch_matches_oracle_and_launches_both_paths(mode, dec_ctx, chunks, segments, device, launched,
+                                                           monkeypatch):
     """The output (poisoned first) matches the oracle on every row, and the launched kernels are
     the decode rows' plan (as a decode batch of their own) followed by the 2D kernel."""
     c = _mixed_case(mode, dec_ctx, chunks, device, seed=len(dec_ctx))
@@ -75,8 +94,12 @@ def test_mixed_batch_matches_oracle_and_launches_both_paths(mode, dec_ctx, chunk
     assert pre.path == P2D and pre.tiling.num_segments == 1
     if segments:
         assert dec.tiling.num_segments == segments and dec.path != P2D or mode == KVQuantMode.NONE, dec
+    grids = _record_2d_grids(monkeypatch)
     run_and_check(c, **kw)
     assert launched == expected_launches(dec, mode) + expected_launches(pre, mode), plan
+    # the chunk's 2D grid covers its q blocks only: from the block of its first row (d // BLOCK_Q) on
+    block_q = pre.tiling.block_m // (c["q"].shape[1] // c["views"].key_cache.shape[2])
+    assert grids[-1][0] == c["q"].shape[0] // block_q - d // block_q + len(chunks), (grids, block_q)
     if mode == KVQuantMode.NONE:
         return
     launched.clear()  # the same batch without num_decode_seqs: one 2D launch, as before
@@ -99,8 +122,11 @@ def test_plan_of_a_mixed_batch_on_an_h200():
     assert _plan(c, H200, num_decode_seqs=0) == _plan(c, H200)
     dec = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[512] * 4, num_q_heads=32, num_kv_heads=8,
                     head_size=128)
+    want = _plan(dec, H200)
+    assert want.path == Path.DECODE_BLOCK_TILES, want
     dec["max_q"] = 3  # a loose host bound: the caller's count says these are decode rows
-    assert _plan(dec, H200, num_decode_seqs=4) == (lambda d: (d.update(max_q=1), _plan(d, H200))[1])(dict(dec))
+    assert _plan(dec, H200).path == P2D
+    assert _plan(dec, H200, num_decode_seqs=4) == want
 
 
 @pytest.mark.parametrize("bad", [-1, 4, 2.0, "1", True])
