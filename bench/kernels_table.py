@@ -36,8 +36,8 @@ WHY = {
                 "the decode rows run as a decode batch of their own (their plan is `parts[0]`), then the chunk "
                 "rows through the 2D kernel (`parts[1]`), on views of q and out: no copy, no device sync. "
                 "Without the count the whole batch takes the 2D kernel.",
-    Path.PREFILL_2D: "Several queries per sequence (prefill, a mixed batch's chunks): a program owns a tile of query rows "
-                     "x the GQA group, so each K/V byte feeds every head of the group. Also the bf16/fp16 decode "
+    Path.PREFILL_2D: "Several queries per sequence (prefill, a mixed batch's chunks): a program owns a tile of "
+                     "query rows x the GQA group, so each K/V byte feeds every head of the group. Also the bf16/fp16 decode "
                      "(keys split into segments when the grid would leave SMs idle), quantized decode at head "
                      "sizes that are not a power of two, and any decode that ends up with one segment.",
     Path.DECODE_SPLIT: "Portable split-KV decode for any quantized cache: reads through byte strides, so it "

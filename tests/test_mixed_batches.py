@@ -140,11 +140,12 @@ def test_bench_quick_mixed_smoke(capsys):
     """``python -m bench.attention --quick --mixed`` prints one row per mix and mode with the
     ratio (a)/(b), every mixed call checked against the oracle."""
     from bench import attention as bench_attention
+    from bench import attention_mixed
 
     assert bench_attention.main(["--quick", "--mixed", "--modes", "int8,int4"]) == 0
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith(("| int8 |", "| int4 |"))]
-    assert len(rows) == 2 * len(bench_attention.QUICK_MIXES), text
+    assert len(rows) == 2 * len(attention_mixed.QUICK_MIXES), text
     for row in rows:
         cells = [c.strip() for c in row.split("|")]
         assert float(cells[-3]) <= 1e-2, row  # rel. L2 of the mixed call vs the oracle

@@ -7,7 +7,8 @@ Entry points and the decision
     ``api.py``          ``unified_attention``, ``unified_attention_int4``, ``attention_plan``
     ``call.py``         validation of the arguments into one ``AttnCall``
     ``plan.py``         ``Path``, ``Tiling``, ``Tuning``, ``DeviceFacts``, ``Plan``: the one decision
-    ``run.py``          runs a plan: the path's launcher, then the reduction
+    ``run.py``          runs a plan: the path's launcher, then the reduction; a mixed batch
+                        (``num_decode_seqs``): its decode rows' plan, then its chunk rows' 2D plan
 
 Kernels (each beside its launcher), by how they read the cache
     ``prefill_2d.py``       2D tiles of query rows x keys: prefill, mixed batches, bf16 decode
