@@ -198,6 +198,16 @@ def test_matches_oracle(mode, dtype, shape, opts):
     run_and_check(make_case(mode, dtype, **shape), **opts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("mode,dtype", MODES)
+@pytest.mark.parametrize("shape,opts", SCENARIOS)
+def test_cuda_matches_oracle(mode, dtype, shape, opts, head_size):
+    """The scenarios above on the GPU at every head size the kernels serve (the compiled code,
+    not the interpreter's: dot dtypes, layouts and shared memory differ)."""
+    run_and_check(make_case(mode, dtype, head_size=head_size, device="cuda", **shape), **opts)
+
+
 @pytest.mark.parametrize("mode,dtype", [MODES[0], MODES[2], MODES[4]])
 def test_separate_tensors_and_caller_buffers(mode, dtype):
     """Four separate contiguous tensors; vLLM-style segment buffers larger than needed."""

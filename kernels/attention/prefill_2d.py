@@ -144,6 +144,11 @@ def launch_2d(call, plan) -> None:
         dot = DOT_FP32.value
     elif call.mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
         dot = DOT_FP16.value  # int8 / e4m3 codes convert exactly and cheaply to fp16
+    elif call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and call.head_size < 128:
+        # 32-wide nibble halves: the 16-bit dots of the INT4 kernel compile wrong on sm_90 (wrong
+        # scores, out-of-bounds reads; tests/test_attention_kernels.py's CUDA cases show it);
+        # tf32 dots are exact on codes and correct here
+        dot = DOT_FP32.value
     else:
         dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
     ks, vs = call.ks, call.vs
