@@ -65,8 +65,13 @@ def _attn_int4_kernel(
     q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
     h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
     h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
-    q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-    q_odd = to_dot(tl.dot(q, h_odd), DOT)
+    if HEAD >= 256:  # fp32 [HEAD, HALF] operands would need 256 KB of shared memory: 16-bit, exact for q * s and +-1
+        q = to_dot(q, DOT)
+        q_even = to_dot(tl.dot(q, to_dot(h_even, DOT)), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+        q_odd = to_dot(tl.dot(q, to_dot(h_odd, DOT)), DOT)
+    else:
+        q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+        q_odd = to_dot(tl.dot(q, h_odd), DOT)
     q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
     if USE_SOFTCAP:
         qk_scale = softmax_scale / HEAD
@@ -132,7 +137,11 @@ def _attn_int4_kernel(
         signs = tl.load(signs_ptr + offs_d) / HEAD
         g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
         g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
-        o = tl.dot(acc_even * inv_l[:, None], g_even)
-        o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
+        if HEAD >= 256:  # 16-bit operands, as for the query (signs / HEAD is a power of two: exact)
+            o = tl.dot(to_dot(acc_even * inv_l[:, None], DOT), to_dot(g_even, DOT))
+            o = tl.dot(to_dot(acc_odd * inv_l[:, None], DOT), to_dot(g_odd, DOT), o)  # [BLOCK_M, HEAD]
+        else:
+            o = tl.dot(acc_even * inv_l[:, None], g_even)
+            o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
