@@ -7,6 +7,12 @@ equal what the local layout says (``2·N·h·P`` per block) and the xxh3_64 chec
 match. A failed check fails the pull with a typed error, reports the destination blocks
 that did not land, and sends ABORT so the prefill side releases its lease.
 
+With the device kernels given (``frame_ops``) this side offers ``mix64`` in its HELLO; a
+prefill that accepts sends ``mix64`` BLOCKS, whose payload frames are received straight into a
+pooled pinned buffer (``IOLoop`` ``on_header``, ``Socket.recv_into``), copied to the device
+once and verified + scattered there (:mod:`kvconnector.device_frames`): a frame that does not
+match fails the pull with :class:`CorruptFrameError` and none of that message's rows is written.
+
 An ERROR from the prefill side about a pending pull fails it at once with :class:`PeerError`
 (its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
 fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while writing a
@@ -36,7 +42,9 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
                      slice_bytes)
 from .handle import PullHandle
 from .metrics import Metrics
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
+from .device_frames import scatter_message
+from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
+                       verify_payloads)
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
@@ -82,12 +90,23 @@ class DecodeEndpoint:
         message is still verified before any of its bytes is written); for CUDA caches they
         also stage, launch the device copies and wait for them. 0 does it all on the I/O
         thread. Default :func:`default_copy_threads`.
+    frame_ops : FrameOps, optional
+        Device kernels (``kernels.transfer.FRAME_OPS``): this side then offers ``mix64`` and
+        verifies + scatters such messages on the device (module doc).
+    checksums : tuple of str, optional
+        Algorithms offered in HELLO, preferred first (default ``("mix64", "xxh3_64")`` with
+        ``frame_ops``, else ``("xxh3_64",)``, which sends no offer at all, like earlier clients).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
-                 curve: CurveKeys | None = None, copy_threads: int | None = None) -> None:
+                 curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
+                 checksums: tuple | None = None) -> None:
         check_caches(caches, descriptor)
+        self.frame_ops = frame_ops
+        self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
+        self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
+        self._rx = None               # (pinned buffer, header) the payload of the message being handled went into
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.max_frame_bytes, self.curve = max_frame_bytes, curve
@@ -108,7 +127,7 @@ class DecodeEndpoint:
         # [num_blocks, block bytes] row views: numpy (CPU) or torch (CUDA), made once
         self._rows = [device_rows(c, self.geometry) for c in self.caches] if self.cuda else \
             [block_rows(v) for v in self._views]
-        self._pinned = PinnedPool() if self.cuda else None
+        self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
 
@@ -137,7 +156,8 @@ class DecodeEndpoint:
             raise TransferError(f"cannot connect to {endpoint}: {e}") from e
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
-                            on_tick=self._on_tick, on_error=self._on_error)
+                            on_tick=self._on_tick, on_error=self._on_error,
+                            on_header=self._receive_into if self.frame_ops is not None else None)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):
@@ -206,7 +226,26 @@ class DecodeEndpoint:
             self.errors.append(TransferError(f"send {h.type.name}: {e}"))
 
     def _send_hello(self) -> None:
-        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict()))
+        offer = list(self.checksums) if self.checksums != (CHECKSUM,) else []
+        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict(), sums=offer))
+
+    def _receive_into(self, frame) -> list | None:
+        """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
+        buffer that receives its payload frames back to back (views, one per frame); else None."""
+        try:
+            h = decode_header(frame.buffer)
+        except Exception:
+            return None     # _on_message decodes it again and reports the problem
+        total = sum(h.nbytes) if h.type == MsgType.BLOCKS else 0
+        if h.algorithm != MIX64 or h.tid not in self._pending or not 0 < total <= self.max_frame_bytes:
+            return None
+        buf = self._pinned.acquire(total)
+        arr, views, off = buf.numpy(), [], 0
+        for n in h.nbytes:
+            views.append(arr[off:off + n])
+            off += n
+        self._rx = (buf, h)
+        return views
 
     def _on_error(self, e: Exception) -> None:
         self.errors.append(e)
@@ -243,6 +282,17 @@ class DecodeEndpoint:
             self._send(Header(MsgType.ABORT, tid=tid, code="aborted"))
 
     def _on_message(self, frames) -> None:
+        rx, self._rx = self._rx, None
+        self._rx_kept = False
+        try:
+            self._handle(frames, rx)
+        finally:
+            if rx is not None and not self._rx_kept:   # not taken over by a device write
+                self._pinned.release(rx[0])
+
+    _rx_kept = False    # a device write took over the buffer the message was received into
+
+    def _handle(self, frames, rx) -> None:
         self._last_seen = time.monotonic()
         self.metrics.add("messages_received")
         try:
@@ -255,7 +305,7 @@ class DecodeEndpoint:
                 self._hs_done.set()
             return
         if h.type == MsgType.BLOCKS:
-            return self._blocks(h, frames[1:])
+            return self._blocks(h, frames[1:], None if rx is None else rx[0])
         if h.type == MsgType.HELLO_ACK:
             return self._hello_ack(h)
         if h.type == MsgType.PING:
@@ -266,6 +316,7 @@ class DecodeEndpoint:
             self.metrics.ignore(f"unexpected_{h.type.name}")
 
     def _hello_ack(self, h: Header) -> None:
+        self.checksum = h.sum or CHECKSUM
         err = None
         try:
             self.remote = LayoutDescriptor.from_dict(h.desc)
@@ -304,12 +355,12 @@ class DecodeEndpoint:
         err.code = h.code
         self._fail(p, err, h.code, tell_peer=False)
 
-    def _blocks(self, h: Header, payloads) -> None:
+    def _blocks(self, h: Header, payloads, received=None) -> None:
         p = self._pending.get(h.tid)
         if p is None:
             return self.metrics.ignore("late")
         try:
-            return self._accept(p, h, payloads)
+            return self._accept(p, h, payloads, received)
         except Exception as e:   # a failure writing this pull's blocks fails it now, not by deadline
             err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
                                 f"{type(e).__name__}: {e}")
@@ -317,12 +368,16 @@ class DecodeEndpoint:
             self.errors.append(err)
             self._fail(p, err, "write_error")
 
-    def _accept(self, p: PullHandle, h: Header, payloads) -> None:
-        """Check one BLOCKS message against its pull, then write it (inline or on a worker)."""
+    def _accept(self, p: PullHandle, h: Header, payloads, received=None) -> None:
+        """Check one BLOCKS message against its pull, then write it (inline, on a worker, or,
+        for ``mix64`` with the device kernels, verified + scattered on the device).
+        ``received``: the pinned buffer the payload frames were received into, if any."""
         n = len(p.dst_block_ids)
         problem = None
         layers = range(h.layer, h.layer + h.nlay)
-        if h.layer + h.nlay > p.num_layers:
+        if h.algorithm not in self.checksums:
+            problem = f"field 'sum': expected an algorithm this side offered {list(self.checksums)}, got {h.sum!r}"
+        elif h.layer + h.nlay > p.num_layers:
             problem = (f"fields 'layer'/'nlay': expected layers inside [0, {p.num_layers}), "
                        f"got {h.layer}+{h.nlay}")
         elif h.heads != p.heads:
@@ -352,12 +407,14 @@ class DecodeEndpoint:
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
+        if h.algorithm == MIX64 and self.frame_ops is not None:
+            return self._write_device(p, h, payloads, local, received)
         if self.cuda and self._workers is None:   # stage on this thread; _on_tick sees the copies end
             try:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
-            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
+            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged, None))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
@@ -385,6 +442,32 @@ class DecodeEndpoint:
             else:
                 src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
                 copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
+
+    def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received) -> None:
+        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``)."""
+        try:
+            check_frames(h, payloads)
+        except CorruptFrameError as e:
+            return self._fail_corrupt(p, e)
+        if received is None:   # not received into a pinned buffer (e.g. the pull began after its header): stage it
+            received = self._pinned.acquire(sum(h.nbytes))
+            off = 0
+            for f, k in zip(payloads, h.nbytes):
+                received[off:off + k].copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
+                off += k
+        else:
+            received = received[:sum(h.nbytes)]
+        if p.dst_dev is None:
+            p.dst_dev = torch.as_tensor(p.dst_block_ids, dtype=torch.int64)
+        try:
+            job = scatter_message(self.frame_ops, h, received, self.caches[h.layer:h.layer + h.nlay],
+                                  p.dst_dev[h.first:h.first + h.nblk], local, self._copy_stream)
+        except BaseException:
+            self._pinned.release(received)
+            raise
+        self._rx_kept = True     # released by _on_tick once the device copy has read it
+        self._gpu_writes.append((job.event, p, h, [received], job))
+        return None
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -442,11 +525,15 @@ class DecodeEndpoint:
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
 
     def _on_tick(self, now: float) -> float:
-        while self._gpu_writes and self._gpu_writes[0][0].query():
-            _, p, h, staged = self._gpu_writes.pop(0)
+        while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
+            _, p, h, staged, check = self._gpu_writes.pop(0)
             for b in staged:
                 self._pinned.release(b)
-            self._landed_all(p, h)
+            err = None if check is None else check.error()
+            if err is not None:
+                self._fail_corrupt(p, err)
+            else:
+                self._landed_all(p, h)
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))

@@ -40,7 +40,7 @@ from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
+from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
 from .security import start_authenticator
 from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
@@ -76,6 +76,15 @@ class PrefillEndpoint:
         Target payload bytes of one BLOCKS message (at least one block).
     heartbeat_s, peer_timeout_s : float
         Liveness: a peer silent for ``peer_timeout_s`` loses its streams.
+    frame_ops : FrameOps, optional
+        Device kernels (``kernels.transfer.FRAME_OPS``): with them this side offers ``mix64``
+        and, for peers that accept it, gathers and checksums on the device
+        (:mod:`kvconnector.device_frames`).
+    checksums : tuple of str, optional
+        Checksum algorithms this side produces (default ``("mix64", "xxh3_64")`` with
+        ``frame_ops``, else ``("xxh3_64",)``; ``mix64`` without ``frame_ops`` is computed by the
+        host reference, slower than xxh3). A peer gets the first algorithm of its HELLO ``sums``
+        listed here, else xxh3_64 (docs/PROTOCOL.md, "Checksums").
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -85,8 +94,10 @@ class PrefillEndpoint:
     def __init__(self, caches, descriptor: LayoutDescriptor, *, host: str = DEFAULT_HOST, port: int = 0,
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None) -> None:
         check_caches(caches, descriptor)
+        self.frame_ops = frame_ops
+        self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
@@ -340,7 +351,8 @@ class PrefillEndpoint:
             peer["ok"] = False
             return self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=False, msg=str(e)))
         peer["ok"] = True
-        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True))
+        peer["sum"] = choose_checksum(h.sums, self.checksums)
+        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else ""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")
@@ -364,9 +376,11 @@ class PrefillEndpoint:
         lease.peers[ident] = None
         try:
             self._hook("stream")
+            algorithm = peer.get("sum", CHECKSUM)
             stream = Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
-                            fault_hook=self._fault_hook)
+                            fault_hook=self._fault_hook, algorithm=algorithm,
+                            frame_ops=self.frame_ops if algorithm == MIX64 else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
         lease.streams.append(stream)
