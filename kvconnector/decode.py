@@ -245,6 +245,7 @@ class DecodeEndpoint:
             views.append(arr[off:off + n])
             off += n
         self._rx = (buf, h)
+        self.metrics.add("frames_received_into", len(views))
         return views
 
     def _on_error(self, e: Exception) -> None:
