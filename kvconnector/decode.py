@@ -42,7 +42,7 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
                      slice_bytes)
 from .handle import PullHandle
 from .metrics import Metrics
-from .device_frames import scatter_message
+from .device_frames import scatter_message, warm
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
                        verify_payloads)
 from .staging import PinnedPool, stage_verified
@@ -104,6 +104,8 @@ class DecodeEndpoint:
                  checksums: tuple | None = None) -> None:
         check_caches(caches, descriptor)
         self.frame_ops = frame_ops
+        if frame_ops is not None:
+            warm(frame_ops, caches[0].device)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
         self._rx = None               # (pinned buffer, header) the payload of the message being handled went into

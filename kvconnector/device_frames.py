@@ -45,6 +45,16 @@ class FrameOps(Protocol):
                        block_ids: torch.Tensor, *, ok: torch.Tensor, checksums: torch.Tensor | None = None,
                        heads: tuple | None = None, frame_nbytes=None) -> None: ...
 
+    def warmup(self, device) -> None:
+        """Compile the kernels for ``device`` (endpoints call it at construction, when present)."""
+
+
+def warm(ops, device) -> None:
+    """Let ``ops`` compile for ``device`` now (its optional ``warmup``), off the I/O thread."""
+    fn = getattr(ops, "warmup", None)
+    if fn is not None:
+        fn(device)
+
 
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v

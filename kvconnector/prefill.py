@@ -38,6 +38,7 @@ from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatch
                      TransferError, TransferTimeoutError, check_compatible)
 from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
+from .device_frames import warm
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
@@ -97,6 +98,8 @@ class PrefillEndpoint:
                  curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None) -> None:
         check_caches(caches, descriptor)
         self.frame_ops = frame_ops
+        if frame_ops is not None:
+            warm(frame_ops, caches[0].device)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes

@@ -67,7 +67,14 @@ def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_ca
     return loff + bid * block_stride + (row * row_cache + head_off + within).to(tl.int64)
 
 
-@dual_jit
+# Every launch differs in block counts, frame sizes and buffer offsets: specializing on them
+# (divisibility by 16, value 1, pointer alignment) would compile a new variant in the middle of
+# a transfer, on an endpoint's I/O thread. One variant per constexpr set, compiled by warmup().
+_SUMS_INTS = ["k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "tiles_per_frame"]
+_SUMS_PTRS = ["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "frame_off_ptr", "frame_len_ptr", "partial_ptr"]
+
+
+@dual_jit(do_not_specialize=_SUMS_INTS, do_not_specialize_on_alignment=_SUMS_PTRS)
 def _frame_sums_kernel(
     cache_ptr,          # uint8 bytes of the first layer (GATHER only; base of the offsets)
     layer_off_ptr,      # [nlay] int64 byte offset of each layer's cache from cache_ptr
@@ -105,7 +112,8 @@ def _frame_sums_kernel(
     tl.store(partial_ptr + f * tiles_per_frame + t, tl.sum(mixed, axis=0).to(tl.int64, bitcast=True))
 
 
-@dual_jit
+@dual_jit(do_not_specialize=["num_frames", "tiles_per_frame"],
+          do_not_specialize_on_alignment=["partial_ptr", "frame_len_ptr", "sums_ptr", "expected_ptr", "ok_ptr"])
 def _finish_kernel(
     partial_ptr,        # [num_frames, tiles_per_frame] int64 word sums
     frame_len_ptr,      # [num_frames] int64
@@ -136,7 +144,8 @@ def _finish_kernel(
         tl.store(ok_ptr + num_frames, bad)
 
 
-@dual_jit
+@dual_jit(do_not_specialize=["total", "k", "blk_out", "row_out", "row_cache", "head_off", "block_stride"],
+          do_not_specialize_on_alignment=["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "bad_ptr"])
 def _scatter_kernel(
     cache_ptr,          # uint8 bytes of the first destination layer (base of the offsets)
     layer_off_ptr,      # [nlay] int64
@@ -312,3 +321,24 @@ def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_
     _scatter_kernel[(cdiv(g.total, SCATTER_BYTES),)](
         g.base, g.offsets, block_ids, staging, ok[nf:],
         g.total, g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, TILE=SCATTER_BYTES)
+
+
+_warm: set = set()
+
+
+def warmup(device) -> None:
+    """Compile every kernel variant for ``device`` now (a CUDA device; a no-op on CPU and on a
+    device already warm), so no compile happens inside a transfer. Endpoints call it at
+    construction (``FrameOps.warmup``)."""
+    device = torch.device(device)
+    if device.type != "cuda" or device in _warm:
+        return
+    cache = torch.zeros(2, 2, 1, 1, 8, dtype=torch.uint8, device=device)
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    buf = torch.empty(16, dtype=torch.uint8, device=device)
+    sums = torch.empty(1, dtype=torch.int64, device=device)
+    gather_frames([cache], ids, out=buf, checksums=sums)
+    verify_scatter(buf, sums, [cache], ids, ok=torch.empty(2, dtype=torch.int32, device=device))
+    frame_checksums(buf, sums)
+    torch.cuda.synchronize(device)
+    _warm.add(device)
