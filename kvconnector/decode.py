@@ -42,6 +42,7 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
                      slice_bytes)
 from .handle import PullHandle
 from .metrics import Metrics
+from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
 from .device_frames import scatter_message, warm
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
                        verify_payloads)
@@ -96,13 +97,19 @@ class DecodeEndpoint:
     checksums : tuple of str, optional
         Algorithms offered in HELLO, preferred first (default ``("mix64", "xxh3_64")`` with
         ``frame_ops``, else ``("xxh3_64",)``, which sends no offer at all, like earlier clients).
+    data_plane : str
+        ``"zmq"``, or ``"nixl"``: offer a NIXL receive region of ``nixl_region_bytes`` (each pending
+        pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
+        payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
                  curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
-                 checksums: tuple | None = None) -> None:
+                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20) -> None:
         check_caches(caches, descriptor)
+        self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
+        self.plane = ZMQ              # what the prefill said it uses (HELLO_ACK ``plane``)
         self.frame_ops = frame_ops
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
@@ -212,6 +219,8 @@ class DecodeEndpoint:
             self._loop.close()
         if self._workers is not None:
             self._workers.shutdown(wait=True)
+        if self._nixl is not None:
+            self._nixl.close()
 
     def __enter__(self):
         return self
@@ -229,7 +238,8 @@ class DecodeEndpoint:
 
     def _send_hello(self) -> None:
         offer = list(self.checksums) if self.checksums != (CHECKSUM,) else []
-        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict(), sums=offer))
+        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict(), sums=offer,
+                          nixl=None if self._nixl is None else self._nixl.offer()))
 
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
@@ -257,15 +267,35 @@ class DecodeEndpoint:
     def _start_pull(self, h: PullHandle) -> None:
         if h.transfer_id in self._pending:
             return h.fail(PeerError(f"pull {h.transfer_id!r} is already in flight"))
+        if self.plane == NIXL:   # the pull's area of the receive region, in transfer layout
+            need = h.num_layers * slice_bytes(self.geometry, len(h.dst_block_ids), range(h.heads[1] - h.heads[0]))
+            try:
+                h.area = (self._nixl.reserve(need), need)
+            except TransferError as e:
+                return h.fail(e)
         self._pending[h.transfer_id] = h
         self.metrics.add("transfers_started")
-        self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads))
+        self._send_pull(h)
         if self.cuda:   # destination ids on the device while the request is on its way (checked by pull())
             h.dst_dev = device_ids(h.dst_block_ids, self.caches[0].device)
+
+    def _send_pull(self, h: PullHandle) -> None:
+        area = getattr(h, "area", None)
+        self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads,
+                          at=None if area is None else area[0]))
+
+    def _release_area(self, h: PullHandle, failed: bool) -> None:
+        """Give a pull's area of the NIXL region back; after a failure, only once the prefill can
+        no longer be writing into it (``peer_timeout_s`` later)."""
+        area = getattr(h, "area", None)
+        if area is not None:
+            h.area = None
+            self._nixl.release(*area, after_s=self.peer_timeout_s if failed else 0.0)
 
     def _fail(self, h: PullHandle, err: Exception, reason: str, tell_peer: bool = True) -> None:
         if self._pending.pop(h.transfer_id, None) is None:
             return
+        self._release_area(h, failed=True)
         self.metrics.fail(reason)
         if tell_peer:
             self._send(Header(MsgType.ABORT, tid=h.transfer_id, code=reason, msg=str(err)[:200]))
@@ -320,6 +350,7 @@ class DecodeEndpoint:
 
     def _hello_ack(self, h: Header) -> None:
         self.checksum = h.sum or CHECKSUM
+        self.plane = NIXL if h.plane == NIXL and self._nixl is not None else ZMQ
         err = None
         try:
             self.remote = LayoutDescriptor.from_dict(h.desc)
@@ -339,7 +370,7 @@ class DecodeEndpoint:
         self._hs_done.set()
         if err is None and not first:     # re-handshake after the peer restarted: resume pulls
             for p in self._pending.values():
-                self._send(Header(MsgType.PULL, tid=p.transfer_id, nblk=len(p.dst_block_ids), heads=p.heads))
+                self._send_pull(p)
 
     def _peer_error(self, h: Header) -> None:
         if h.code == ErrorCode.HANDSHAKE_REQUIRED:
@@ -405,13 +436,24 @@ class DecodeEndpoint:
                 f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected positive multiples of "
                 f"{per_block} (one block of the layout) summing to {want}, got {h.nbytes}"),
                 "corrupt_frame")
+        if self.plane == NIXL:   # the payload is in the region, where this side expects it
+            want_at = p.area[0] + (h.layer * n + h.first) * per_block
+            if h.at != want_at or payloads:
+                return self._fail(p, CorruptFrameError(
+                    f"BLOCKS {h.tid!r} layer {h.layer} field 'at': expected {want_at} (the payload in the nixl "
+                    f"region, no frames), got {h.at} and {len(payloads)} frames"), "corrupt_frame")
+            received = self._nixl.view(h.at, want)
+            arr, payloads, off = received.numpy(), [], 0
+            for k in h.nbytes:
+                payloads.append(arr[off:off + k])
+                off += k
         for la in layers:
             p.received[la][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
         if h.algorithm == MIX64 and self.frame_ops is not None:
-            return self._write_device(p, h, payloads, local, received)
+            return self._write_device(p, h, payloads, local, received, owned=self.plane != NIXL)
         if self.cuda and self._workers is None:   # stage on this thread; _on_tick sees the copies end
             try:
                 staged = stage_verified(h, payloads, self._pinned)
@@ -439,15 +481,18 @@ class DecodeEndpoint:
         v0 = self._views[h.layer]
         full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
         for i, off, layer, pos, k in _segments(h, per_block):
-            src = np.frombuffer(payloads[i].buffer, dtype=np.uint8, count=k * per_block, offset=off)
+            src = np.frombuffer(getattr(payloads[i], "buffer", payloads[i]), dtype=np.uint8, count=k * per_block,
+                                offset=off)
             if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
                 self._rows[layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
             else:
                 src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
                 copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
 
-    def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received) -> None:
-        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``)."""
+    def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received, owned: bool = True) -> None:
+        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``).
+        ``received``: the payload back to back in host memory (a pooled buffer when ``owned``, handed
+        back once the device has read it; else the NIXL region, which the pull's area keeps)."""
         try:
             check_frames(h, payloads)
         except CorruptFrameError as e:
@@ -466,10 +511,11 @@ class DecodeEndpoint:
             job = scatter_message(self.frame_ops, h, received, self.caches[h.layer:h.layer + h.nlay],
                                   p.dst_dev[h.first:h.first + h.nblk], local, self._copy_stream)
         except BaseException:
-            self._pinned.release(received)
+            if owned:
+                self._pinned.release(received)
             raise
         self._rx_kept = True     # released by _on_tick once the device copy has read it
-        self._gpu_writes.append((job.event, p, h, [received], job))
+        self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
         return None
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
@@ -523,6 +569,7 @@ class DecodeEndpoint:
             return
         if p.land(layer, first, count):
             del self._pending[p.transfer_id]
+            self._release_area(p, failed=False)
             self._send(Header(MsgType.ACK, tid=p.transfer_id, ok=True))
             r = p.finish()
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)

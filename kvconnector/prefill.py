@@ -38,6 +38,7 @@ from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatch
                      TransferError, TransferTimeoutError, check_compatible)
 from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
+from .dataplane import NIXL, ZMQ, NixlWriter, check_plane
 from .device_frames import warm
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
@@ -86,6 +87,10 @@ class PrefillEndpoint:
         ``frame_ops``, else ``("xxh3_64",)``; ``mix64`` without ``frame_ops`` is computed by the
         host reference, slower than xxh3). A peer gets the first algorithm of its HELLO ``sums``
         listed here, else xxh3_64 (docs/PROTOCOL.md, "Checksums").
+    data_plane : str
+        ``"zmq"`` (payload frames in the BLOCKS messages), or ``"nixl"``: peers that offer a NIXL
+        receive region get their payloads written there (:mod:`kvconnector.dataplane`); other
+        peers still get ZeroMQ frames.
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -95,8 +100,10 @@ class PrefillEndpoint:
     def __init__(self, caches, descriptor: LayoutDescriptor, *, host: str = DEFAULT_HOST, port: int = 0,
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None) -> None:
+                 curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
+                 data_plane: str = ZMQ) -> None:
         check_caches(caches, descriptor)
+        self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
         self.frame_ops = frame_ops
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
@@ -355,7 +362,14 @@ class PrefillEndpoint:
             return self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=False, msg=str(e)))
         peer["ok"] = True
         peer["sum"] = choose_checksum(h.sums, self.checksums)
-        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else ""))
+        peer["nixl"] = None
+        if self._nixl is not None and h.nixl:
+            try:
+                peer["nixl"] = self._nixl.add_peer(h.nixl)
+            except TransferError as e:   # this peer gets ZeroMQ frames
+                self.errors.append(e)
+        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
+                                  plane=NIXL if peer["nixl"] else ""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")
@@ -383,7 +397,8 @@ class PrefillEndpoint:
             stream = Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
                             fault_hook=self._fault_hook, algorithm=algorithm,
-                            frame_ops=self.frame_ops if algorithm == MIX64 else None)
+                            frame_ops=self.frame_ops if algorithm == MIX64 else None,
+                            at_base=h.at if peer.get("nixl") else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
         lease.streams.append(stream)
@@ -449,7 +464,14 @@ class PrefillEndpoint:
                 if not frames:                     # its buffers are still queued in ZeroMQ
                     continue
                 try:
-                    s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
+                    nixl = s.at_base is not None and self._peers.get(s.ident, {}).get("nixl")
+                    if nixl:   # payload into the peer's region first; the header says where it is
+                        if len(frames) > 1:
+                            self._nixl.write(nixl, frames[1:], decode_header(frames[0]).at)
+                            frames = frames[:1]
+                        s.sent(self._send(s.ident, frames))
+                    else:
+                        s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue

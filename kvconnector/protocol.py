@@ -29,6 +29,9 @@ key       type                       meaning
 ``xxh``   [int, ...]                 checksum of each payload frame (algorithm ``sum``)
 ``sum``   str                        BLOCKS / HELLO_ACK: checksum algorithm (absent: xxh3_64)
 ``sums``  [str, ...]                 HELLO: checksum algorithms the decode side accepts
+``nixl``  map                        HELLO: NIXL agent metadata + receive region (data plane)
+``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
+``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
 ``last``  bool                       BLOCKS: final message of the transfer
 ``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor
 ``ok``    bool                       HELLO_ACK / ACK: accepted / succeeded
@@ -132,6 +135,9 @@ class Header:
     xfers: list = field(default_factory=list)
     sums: list = field(default_factory=list)
     sum: str = ""
+    nixl: dict | None = None
+    plane: str = ""
+    at: int | None = None
     version: int = PROTOCOL_VERSION
 
     @property
@@ -148,6 +154,7 @@ _KEYS = {
     "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
     "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
     "xfers": ("xfers", list), "sums": ("sums", list), "sum": ("sum", str),
+    "nixl": ("nixl", dict), "plane": ("plane", str), "at": ("at", int),
 }
 # keys each message type must carry
 _REQUIRED = {
@@ -199,7 +206,8 @@ def encode_header(h: Header) -> bytes:
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
     optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code),
                                      ("desc", h.desc), ("xfers", h.xfers), ("sums", h.sums),
-                                     ("sum", h.sum)) if on)
+                                     ("sum", h.sum), ("nixl", h.nixl), ("plane", h.plane)) if on)
+    optional += ("at",) if h.at is not None else ()
     for key in dict.fromkeys(_REQUIRED[MsgType(h.type)] + optional):
         attr = _KEYS[key][0]
         val = getattr(h, attr)

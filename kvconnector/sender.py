@@ -156,6 +156,9 @@ class Stream:
     frame_ops : FrameOps, optional
         Device kernels (:mod:`kvconnector.device_frames`); with ``mix64``, every chunk is
         gathered and checksummed by them.
+    at_base : int, optional
+        ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
+        each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
 
     Any failure to stage a chunk surfaces as an exception from :meth:`next_frames`. Once the
     transfer ends early, :meth:`cancel` drops what is not yet sent and :meth:`busy` says
@@ -166,14 +169,15 @@ class Stream:
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
                  pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
-                 algorithm: str = CHECKSUM, frame_ops=None) -> None:
+                 algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
-        self.algorithm, self.frame_ops = algorithm, frame_ops
+        self.algorithm, self.frame_ops, self.at_base = algorithm, frame_ops, at_base
+        self._per_block = slice_bytes(geo, 1, local_heads)
         # CUDA: the source ids on the device, copied at publish (ids were checked there)
         self._ids_dev = None
         if copy_stream is not None:
@@ -377,7 +381,9 @@ class Stream:
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,
-                   sum="" if self.algorithm == CHECKSUM else self.algorithm)
+                   sum="" if self.algorithm == CHECKSUM else self.algorithm,
+                   at=None if self.at_base is None else
+                   self.at_base + (layer * len(self.block_ids) + first) * self._per_block)
         h.nbytes, h.checksums = [p.nbytes for p in payload], sums   # from the frames sent, as encode_message
         self.last_payload_bytes = sum(h.nbytes)
         return [encode_header(h), *payload]
