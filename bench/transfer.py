@@ -20,6 +20,13 @@ INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads,
 block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
 processes per MiB moved.
 
+``--layerwise-tokens N``: the exposed time of a layer-wise pull of an N-token request (INT4,
+the same layer set): the decode side pulls while the prefill announces one layer every
+``--layer-ms`` (``publish(..., layers_ready=0)`` then ``publish_layers``, standing in for the
+forward writing each layer); exposed = from the last layer announced to the last block landed.
+For comparison the same pull with every layer announced at once (no layer-wise overlap).
+``--cuda`` measures it for 32k tokens.
+
 Run: ``python -m bench.transfer [--device cuda] [--contiguous] [--kernels] [--cuda]`` (also
 ``kvconnector bench-transfer``); ``--quick`` is the smoke test CI runs. The floor any connector could reach
 on the same host (the mandatory gather, checksum and write passes with no protocol) is
@@ -62,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "verify + scatter on the device, recv_into pinned buffers)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
                    "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
+    p.add_argument("--layerwise-tokens", type=int, default=0, help="also measure the exposed time of a layer-wise "
+                   "INT4 pull of this many tokens (0: off; --cuda: 32768)")
+    p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
+                   "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
 
 
@@ -72,7 +83,40 @@ def _sender(conn) -> None:
         cmd = conn.recv()
         if cmd[0] == "exit":
             return
-        _serve_row(conn, *cmd[1:])
+        if cmd[0] == "layerwise":
+            _serve_layerwise(conn, *cmd[1:])
+        else:
+            _serve_row(conn, *cmd[1:])
+
+
+def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels) -> None:
+    """Layer-wise rows: ("publish", tid) publishes with no layer written; ("layers", tid, step_s,
+    at_once) announces the layers (one every ``step_s``, or all at once after ``num_layers·step_s``)
+    and answers the monotonic time of the last announcement; "done" ends."""
+    from kvconnector import PrefillEndpoint
+    from tools.serve import synthetic_caches
+    desc = LayoutDescriptor.from_dict(desc_dict)
+    with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
+                         frame_ops=_frame_ops(kernels)) as pre:
+        conn.send(pre.endpoint)
+        while True:
+            cmd = conn.recv()
+            if cmd == "done":
+                break
+            if cmd[0] == "publish":
+                pre.publish(cmd[1], ids, layers_ready=0)
+                conn.send("ok")
+                continue
+            _, tid, step_s, at_once = cmd
+            t_next = time.monotonic()
+            for layer in range(1, desc.num_layers + 1):
+                t_next += step_s
+                while time.monotonic() < t_next:        # the forward computing this layer
+                    time.sleep(max(0.0, min(0.002, t_next - time.monotonic())))
+                if not at_once or layer == desc.num_layers:
+                    pre.publish_layers(tid, layer)
+            conn.send(time.monotonic())
+    conn.send("closed")
 
 
 def _frame_ops(kernels: bool):
@@ -209,10 +253,50 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     return out
 
 
+def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chunk_bytes, device, gen,
+                    kernels: bool) -> dict:
+    """Exposed time (last layer announced -> last block landed) of layer-wise pulls, and of the same
+    pulls with every layer announced at once; medians over ``repeats`` (after one warm-up each)."""
+    from kvconnector import DecodeEndpoint
+    from tools.serve import synthetic_caches
+    nblocks = -(-tokens // geo.block_size)
+    desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=nblocks)
+    ids = torch.randperm(nblocks, generator=gen).tolist()
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+    endpoint = sender.ask(("layerwise", desc.to_dict(), seed, device, chunk_bytes, ids, kernels))
+    dst = synthetic_caches(desc, seed + 1, device)
+    out = {"layerwise": [], "at_once": []}
+    try:
+        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels)) as dec:
+            dec.connect(endpoint, timeout_s=60)
+            for r in range(2 * (repeats + 1)):
+                at_once = r % 2 == 1
+                tid = f"lw{r}"
+                sender.ask(("publish", tid))
+                handle = dec.pull(tid, list(range(nblocks)), deadline_s=600)
+                t_last = sender.ask(("layers", tid, layer_ms / 1e3, at_once), timeout_s=600)
+                handle.result(timeout=600)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t_done = time.monotonic()
+                if r >= 2:
+                    out["at_once" if at_once else "layerwise"].append(t_done - t_last)
+            algorithm = dec.checksum
+    finally:
+        sender.ask("done")
+    src = synthetic_caches(desc, seed, "cpu")
+    for s, d in zip(src, dst):
+        if not torch.equal(s[ids].view(torch.uint8), d.view(torch.uint8).cpu()):
+            raise RuntimeError("layer-wise pull: transferred blocks differ from the source")
+    return {"layerwise": statistics.median(out["layerwise"]), "at_once": statistics.median(out["at_once"]),
+            "nbytes": layers * nblocks * geo.block_bytes, "checksum": algorithm}
+
+
 def run(args) -> int:
     if args.cuda:
         args.device, args.kernels, args.modes, args.layers = "cuda", True, "int8_per_token_head,int4_per_token_head", 32
         args.kv_heads, args.head_size, args.block_size = 8, 128, 16
+        args.layerwise_tokens = args.layerwise_tokens or 32768
     if args.quick:
         args.modes, args.blocks, args.layers, args.repeats = "auto,int4_per_token_head", "4,16", 2, 2
         args.kv_heads, args.head_size = 2, 64
@@ -253,9 +337,20 @@ def run(args) -> int:
                       f"| {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3 / mib:.2f} "
                       f"| {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3 / mib:.2f} "
                       f"| {ratios[-1]:.2f} |", flush=True)
+        print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
+        if args.layerwise_tokens:
+            geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,
+                                args.block_size)
+            r = bench_layerwise(sender, geo, args.layers, args.layerwise_tokens, args.layer_ms, args.repeats, chunk,
+                                device, gen, args.kernels)
+            print(f"\n# layer-wise pull: int4, {args.layerwise_tokens} tokens, {args.layers} layers, "
+                  f"{r['nbytes'] / 2**20:.0f} MiB, {r['checksum']}, one layer announced every {args.layer_ms} ms")
+            print("| announced | exposed ms (last layer announced -> last block landed) |")
+            print("|---|---|")
+            print(f"| layer by layer | {r['layerwise'] * 1e3:.1f} |")
+            print(f"| all layers at once | {r['at_once'] * 1e3:.1f} |")
     finally:
         sender.close()
-    print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
     return 0
 
 

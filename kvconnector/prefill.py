@@ -133,8 +133,15 @@ class PrefillEndpoint:
         self._loop.start()
 
     # ---- application API (any thread) -------------------------------------------------
-    def publish(self, transfer_id: str, block_ids, lease_s: float | None = None) -> None:
-        """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``."""
+    def publish(self, transfer_id: str, block_ids, lease_s: float | None = None, *,
+                layers_ready: int | None = None) -> None:
+        """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``.
+
+        ``layers_ready``: publish layer by layer: only layers ``0 .. layers_ready - 1`` hold
+        their K/V yet; the rest are announced with :meth:`publish_layers` as the forward writes
+        them, and a pull already streaming sends each layer as soon as it is announced. None
+        (default): every layer is written.
+        """
         ids = [int(b) for b in block_ids]
         if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 256:
             raise ValueError(f"transfer_id: expected a non-empty str of <= 256 chars, got {transfer_id!r}")
@@ -145,8 +152,31 @@ class PrefillEndpoint:
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
-        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev))
+        ready = None if layers_ready is None else max(0, min(int(layers_ready), self.descriptor.num_layers))
+        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev,
+                               layers_ready=ready))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
+
+    def publish_layers(self, transfer_id: str, layers_ready: int) -> None:
+        """Layers ``0 .. layers_ready - 1`` of a layer-wise :meth:`publish` now hold their K/V (CUDA
+        caches: written by work already queued on the current stream); a pull streaming the
+        transfer sends them next. Raises KeyError when ``transfer_id`` is not published."""
+        lease = self._leases.get(transfer_id)
+        if lease is None:
+            raise KeyError(f"transfer {transfer_id!r} is not published (or its lease ended)")
+        ready = None
+        if self.cuda:   # the gathers of these layers must follow the writes queued so far
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.caches[0].device))
+        n = min(int(layers_ready), self.descriptor.num_layers)
+
+        def mark():
+            if ready is not None:
+                self._copy_stream.wait_event(ready)
+            if lease.layers_ready is not None and n > lease.layers_ready:
+                lease.layers_ready = n
+            self._blocked_until = 0.0   # streams waiting for a layer: try them now
+        self._loop.call_soon(mark)
 
     def release(self, transfer_id: str, timeout_s: float = 5.0) -> bool:
         """End a lease now (reason ``"released"``); False if it was not held.
@@ -213,18 +243,18 @@ class PrefillEndpoint:
             self._fault_hook(stage)
 
     def _reply(self, ident: bytes, h: Header) -> None:
-        """Send a control message; an ERROR the peer's full pipe refuses waits in the outbox
-        (sent in order after the messages already queued, given up after ``peer_timeout_s``)."""
+        """Send a control message; one the peer's full pipe refuses (ERROR, PONG, HELLO_ACK, ...)
+        waits in the outbox, as does every later one to that peer, so replies keep their order
+        (sent once the peer reads again, given up after ``peer_timeout_s``): a peer that reads its
+        replies late still gets the PONG or HELLO_ACK it waits for."""
         frames = [encode_header(h)]
         if any(i == ident for i, _, _ in self._outbox):
-            if h.type == MsgType.ERROR:
-                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
+            self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
             return None
         try:
             self._send(ident, frames)
         except zmq.Again:
-            if h.type == MsgType.ERROR:
-                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
+            self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
         except zmq.ZMQError:
             pass  # peer gone (ROUTER_MANDATORY): nobody to tell
 
@@ -398,7 +428,8 @@ class PrefillEndpoint:
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
                             fault_hook=self._fault_hook, algorithm=algorithm,
                             frame_ops=self.frame_ops if algorithm == MIX64 else None,
-                            at_base=h.at if peer.get("nixl") else None)
+                            at_base=h.at if peer.get("nixl") else None,
+                            layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
         lease.streams.append(stream)

@@ -156,6 +156,9 @@ class Stream:
     frame_ops : FrameOps, optional
         Device kernels (:mod:`kvconnector.device_frames`); with ``mix64``, every chunk is
         gathered and checksummed by them.
+    layers_ready : callable() -> int or None, optional
+        Layer-wise publish: how many layers (from 0) hold their K/V now; chunks of later layers
+        wait (one layer per message then). None: every layer is ready.
     at_base : int, optional
         ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
         each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
@@ -169,7 +172,8 @@ class Stream:
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
                  pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
-                 algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None) -> None:
+                 algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None,
+                 layers_ready=None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
@@ -177,6 +181,7 @@ class Stream:
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         self.algorithm, self.frame_ops, self.at_base = algorithm, frame_ops, at_base
+        self._ready = layers_ready if layers_ready is not None and layers_ready() is not None else None
         self._per_block = slice_bytes(geo, 1, local_heads)
         # CUDA: the source ids on the device, copied at publish (ids were checked there)
         self._ids_dev = None
@@ -191,6 +196,8 @@ class Stream:
         # next layers (protocol v2 ``nlay``); otherwise one layer x a run of positions
         n, nl = len(block_ids), len(caches)
         lpm = max(1, min(chunk_bytes, PACK_BYTES) // (n * per_block)) if self.chunk_blocks >= n else 1
+        if self._ready is not None:   # layer-wise: a message never waits for a later layer
+            lpm = 1
         self.layers_per_msg = -(-nl // -(-nl // lpm))      # same message count, layers spread evenly
         self._plan = deque((layer, min(self.layers_per_msg, nl - layer), first)
                            for layer in range(0, nl, self.layers_per_msg)
@@ -251,6 +258,10 @@ class Stream:
             self._reading.popleft()
         return bool(self._running or self._reading
                     or any(j is not None and not j.done() for j in (st[4] for st in self._staged)))
+
+    def _layer_ready(self) -> bool:
+        """The next planned chunk's layer is written (always, unless published layer by layer)."""
+        return self._ready is None or self._plan[0][0] < self._ready()
 
     def _may_stage(self) -> bool:
         """CPU gathers: stage the next chunk only while fewer than ``INFLIGHT_BYTES`` of this
@@ -369,10 +380,10 @@ class Stream:
             return frames
         if not self._staged and not self._plan:
             return None
-        while len(self._staged) < self.ahead and self._plan and self._may_stage():   # keep later chunks staging
-            self._stage()
+        while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
+            self._stage()   # keep later chunks staging
         if not self._staged:
-            return []      # waiting for ZeroMQ to release a buffer; nothing to send yet
+            return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
         self.last_reads_cache = work is not None and work[1] is None and work[2] is None   # no gather, no copy
         if work is None:

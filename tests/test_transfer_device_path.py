@@ -164,10 +164,12 @@ def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device):
 
 
 def test_bench_transfer_kernels_quick_runs():
-    """``bench.transfer --kernels`` (the ``--cuda`` preset's path) runs end to end and checks its bytes."""
+    """``bench.transfer --kernels`` with the layer-wise measurement (the ``--cuda`` preset's paths) runs
+    end to end and checks its bytes."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process"],
-                         capture_output=True, text=True, timeout=110)
+    out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
+                          "--layerwise-tokens", "32", "--layer-ms", "2"], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+    assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
