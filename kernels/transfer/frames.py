@@ -169,6 +169,22 @@ def _scatter_kernel(
 _offset_tables: dict = {}     # (device, data_ptrs) -> int64 offsets on the device, built once per layer set
 
 
+_side_streams: dict = {}
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A table kept across launches, copied on a side stream and waited for there, so it is
+    complete for any stream that reads it later and the caller's (busy) stream is not drained."""
+    if device.type != "cuda":
+        return host
+    side = _side_streams.setdefault(device, torch.cuda.Stream(device=device))
+    with torch.cuda.stream(side):
+        out = host.pin_memory().to(device, non_blocking=True)
+    side.synchronize()
+    out.record_stream(torch.cuda.current_stream(device))   # freed only after the caller's reads
+    return out
+
+
 class _Layers:
     """The byte geometry the kernels need, read from a list of packed per-layer caches."""
 
@@ -208,7 +224,7 @@ class _Layers:
             if len(_offset_tables) > 256:
                 _offset_tables.clear()
             host = torch.tensor([c.data_ptr() - c0.data_ptr() for c in caches], dtype=torch.int64)
-            offs = _offset_tables[key] = host.to(c0.device)
+            offs = _offset_tables[key] = _to_device(host, c0.device)
         self.offsets = offs
 
 
