@@ -50,6 +50,9 @@ from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
+# pyzmq >= 26.4: a frame is received into a caller's buffer. Without it, mix64 frames arrive as
+# zero-copy zmq Frames and are copied once into a pooled pinned buffer (_write_device).
+RECV_INTO = hasattr(zmq.Socket, "recv_into")
 
 
 def _segments(h: Header, per_block: int):
@@ -166,7 +169,7 @@ class DecodeEndpoint:
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
                             on_tick=self._on_tick, on_error=self._on_error,
-                            on_header=self._receive_into if self.frame_ops is not None else None)
+                            on_header=self._receive_into if self.frame_ops is not None and RECV_INTO else None)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):
