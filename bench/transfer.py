@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (caches on the GPU, pinned host staging)")
     p.add_argument("--in-process", action="store_true", help="sender on a thread of this process "
                    "(one GIL) instead of a spawned process")
+    p.add_argument("--data-plane", default="zmq", choices=("zmq", "nixl"), help="payload path of the connector: "
+                   "ZeroMQ frames, or NIXL writes into the decode side's registered region (pip install nixl)")
     p.add_argument("--kernels", action="store_true", help="device kernels on both ends (mix64, gather / "
                    "verify + scatter on the device, recv_into pinned buffers)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
@@ -126,7 +128,8 @@ def _frame_ops(kernels: bool):
     return FRAME_OPS
 
 
-def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes, kernels=False) -> None:
+def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes, kernels=False,
+               plane="zmq") -> None:
     """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket; then answer
     "cpu" with this process's CPU seconds and "go" with one burst of ``sizes`` messages."""
     from kvconnector import PrefillEndpoint
@@ -138,7 +141,7 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     push.connect(push_endpoint)
     buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
-                         frame_ops=_frame_ops(kernels)) as pre:
+                         frame_ops=_frame_ops(kernels), data_plane=plane) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -188,7 +191,7 @@ class Sender:
 
 # ---- the receiving side (this process) ----------------------------------------------------
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
-              kernels: bool = False) -> dict:
+              kernels: bool = False, plane: str = "zmq") -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte."""
     from kvconnector import DecodeEndpoint
@@ -206,11 +209,12 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     endpoint = sender.ask(("row", desc.to_dict(), seed, device, chunk_bytes,
                            [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes,
-                           kernels))
+                           kernels, plane))
     dst = synthetic_caches(desc, seed + 1, device)
     t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
     try:
-        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels)) as dec:
+        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
+                            nixl_region_bytes=max(1 << 20, total)) as dec:
             dec.connect(endpoint, timeout_s=30)
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
@@ -317,6 +321,7 @@ def run(args) -> int:
           f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
+          f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
@@ -329,7 +334,7 @@ def run(args) -> int:
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels)
+                              args.kernels, args.data_plane)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20
