@@ -69,6 +69,10 @@ def _segments(h: Header, per_block: int):
             g, left, off = g + k, left - k, off + k * per_block
 
 
+def _noop() -> None:
+    """Wakes the I/O thread (its tick then collects finished device writes)."""
+
+
 def default_copy_threads() -> int:
     """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
     only adds work when every core is busy), else one per four cores, at most four."""
@@ -519,6 +523,8 @@ class DecodeEndpoint:
             raise
         self._rx_kept = True     # released by _on_tick once the device copy has read it
         self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
+        if job.event is not None and self._workers is not None:   # wake the loop when it ends (else: polled)
+            self._workers.submit(job.event.synchronize).add_done_callback(lambda f: self._loop.call_soon(_noop))
         return None
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
@@ -600,4 +606,6 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
-        return 0.001 if self._gpu_writes else max(0.0, wait)
+        if self._gpu_writes:   # polled every ms without copy workers; with them a worker wakes the loop
+            return 0.001 if self._workers is None else max(0.0, min(wait, 0.05))
+        return max(0.0, wait)

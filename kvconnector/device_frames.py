@@ -169,6 +169,6 @@ def scatter_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, 
         sums_host = torch.empty(nf, dtype=torch.int64, pin_memory=True)
         ok_host.copy_(ok, non_blocking=True)
         sums_host.copy_(sums, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)   # a waiting thread sleeps instead of spinning
         event.record(copy_stream)
     return DeviceWrite(event, h, ok_host, sums_host)
