@@ -105,6 +105,11 @@ class NixlReceiver:
         """``[nbytes]`` uint8 view of the region at ``at``."""
         return self.region[at:at + nbytes]
 
+    def area(self, pull_at: int, layer: int, first: int, nblk: int, per_block: int) -> int:
+        """Where the payload of (``layer``, position ``first``) sits in the area of a pull at
+        ``pull_at`` of ``nblk`` blocks per layer: the transfer layout, layer-major."""
+        return pull_at + (layer * nblk + first) * per_block
+
     def close(self) -> None:
         self.agent.deregister_memory(self._reg)
 

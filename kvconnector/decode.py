@@ -20,8 +20,9 @@ pull's blocks fails that pull (``write_error``) instead of leaving it to its dea
 
 The module is over 400 lines because it is one state machine run by one I/O thread: the
 handshake, the pull table and the checks above, and the landing of bytes on CPU and CUDA
-caches read top to bottom in one place; the reusable pieces (frames, staging, the handle) are
-already their own modules.
+caches (host-verified or device-verified, from frames or from a NIXL region) read top to
+bottom in one place; the reusable pieces (frames, staging, the device passes, the data planes,
+the handle) are their own modules.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
 from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
-from .device_frames import scatter_message, warm
+from .device_frames import frame_views, scatter_message, stage_frames, warm
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
                        verify_payloads)
 from .staging import PinnedPool, stage_verified
@@ -259,10 +260,7 @@ class DecodeEndpoint:
         if h.algorithm != MIX64 or h.tid not in self._pending or not 0 < total <= self.max_frame_bytes:
             return None
         buf = self._pinned.acquire(total)
-        arr, views, off = buf.numpy(), [], 0
-        for n in h.nbytes:
-            views.append(arr[off:off + n])
-            off += n
+        views = frame_views(buf, h.nbytes)
         self._rx = (buf, h)
         self.metrics.add("frames_received_into", len(views))
         return views
@@ -444,16 +442,13 @@ class DecodeEndpoint:
                 f"{per_block} (one block of the layout) summing to {want}, got {h.nbytes}"),
                 "corrupt_frame")
         if self.plane == NIXL:   # the payload is in the region, where this side expects it
-            want_at = p.area[0] + (h.layer * n + h.first) * per_block
+            want_at = self._nixl.area(p.area[0], h.layer, h.first, n, per_block)
             if h.at != want_at or payloads:
                 return self._fail(p, CorruptFrameError(
                     f"BLOCKS {h.tid!r} layer {h.layer} field 'at': expected {want_at} (the payload in the nixl "
                     f"region, no frames), got {h.at} and {len(payloads)} frames"), "corrupt_frame")
             received = self._nixl.view(h.at, want)
-            arr, payloads, off = received.numpy(), [], 0
-            for k in h.nbytes:
-                payloads.append(arr[off:off + k])
-                off += k
+            payloads = frame_views(received, h.nbytes)
         for la in layers:
             p.received[la][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
@@ -504,12 +499,8 @@ class DecodeEndpoint:
             check_frames(h, payloads)
         except CorruptFrameError as e:
             return self._fail_corrupt(p, e)
-        if received is None:   # not received into a pinned buffer (e.g. the pull began after its header): stage it
-            received = self._pinned.acquire(sum(h.nbytes))
-            off = 0
-            for f, k in zip(payloads, h.nbytes):
-                received[off:off + k].copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
-                off += k
+        if received is None:   # frames not received into a pooled buffer (no recv_into): one copy there
+            received = stage_frames(self._pinned, payloads, h.nbytes)
         else:
             received = received[:sum(h.nbytes)]
         if p.dst_dev is None:

@@ -56,6 +56,26 @@ def warm(ops, device) -> None:
         fn(device)
 
 
+def frame_views(buf: torch.Tensor, nbytes: list) -> list:
+    """Numpy views of consecutive frames of ``nbytes`` bytes at the start of host buffer ``buf``."""
+    arr, views, off = buf.numpy(), [], 0
+    for n in nbytes:
+        views.append(arr[off:off + n])
+        off += n
+    return views
+
+
+def stage_frames(pool, payloads, nbytes: list) -> torch.Tensor:
+    """Copy received frames back to back into a buffer from ``pool`` (sizes already checked):
+    the one copy when they were not received straight into it."""
+    buf = pool.acquire(sum(nbytes))
+    off = 0
+    for f, n in zip(payloads, nbytes):
+        buf[off:off + n].copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
+        off += n
+    return buf
+
+
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 

@@ -393,7 +393,7 @@ class Stream:
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,
                    sum="" if self.algorithm == CHECKSUM else self.algorithm,
-                   at=None if self.at_base is None else
+                   at=None if self.at_base is None else     # transfer layout, layer-major (dataplane)
                    self.at_base + (layer * len(self.block_ids) + first) * self._per_block)
         h.nbytes, h.checksums = [p.nbytes for p in payload], sums   # from the frames sent, as encode_message
         self.last_payload_bytes = sum(h.nbytes)
