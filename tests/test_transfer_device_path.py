@@ -175,3 +175,27 @@ def test_bench_transfer_kernels_quick_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_frame_multi_layer_mix64_message(device):
+    """A peer may split a message into frames anywhere on block boundaries, across layers: one
+    3-layer message in 2 frames (the second starting inside layer 1) lands byte-exact."""
+    desc = make_desc(num_layers=3, num_blocks=4)
+    src = filled_caches(desc, 0)
+
+    def script(send, h, fake):
+        send(fake.multi_blocks(h.tid, 0, 3, 0, 2, cut=3, sum=MIX64))
+
+    fake = FakePrefill(desc, src, script)
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    try:
+        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [3, 1], deadline_s=30).result(timeout=30)
+            _sync(device)
+            for s, d in zip(src, dst):
+                assert torch.equal(_b(d)[[3, 1]].cpu(), _b(s)[[0, 1]])
+            assert dec.metrics.c["frames_received_into"] == (2 if RECV_INTO else 0)
+    finally:
+        fake.close()
