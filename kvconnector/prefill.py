@@ -160,10 +160,10 @@ class PrefillEndpoint:
     def publish_layers(self, transfer_id: str, layers_ready: int) -> None:
         """Layers ``0 .. layers_ready - 1`` of a layer-wise :meth:`publish` now hold their K/V (CUDA
         caches: written by work already queued on the current stream); a pull streaming the
-        transfer sends them next. Raises KeyError when ``transfer_id`` is not published."""
+        transfer sends them next. Raises TransferError when ``transfer_id`` is not published."""
         lease = self._leases.get(transfer_id)
         if lease is None:
-            raise KeyError(f"transfer {transfer_id!r} is not published (or its lease ended)")
+            raise TransferError(f"publish_layers: transfer {transfer_id!r} is not published (or its lease ended)")
         ready = None
         if self.cuda:   # the gathers of these layers must follow the writes queued so far
             ready = torch.cuda.Event()

@@ -18,6 +18,7 @@ import torch
 from connector_fakes import filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
+from layouts import TransferError
 
 pytestmark = pytest.mark.timeout(120)
 PLANES = ["zmq", pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
@@ -70,5 +71,5 @@ def test_layers_stream_as_published(plane, kernels, device):
 def test_publish_layers_of_an_unknown_transfer():
     desc = make_desc(num_layers=2, num_blocks=2)
     with PrefillEndpoint(filled_caches(desc, 0), desc) as pre:
-        with pytest.raises(KeyError, match="not published"):
+        with pytest.raises(TransferError, match="not published"):
             pre.publish_layers("nope", 1)
