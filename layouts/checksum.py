@@ -58,9 +58,10 @@ def _fmix_array(z: np.ndarray) -> np.ndarray:
 
 
 def _as_bytes(buf) -> np.ndarray:
-    a = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8) if not isinstance(buf, np.ndarray) \
-        else buf.reshape(-1).view(np.uint8)
-    return a
+    """The bytes of ``buf`` as a flat uint8 array (a view when ``buf`` is contiguous)."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 
 
 def word_sum(buf, first_word: int = 0) -> int:
@@ -74,20 +75,18 @@ def word_sum(buf, first_word: int = 0) -> int:
         Index ``i`` of the piece's first word inside its frame.
     """
     a = _as_bytes(buf)
-    n = a.size
-    total = np.uint64(0)
-    for start in range(0, n, 8 * _SLAB_WORDS):
+    total = 0
+    for start in range(0, a.size, 8 * _SLAB_WORDS):
         piece = a[start:start + 8 * _SLAB_WORDS]
-        if piece.size % 8:
+        if piece.size % 8:   # the frame's last word, zero-padded
             piece = np.concatenate([piece, np.zeros(8 - piece.size % 8, dtype=np.uint8)])
-        w = piece.view("<u8").astype(np.uint64, copy=True)
+        w = piece.view("<u8").astype(np.uint64, copy=True)                      # w_i
         i0 = first_word + start // 8 + 1
-        idx = np.arange(i0, i0 + w.size, dtype=np.uint64)
+        idx = np.arange(i0, i0 + w.size, dtype=np.uint64)                       # i + 1
         idx *= np.uint64(K_WORD)
         w += idx
-        with np.errstate(over="ignore"):
-            total = np.uint64((int(total) + int(_fmix_array(w).sum(dtype=np.uint64))) & _MASK)
-    return int(total)
+        total += int(_fmix_array(w).sum(dtype=np.uint64))                       # sums of m_i, mod 2**64
+    return total & _MASK
 
 
 def finish(word_sum_: int, length: int) -> int:
