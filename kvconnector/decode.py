@@ -123,6 +123,7 @@ class DecodeEndpoint:
             warm(frame_ops, caches[0].device)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
+        self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
         self._rx = None               # (pinned buffer, header) the payload of the message being handled went into
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
@@ -355,6 +356,7 @@ class DecodeEndpoint:
 
     def _hello_ack(self, h: Header) -> None:
         self.checksum = h.sum or CHECKSUM
+        self.peer_checksums = tuple(h.sums)
         self.plane = NIXL if h.plane == NIXL and self._nixl is not None else ZMQ
         err = None
         try:

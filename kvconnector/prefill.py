@@ -399,7 +399,7 @@ class PrefillEndpoint:
             except TransferError as e:   # this peer gets ZeroMQ frames
                 self.errors.append(e)
         self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
-                                  plane=NIXL if peer["nixl"] else ""))
+                                  sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else ""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")

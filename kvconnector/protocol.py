@@ -28,7 +28,7 @@ key       type                       meaning
 ``nbytes`` [int, ...]                byte count of each payload frame
 ``xxh``   [int, ...]                 checksum of each payload frame (algorithm ``sum``)
 ``sum``   str                        BLOCKS / HELLO_ACK: checksum algorithm (absent: xxh3_64)
-``sums``  [str, ...]                 HELLO: checksum algorithms the decode side accepts
+``sums``  [str, ...]                 HELLO / HELLO_ACK: checksum algorithms the sender accepts / produces
 ``nixl``  map                        HELLO: NIXL agent metadata + receive region (data plane)
 ``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
 ``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset

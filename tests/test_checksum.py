@@ -107,7 +107,7 @@ def test_protocol_checksum_dispatch():
 
 
 def _pull(pre_sums, dec_sums):
-    """Pull through real endpoints computing checksums on the host; return (negotiated, headers ok)."""
+    """Pull through real endpoints computing checksums on the host; return the negotiated algorithm."""
     desc = make_desc(num_layers=2, num_blocks=6)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
     with PrefillEndpoint(src, desc, checksums=pre_sums, chunk_bytes=1) as pre, \
@@ -117,6 +117,7 @@ def _pull(pre_sums, dec_sums):
         dec.pull("t", [0, 3, 5], deadline_s=10).result(timeout=10)
         for s, d in zip(src, dst):
             assert torch.equal(d.view(torch.uint8)[[0, 3, 5]], s.view(torch.uint8)[[4, 1, 2]])
+        assert dec.peer_checksums == (tuple(pre_sums) if dec_sums != (CHECKSUM,) else ())   # the prefill's list
         return dec.checksum
 
 
