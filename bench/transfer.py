@@ -12,8 +12,23 @@ byte for byte against the source (rebuilt here from the same seed). pyzmq: the s
 in messages of the connector's chunk size, sent ``copy=False`` from one pre-filled buffer,
 received ``copy=False``; timed from the "go" signal to the last byte received.
 
-Run: ``python -m bench.transfer [--device cuda] [--contiguous]`` (also ``kvconnector
-bench-transfer``); ``--quick`` is the smoke test CI runs. The floor any connector could reach
+``--kernels``: both endpoints get the device kernels (``kernels.transfer.FRAME_OPS``) and
+negotiate ``mix64``: the prefill gathers and checksums on the device, the decode side receives
+into pinned buffers and verifies + scatters on the device (on CPU caches the kernels run in
+Triton's interpreter: only a functional check). ``--cuda`` is the CUDA-cache preset: INT8 and
+INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads, head size 128,
+block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
+processes per MiB moved.
+
+``--layerwise-tokens N``: the exposed time of a layer-wise pull of an N-token request (INT4,
+the same layer set): the decode side pulls while the prefill announces one layer every
+``--layer-ms`` (``publish(..., layers_ready=0)`` then ``publish_layers``, standing in for the
+forward writing each layer); exposed = from the last layer announced to the last block landed.
+For comparison the same pull with every layer announced at once (no layer-wise overlap).
+``--cuda`` measures it for 32k tokens.
+
+Run: ``python -m bench.transfer [--device cuda] [--contiguous] [--kernels] [--cuda]`` (also
+``kvconnector bench-transfer``); ``--quick`` is the smoke test CI runs. The floor any connector could reach
 on the same host (the mandatory gather, checksum and write passes with no protocol) is
 ``python -m bench.transfer_floor``. Results: docs/BENCHMARKS.md, "Transfer".
 """
@@ -50,6 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (caches on the GPU, pinned host staging)")
     p.add_argument("--in-process", action="store_true", help="sender on a thread of this process "
                    "(one GIL) instead of a spawned process")
+    p.add_argument("--data-plane", default="zmq", choices=("zmq", "nixl"), help="payload path of the connector: "
+                   "ZeroMQ frames, or NIXL writes into the decode side's registered region (pip install nixl)")
+    p.add_argument("--kernels", action="store_true", help="device kernels on both ends (mix64, gather / "
+                   "verify + scatter on the device, recv_into pinned buffers)")
+    p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
+                   "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
+    p.add_argument("--layerwise-tokens", type=int, default=0, help="also measure the exposed time of a layer-wise "
+                   "INT4 pull of this many tokens (0: off; --cuda: 32768)")
+    p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
+                   "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
 
 
@@ -60,10 +85,51 @@ def _sender(conn) -> None:
         cmd = conn.recv()
         if cmd[0] == "exit":
             return
-        _serve_row(conn, *cmd[1:])
+        if cmd[0] == "layerwise":
+            _serve_layerwise(conn, *cmd[1:])
+        else:
+            _serve_row(conn, *cmd[1:])
 
 
-def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes) -> None:
+def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels) -> None:
+    """Layer-wise rows: ("publish", tid) publishes with no layer written; ("layers", tid, step_s,
+    at_once) announces the layers (one every ``step_s``, or all at once after ``num_layers·step_s``)
+    and answers the monotonic time of the last announcement; "done" ends."""
+    from kvconnector import PrefillEndpoint
+    from tools.serve import synthetic_caches
+    desc = LayoutDescriptor.from_dict(desc_dict)
+    with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
+                         frame_ops=_frame_ops(kernels)) as pre:
+        conn.send(pre.endpoint)
+        while True:
+            cmd = conn.recv()
+            if cmd == "done":
+                break
+            if cmd[0] == "publish":
+                pre.publish(cmd[1], ids, layers_ready=0)
+                conn.send("ok")
+                continue
+            _, tid, step_s, at_once = cmd
+            t_next = time.monotonic()
+            for layer in range(1, desc.num_layers + 1):
+                t_next += step_s
+                while time.monotonic() < t_next:        # the forward computing this layer
+                    time.sleep(max(0.0, min(0.002, t_next - time.monotonic())))
+                if not at_once or layer == desc.num_layers:
+                    pre.publish_layers(tid, layer)
+            conn.send(time.monotonic())
+    conn.send("closed")
+
+
+def _frame_ops(kernels: bool):
+    if not kernels:
+        return None
+    from kernels.transfer import FRAME_OPS
+    return FRAME_OPS
+
+
+def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes, kernels=False,
+               plane="zmq") -> None:
     """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket; then answer
     "cpu" with this process's CPU seconds and "go" with one burst of ``sizes`` messages."""
     from kvconnector import PrefillEndpoint
@@ -74,7 +140,8 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     push.setsockopt(zmq.LINGER, 0)
     push.connect(push_endpoint)
     buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()
-    with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600) as pre:
+    with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
+                         frame_ops=_frame_ops(kernels), data_plane=plane) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -123,7 +190,8 @@ class Sender:
 
 
 # ---- the receiving side (this process) ----------------------------------------------------
-def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen) -> dict:
+def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
+              kernels: bool = False, plane: str = "zmq") -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte."""
     from kvconnector import DecodeEndpoint
@@ -140,12 +208,15 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     pull.setsockopt(zmq.LINGER, 0)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     endpoint = sender.ask(("row", desc.to_dict(), seed, device, chunk_bytes,
-                           [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes))
+                           [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes,
+                           kernels, plane))
     dst = synthetic_caches(desc, seed + 1, device)
     t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
     try:
-        with DecodeEndpoint(dst, desc) as dec:
+        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
+                            nixl_region_bytes=max(1 << 20, total)) as dec:
             dec.connect(endpoint, timeout_s=30)
+            algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
                 dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                 c0 = sender.cpu_s()
@@ -182,14 +253,59 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
         if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
             raise RuntimeError("transferred blocks differ from the source")
     out = {k: statistics.median(v) for k, v in t.items()}
-    out.update(nbytes=total, messages=num_messages / (repeats + 1))
+    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm)
     return out
 
 
+def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chunk_bytes, device, gen,
+                    kernels: bool) -> dict:
+    """Exposed time (last layer announced -> last block landed) of layer-wise pulls, and of the same
+    pulls with every layer announced at once; medians over ``repeats`` (after one warm-up each)."""
+    from kvconnector import DecodeEndpoint
+    from tools.serve import synthetic_caches
+    nblocks = -(-tokens // geo.block_size)
+    desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=nblocks)
+    ids = torch.randperm(nblocks, generator=gen).tolist()
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+    endpoint = sender.ask(("layerwise", desc.to_dict(), seed, device, chunk_bytes, ids, kernels))
+    dst = synthetic_caches(desc, seed + 1, device)
+    out = {"layerwise": [], "at_once": []}
+    try:
+        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels)) as dec:
+            dec.connect(endpoint, timeout_s=60)
+            for r in range(2 * (repeats + 1)):
+                at_once = r % 2 == 1
+                tid = f"lw{r}"
+                sender.ask(("publish", tid))
+                handle = dec.pull(tid, list(range(nblocks)), deadline_s=600)
+                t_last = sender.ask(("layers", tid, layer_ms / 1e3, at_once), timeout_s=600)
+                handle.result(timeout=600)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t_done = time.monotonic()
+                if r >= 2:
+                    out["at_once" if at_once else "layerwise"].append(t_done - t_last)
+            algorithm = dec.checksum
+    finally:
+        sender.ask("done")
+    src = synthetic_caches(desc, seed, "cpu")
+    for s, d in zip(src, dst):
+        if not torch.equal(s[ids].view(torch.uint8), d.view(torch.uint8).cpu()):
+            raise RuntimeError("layer-wise pull: transferred blocks differ from the source")
+    return {"layerwise": statistics.median(out["layerwise"]), "at_once": statistics.median(out["at_once"]),
+            "nbytes": layers * nblocks * geo.block_bytes, "checksum": algorithm}
+
+
 def run(args) -> int:
+    if args.cuda:
+        args.device, args.kernels, args.modes, args.layers = "cuda", True, "int8_per_token_head,int4_per_token_head", 32
+        args.kv_heads, args.head_size, args.block_size = 8, 128, 16
+        args.layerwise_tokens = args.layerwise_tokens or 32768
     if args.quick:
         args.modes, args.blocks, args.layers, args.repeats = "auto,int4_per_token_head", "4,16", 2, 2
         args.kv_heads, args.head_size = 2, 64
+        if args.kernels and args.device == "cpu":   # interpreted kernels: keep the smoke run small
+            args.blocks = "2"
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device")
@@ -203,24 +319,43 @@ def run(args) -> int:
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
           f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
-          f"stage threads {stage_threads()}, copy threads {default_copy_threads()}")
-    print("| mode | blocks | MiB | msgs | connector ms | GB/s | CPU ms | pyzmq ms | GB/s | CPU ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
+          f"{', device kernels' if args.kernels else ''}"
+          f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
+          f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
+    print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
+    print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     sender = Sender(args.in_process)
     try:
         for mode_str in args.modes.split(","):
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
-                r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen)
+                r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
+                              args.kernels, args.data_plane)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
-                print(f"| {mode_str} | {nblocks} | {n / 2**20:.1f} | {r['messages']:.0f} | {r['conn'] * 1e3:.2f} "
-                      f"| {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3:.1f} | {r['zmq'] * 1e3:.2f} "
-                      f"| {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3:.1f} | {ratios[-1]:.2f} |", flush=True)
+                mib = n / 2**20
+                print(f"| {mode_str} | {nblocks} | {mib:.1f} | {r['messages']:.0f} | {r['checksum']} "
+                      f"| {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3 / mib:.2f} "
+                      f"| {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3 / mib:.2f} "
+                      f"| {ratios[-1]:.2f} |", flush=True)
+        print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
+        if args.layerwise_tokens:
+            geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,
+                                args.block_size)
+            r = bench_layerwise(sender, geo, args.layers, args.layerwise_tokens, args.layer_ms, args.repeats, chunk,
+                                device, gen, args.kernels)
+            print(f"\n# layer-wise pull: int4, {args.layerwise_tokens} tokens, {args.layers} layers, "
+                  f"{r['nbytes'] / 2**20:.0f} MiB, {r['checksum']}, one layer announced every {args.layer_ms} ms")
+            print("| announced | exposed ms (last layer announced -> last block landed) |")
+            print("|---|---|")
+            print(f"| layer by layer | {r['layerwise'] * 1e3:.1f} |")
+            print(f"| all layers at once | {r['at_once'] * 1e3:.1f} |")
     finally:
         sender.close()
-    print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Triton kernels (and their plain-PyTorch twins) for per-token-head quantized paged KV caches.
 
-Three wings, each with a package docstring that maps its files:
+Four wings, each with a package docstring that maps its files:
 
 - ``kernels/write/``: the cache writers (bf16 copy, symmetric INT8 / FP8, INT4 with the
   rotation in registers or on tensor cores, the tiled INT4 path with the MSE range search);
@@ -10,6 +10,9 @@ Three wings, each with a package docstring that maps its files:
   GPUs, the split-KV reduction, the INT4 query rotation); ``attention_plan(...)`` decides.
 - ``kernels/reference/``: the plain-PyTorch oracle of every kernel; it imports nothing from the
   kernels, and the kernels import nothing from it.
+- ``kernels/transfer/``: the connector's device passes over payload frames (gather + ``mix64``
+  checksum, verify + scatter), handed to ``kvconnector`` endpoints as ``FRAME_OPS``; their oracle
+  is ``layouts.checksum`` and ``kvconnector.blocks``.
 
 docs/KERNELS.md lists which kernel runs for which call on CPU and on an H200, and why each
 exists. Every kernel compiles on CUDA tensors and runs through Triton's interpreter on CPU

@@ -7,6 +7,12 @@ equal what the local layout says (``2·N·h·P`` per block) and the xxh3_64 chec
 match. A failed check fails the pull with a typed error, reports the destination blocks
 that did not land, and sends ABORT so the prefill side releases its lease.
 
+With the device kernels given (``frame_ops``) this side offers ``mix64`` in its HELLO; a
+prefill that accepts sends ``mix64`` BLOCKS, whose payload frames are received straight into a
+pooled pinned buffer (``IOLoop`` ``on_header``, ``Socket.recv_into``), copied to the device
+once and verified + scattered there (:mod:`kvconnector.device_frames`): a frame that does not
+match fails the pull with :class:`CorruptFrameError` and none of that message's rows is written.
+
 An ERROR from the prefill side about a pending pull fails it at once with :class:`PeerError`
 (its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
 fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while writing a
@@ -14,8 +20,9 @@ pull's blocks fails that pull (``write_error``) instead of leaving it to its dea
 
 The module is over 400 lines because it is one state machine run by one I/O thread: the
 handshake, the pull table and the checks above, and the landing of bytes on CPU and CUDA
-caches read top to bottom in one place; the reusable pieces (frames, staging, the handle) are
-already their own modules.
+caches (host-verified or device-verified, from frames or from a NIXL region) read top to
+bottom in one place; the reusable pieces (frames, staging, the device passes, the data planes,
+the handle) are their own modules.
 """
 
 from __future__ import annotations
@@ -36,11 +43,17 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
                      slice_bytes)
 from .handle import PullHandle
 from .metrics import Metrics
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header, verify_payloads
+from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
+from .device_frames import frame_views, scatter_message, stage_frames, warm
+from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
+                       verify_payloads)
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
+# pyzmq >= 26.4: a frame is received into a caller's buffer. Without it, mix64 frames arrive as
+# zero-copy zmq Frames and are copied once into a pooled pinned buffer (_write_device).
+RECV_INTO = hasattr(zmq.Socket, "recv_into")
 
 
 def _segments(h: Header, per_block: int):
@@ -55,6 +68,10 @@ def _segments(h: Header, per_block: int):
             k = min(left, h.nblk - pos)
             yield i, off, h.layer + li, h.first + pos, k
             g, left, off = g + k, left - k, off + k * per_block
+
+
+def _noop() -> None:
+    """Wakes the I/O thread (its tick then collects finished device writes)."""
 
 
 def default_copy_threads() -> int:
@@ -82,12 +99,32 @@ class DecodeEndpoint:
         message is still verified before any of its bytes is written); for CUDA caches they
         also stage, launch the device copies and wait for them. 0 does it all on the I/O
         thread. Default :func:`default_copy_threads`.
+    frame_ops : FrameOps, optional
+        Device kernels (``kernels.transfer.FRAME_OPS``): this side then offers ``mix64`` and
+        verifies + scatters such messages on the device (module doc).
+    checksums : tuple of str, optional
+        Algorithms offered in HELLO, preferred first (default ``("mix64", "xxh3_64")`` with
+        ``frame_ops``, else ``("xxh3_64",)``, which sends no offer at all, like earlier clients).
+    data_plane : str
+        ``"zmq"``, or ``"nixl"``: offer a NIXL receive region of ``nixl_region_bytes`` (each pending
+        pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
+        payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
-                 curve: CurveKeys | None = None, copy_threads: int | None = None) -> None:
+                 curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
+                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20) -> None:
         check_caches(caches, descriptor)
+        self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
+        self.plane = ZMQ              # what the prefill said it uses (HELLO_ACK ``plane``)
+        self.frame_ops = frame_ops
+        if frame_ops is not None:
+            warm(frame_ops, caches[0].device)
+        self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
+        self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
+        self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
+        self._rx = None               # (pinned buffer, header) the payload of the message being handled went into
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.max_frame_bytes, self.curve = max_frame_bytes, curve
@@ -108,7 +145,7 @@ class DecodeEndpoint:
         # [num_blocks, block bytes] row views: numpy (CPU) or torch (CUDA), made once
         self._rows = [device_rows(c, self.geometry) for c in self.caches] if self.cuda else \
             [block_rows(v) for v in self._views]
-        self._pinned = PinnedPool() if self.cuda else None
+        self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
 
@@ -137,7 +174,8 @@ class DecodeEndpoint:
             raise TransferError(f"cannot connect to {endpoint}: {e}") from e
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
-                            on_tick=self._on_tick, on_error=self._on_error)
+                            on_tick=self._on_tick, on_error=self._on_error,
+                            on_header=self._receive_into if self.frame_ops is not None and RECV_INTO else None)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):
@@ -190,6 +228,8 @@ class DecodeEndpoint:
             self._loop.close()
         if self._workers is not None:
             self._workers.shutdown(wait=True)
+        if self._nixl is not None:
+            self._nixl.close()
 
     def __enter__(self):
         return self
@@ -206,7 +246,25 @@ class DecodeEndpoint:
             self.errors.append(TransferError(f"send {h.type.name}: {e}"))
 
     def _send_hello(self) -> None:
-        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict()))
+        offer = list(self.checksums) if self.checksums != (CHECKSUM,) else []
+        self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict(), sums=offer,
+                          nixl=None if self._nixl is None else self._nixl.offer()))
+
+    def _receive_into(self, frame) -> list | None:
+        """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
+        buffer that receives its payload frames back to back (views, one per frame); else None."""
+        try:
+            h = decode_header(frame.buffer)
+        except Exception:
+            return None     # _on_message decodes it again and reports the problem
+        total = sum(h.nbytes) if h.type == MsgType.BLOCKS else 0
+        if h.algorithm != MIX64 or h.tid not in self._pending or not 0 < total <= self.max_frame_bytes:
+            return None
+        buf = self._pinned.acquire(total)
+        views = frame_views(buf, h.nbytes)
+        self._rx = (buf, h)
+        self.metrics.add("frames_received_into", len(views))
+        return views
 
     def _on_error(self, e: Exception) -> None:
         self.errors.append(e)
@@ -215,15 +273,35 @@ class DecodeEndpoint:
     def _start_pull(self, h: PullHandle) -> None:
         if h.transfer_id in self._pending:
             return h.fail(PeerError(f"pull {h.transfer_id!r} is already in flight"))
+        if self.plane == NIXL:   # the pull's area of the receive region, in transfer layout
+            need = h.num_layers * slice_bytes(self.geometry, len(h.dst_block_ids), range(h.heads[1] - h.heads[0]))
+            try:
+                h.area = (self._nixl.reserve(need), need)
+            except TransferError as e:
+                return h.fail(e)
         self._pending[h.transfer_id] = h
         self.metrics.add("transfers_started")
-        self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads))
+        self._send_pull(h)
         if self.cuda:   # destination ids on the device while the request is on its way (checked by pull())
             h.dst_dev = device_ids(h.dst_block_ids, self.caches[0].device)
+
+    def _send_pull(self, h: PullHandle) -> None:
+        area = getattr(h, "area", None)
+        self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads,
+                          at=None if area is None else area[0]))
+
+    def _release_area(self, h: PullHandle, failed: bool) -> None:
+        """Give a pull's area of the NIXL region back; after a failure, only once the prefill can
+        no longer be writing into it (``peer_timeout_s`` later)."""
+        area = getattr(h, "area", None)
+        if area is not None:
+            h.area = None
+            self._nixl.release(*area, after_s=self.peer_timeout_s if failed else 0.0)
 
     def _fail(self, h: PullHandle, err: Exception, reason: str, tell_peer: bool = True) -> None:
         if self._pending.pop(h.transfer_id, None) is None:
             return
+        self._release_area(h, failed=True)
         self.metrics.fail(reason)
         if tell_peer:
             self._send(Header(MsgType.ABORT, tid=h.transfer_id, code=reason, msg=str(err)[:200]))
@@ -243,6 +321,17 @@ class DecodeEndpoint:
             self._send(Header(MsgType.ABORT, tid=tid, code="aborted"))
 
     def _on_message(self, frames) -> None:
+        rx, self._rx = self._rx, None
+        self._rx_kept = False
+        try:
+            self._handle(frames, rx)
+        finally:
+            if rx is not None and not self._rx_kept:   # not taken over by a device write
+                self._pinned.release(rx[0])
+
+    _rx_kept = False    # a device write took over the buffer the message was received into
+
+    def _handle(self, frames, rx) -> None:
         self._last_seen = time.monotonic()
         self.metrics.add("messages_received")
         try:
@@ -255,7 +344,7 @@ class DecodeEndpoint:
                 self._hs_done.set()
             return
         if h.type == MsgType.BLOCKS:
-            return self._blocks(h, frames[1:])
+            return self._blocks(h, frames[1:], None if rx is None else rx[0])
         if h.type == MsgType.HELLO_ACK:
             return self._hello_ack(h)
         if h.type == MsgType.PING:
@@ -266,6 +355,9 @@ class DecodeEndpoint:
             self.metrics.ignore(f"unexpected_{h.type.name}")
 
     def _hello_ack(self, h: Header) -> None:
+        self.checksum = h.sum or CHECKSUM
+        self.peer_checksums = tuple(h.sums)
+        self.plane = NIXL if h.plane == NIXL and self._nixl is not None else ZMQ
         err = None
         try:
             self.remote = LayoutDescriptor.from_dict(h.desc)
@@ -285,7 +377,7 @@ class DecodeEndpoint:
         self._hs_done.set()
         if err is None and not first:     # re-handshake after the peer restarted: resume pulls
             for p in self._pending.values():
-                self._send(Header(MsgType.PULL, tid=p.transfer_id, nblk=len(p.dst_block_ids), heads=p.heads))
+                self._send_pull(p)
 
     def _peer_error(self, h: Header) -> None:
         if h.code == ErrorCode.HANDSHAKE_REQUIRED:
@@ -304,12 +396,12 @@ class DecodeEndpoint:
         err.code = h.code
         self._fail(p, err, h.code, tell_peer=False)
 
-    def _blocks(self, h: Header, payloads) -> None:
+    def _blocks(self, h: Header, payloads, received=None) -> None:
         p = self._pending.get(h.tid)
         if p is None:
             return self.metrics.ignore("late")
         try:
-            return self._accept(p, h, payloads)
+            return self._accept(p, h, payloads, received)
         except Exception as e:   # a failure writing this pull's blocks fails it now, not by deadline
             err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
                                 f"{type(e).__name__}: {e}")
@@ -317,12 +409,16 @@ class DecodeEndpoint:
             self.errors.append(err)
             self._fail(p, err, "write_error")
 
-    def _accept(self, p: PullHandle, h: Header, payloads) -> None:
-        """Check one BLOCKS message against its pull, then write it (inline or on a worker)."""
+    def _accept(self, p: PullHandle, h: Header, payloads, received=None) -> None:
+        """Check one BLOCKS message against its pull, then write it (inline, on a worker, or,
+        for ``mix64`` with the device kernels, verified + scattered on the device).
+        ``received``: the pinned buffer the payload frames were received into, if any."""
         n = len(p.dst_block_ids)
         problem = None
         layers = range(h.layer, h.layer + h.nlay)
-        if h.layer + h.nlay > p.num_layers:
+        if h.algorithm not in self.checksums:
+            problem = f"field 'sum': expected an algorithm this side offered {list(self.checksums)}, got {h.sum!r}"
+        elif h.layer + h.nlay > p.num_layers:
             problem = (f"fields 'layer'/'nlay': expected layers inside [0, {p.num_layers}), "
                        f"got {h.layer}+{h.nlay}")
         elif h.heads != p.heads:
@@ -347,17 +443,27 @@ class DecodeEndpoint:
                 f"BLOCKS {h.tid!r} layer {h.layer} field 'nbytes': expected positive multiples of "
                 f"{per_block} (one block of the layout) summing to {want}, got {h.nbytes}"),
                 "corrupt_frame")
+        if self.plane == NIXL:   # the payload is in the region, where this side expects it
+            want_at = self._nixl.area(p.area[0], h.layer, h.first, n, per_block)
+            if h.at != want_at or payloads:
+                return self._fail(p, CorruptFrameError(
+                    f"BLOCKS {h.tid!r} layer {h.layer} field 'at': expected {want_at} (the payload in the nixl "
+                    f"region, no frames), got {h.at} and {len(payloads)} frames"), "corrupt_frame")
+            received = self._nixl.view(h.at, want)
+            payloads = frame_views(received, h.nbytes)
         for la in layers:
             p.received[la][h.first:h.first + h.nblk] = b"\x01" * h.nblk
         self.metrics.add("bytes_received", sum(h.nbytes))
         self.metrics.add("blocks_messages")
         p.nbytes += sum(h.nbytes)
+        if h.algorithm == MIX64 and self.frame_ops is not None:
+            return self._write_device(p, h, payloads, local, received, owned=self.plane != NIXL)
         if self.cuda and self._workers is None:   # stage on this thread; _on_tick sees the copies end
             try:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
-            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
+            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged, None))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
@@ -379,12 +485,40 @@ class DecodeEndpoint:
         v0 = self._views[h.layer]
         full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
         for i, off, layer, pos, k in _segments(h, per_block):
-            src = np.frombuffer(payloads[i].buffer, dtype=np.uint8, count=k * per_block, offset=off)
+            src = np.frombuffer(getattr(payloads[i], "buffer", payloads[i]), dtype=np.uint8, count=k * per_block,
+                                offset=off)
             if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
                 self._rows[layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
             else:
                 src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
                 copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
+
+    def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received, owned: bool = True) -> None:
+        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``).
+        ``received``: the payload back to back in host memory (a pooled buffer when ``owned``, handed
+        back once the device has read it; else the NIXL region, which the pull's area keeps)."""
+        try:
+            check_frames(h, payloads)
+        except CorruptFrameError as e:
+            return self._fail_corrupt(p, e)
+        if received is None:   # frames not received into a pooled buffer (no recv_into): one copy there
+            received = stage_frames(self._pinned, payloads, h.nbytes)
+        else:
+            received = received[:sum(h.nbytes)]
+        if p.dst_dev is None:
+            p.dst_dev = torch.as_tensor(p.dst_block_ids, dtype=torch.int64)
+        try:
+            job = scatter_message(self.frame_ops, h, received, self.caches[h.layer:h.layer + h.nlay],
+                                  p.dst_dev[h.first:h.first + h.nblk], local, self._copy_stream)
+        except BaseException:
+            if owned:
+                self._pinned.release(received)
+            raise
+        self._rx_kept = True     # released by _on_tick once the device copy has read it
+        self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
+        if job.event is not None and self._workers is not None:   # wake the loop when it ends (else: polled)
+            self._workers.submit(job.event.synchronize).add_done_callback(lambda f: self._loop.call_soon(_noop))
+        return None
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -437,16 +571,21 @@ class DecodeEndpoint:
             return
         if p.land(layer, first, count):
             del self._pending[p.transfer_id]
+            self._release_area(p, failed=False)
             self._send(Header(MsgType.ACK, tid=p.transfer_id, ok=True))
             r = p.finish()
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
 
     def _on_tick(self, now: float) -> float:
-        while self._gpu_writes and self._gpu_writes[0][0].query():
-            _, p, h, staged = self._gpu_writes.pop(0)
+        while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
+            _, p, h, staged, check = self._gpu_writes.pop(0)
             for b in staged:
                 self._pinned.release(b)
-            self._landed_all(p, h)
+            err = None if check is None else check.error()
+            if err is not None:
+                self._fail_corrupt(p, err)
+            else:
+                self._landed_all(p, h)
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))
@@ -460,4 +599,6 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
-        return 0.001 if self._gpu_writes else max(0.0, wait)
+        if self._gpu_writes:   # polled every ms without copy workers; with them a worker wakes the loop
+            return 0.001 if self._workers is None else max(0.0, min(wait, 0.05))
+        return max(0.0, wait)

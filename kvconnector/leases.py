@@ -28,6 +28,7 @@ class Lease:
     streams: list = field(default_factory=list)   # every Stream started for it (retried pulls too)
     peers: dict = field(default_factory=dict)     # idents that pulled it (an ordered set)
     reason: str = ""                              # why it ended, once it has
+    layers_ready: int | None = None               # layers written so far (layer-wise publish); None: all
     released: threading.Event = field(default_factory=threading.Event)   # on_release has run
 
 

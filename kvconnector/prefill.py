@@ -38,9 +38,11 @@ from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatch
                      TransferError, TransferTimeoutError, check_compatible)
 from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
+from .dataplane import NIXL, ZMQ, NixlWriter, check_plane
+from .device_frames import warm
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
-from .protocol import ErrorCode, Header, MsgType, decode_header, encode_header
+from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
 from .security import start_authenticator
 from .sender import BufferPool, Stream
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
@@ -76,6 +78,19 @@ class PrefillEndpoint:
         Target payload bytes of one BLOCKS message (at least one block).
     heartbeat_s, peer_timeout_s : float
         Liveness: a peer silent for ``peer_timeout_s`` loses its streams.
+    frame_ops : FrameOps, optional
+        Device kernels (``kernels.transfer.FRAME_OPS``): with them this side offers ``mix64``
+        and, for peers that accept it, gathers and checksums on the device
+        (:mod:`kvconnector.device_frames`).
+    checksums : tuple of str, optional
+        Checksum algorithms this side produces (default ``("mix64", "xxh3_64")`` with
+        ``frame_ops``, else ``("xxh3_64",)``; ``mix64`` without ``frame_ops`` is computed by the
+        host reference, slower than xxh3). A peer gets the first algorithm of its HELLO ``sums``
+        listed here, else xxh3_64 (docs/PROTOCOL.md, "Checksums").
+    data_plane : str
+        ``"zmq"`` (payload frames in the BLOCKS messages), or ``"nixl"``: peers that offer a NIXL
+        receive region get their payloads written there (:mod:`kvconnector.dataplane`); other
+        peers still get ZeroMQ frames.
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -85,8 +100,14 @@ class PrefillEndpoint:
     def __init__(self, caches, descriptor: LayoutDescriptor, *, host: str = DEFAULT_HOST, port: int = 0,
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
+                 data_plane: str = ZMQ) -> None:
         check_caches(caches, descriptor)
+        self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
+        self.frame_ops = frame_ops
+        if frame_ops is not None:
+            warm(frame_ops, caches[0].device)
+        self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.caches, self.descriptor, self.geometry = list(caches), descriptor, descriptor.geometry()
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
@@ -112,8 +133,15 @@ class PrefillEndpoint:
         self._loop.start()
 
     # ---- application API (any thread) -------------------------------------------------
-    def publish(self, transfer_id: str, block_ids, lease_s: float | None = None) -> None:
-        """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``."""
+    def publish(self, transfer_id: str, block_ids, lease_s: float | None = None, *,
+                layers_ready: int | None = None) -> None:
+        """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``.
+
+        ``layers_ready``: publish layer by layer: only layers ``0 .. layers_ready - 1`` hold
+        their K/V yet; the rest are announced with :meth:`publish_layers` as the forward writes
+        them, and a pull already streaming sends each layer as soon as it is announced. None
+        (default): every layer is written.
+        """
         ids = [int(b) for b in block_ids]
         if not isinstance(transfer_id, str) or not transfer_id or len(transfer_id) > 256:
             raise ValueError(f"transfer_id: expected a non-empty str of <= 256 chars, got {transfer_id!r}")
@@ -124,8 +152,31 @@ class PrefillEndpoint:
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
-        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev))
+        ready = None if layers_ready is None else max(0, min(int(layers_ready), self.descriptor.num_layers))
+        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev,
+                               layers_ready=ready))
         self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
+
+    def publish_layers(self, transfer_id: str, layers_ready: int) -> None:
+        """Layers ``0 .. layers_ready - 1`` of a layer-wise :meth:`publish` now hold their K/V (CUDA
+        caches: written by work already queued on the current stream); a pull streaming the
+        transfer sends them next. Raises TransferError when ``transfer_id`` is not published."""
+        lease = self._leases.get(transfer_id)
+        if lease is None:
+            raise TransferError(f"publish_layers: transfer {transfer_id!r} is not published (or its lease ended)")
+        ready = None
+        if self.cuda:   # the gathers of these layers must follow the writes queued so far
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.caches[0].device))
+        n = min(int(layers_ready), self.descriptor.num_layers)
+
+        def mark():
+            if ready is not None:
+                self._copy_stream.wait_event(ready)
+            if lease.layers_ready is not None and n > lease.layers_ready:
+                lease.layers_ready = n
+            self._blocked_until = 0.0   # streams waiting for a layer: try them now
+        self._loop.call_soon(mark)
 
     def release(self, transfer_id: str, timeout_s: float = 5.0) -> bool:
         """End a lease now (reason ``"released"``); False if it was not held.
@@ -192,18 +243,18 @@ class PrefillEndpoint:
             self._fault_hook(stage)
 
     def _reply(self, ident: bytes, h: Header) -> None:
-        """Send a control message; an ERROR the peer's full pipe refuses waits in the outbox
-        (sent in order after the messages already queued, given up after ``peer_timeout_s``)."""
+        """Send a control message; one the peer's full pipe refuses (ERROR, PONG, HELLO_ACK, ...)
+        waits in the outbox, as does every later one to that peer, so replies keep their order
+        (sent once the peer reads again, given up after ``peer_timeout_s``): a peer that reads its
+        replies late still gets the PONG or HELLO_ACK it waits for."""
         frames = [encode_header(h)]
         if any(i == ident for i, _, _ in self._outbox):
-            if h.type == MsgType.ERROR:
-                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
+            self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
             return None
         try:
             self._send(ident, frames)
         except zmq.Again:
-            if h.type == MsgType.ERROR:
-                self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
+            self._outbox.append((ident, frames, time.monotonic() + self.peer_timeout_s))
         except zmq.ZMQError:
             pass  # peer gone (ROUTER_MANDATORY): nobody to tell
 
@@ -340,7 +391,15 @@ class PrefillEndpoint:
             peer["ok"] = False
             return self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=False, msg=str(e)))
         peer["ok"] = True
-        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True))
+        peer["sum"] = choose_checksum(h.sums, self.checksums)
+        peer["nixl"] = None
+        if self._nixl is not None and h.nixl:
+            try:
+                peer["nixl"] = self._nixl.add_peer(h.nixl)
+            except TransferError as e:   # this peer gets ZeroMQ frames
+                self.errors.append(e)
+        self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
+                                  sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else ""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")
@@ -364,9 +423,13 @@ class PrefillEndpoint:
         lease.peers[ident] = None
         try:
             self._hook("stream")
+            algorithm = peer.get("sum", CHECKSUM)
             stream = Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
-                            fault_hook=self._fault_hook)
+                            fault_hook=self._fault_hook, algorithm=algorithm,
+                            frame_ops=self.frame_ops if algorithm == MIX64 else None,
+                            at_base=h.at if peer.get("nixl") else None,
+                            layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
         lease.streams.append(stream)
@@ -432,7 +495,14 @@ class PrefillEndpoint:
                 if not frames:                     # its buffers are still queued in ZeroMQ
                     continue
                 try:
-                    s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
+                    nixl = s.at_base is not None and self._peers.get(s.ident, {}).get("nixl")
+                    if nixl:   # payload into the peer's region first; the header says where it is
+                        if len(frames) > 1:
+                            self._nixl.write(nixl, frames[1:], decode_header(frames[0]).at)
+                            frames = frames[:1]
+                        s.sent(self._send(s.ident, frames))
+                    else:
+                        s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue

@@ -8,7 +8,8 @@ A **message** is a list of frames::
     frame 0      header: a msgpack map, at most MAX_HEADER_BYTES bytes
     frame 1..n   raw payload frames (only BLOCKS carries any): whole cache rows, scale
                  tails included, exactly ``header.nbytes[i]`` bytes each, checksummed by
-                 ``header.checksums[i]`` = xxh3_64(frame bytes)
+                 ``header.checksums[i]`` (xxh3_64 of the frame, or the negotiated
+                 algorithm named by ``header.sum``)
 
 Header keys (short on purpose: every BLOCKS message carries one):
 
@@ -25,7 +26,12 @@ key       type                       meaning
 ``nblk``  int >= 0                   BLOCKS: number of blocks; PULL: blocks expected
 ``heads`` [int, int]                 global KV head range [lo, hi) of the rows carried
 ``nbytes`` [int, ...]                byte count of each payload frame
-``xxh``   [int, ...]                 xxh3_64 of each payload frame
+``xxh``   [int, ...]                 checksum of each payload frame (algorithm ``sum``)
+``sum``   str                        BLOCKS / HELLO_ACK: checksum algorithm (absent: xxh3_64)
+``sums``  [str, ...]                 HELLO / HELLO_ACK: checksum algorithms the sender accepts / produces
+``nixl``  map                        HELLO: NIXL agent metadata + receive region (data plane)
+``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
+``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
 ``last``  bool                       BLOCKS: final message of the transfer
 ``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor
 ``ok``    bool                       HELLO_ACK / ACK: accepted / succeeded
@@ -41,6 +47,9 @@ the same list; the full protocol, message numbers and a worked example are docum
 Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
 (no negotiation). Unknown header keys are ignored so that a later version may
 add optional keys without a bump; any change to an existing key's meaning bumps the version.
+The checksum algorithm is negotiated inside v3 by optional keys: a decode side lists what it
+accepts in HELLO ``sums``; the prefill answers its choice in HELLO_ACK ``sum`` and names it in
+every BLOCKS ``sum``. A peer that sends no ``sums`` gets xxh3_64 and never sees ``sum``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ import msgpack
 import xxhash
 
 from layouts import CorruptFrameError, ProtocolVersionError
+from layouts import checksum as mix64_ref
 
 PROTOCOL_VERSION = 3
 PROTOCOL_HISTORY = {
@@ -64,7 +74,9 @@ MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to pa
 MAX_TID_CHARS = 256
 MAX_LIST_LEN = 1 << 16           # bound on block / frame lists inside one header
 MAX_PAYLOAD_BYTES = 1 << 31      # one payload frame (also zmq MAXMSGSIZE on the sockets)
-CHECKSUM = "xxh3_64"
+CHECKSUM = "xxh3_64"             # the default algorithm: every peer accepts it, dump files use it
+MIX64 = mix64_ref.NAME            # "mix64": per-word hashes summed, computable in parallel on a GPU
+CHECKSUMS = (CHECKSUM, MIX64)     # algorithms this implementation can compute and verify
 
 
 class MsgType(enum.IntEnum):
@@ -121,7 +133,17 @@ class Header:
     msg: str = ""
     diffs: list = field(default_factory=list)
     xfers: list = field(default_factory=list)
+    sums: list = field(default_factory=list)
+    sum: str = ""
+    nixl: dict | None = None
+    plane: str = ""
+    at: int | None = None
     version: int = PROTOCOL_VERSION
+
+    @property
+    def algorithm(self) -> str:
+        """Checksum algorithm of the ``xxh`` entries (BLOCKS): ``sum``, or xxh3_64 when absent."""
+        return self.sum or CHECKSUM
 
 
 # header key -> (Header attribute, expected python type(s))
@@ -131,7 +153,8 @@ _KEYS = {
     "nblk": ("nblk", int), "heads": ("heads", list), "nbytes": ("nbytes", list),
     "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
     "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
-    "xfers": ("xfers", list),
+    "xfers": ("xfers", list), "sums": ("sums", list), "sum": ("sum", str),
+    "nixl": ("nixl", dict), "plane": ("plane", str), "at": ("at", int),
 }
 # keys each message type must carry
 _REQUIRED = {
@@ -150,9 +173,25 @@ _DEFAULTS = Header(MsgType.PING)
 _MAX_TYPE = max(MsgType)
 
 
-def checksum(buf) -> int:
-    """xxh3_64 of a buffer (bytes, memoryview, numpy array, zmq Frame buffer)."""
-    return xxhash.xxh3_64_intdigest(buf)
+def checksum(buf, algorithm: str = CHECKSUM) -> int:
+    """Checksum of a buffer (bytes, memoryview, numpy array, zmq Frame buffer): xxh3_64, or
+    ``mix64`` (docs/PROTOCOL.md, "Checksums"; its host reference is slower than xxh3, so
+    endpoints choose it only when a GPU computes it)."""
+    if algorithm == CHECKSUM:
+        return xxhash.xxh3_64_intdigest(buf)
+    if algorithm == MIX64:
+        return mix64_ref.mix64(buf)
+    raise CorruptFrameError(f"checksum algorithm: expected one of {list(CHECKSUMS)}, got {algorithm!r}")
+
+
+def choose_checksum(offered: list, supported: tuple) -> str:
+    """The algorithm a prefill uses for a peer that offered ``offered`` (HELLO ``sums``, the
+    peer's preference order; empty for a peer that does not negotiate): the first offered one
+    that this side lists in ``supported``, else xxh3_64 (which every peer accepts)."""
+    for name in offered:
+        if name in supported:
+            return name
+    return CHECKSUM
 
 
 def checksum_stream():
@@ -166,7 +205,9 @@ def encode_header(h: Header) -> bytes:
     """Encode a header to its msgpack frame (only the keys its type uses, plus ``v, t, seq``)."""
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
     optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code),
-                                     ("desc", h.desc), ("xfers", h.xfers)) if on)
+                                     ("desc", h.desc), ("xfers", h.xfers), ("sums", h.sums),
+                                     ("sum", h.sum), ("nixl", h.nixl), ("plane", h.plane)) if on)
+    optional += ("at",) if h.at is not None else ()
     for key in dict.fromkeys(_REQUIRED[MsgType(h.type)] + optional):
         attr = _KEYS[key][0]
         val = getattr(h, attr)
@@ -251,19 +292,22 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
             _check_int(f"nbytes[{i}]", v, 0, MAX_PAYLOAD_BYTES)
         for i, v in enumerate(h.checksums):
             _check_int(f"xxh[{i}]", v, 0, (1 << 64) - 1)
+    if len(h.sums) > 16 or not all(isinstance(x, str) and len(x) <= 64 for x in h.sums):
+        raise _fail("sums", "at most 16 algorithm names (str)", h.sums)
     return h
 
 
 def encode_message(h: Header, payloads=()) -> list:
     """Frames of one message: the header, then each payload buffer as is (zero copy).
 
-    For BLOCKS, ``nbytes`` and ``checksums`` are filled from ``payloads`` here, so a sender
-    cannot announce a count or checksum that differs from what it sends.
+    For BLOCKS, ``nbytes`` and ``checksums`` (algorithm ``h.algorithm``) are filled from
+    ``payloads`` here, so a sender cannot announce a count or checksum that differs from what
+    it sends.
     """
     payloads = list(payloads)
     if payloads:
         h.nbytes = [memoryview(p).nbytes for p in payloads]
-        h.checksums = [checksum(p) for p in payloads]
+        h.checksums = [checksum(p, h.algorithm) for p in payloads]
     return [encode_header(h), *payloads]
 
 
@@ -294,7 +338,7 @@ def check_checksum(h: Header, i: int, got: int) -> None:
     """Raise :class:`CorruptFrameError` unless ``got`` is payload frame ``i``'s checksum in ``h``."""
     if got != h.checksums[i]:
         raise CorruptFrameError(
-            f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({CHECKSUM}): "
+            f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({h.algorithm}): "
             f"expected {h.checksums[i]:#018x}, got {got:#018x}")
 
 
@@ -318,4 +362,4 @@ def verify_payloads(h: Header, payloads, expected_nbytes: list[int] | None = Non
     """
     check_frames(h, payloads, expected_nbytes)
     for i, p in enumerate(payloads):
-        check_checksum(h, i, checksum(p))
+        check_checksum(h, i, checksum(p, h.algorithm))

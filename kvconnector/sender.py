@@ -16,7 +16,11 @@ A gathered frame is built and hashed piece by piece (``HASH_PIECE_BYTES``, sized
 the core's L2 cache): each piece is copied, then fed to a streaming xxh3_64 while it is still
 hot, so the checksum costs a cache read instead of a second pass over memory.
 
-Staging (gather or device-to-host copy, then the xxh3_64 of every frame) runs ahead of the
+With ``mix64`` negotiated and the device kernels given (``frame_ops``), a chunk is instead
+gathered and checksummed by one kernel and copied to pinned memory on the copy stream
+(:mod:`kvconnector.device_frames`); the host never reads the payload.
+
+Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent. On hosts with
 spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
 (numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
@@ -34,7 +38,8 @@ import torch
 
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
-from .protocol import Header, MsgType, checksum, checksum_stream, encode_header
+from .device_frames import gather_message
+from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header
 
 
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
@@ -146,6 +151,17 @@ class Stream:
     fault_hook : callable(stage: str), optional
         Test hook called at the ``"gather"`` and ``"checksum"`` stages of every chunk (it may
         raise to simulate a failure there); None in production.
+    algorithm : str
+        Checksum algorithm negotiated with the peer (``xxh3_64`` or ``mix64``).
+    frame_ops : FrameOps, optional
+        Device kernels (:mod:`kvconnector.device_frames`); with ``mix64``, every chunk is
+        gathered and checksummed by them.
+    layers_ready : callable() -> int or None, optional
+        Layer-wise publish: how many layers (from 0) hold their K/V now; chunks of later layers
+        wait (one layer per message then). None: every layer is ready.
+    at_base : int, optional
+        ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
+        each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
 
     Any failure to stage a chunk surfaces as an exception from :meth:`next_frames`. Once the
     transfer ends early, :meth:`cancel` drops what is not yet sent and :meth:`busy` says
@@ -155,24 +171,33 @@ class Stream:
 
     def __init__(self, ident: bytes, tid: str, block_ids: list, caches: list, geo: CacheGeometry,
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
-                 pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None) -> None:
+                 pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
+                 algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None,
+                 layers_ready=None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
+        self.algorithm, self.frame_ops, self.at_base = algorithm, frame_ops, at_base
+        self._ready = layers_ready if layers_ready is not None and layers_ready() is not None else None
+        self._per_block = slice_bytes(geo, 1, local_heads)
         # CUDA: the source ids on the device, copied at publish (ids were checked there)
         self._ids_dev = None
         if copy_stream is not None:
             self._ids_dev, ready = ids_dev
             copy_stream.wait_event(ready)
+        elif frame_ops is not None:   # CPU caches through the kernels: ids as a host tensor
+            self._ids_dev = torch.as_tensor(block_ids, dtype=torch.int64)
         self.pool = pool or BufferPool()
         self.last_buffer = None         # pooled buffer inside the last frames (tracked when sent)
         # layers per message: a whole layer smaller than the chunk shares its message with the
         # next layers (protocol v2 ``nlay``); otherwise one layer x a run of positions
         n, nl = len(block_ids), len(caches)
         lpm = max(1, min(chunk_bytes, PACK_BYTES) // (n * per_block)) if self.chunk_blocks >= n else 1
+        if self._ready is not None:   # layer-wise: a message never waits for a later layer
+            lpm = 1
         self.layers_per_msg = -(-nl // -(-nl // lpm))      # same message count, layers spread evenly
         self._plan = deque((layer, min(self.layers_per_msg, nl - layer), first)
                            for layer in range(0, nl, self.layers_per_msg)
@@ -184,6 +209,8 @@ class Stream:
         # chunks staged ahead: one per staging thread (a CUDA chunk's device copies are queued by the
         # thread that prepares it, so without threads nothing is gained by staging ahead)
         self.ahead = 1 + (stage_threads() if self._executor else 0)
+        if frame_ops is not None:   # queued device work: keep later chunks gathering while one is sent
+            self.ahead = max(self.ahead, 4)
         self._retry = None
         self.last_payload_bytes = 0
         self._chunks: dict = {}          # first position -> chunk plan (see _chunk)
@@ -231,6 +258,10 @@ class Stream:
             self._reading.popleft()
         return bool(self._running or self._reading
                     or any(j is not None and not j.done() for j in (st[4] for st in self._staged)))
+
+    def _layer_ready(self) -> bool:
+        """The next planned chunk's layer is written (always, unless published layer by layer)."""
+        return self._ready is None or self._plan[0][0] < self._ready()
 
     def _may_stage(self) -> bool:
         """CPU gathers: stage the next chunk only while fewer than ``INFLIGHT_BYTES`` of this
@@ -296,7 +327,7 @@ class Stream:
             n, v0 = len(ids), views[0]
             packed = buf.numpy().reshape(len(views) * n, *v0.shape[1:3], len(self.local_heads), v0.shape[4])
             step = max(1, HASH_PIECE_BYTES // max(1, packed[0].nbytes))
-            h = checksum_stream() if step < len(packed) else None
+            h = checksum_stream() if step < len(packed) and self.algorithm == CHECKSUM else None
             if h is not None:    # hashed piece by piece below, while gathering
                 self._hook("checksum")
             for li, view in enumerate(views):    # layer-major
@@ -315,15 +346,22 @@ class Stream:
                     h.update(out[i:i + step])
             if h is None:
                 self._hook("checksum")
-            return frames, [checksum(packed) if h is None else h.intdigest()]
+            return frames, [checksum(packed, self.algorithm) if h is None else h.intdigest()]
         if device is not None:
             self._device_copy(*device)
         self._hook("checksum")
-        return frames, [checksum(f) for f in frames]
+        return frames, [checksum(f, self.algorithm) for f in frames]
 
     def _stage(self) -> None:
         layer, nlay, first = self._plan.popleft()
         k = min(self.chunk_blocks, len(self.block_ids) - first)
+        if self.frame_ops is not None:   # gather + mix64 on the device, queued (device_frames)
+            self._hook("gather")
+            buf = self.pool.acquire(nlay * slice_bytes(self.geo, k, self.local_heads), pin=self.copy_stream is not None)
+            job = gather_message(self.frame_ops, self.caches[layer:layer + nlay], self._ids_dev[first:first + k],
+                                 self.local_heads, buf, self.copy_stream)
+            self._staged.append((layer, nlay, first, k, job, buf, None))
+            return
         if self.copy_stream is None:
             frames, gather = self._cpu_payload(layer, nlay, first)
             buf, device = (gather[0] if gather else None), None
@@ -342,16 +380,21 @@ class Stream:
             return frames
         if not self._staged and not self._plan:
             return None
-        while len(self._staged) < self.ahead and self._plan and self._may_stage():   # keep later chunks staging
-            self._stage()
+        while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
+            self._stage()   # keep later chunks staging
         if not self._staged:
-            return []      # waiting for ZeroMQ to release a buffer; nothing to send yet
+            return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
-        self.last_reads_cache = work[1] is None and work[2] is None   # no gather, no device copy
+        self.last_reads_cache = work is not None and work[1] is None and work[2] is None   # no gather, no copy
+        if work is None:
+            self._hook("checksum")
         payload, sums = job.result() if job is not None else self._prepare(*work)
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
-                   nblk=count, heads=self.global_heads, last=self._seq == self._total)
+                   nblk=count, heads=self.global_heads, last=self._seq == self._total,
+                   sum="" if self.algorithm == CHECKSUM else self.algorithm,
+                   at=None if self.at_base is None else     # transfer layout, layer-major (dataplane)
+                   self.at_base + (layer * len(self.block_ids) + first) * self._per_block)
         h.nbytes, h.checksums = [p.nbytes for p in payload], sums   # from the frames sent, as encode_message
         self.last_payload_bytes = sum(h.nbytes)
         return [encode_header(h), *payload]

@@ -48,13 +48,13 @@ class PinnedPool:
 
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:
-    """Copy each payload frame of one BLOCKS message into pinned staging and check its xxh3_64
+    """Copy each payload frame of one BLOCKS message into pinned staging and check its checksum
     there; return the staged frames (``[nbytes_i]`` uint8, pinned).
 
     Parameters
     ----------
     h : Header
-        The decoded BLOCKS header (frame byte counts and xxh3_64 checksums).
+        The decoded BLOCKS header (frame byte counts and checksums, algorithm ``h.algorithm``).
     payloads : sequence of zmq Frames or buffers
     pool : PinnedPool
 
@@ -72,7 +72,7 @@ def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:
             staged.append(buf)
             if n:   # received ZeroMQ frames are writable buffers: no copy, no warning
                 buf.copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
-            check_checksum(h, i, checksum(buf.numpy()))
+            check_checksum(h, i, checksum(buf.numpy(), h.algorithm))
     except BaseException:
         for b in staged:
             pool.release(b)

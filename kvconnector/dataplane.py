@@ -1,0 +1,162 @@
+"""Data planes: how a BLOCKS message's payload reaches the decode side.
+
+The control plane (handshake, layout checks, PULL, leases, checksums, ACK / ABORT / ERROR) is
+always ZeroMQ. The payload bytes of a BLOCKS message travel on one of two data planes:
+
+- ``zmq`` (default, every peer): as the message's own payload frames, zero copy out of the
+  prefill's buffers (docs/PROTOCOL.md, "BLOCKS").
+- ``nixl``: written by the prefill with NIXL (UCX: TCP here; RDMA where the fabric has it)
+  straight into a receive region the decode side registered; the BLOCKS header then carries
+  ``at`` (where the frames start in the region, back to back) and no payload frames. The
+  header still lists ``nbytes`` and checksums, and the decode side verifies them in the region
+  before a byte reaches a cache, exactly as for frames (docs/PROTOCOL.md, "Data planes").
+
+Negotiation (optional keys of protocol 3): a decode side created with ``data_plane="nixl"``
+sends HELLO ``nixl`` = its agent metadata and region; a prefill created with
+``data_plane="nixl"`` answers HELLO_ACK ``plane: "nixl"`` and writes to that peer with NIXL;
+anyone else keeps ``zmq``. Each PULL on the ``nixl`` plane names its area of the region (``at``).
+
+:class:`NixlReceiver` (decode) owns the region and hands out one area per pull;
+:class:`NixlWriter` (prefill) writes a message's payload frames into a peer's area. NIXL is
+imported only when a ``nixl`` plane is asked for (``pip install nixl``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import torch
+
+from layouts import TransferError, TransferTimeoutError
+
+ZMQ, NIXL = "zmq", "nixl"
+PLANES = (ZMQ, NIXL)
+_ids = itertools.count()
+
+
+def _agent(role: str):
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise TransferError(f"data_plane='nixl' needs the nixl package (pip install nixl): {e}") from e
+    name = f"kvc-{role}-{os.getpid()}-{next(_ids)}"
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"])), name
+
+
+def check_plane(name: str) -> str:
+    if name not in PLANES:
+        raise ValueError(f"data_plane: expected one of {list(PLANES)}, got {name!r}")
+    return name
+
+
+class NixlReceiver:
+    """Decode side: a registered host region (pinned when CUDA is available), one area per pull.
+
+    Parameters
+    ----------
+    nbytes : int
+        Region size; a pull needs ``num_layers · blocks · 2·N·h·P`` bytes of it while pending.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.agent, self.name = _agent("decode")
+        self.region = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._reg = self.agent.register_memory(self.region)
+        self._free = [(0, nbytes)]       # (offset, length), sorted
+        self._quarantine: list = []      # (reusable at, offset, length): areas of failed pulls
+
+    def offer(self) -> dict:
+        """HELLO ``nixl`` value: agent metadata and the region's address and size."""
+        return {"agent": self.agent.get_agent_metadata(), "addr": self.region.data_ptr(),
+                "len": self.region.numel()}
+
+    def reserve(self, nbytes: int) -> int:
+        """Offset of a free area of ``nbytes`` (first fit). Raises TransferError when full."""
+        now = time.monotonic()
+        for item in [q for q in self._quarantine if q[0] <= now]:
+            self._quarantine.remove(item)
+            self.release(item[1], item[2])
+        for i, (off, n) in enumerate(self._free):
+            if n >= nbytes:
+                self._free[i:i + 1] = [(off + nbytes, n - nbytes)] if n > nbytes else []
+                return off
+        raise TransferError(f"nixl receive region: expected {nbytes} free bytes for the pull, got at most "
+                            f"{max((n for _, n in self._free), default=0)} of {self.region.numel()}")
+
+    def release(self, off: int, nbytes: int, after_s: float = 0.0) -> None:
+        """Give an area back; ``after_s`` > 0 keeps it out of use that long (a failed pull's
+        prefill may still be writing into it)."""
+        if after_s > 0:
+            self._quarantine.append((time.monotonic() + after_s, off, nbytes))
+            return
+        self._free.append((off, nbytes))
+        self._free.sort()
+        merged = []
+        for o, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((o, n))
+        self._free = merged
+
+    def view(self, at: int, nbytes: int) -> torch.Tensor:
+        """``[nbytes]`` uint8 view of the region at ``at``."""
+        return self.region[at:at + nbytes]
+
+    def area(self, pull_at: int, layer: int, first: int, nblk: int, per_block: int) -> int:
+        """Where the payload of (``layer``, position ``first``) sits in the area of a pull at
+        ``pull_at`` of ``nblk`` blocks per layer: the transfer layout, layer-major."""
+        return pull_at + (layer * nblk + first) * per_block
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self._reg)
+
+
+class NixlWriter:
+    """Prefill side: writes payload frames into a decode peer's region."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.agent, self.name = _agent("prefill")
+        self.timeout_s = timeout_s
+
+    def add_peer(self, offer: dict) -> tuple:
+        """Register a peer from its HELLO ``nixl`` value; returns the peer handle ``(agent name,
+        region address, region size)``. Raises TransferError on a malformed offer."""
+        try:
+            meta, addr, size = offer["agent"], int(offer["addr"]), int(offer["len"])
+            return self.agent.add_remote_agent(bytes(meta)), addr, size
+        except Exception as e:
+            raise TransferError(f"HELLO field 'nixl': expected {{agent: bytes, addr: int, len: int}} NIXL "
+                                f"metadata, got {type(e).__name__}: {e}") from e
+
+    def write(self, peer: tuple, frames: list, at: int) -> None:
+        """Write ``frames`` (host buffers) back to back at ``at`` of the peer's region; returns
+        once NIXL reports the transfer done (bounded by ``timeout_s``)."""
+        name, addr, size = peer
+        total = sum(memoryview(f).nbytes for f in frames)
+        if not 0 <= at <= size - total:
+            raise TransferError(f"nixl write: expected [{at}, {at + total}) inside the peer's region of {size} bytes")
+        tensors = [torch.from_numpy(f) if not isinstance(f, torch.Tensor) else f for f in frames]
+        reg = self.agent.register_memory(tensors)
+        try:
+            src, dst, off = [], [], addr + at
+            for t in tensors:
+                src.append((t.data_ptr(), t.numel(), 0))
+                dst.append((off, t.numel(), 0))
+                off += t.numel()
+            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(src, "DRAM"),
+                                                self.agent.get_xfer_descs(dst, "DRAM"), name)
+            try:
+                state, t_end = self.agent.transfer(handle), time.monotonic() + self.timeout_s
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() > t_end:
+                        raise TransferTimeoutError(f"nixl write of {total} bytes: not done after {self.timeout_s} s")
+                    state = self.agent.check_xfer_state(handle)
+                if state == "ERR":
+                    raise TransferError(f"nixl write of {total} bytes to {name}: transfer failed")
+            finally:
+                self.agent.release_xfer_handle(handle)
+        finally:
+            self.agent.deregister_memory(reg)

@@ -1,0 +1,194 @@
+"""The device path of a payload: gather + checksum on the GPU, verify + scatter on the GPU.
+
+Used when both endpoints negotiated ``mix64`` (docs/PROTOCOL.md, "Checksums") and the caller
+gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does not import
+``kernels``; ``kernels.transfer.FRAME_OPS`` is the implementation, injected like the writer of
+``kvconnector/convert.py``). Then the host runs no pass over the payload at all:
+
+- prefill (:func:`gather_message`): one kernel gathers the blocks of a message's layers into a
+  device buffer and computes its ``mix64``; one device-to-host copy puts the payload in a pinned
+  buffer that is sent with zero copy, the checksum follows it in an 8-byte copy. Both are queued
+  on the endpoint's copy stream, so message k+1 is gathered and copied while k is on the wire.
+- decode (:func:`scatter_message`): the payload frames were received straight into one pinned
+  buffer (``IOLoop`` ``on_header``: ``Socket.recv_into``); one host-to-device copy, then one
+  kernel pass verifies every frame against the header and a scatter kernel writes the blocks
+  only if all matched (it reads the mismatch count on the device). The host reads the count
+  once the copy stream passes that point (:meth:`DeviceWrite.error`) and fails the pull with a
+  :class:`CorruptFrameError`; the destination blocks of that message were not written.
+
+On CPU caches the same kernels run through Triton's interpreter on host memory (how the path
+is tested without a GPU); nothing is queued, every step completes in the call.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from layouts import CorruptFrameError
+
+from .protocol import Header
+
+_MASK = (1 << 64) - 1
+
+
+class FrameOps(Protocol):
+    """Device kernels the endpoints call (``kernels.transfer.FRAME_OPS``); every call is queued on
+    the current stream and returns at once. Tensors are on the caches' device; checksums are
+    ``mix64`` values stored as the bits of int64."""
+
+    def gather(self, caches: list, block_ids: torch.Tensor, *, out: torch.Tensor, checksums: torch.Tensor,
+               heads: tuple | None = None, frame_nbytes=None) -> None: ...
+
+    def verify_scatter(self, staging: torch.Tensor, expected: torch.Tensor, caches: list,
+                       block_ids: torch.Tensor, *, ok: torch.Tensor, checksums: torch.Tensor | None = None,
+                       heads: tuple | None = None, frame_nbytes=None) -> None: ...
+
+    def warmup(self, device) -> None:
+        """Compile the kernels for ``device`` (endpoints call it at construction, when present)."""
+
+
+def warm(ops, device) -> None:
+    """Let ``ops`` compile for ``device`` now (its optional ``warmup``), off the I/O thread."""
+    fn = getattr(ops, "warmup", None)
+    if fn is not None:
+        fn(device)
+
+
+def frame_views(buf: torch.Tensor, nbytes: list) -> list:
+    """Numpy views of consecutive frames of ``nbytes`` bytes at the start of host buffer ``buf``."""
+    arr, views, off = buf.numpy(), [], 0
+    for n in nbytes:
+        views.append(arr[off:off + n])
+        off += n
+    return views
+
+
+def stage_frames(pool, payloads, nbytes: list) -> torch.Tensor:
+    """Copy received frames back to back into a buffer from ``pool`` (sizes already checked):
+    the one copy when they were not received straight into it."""
+    buf = pool.acquire(sum(nbytes))
+    off = 0
+    for f, n in zip(payloads, nbytes):
+        buf[off:off + n].copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
+        off += n
+    return buf
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class DeviceGather:
+    """A gathered message being copied to host memory; future-like (``done``, ``cancel``,
+    ``result``) so the sender treats it like a staging job."""
+
+    def __init__(self, event, frames: list, sums: torch.Tensor) -> None:
+        self.event, self.frames, self.sums = event, frames, sums
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def cancel(self) -> bool:
+        return False      # queued device work cannot be recalled; busy() waits for it
+
+    def result(self) -> tuple[list, list]:
+        """``(payload frames, checksums)`` once the copies have landed (waits for the event)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.frames, [int(v) & _MASK for v in self.sums.tolist()]
+
+
+def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: range, host: torch.Tensor,
+                   copy_stream) -> DeviceGather:
+    """Queue the gather + ``mix64`` of one message (one frame) and its copy into ``host``.
+
+    Parameters
+    ----------
+    caches : list of packed per-layer caches, the message's layers in order (read only)
+    block_ids : [k] int64 on the caches' device, source blocks in transfer order
+    heads : range of local heads to send
+    host : [nlay·k·2·N·h·P] uint8, CPU (pinned for CUDA caches), written once the event fires
+    copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host`` directly)
+    """
+    hd = (heads.start, heads.stop)
+    if copy_stream is None:
+        sums = torch.empty(1, dtype=torch.int64)
+        ops.gather(caches, block_ids, out=host, checksums=sums, heads=hd)
+        return DeviceGather(None, [host.numpy()], sums)
+    device = caches[0].device
+    copy_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        dev_sums = torch.empty(1, dtype=torch.int64, device=device)
+        ops.gather(caches, block_ids, out=dev, checksums=dev_sums, heads=hd)
+        host.copy_(dev, non_blocking=True)
+        sums = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        sums.copy_(dev_sums, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(copy_stream)
+    return DeviceGather(event, [host.numpy()], sums)
+
+
+class DeviceWrite:
+    """A received message queued for verify + scatter; :meth:`error` once :meth:`done`."""
+
+    def __init__(self, event, h: Header, ok: torch.Tensor, sums: torch.Tensor) -> None:
+        self.event, self.h, self.ok, self.sums = event, h, ok, sums
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def error(self) -> CorruptFrameError | None:
+        """The checksum mismatch of the first bad frame (nothing of the message was written), or None."""
+        ok = self.ok.tolist()
+        if ok[-1] == 0:
+            return None
+        i = ok.index(0)
+        got = int(self.sums[i]) & _MASK
+        h = self.h
+        return CorruptFrameError(f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({h.algorithm}, "
+                                 f"verified on {'the GPU' if self.event is not None else 'the host'}): "
+                                 f"expected {h.checksums[i]:#018x}, got {got:#018x}")
+
+
+def scatter_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
+                    heads: range, copy_stream) -> DeviceWrite:
+    """Queue the copy of one received message to the device and its verify + scatter.
+
+    Parameters
+    ----------
+    h : Header
+        The BLOCKS header (frame byte counts already checked against the frames received).
+    host : [sum(h.nbytes)] uint8, CPU (pinned for CUDA caches)
+        The payload frames back to back, as received; must stay untouched until :meth:`DeviceWrite.done`.
+    caches : list of packed per-layer caches ``h.layer .. h.layer + h.nlay - 1`` (written only on a match)
+    block_ids : [h.nblk] int64 on the caches' device, destination blocks of positions ``h.first ..``
+    heads : range of local heads the message carries
+    copy_stream : torch.cuda.Stream, or None for CPU caches
+    """
+    nf = len(h.nbytes)
+    expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
+    hd = (heads.start, heads.stop)
+    if copy_stream is None:
+        ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
+        ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
+                           frame_nbytes=h.nbytes)
+        return DeviceWrite(None, h, ok, sums)
+    device = caches[0].device
+    copy_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(copy_stream):
+        staging = host.to(device, non_blocking=True)
+        want = expected.pin_memory().to(device, non_blocking=True)
+        ok = torch.empty(nf + 1, dtype=torch.int32, device=device)
+        sums = torch.empty(nf, dtype=torch.int64, device=device)
+        ops.verify_scatter(staging, want, caches, block_ids, ok=ok, checksums=sums, heads=hd,
+                           frame_nbytes=h.nbytes)
+        ok_host = torch.empty(nf + 1, dtype=torch.int32, pin_memory=True)
+        sums_host = torch.empty(nf, dtype=torch.int64, pin_memory=True)
+        ok_host.copy_(ok, non_blocking=True)
+        sums_host.copy_(sums, non_blocking=True)
+        event = torch.cuda.Event(blocking=True)   # a waiting thread sleeps instead of spinning
+        event.record(copy_stream)
+    return DeviceWrite(event, h, ok_host, sums_host)

@@ -1,0 +1,201 @@
+"""The connector's device path: ``mix64`` negotiated, gather + checksum and verify + scatter
+by the injected kernels (``kernels.transfer.FRAME_OPS``), payload received with ``recv_into``.
+
+Runs on CPU caches (the kernels through Triton's interpreter: the same logic, no GPU) and on
+CUDA caches when a GPU is present (pinned buffers, copy streams). Covers byte-exact pulls (every
+mode, head slices, one block per message and many), interoperation with endpoints that have no
+kernels (xxh3_64 is used, still byte-exact), and a faulty peer: a corrupted byte in a ``mix64``
+frame fails the pull with CorruptFrameError naming the device check, truncated / oversized
+frames (received into fixed buffers) are named, and no destination byte changes.
+
+Run: python -m pytest tests/test_transfer_device_path.py -q
+"""
+
+import time
+
+import pytest
+import torch
+
+from connector_fakes import FakePrefill, filled_caches, make_desc
+from kernels.transfer import FRAME_OPS
+from kvconnector import DecodeEndpoint, PrefillEndpoint
+from kvconnector.decode import RECV_INTO
+from kvconnector.protocol import CHECKSUM, MIX64, MsgType
+from layouts import CorruptFrameError, KVQuantMode
+
+pytestmark = pytest.mark.timeout(120)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                              reason="needs a CUDA GPU"))]
+
+
+def _b(c):
+    return c.view(torch.uint8)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD,
+                                  KVQuantMode.NONE], ids=["int4", "int8", "bf16"])
+@pytest.mark.parametrize("chunk", [1, 1 << 20], ids=["chunk-1block", "chunk-1MiB"])
+def test_device_path_byte_exact(device, mode, chunk):
+    desc = make_desc(mode, 32, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=10)
+    src = [c.to(device) for c in filled_caches(desc, 0)]
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    before = [c.clone() for c in dst]
+    src_ids, dst_ids = [9, 3, 4, 5, 0], [2, 7, 1, 8, 3]
+    with PrefillEndpoint(src, desc, chunk_bytes=chunk, frame_ops=FRAME_OPS) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        assert dec.checksum == MIX64
+        pre.publish("r", src_ids)
+        res = dec.pull("r", dst_ids, deadline_s=60).result(timeout=60)
+        _sync(device)
+        assert res.nbytes == desc.num_layers * len(src_ids) * desc.block_bytes
+        for s, d, b in zip(src, dst, before):
+            assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
+            rest = sorted(set(range(10)) - set(dst_ids))
+            assert torch.equal(_b(d)[rest], _b(b)[rest])
+        # payload received straight into pooled buffers (pyzmq >= 26.4), else copied there once
+        assert (dec.metrics.c["frames_received_into"] >= 1) == RECV_INTO
+        assert not pre.errors and not dec.errors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_path_head_slice(device):
+    full = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=4, num_blocks=6)
+    half = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=2, num_blocks=6, head_start=1,
+                     total_num_kv_heads=4)
+    src = [c.to(device) for c in filled_caches(full, 0)]
+    dst = [c.to(device) for c in filled_caches(half, 1)]
+    with PrefillEndpoint(src, full, frame_ops=FRAME_OPS) as pre, DecodeEndpoint(dst, half, frame_ops=FRAME_OPS) as dec:
+        assert dec.connect(pre.endpoint) == range(1, 3)
+        pre.publish("t", [1, 4])
+        dec.pull("t", [5, 0], deadline_s=60).result(timeout=60)
+        _sync(device)
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[5], _b(s)[1][:, :, 1:3])
+            assert torch.equal(_b(d)[0], _b(s)[4][:, :, 1:3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("side", ["prefill", "decode"], ids=["kernels-on-prefill-only", "kernels-on-decode-only"])
+def test_endpoint_without_kernels_gets_xxh3(device, side):
+    desc = make_desc(num_layers=2, num_blocks=6)
+    src = [c.to(device) for c in filled_caches(desc, 0)]
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    ops_pre, ops_dec = (FRAME_OPS, None) if side == "prefill" else (None, FRAME_OPS)
+    with PrefillEndpoint(src, desc, frame_ops=ops_pre) as pre, DecodeEndpoint(dst, desc, frame_ops=ops_dec) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        assert dec.checksum == CHECKSUM
+        pre.publish("t", [4, 1])
+        dec.pull("t", [0, 3], deadline_s=30).result(timeout=30)
+        _sync(device)
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[[0, 3]], _b(s)[[4, 1]])
+
+
+def _corrupt(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2, sum=MIX64)
+    bad = bytearray(fr[1])
+    bad[len(bad) // 2] ^= 0x10
+    send([fr[0], bytes(bad)])
+
+
+def _truncated(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2, sum=MIX64)
+    send([fr[0], fr[1][:-1]])
+
+
+def _oversized(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2, sum=MIX64)
+    send([fr[0], fr[1] + b"\x00"])
+
+
+def _extra_frame(send, h, fake):
+    fr = fake.blocks(h.tid, 0, 0, 2, sum=MIX64)
+    send([*fr, b"\x00" * 8])
+
+
+def _good_then_corrupt(send, h, fake):
+    send(fake.blocks(h.tid, 0, 0, 2, sum=MIX64))          # layer 0 lands
+    _corrupt_layer1(send, h, fake)
+
+
+def _corrupt_layer1(send, h, fake):
+    fr = fake.blocks(h.tid, 1, 0, 2, sum=MIX64)
+    bad = bytearray(fr[1])
+    bad[3] ^= 0x01
+    send([fr[0], bytes(bad)])
+
+
+FAULTS = [(_corrupt, r"checksum \(mix64, verified on"), (_truncated, "truncated"), (_oversized, "oversized"),
+          (_extra_frame, "expected 1 payload frames, got 2"), (_good_then_corrupt, r"checksum \(mix64")]
+
+
+@pytest.mark.parametrize("script,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized", "extra-frame",
+                                                      "good-then-corrupt"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device):
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src = filled_caches(desc, 0)
+    fake = FakePrefill(desc, src, script)
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    before = [c.clone() for c in dst]
+    try:
+        with DecodeEndpoint(dst, desc, peer_timeout_s=10, frame_ops=FRAME_OPS) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            handle = dec.pull("t", [2, 3], deadline_s=30)
+            with pytest.raises(CorruptFrameError, match=match):
+                handle.result(timeout=30)
+            _sync(device)
+            assert torch.equal(_b(dst[1]), _b(before[1]))          # the bad message's layer: untouched
+            if script is _good_then_corrupt:                       # the good message before it landed
+                assert torch.equal(_b(dst[0])[[2, 3]], _b(src[0])[[0, 1]].to(device))
+            else:
+                assert torch.equal(_b(dst[0]), _b(before[0]))
+            deadline = time.monotonic() + 3
+            while MsgType.ABORT not in fake.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert MsgType.ABORT in fake.received
+    finally:
+        fake.close()
+
+
+def test_bench_transfer_kernels_quick_runs():
+    """``bench.transfer --kernels`` with the layer-wise measurement (the ``--cuda`` preset's paths) runs
+    end to end and checks its bytes."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
+                          "--layerwise-tokens", "32", "--layer-ms", "2"], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+    assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_frame_multi_layer_mix64_message(device):
+    """A peer may split a message into frames anywhere on block boundaries, across layers: one
+    3-layer message in 2 frames (the second starting inside layer 1) lands byte-exact."""
+    desc = make_desc(num_layers=3, num_blocks=4)
+    src = filled_caches(desc, 0)
+
+    def script(send, h, fake):
+        send(fake.multi_blocks(h.tid, 0, 3, 0, 2, cut=3, sum=MIX64))
+
+    fake = FakePrefill(desc, src, script)
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    try:
+        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [3, 1], deadline_s=30).result(timeout=30)
+            _sync(device)
+            for s, d in zip(src, dst):
+                assert torch.equal(_b(d)[[3, 1]].cpu(), _b(s)[[0, 1]])
+            assert dec.metrics.c["frames_received_into"] == (2 if RECV_INTO else 0)
+    finally:
+        fake.close()
