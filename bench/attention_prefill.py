@@ -19,8 +19,8 @@ and the fraction of the binding limit reached (cold). Every configuration is fir
 against the oracle ``reference_unified_attention`` on the last rows of one chunk (and one
 decode row of a mixed batch): relative L2 <= 1e-2.
 
-``--sweep``: the 32k-cached rows under each tuning of :func:`sweep_tunings` (2D-kernel tilings
-and variants), side by side in the same process.
+``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
+(2D-kernel tilings and INT4 variants), side by side in the same process.
 
 Run: ``python -m bench.attention_prefill`` (H200; ``--heads 128 --modes bf16,int4`` for a
 subset), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU: a test that the
@@ -38,7 +38,7 @@ import torch
 
 from bench.attention import MODES, copy_gbps, fill_cache
 from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
-from kernels.attention import Path, Plan, Tiling, Tuning, attention_plan, unified_attention
+from kernels.attention import Path, Plan, Rotate, Tuning, attention_plan, unified_attention
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode
 
@@ -183,24 +183,33 @@ def matmul_tflops(device) -> float:
     return 2 * MATMUL_N ** 3 / ms / 1e9
 
 
-def sweep_tunings(plan: Plan) -> list:
-    """The default, then the 2D kernel under other tilings (query rows per program, keys per
-    tile, warps, stages), every one pinned to the 2D path. Tilings that do not fit the GPU's
-    shared memory are skipped at run time."""
+# --sweep: 2D-kernel tilings (block_m, tile, warps, stages) and, on INT4 caches, the kernel's
+# variants (Tiling.code_zp, Tuning.rotate_q_once) under each
+SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3))
+INT4_VARIANTS = ((False, False), (True, False), (False, True), (True, True))  # (code_zp, rotate_q_once)
+
+
+def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
+    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` (INT4: each
+    with every one of :data:`INT4_VARIANTS`), pinned to the 2D path; no repeats. Tilings that do
+    not fit the GPU's shared memory are skipped at run time."""
     out = [Tuning()]
-    t = plan.tiling
-    for block_m, tile, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                                         (64, 128, 4, 2), (128, 128, 8, 2), (64, 32, 4, 3)):
-        if block_m < t.block_m:
+    variants = INT4_VARIANTS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else INT4_VARIANTS[:1]
+    for block_m, tile, warps, stages in SWEEP_TILINGS:
+        if block_m < plan.tiling.block_m:
             continue
-        tiling = dataclasses.replace(t, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages)
-        out.append(Tuning(path=Path.PREFILL_2D, tiling=tiling))
+        for code_zp, once in variants:
+            tiling = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages,
+                                         code_zp=code_zp)
+            out.append(Tuning(path=Path.PREFILL_2D, tiling=tiling, rotate_q_once=once))
     return list(dict.fromkeys(out))
 
 
 def describe(plan: Plan) -> str:
     t = plan.tiling
-    return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s)"
+    extra = (" code-zp" if t.code_zp else "") + (f" q-rot-{plan.rotate.value}" if plan.rotate in (
+        Rotate.TRITON, Rotate.GLUON) else "")
+    return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 
 def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
@@ -216,8 +225,8 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
             bytes_us = pb["bytes"] / copy / 1e3
             flops_us = pb["flops"] / tflops / 1e6
             ceiling, bound = (bytes_us, "bytes") if bytes_us >= flops_us else (flops_us, "FLOPs")
-            big = shape.seqs[-1][1] - shape.seqs[-1][0] >= 32768 or shape.name.startswith("mixed")
-            tunings = sweep_tunings(plan_of(pb, Tuning())) if sweep and big else [Tuning()]
+            big = shape.seqs[-1][1] - shape.seqs[-1][0] >= max(p["cached"])
+            tunings = sweep_tunings(plan_of(pb, Tuning()), pb["mode"]) if sweep and big else [Tuning()]
             for tuning in tunings:
                 ran = plan_of(pb, tuning)
                 try:
@@ -266,7 +275,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="bf16,int8,fp8,int4", help="comma-separated subset of bf16,int8,fp8,int4")
     parser.add_argument("--heads", default=None, help="head sizes, comma-separated (default 64,128,256)")
     parser.add_argument("--sweep", action="store_true",
-                        help="32k-cached and mixed rows: time every tuning of sweep_tunings side by side")
+                        help="32k-cached rows: time every tuning of sweep_tunings side by side")
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
     parser.add_argument("--log", default=None, help="append every timed configuration to this file")
     args = parser.parse_args(argv)

@@ -93,6 +93,7 @@ class Tiling:
     heads_per_program: int = 0  # decode_block_tiles: KV heads per program (0 = all)
     row_loads: bool = True      # decode_block_tiles with several heads per program: token-major loads
     max_registers: int = 0      # decode_block_tiles / staged on a GPU: ptxas register cap per thread (0 = default)
+    code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,9 @@ class Tuning:
     (sm_90+). ``rotate_q_in_decode``: the code-unit decode kernel may rotate an INT4 query in
     its prologue (off: always the rotation kernel). ``bulk_copies``: the staged kernels copy
     each block with one bulk copy on sm_90+ (off: 16-byte ``cp.async``). ``gluon_edges``: the
-    Gluon query rotation and reduction where they apply (off: the Triton ones)."""
+    Gluon query rotation and reduction where they apply (off: the Triton ones). ``rotate_q_once``:
+    the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
+    program rotates its own query tile)."""
 
     path: Optional[Path] = None
     tiling: Optional[Tiling] = None
@@ -113,6 +116,7 @@ class Tuning:
     rotate_q_in_decode: bool = True
     bulk_copies: bool = True
     gluon_edges: bool = True
+    rotate_q_once: bool = False
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, Path):
@@ -366,9 +370,11 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
     """Step 6: ``(Rotate, parts, release)`` of an INT4 query."""
     if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD or path == Path.DECODE_STAGED_INT8:
         return Rotate.NONE, 0, False
-    if path == Path.PREFILL_2D:
-        return Rotate.IN_KERNEL, 0, False
     parts, release = 4, False
+    if path == Path.PREFILL_2D:
+        if not tuning.rotate_q_once:
+            return Rotate.IN_KERNEL, 0, False
+        parts = 2  # the 2D kernel's dots take the even, then the odd rotated dims
     if path == Path.DECODE_CODE_UNITS:
         grid = call.num_seqs * call.num_kv_heads * tiling.num_segments
         small = 2 * grid <= C.tiling(call.mode, call.head_size)[3] * facts.num_sms  # half the resident slots

@@ -16,7 +16,9 @@ from .._jit import dual_jit, interpreting
 from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
                      visible)
+from .plan import Rotate
 from .prefill_2d_int4 import _attn_int4_kernel
+from .rotate_query import rotated_query
 
 
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS). One program: one q
@@ -170,7 +172,11 @@ def launch_2d(call, plan) -> None:
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-        _attn_int4_kernel[grid](signs_ptr=call.signs, **common)
+        rotated = plan.rotate in (Rotate.TRITON, Rotate.GLUON)
+        if rotated:  # [num_tokens, num_q_heads, head_size] fp32, softmax_scale folded in
+            qr, _ = rotated_query(call, plan)
+            common.update(q_ptr=qr, stride_q_t=qr.stride(0), stride_q_h=qr.stride(1), stride_q_d=qr.stride(2))
+        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp, **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)

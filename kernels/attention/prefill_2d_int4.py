@@ -3,12 +3,16 @@
 The cache holds codes ``c`` of the *rotated* rows ``r = H(s*x)``, with ``r ~ (c - zp) * scale``
 and ``x = s*(H r) / d``. Attention is invariant under that orthogonal-up-to-``d`` map, so:
 
-- the query is rotated once in-kernel (``q_rot = H(s*q)``, an fp32 dot against Hadamard signs
-  generated from bit parity, no table in memory), and ``1/d`` is folded into the softmax scale;
+- the query is rotated once per program in-kernel (``q_rot = H(s*q)``, an fp32 dot against
+  Hadamard signs generated from bit parity, no table in memory), or (``Q_ROTATED``) read already
+  rotated, ``softmax_scale`` folded in, from the rotation kernel that ran once over the chunk
+  (``rotate_query``, 2 parts: even dims, then odd dims); ``1/d`` is folded into the softmax scale;
 - score of key ``n``: ``(q_rot . c_n - zp_n * sum(q_rot)) * scale_n`` -- one dot on raw codes,
-  then one multiply-add per score column;
+  then one multiply-add per score column; or (``CODE_ZP``) ``(q_rot . (c_n - zp_n)) * scale_n``,
+  the zero point subtracted in the same instruction that turns a code into a float (exact:
+  small integers), so no per-score correction is left;
 - the value accumulator stays rotated: ``acc = sum_n p_n scale_n (c_n - zp_n)``, the zero point
-  folded in through the row sums of the scaled probability tile;
+  folded in through the row sums of the scaled probability tile (``CODE_ZP``: in the codes, as K);
 - the output is inverse-rotated once per query row (here for the 2D path, in the reduction
   kernel for the split path).
 
@@ -20,8 +24,26 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from .common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
+import triton
+
+from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, \
+    visible
 from .._jit import dual_jit
+
+
+@triton.jit
+def nibble_minus_zp(n, zp, DOT: tl.constexpr):
+    """Codes 0..15 minus their zero point ``zp`` (int32, broadcast against ``n``) as exact floats
+    for ``tl.dot``: ``n | 0x4300`` read as bf16 is ``128 + n`` (fp16: ``n | 0x6400`` is ``1024 +
+    n``), so one subtraction of ``128 + zp`` both converts and removes the zero point."""
+    n16 = n.to(tl.int16)
+    if DOT == DOT_BF16:
+        x = (n16 | 0x4300).to(tl.bfloat16, bitcast=True) - (zp + 128).to(tl.bfloat16)
+    elif DOT == DOT_FP32:
+        x = ((n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float32) - zp.to(tl.float32)
+    else:
+        x = (n16 | 0x6400).to(tl.float16, bitcast=True) - (zp + 1024).to(tl.float16)
+    return x
 
 
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS), as _attn_kernel.
@@ -47,6 +69,8 @@ def _attn_int4_kernel(
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
+    Q_ROTATED: tl.constexpr = False,  # q is rotate_query's output: [T, Hq, D] fp32, even dims then odd, scaled
+    CODE_ZP: tl.constexpr = False,  # zero points subtracted from the codes as they convert (no per-score term)
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
@@ -59,19 +83,28 @@ def _attn_int4_kernel(
     offs_h = tl.arange(0, HALF)
     offs_t = tl.arange(0, TILE)
 
-    # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
-    h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
-    h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
-    q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-    q_odd = to_dot(tl.dot(q, h_odd), DOT)
-    q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
-    if USE_SOFTCAP:
-        qk_scale = softmax_scale / HEAD
+    if Q_ROTATED:
+        # q_even / q_odd: [BLOCK_M, HALF], already H(s*q) * softmax_scale, rounded to the dot dtype
+        q_row = q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h
+        q_even = to_dot(tl.load(q_row + offs_h[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0), DOT)
+        q_odd = to_dot(tl.load(q_row + (HALF + offs_h[None, :]) * stride_q_d, mask=row_ok[:, None], other=0.0), DOT)
+        q_scale = 1.0
     else:
-        qk_scale = softmax_scale / HEAD * LOG2E
+        # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
+        q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
+        h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
+        h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
+        q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+        q_odd = to_dot(tl.dot(q, h_odd), DOT)
+        q_scale = softmax_scale
+    if not CODE_ZP:
+        q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
+    if USE_SOFTCAP:
+        qk_scale = q_scale / HEAD
+    else:
+        qk_scale = q_scale / HEAD * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -94,14 +127,18 @@ def _attn_int4_kernel(
                         mask=n_ok, other=0)
         vbits = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
                         mask=n_ok, other=0)
-        k_zp = (kbits & 0xF).to(tl.float32)
         k_sc = (kbits & -16).to(tl.float32, bitcast=True)
-        v_zp = (vbits & 0xF).to(tl.float32)
         v_sc = (vbits & -16).to(tl.float32, bitcast=True)
 
-        s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
-        s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
-        s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
+        if CODE_ZP:
+            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT))
+            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s)  # q_rot . (codes - zp)
+            s = s * (k_sc * qk_scale)[None, :]
+        else:
+            k_zp = (kbits & 0xF).to(tl.float32)
+            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
+            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
+            s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
         s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
@@ -113,9 +150,15 @@ def _attn_int4_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
         pv = to_dot(p * (v_sc / vs_max)[None, :], DOT)
-        zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
-        acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT)) - zp_term[:, None]) * vs_max
-        acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT)) - zp_term[:, None]) * vs_max
+        if CODE_ZP:
+            v_zp = (vbits & 0xF)[:, None]
+            acc_even = acc_even * alpha[:, None] + tl.dot(pv, nibble_minus_zp(vb & 0xF, v_zp, DOT)) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, nibble_minus_zp(vb >> 4, v_zp, DOT)) * vs_max
+        else:
+            v_zp = (vbits & 0xF).to(tl.float32)
+            zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
+            acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT)) - zp_term[:, None]) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT)) - zp_term[:, None]) * vs_max
         m_i = m_new
 
     if SPLIT:
