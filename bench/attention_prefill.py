@@ -183,32 +183,40 @@ def matmul_tflops(device) -> float:
     return 2 * MATMUL_N ** 3 / ms / 1e9
 
 
-# --sweep: 2D-kernel tilings (block_m, tile, warps, stages) and, on INT4 caches, the kernel's
-# variants (Tiling.code_zp, Tuning.rotate_q_once) under each
-SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3))
-INT4_VARIANTS = ((False, False), (True, False), (False, True), (True, True))  # (code_zp, rotate_q_once)
+# --sweep: 2D-kernel tilings (block_m, tile, warps, stages), each under the variants of the cache's mode:
+# (Tiling.code_zp, Tuning.rotate_q_once, Tiling.code_asm, Tiling.dequant_first)
+SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2))
+PLAIN = (False, False, False, False)
+VARIANTS = {
+    KVQuantMode.NONE: (PLAIN,),
+    KVQuantMode.INT8_PER_TOKEN_HEAD: (PLAIN, (False, False, False, True)),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: (PLAIN, (False, False, False, True)),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: (PLAIN, (True, False, False, False), (True, True, False, False),
+                                      (False, False, True, False), (True, True, True, False),
+                                      (False, False, False, True)),
+}
 
 
 def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
-    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` (INT4: each
-    with every one of :data:`INT4_VARIANTS`), pinned to the 2D path; no repeats. Tilings that do
-    not fit the GPU's shared memory are skipped at run time."""
+    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` with each of
+    the mode's :data:`VARIANTS`, pinned to the 2D path; no repeats. Tilings that do not fit the
+    GPU's shared memory are skipped at run time."""
     out = [Tuning()]
-    variants = INT4_VARIANTS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else INT4_VARIANTS[:1]
     for block_m, tile, warps, stages in SWEEP_TILINGS:
         if block_m < plan.tiling.block_m:
             continue
-        for code_zp, once in variants:
+        for code_zp, once, asm, dequant in VARIANTS[mode]:
             tiling = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages,
-                                         code_zp=code_zp)
+                                         code_zp=code_zp, code_asm=asm, dequant_first=dequant)
             out.append(Tuning(path=Path.PREFILL_2D, tiling=tiling, rotate_q_once=once))
     return list(dict.fromkeys(out))
 
 
 def describe(plan: Plan) -> str:
     t = plan.tiling
-    extra = (" code-zp" if t.code_zp else "") + (f" q-rot-{plan.rotate.value}" if plan.rotate in (
-        Rotate.TRITON, Rotate.GLUON) else "")
+    extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
+        (" dequant-first" if t.dequant_first else "") + \
+        (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 

@@ -51,7 +51,8 @@ def _tuning_id(t: Tuning) -> str:
     if t == Tuning():
         return "default"
     return "m{0.block_m}-t{0.tile}-w{0.num_warps}-s{0.num_stages}".format(t.tiling) + \
-        ("-zp" if t.tiling.code_zp else "") + ("-rot1" if t.rotate_q_once else "")
+        ("-zp" if t.tiling.code_zp else "") + ("-rot1" if t.rotate_q_once else "") + \
+        ("-asm" if t.tiling.code_asm else "") + ("-dq" if t.tiling.dequant_first else "")
 
 
 @pytest.mark.parametrize("q_lens,k_lens", CASES)
@@ -92,14 +93,15 @@ def test_rotate_q_once_plans_the_rotation_kernel():
 
 
 def test_sweep_pins_the_2d_path_and_starts_with_the_default():
-    """The default first, no repeats, every other one the 2D path without a split; the INT4
-    variants only where the cache is INT4."""
+    """The default first, no repeats, every other one the 2D path without a split, under the
+    variants of the cache's mode."""
     for mode in (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD):
         tunings = _tunings(mode)
         assert tunings[0] == Tuning() and len(tunings) == len(set(tunings)) > 1
         assert all(t.path == Path.PREFILL_2D and t.tiling.num_segments == 1 for t in tunings[1:])
-        variants = {(t.tiling.code_zp, t.rotate_q_once) for t in tunings[1:]}
-        assert variants == (set(AP.INT4_VARIANTS) if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else {(False, False)})
+        variants = {(t.tiling.code_zp, t.rotate_q_once, t.tiling.code_asm, t.tiling.dequant_first)
+                    for t in tunings[1:]}
+        assert variants == set(AP.VARIANTS[mode])
 
 
 def test_bench_counts_bytes_and_flops():

@@ -94,6 +94,8 @@ class Tiling:
     row_loads: bool = True      # decode_block_tiles with several heads per program: token-major loads
     max_registers: int = 0      # decode_block_tiles / staged on a GPU: ptxas register cap per thread (0 = default)
     code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
+    code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
+    dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the bf16 kernel
 
 
 @dataclass(frozen=True)

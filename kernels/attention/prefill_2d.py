@@ -17,6 +17,7 @@ from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
                      visible)
 from .plan import Rotate
+from .prefill_dequant import dequantized_call
 from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
 
@@ -134,8 +135,14 @@ def _attn_kernel(
 def launch_2d(call, plan) -> None:
     """Launch the 2D kernel (``_attn_kernel``, or ``prefill_2d_int4._attn_int4_kernel`` on INT4
     caches) on ``call``: grid (q tiles, KV heads, segments); with more than one segment it writes
-    ``call``'s segment buffers (allocated), else ``call.out``."""
-    q, k, v, out, tiling = call.q, call.k, call.v, call.out, plan.tiling
+    ``call``'s segment buffers (allocated), else ``call.out``. ``Tiling.dequant_first`` (one
+    segment, quantized cache): ``prefill_dequant`` converts the blocks first, then ``_attn_kernel``
+    reads them as a bf16/fp16 cache. INT4 with ``plan.rotate`` TRITON / GLUON: the query is
+    rotated first (``rotate_query``) and the kernel reads it (``Q_ROTATED``)."""
+    tiling = plan.tiling
+    if tiling.dequant_first and tiling.num_segments == 1 and call.mode != KVQuantMode.NONE:
+        call = dequantized_call(call)  # the same call over a bf16 scratch cache (prefill_dequant.py)
+    q, k, v, out = call.q, call.k, call.v, call.out
     num_tokens, num_q_heads = q.shape[:2]
     num_seqs = call.num_seqs
     split = tiling.num_segments > 1
@@ -176,7 +183,8 @@ def launch_2d(call, plan) -> None:
         if rotated:  # [num_tokens, num_q_heads, head_size] fp32, softmax_scale folded in
             qr, _ = rotated_query(call, plan)
             common.update(q_ptr=qr, stride_q_t=qr.stride(0), stride_q_h=qr.stride(1), stride_q_d=qr.stride(2))
-        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp, **common)
+        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp,
+                                ASM=tiling.code_asm and not interpreting(q), **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)

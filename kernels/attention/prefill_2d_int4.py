@@ -46,6 +46,52 @@ def nibble_minus_zp(n, zp, DOT: tl.constexpr):
     return x
 
 
+def _nibbles_asm(one: str, pos: str, neg: str, fma: str) -> str:
+    return f"""{{
+        .reg .b32 t0, t1, h0, h1, z0, z1, o, z;
+        mov.b32 o, {one};
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        prmt.b32 z0, $5, z, 0x4140;
+        prmt.b32 z1, $5, z, 0x4342;
+        shr.b32 h0, t0, 4;
+        shr.b32 h1, t1, 4;
+        lop3.b32 z0, z0, 0x000F000F, {neg}, 0xEA;
+        lop3.b32 z1, z1, 0x000F000F, {neg}, 0xEA;
+        lop3.b32 $0, t0, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $2, h0, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $3, h1, 0x000F000F, {pos}, 0xEA;
+        {fma} $0, $0, o, z0;
+        {fma} $1, $1, o, z1;
+        {fma} $2, $2, o, z0;
+        {fma} $3, $3, o, z1;
+        }}"""
+
+
+# (value 1, the float of 0 | bits, its negation, packed fma) per dot dtype
+_NIBBLES_BF16 = tl.constexpr(_nibbles_asm("0x3F803F80", "0x43004300", "0xC300C300", "fma.rn.bf16x2"))
+_NIBBLES_FP16 = tl.constexpr(_nibbles_asm("0x3C003C00", "0x64006400", "0xE400E400", "fma.rn.f16x2"))
+
+
+@triton.jit
+def nibbles_asm(b, zp, DOT: tl.constexpr):
+    """CUDA only: code bytes ``b`` (uint8, two nibbles) and zero points ``zp`` (uint8 0..15, same
+    shape) -> ``(low nibble - zp, high nibble - zp)`` as exact fp16 / bf16 (DOT), 4 bytes per
+    32-bit register: the bytes are spread into 16-bit lanes (``prmt``), ``(lane & 0xF) | 0x6400``
+    is fp16 ``1024 + n`` (bf16: ``| 0x4300`` is ``128 + n``; the high nibble is shifted down
+    first, bf16 has no room for ``16 n``), ``zp | 0xE400`` is fp16 ``-(1024 + zp)`` (bf16
+    ``0xC300``), and one packed ``fma`` by 1 adds the two: about 2 instructions a nibble."""
+    if DOT == DOT_BF16:
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_BF16, constraints="=r,=r,=r,=r,r,r", args=[b, zp],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_FP16, constraints="=r,=r,=r,=r,r,r", args=[b, zp],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS), as _attn_kernel.
 @dual_jit
 def _attn_int4_kernel(
@@ -71,6 +117,7 @@ def _attn_int4_kernel(
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
     Q_ROTATED: tl.constexpr = False,  # q is rotate_query's output: [T, Hq, D] fp32, even dims then odd, scaled
     CODE_ZP: tl.constexpr = False,  # zero points subtracted from the codes as they convert (no per-score term)
+    ASM: tl.constexpr = False,      # CUDA: codes converted by nibbles_asm (PTX), 4 bytes per instruction group
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
@@ -130,14 +177,23 @@ def _attn_int4_kernel(
         k_sc = (kbits & -16).to(tl.float32, bitcast=True)
         v_sc = (vbits & -16).to(tl.float32, bitcast=True)
 
+        if ASM:
+            if CODE_ZP:
+                kc_lo, kc_hi = nibbles_asm(kb, tl.broadcast_to((kbits & 0xF).to(tl.uint8)[None, :], kb.shape), DOT)
+            else:
+                kc_lo, kc_hi = nibbles_asm(kb, tl.zeros(kb.shape, tl.uint8), DOT)
+        elif CODE_ZP:
+            kc_lo = nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT)
+            kc_hi = nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT)
+        else:
+            kc_lo = nibble_to_dot(kb & 0xF, DOT)
+            kc_hi = nibble_to_dot(kb >> 4, DOT)
+        s = tl.dot(q_even, kc_lo)
+        s = tl.dot(q_odd, kc_hi, s)  # [BLOCK_M, TILE] = q_rot . codes (CODE_ZP: . (codes - zp))
         if CODE_ZP:
-            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT))
-            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s)  # q_rot . (codes - zp)
             s = s * (k_sc * qk_scale)[None, :]
         else:
             k_zp = (kbits & 0xF).to(tl.float32)
-            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
-            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
             s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
@@ -150,15 +206,25 @@ def _attn_int4_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
         pv = to_dot(p * (v_sc / vs_max)[None, :], DOT)
+        if ASM:
+            if CODE_ZP:
+                v_lo, v_hi = nibbles_asm(vb, tl.broadcast_to((vbits & 0xF).to(tl.uint8)[:, None], vb.shape), DOT)
+            else:
+                v_lo, v_hi = nibbles_asm(vb, tl.zeros(vb.shape, tl.uint8), DOT)
+        elif CODE_ZP:
+            v_lo = nibble_minus_zp(vb & 0xF, (vbits & 0xF)[:, None], DOT)
+            v_hi = nibble_minus_zp(vb >> 4, (vbits & 0xF)[:, None], DOT)
+        else:
+            v_lo = nibble_to_dot(vb & 0xF, DOT)
+            v_hi = nibble_to_dot(vb >> 4, DOT)
         if CODE_ZP:
-            v_zp = (vbits & 0xF)[:, None]
-            acc_even = acc_even * alpha[:, None] + tl.dot(pv, nibble_minus_zp(vb & 0xF, v_zp, DOT)) * vs_max
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, nibble_minus_zp(vb >> 4, v_zp, DOT)) * vs_max
+            acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_lo) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_hi) * vs_max
         else:
             v_zp = (vbits & 0xF).to(tl.float32)
             zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
-            acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT)) - zp_term[:, None]) * vs_max
-            acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT)) - zp_term[:, None]) * vs_max
+            acc_even = acc_even * alpha[:, None] + (tl.dot(pv, v_lo) - zp_term[:, None]) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, v_hi) - zp_term[:, None]) * vs_max
         m_i = m_new
 
     if SPLIT:
