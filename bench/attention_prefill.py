@@ -22,8 +22,8 @@ decode row of a mixed batch): relative L2 <= 1e-2.
 ``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
 (2D-kernel tilings and INT4 variants), side by side in the same process.
 
-Run: ``python -m bench.attention_prefill`` (H200; ``--heads 128 --modes bf16,int4`` for a
-subset), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU: a test that the
+Run: ``python -m bench.attention_prefill`` (H200; ``--heads 128 --modes bf16,int4 --cached
+32768 --no-mixed`` for a subset), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU: a test that the
 script runs, not a measurement).
 """
 
@@ -82,6 +82,8 @@ def shapes(p, heads) -> list:
             batch = max(1, p["tokens"] // q_len)
             for cached in p["cached"]:
                 out.append(Shape(f"prefill {q_len} over {cached}", head, hq, hkv, [(q_len, cached + q_len)] * batch))
+        if not p["mixed"]:
+            continue
         d, d_ctx, chunk, cached = p["mixed"]
         out.append(Shape(f"mixed {d}x decode@{d_ctx} + {chunk} over {cached}", head, hq, hkv,
                          [(1, d_ctx)] * d + [(chunk, cached + chunk)]))
@@ -284,11 +286,21 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default=None, help="head sizes, comma-separated (default 64,128,256)")
     parser.add_argument("--sweep", action="store_true",
                         help="32k-cached rows: time every tuning of sweep_tunings side by side")
+    parser.add_argument("--q-lens", default=None, help="chunk lengths, comma-separated (default 512,2048)")
+    parser.add_argument("--cached", default=None, help="cached tokens before each chunk (default 0,4096,32768)")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                        help="include the mixed-batch row (--no-mixed: leave it out)")
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
     parser.add_argument("--log", default=None, help="append every timed configuration to this file")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    p = SMOKE if args.smoke else FULL
+    p = dict(SMOKE if args.smoke else FULL)
+    if args.q_lens:
+        p["q_lens"] = tuple(int(x) for x in args.q_lens.split(","))
+    if args.cached:
+        p["cached"] = tuple(int(x) for x in args.cached.split(","))
+    if not args.mixed:
+        p["mixed"] = None
     heads = [int(h) for h in args.heads.split(",")] if args.heads else list(p["heads"])
     unknown = [h for h in heads if h not in p["heads"]]
     if unknown:

@@ -17,14 +17,15 @@ and ``x = s*(H r) / d``. Attention is invariant under that orthogonal-up-to-``d`
   kernel for the split path).
 
 Codes are never interleaved in registers: even and odd dimensions are the low and high nibbles,
-so the query and the accumulator are kept as even/odd halves and each dot is split in two.
+so the query and the accumulator are kept as even/odd halves and each dot is split in two. On a
+GPU (``ASM``) the codes become dot operands through :func:`nibbles_asm` (PTX on 4 bytes at a
+time) instead of per-element integer ops.
 """
 
 from __future__ import annotations
 
-import triton.language as tl
-
 import triton
+import triton.language as tl
 
 from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, \
     visible
