@@ -38,7 +38,7 @@ import torch
 
 from bench.attention import MODES, copy_gbps, fill_cache
 from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
-from kernels.attention import Path, Plan, Rotate, Tuning, attention_plan, unified_attention
+from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode
 
@@ -185,39 +185,44 @@ def matmul_tflops(device) -> float:
     return 2 * MATMUL_N ** 3 / ms / 1e9
 
 
-# --sweep: 2D-kernel tilings (block_m, tile, warps, stages), each under the variants of the cache's mode:
-# (Tiling.code_zp, Tuning.rotate_q_once, Tiling.code_asm, Tiling.dequant_first)
+# --sweep: 2D-kernel tilings (block_m, tile, warps, stages), each under the variants of the cache's
+# mode; a variant names the fields it turns on (VARIANT_FIELDS)
 SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2))
-PLAIN = (False, False, False, False)
+VARIANT_FIELDS = {"zp": "code_zp", "asm": "code_asm", "dq": "dequant_first", "mask": "mask_edges_only",
+                  "rot1": "rotate_q_once"}  # rot1 is a Tuning field, the others Tiling fields
 VARIANTS = {
-    KVQuantMode.NONE: (PLAIN,),
-    KVQuantMode.INT8_PER_TOKEN_HEAD: (PLAIN, (False, False, False, True)),
-    KVQuantMode.FP8_PER_TOKEN_HEAD: (PLAIN, (False, False, False, True)),
-    KVQuantMode.INT4_PER_TOKEN_HEAD: (PLAIN, (True, False, False, False), (True, True, False, False),
-                                      (False, False, True, False), (True, True, True, False),
-                                      (False, False, False, True)),
+    KVQuantMode.NONE: ((), ("mask",)),
+    KVQuantMode.INT8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: ((), ("zp",), ("zp", "rot1"), ("asm",), ("zp", "rot1", "asm"), ("mask",),
+                                      ("zp", "rot1", "asm", "mask"), ("dq",), ("dq", "mask")),
 }
+
+
+def variant_tuning(tiling: Tiling, variant) -> Tuning:
+    """The 2D path with ``tiling`` and the fields ``variant`` names turned on."""
+    fields = {VARIANT_FIELDS[v]: True for v in variant}
+    once = fields.pop("rotate_q_once", False)
+    return Tuning(path=Path.PREFILL_2D, tiling=dataclasses.replace(tiling, **fields), rotate_q_once=once)
 
 
 def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
     """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` with each of
-    the mode's :data:`VARIANTS`, pinned to the 2D path; no repeats. Tilings that do not fit the
-    GPU's shared memory are skipped at run time."""
+    the mode's :data:`VARIANTS`; no repeats. Tilings that do not fit the GPU's shared memory are
+    skipped at run time."""
     out = [Tuning()]
     for block_m, tile, warps, stages in SWEEP_TILINGS:
         if block_m < plan.tiling.block_m:
             continue
-        for code_zp, once, asm, dequant in VARIANTS[mode]:
-            tiling = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages,
-                                         code_zp=code_zp, code_asm=asm, dequant_first=dequant)
-            out.append(Tuning(path=Path.PREFILL_2D, tiling=tiling, rotate_q_once=once))
+        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages)
+        out += [variant_tuning(base, v) for v in VARIANTS[mode]]
     return list(dict.fromkeys(out))
 
 
 def describe(plan: Plan) -> str:
     t = plan.tiling
     extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
-        (" dequant-first" if t.dequant_first else "") + \
+        (" dequant-first" if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 

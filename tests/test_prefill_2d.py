@@ -1,10 +1,14 @@
 """The 2D attention path (prefill chunks, mixed batches): its tilings and variants against the
 oracle, and the prefill benchmark's CPU-side logic.
 
-Covers: every cache mode through the 2D kernel under each tiling the prefill benchmark sweeps
-(``bench.attention_prefill.sweep_tunings``), on chunks that start mid-block after cached tokens,
-chunks with no cached token, and a mixed batch (decode rows + a chunk); the benchmark's byte and
-FLOP counts; a ``--smoke`` run of ``bench/attention_prefill.py``.
+Covers: every cache mode through the 2D kernel under the tilings and variants the prefill
+benchmark sweeps (``bench.attention_prefill.sweep_tunings``: ``Tiling.code_zp``, ``code_asm``,
+``dequant_first``, ``mask_edges_only``, ``Tuning.rotate_q_once``) on chunks that start mid-block
+after cached tokens, chunks with no cached token, decode rows and tiles every row sees; the
+INT4 variants at other head sizes with softcap and windows; the edge-tile bounds
+(``common.full_tiles``); the benchmark's byte and FLOP counts; a ``--smoke`` run of
+``bench/attention_prefill.py``. ``code_asm`` is PTX: on the CPU the plain conversion runs, so
+only the CUDA test checks it.
 
 CPU tensors run through Triton's interpreter (small shapes); the CUDA test runs when a GPU is
 present. Run: ``python -m pytest tests/test_prefill_2d.py -q``.
@@ -18,9 +22,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 from bench import attention_prefill as AP
-from kernels.attention import Path, Rotate, Tuning, attention_plan
+from kernels._jit import dual_jit
+from kernels.attention.common import full_tiles
+from kernels.attention import Path, Rotate, Tiling, Tuning, attention_plan
 from layouts import KVQuantMode
 from test_attention_kernels import make_case, run_and_check
 
@@ -30,13 +37,11 @@ MODES = [
     pytest.param(KVQuantMode.FP8_PER_TOKEN_HEAD, id="fp8"),
     pytest.param(KVQuantMode.INT4_PER_TOKEN_HEAD, id="int4"),
 ]
-# (q_lens, k_lens): chunks after 0 cached tokens, after cached tokens that end mid-block (block 16),
-# and a mixed batch (two decode rows, a chunk starting mid-block, an empty sequence)
-CASES = [
-    pytest.param([24, 7], [24, 7], id="no-cache"),
-    pytest.param([21, 40], [21 + 37, 40 + 9], id="mid-block"),
-    pytest.param([1, 1, 19, 0], [70, 33, 19 + 45, 5], id="mixed"),
-]
+# One batch of every shape the 2D path meets: a chunk after 0 cached tokens, chunks after cached
+# tokens that end mid-block (block 16), decode rows, an empty sequence, and a chunk over key tiles
+# that every row sees before the causal edge.
+Q_LENS = [24, 21, 1, 1, 19, 0, 21]
+K_LENS = [24, 21 + 37, 70, 33, 19 + 45, 5, 21 + 150]
 
 
 def _tunings(mode=KVQuantMode.INT4_PER_TOKEN_HEAD):
@@ -47,32 +52,74 @@ def _tunings(mode=KVQuantMode.INT4_PER_TOKEN_HEAD):
     return AP.sweep_tunings(plan, mode)
 
 
+def _tested(mode) -> list:
+    """The swept tunings the oracle tests run: every variant under the first and the last
+    :data:`~bench.attention_prefill.SWEEP_TILINGS` entry, the other tilings plain (a variant's
+    code does not depend on the tiling beyond block_m and tile, which those two cover)."""
+    first, last = AP.SWEEP_TILINGS[0], AP.SWEEP_TILINGS[-1]
+    return [t for t in _tunings(mode) if t == Tuning() or t == Tuning(path=Path.PREFILL_2D, tiling=t.tiling)
+            or (t.tiling.block_m, t.tiling.tile, t.tiling.num_warps, t.tiling.num_stages) in (first, last)]
+
+
 def _tuning_id(t: Tuning) -> str:
     if t == Tuning():
         return "default"
-    return "m{0.block_m}-t{0.tile}-w{0.num_warps}-s{0.num_stages}".format(t.tiling) + \
-        ("-zp" if t.tiling.code_zp else "") + ("-rot1" if t.rotate_q_once else "") + \
-        ("-asm" if t.tiling.code_asm else "") + ("-dq" if t.tiling.dequant_first else "")
+    on = [name for name, field in AP.VARIANT_FIELDS.items()
+          if getattr(t if field == "rotate_q_once" else t.tiling, field)]
+    return "m{0.block_m}-t{0.tile}-w{0.num_warps}-s{0.num_stages}".format(t.tiling) + "".join(f"-{v}" for v in on)
 
 
-@pytest.mark.parametrize("q_lens,k_lens", CASES)
 @pytest.mark.parametrize("mode,tuning", [pytest.param(m.values[0], t, id=f"{m.id}-{_tuning_id(t)}")
-                                         for m in MODES for t in _tunings(m.values[0])])
-def test_2d_tunings_match_oracle(mode, q_lens, k_lens, tuning):
-    """Every tuning the benchmark sweeps for the mode against the oracle."""
-    c = make_case(mode, torch.bfloat16, q_lens, k_lens, num_q_heads=8, num_kv_heads=2, head_size=64)
+                                         for m in MODES for t in _tested(m.values[0])])
+def test_2d_tunings_match_oracle(mode, tuning):
+    """The benchmark's tunings for the mode (:func:`_tested`) against the oracle on one batch of
+    every shape (:data:`Q_LENS`, :data:`K_LENS`)."""
+    c = make_case(mode, torch.bfloat16, Q_LENS, K_LENS, num_q_heads=8, num_kv_heads=2, head_size=64)
     run_and_check(c, tuning=tuning)
 
 
 @pytest.mark.parametrize("head_size", [32, 128])
-@pytest.mark.parametrize("tuning", [t for t in _tunings() if t.tiling is not None and t.tiling.tile == 64
-                                    and t.tiling.block_m == 64], ids=_tuning_id)
+@pytest.mark.parametrize("tuning", [t for t in _tunings() if t.tiling is not None and (
+    t.tiling.block_m, t.tiling.tile, t.tiling.num_warps, t.tiling.num_stages) == AP.SWEEP_TILINGS[0]], ids=_tuning_id)
 def test_2d_int4_variants_other_head_sizes(head_size, tuning):
     """The INT4 variants at other head sizes, GQA group 1, softcap and a sliding window."""
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, [1, 19, 6], [33, 19 + 21, 6],
                   num_q_heads=2, num_kv_heads=2, head_size=head_size)
     run_and_check(c, tuning=tuning)
     run_and_check(c, causal=False, window=(9, -1), softcap=20.0, tuning=tuning)
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3]])
+@pytest.mark.parametrize("causal,window", [(True, (70, -1)), (False, (100, 5)), (False, (-1, -1))],
+                         ids=["causal-left", "both-sides", "full"])
+def test_mask_edges_only_windows(mode, causal, window):
+    """``Tiling.mask_edges_only`` under sliding windows and without causality: only tiles inside
+    every row's window go unmasked (a chunk of 19 over 200 cached keys, tiles of 32)."""
+    c = make_case(mode, torch.bfloat16, [19, 1], [19 + 200, 90], num_q_heads=4, num_kv_heads=2, head_size=64)
+    for tile in (32, 64):
+        run_and_check(c, causal=causal, window=window,
+                      tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=True)))
+
+
+@dual_jit
+def _full_tiles_probe(out_ptr, k_lo, k_hi, t0, t1, wl, wr, CAUSAL: tl.constexpr):
+    """Writes ``full_tiles`` for 16 rows at positions 137..152 and tiles of 64 keys."""
+    offs = tl.arange(0, 16)
+    f0, f1 = full_tiles(137 + offs, offs < 16, k_lo, k_hi, t0, t1, wl, wr, CAUSAL, 64)
+    tl.store(out_ptr, f0)
+    tl.store(out_ptr + 1, f1)
+
+
+def test_full_tiles_bounds():
+    """``common.full_tiles``: rows at positions 137..152 all see keys 0..137 (causal), so of the
+    64-key tiles [0, 3) tiles 0 and 1 need no mask; a start tile, a left window and a short
+    context shrink the range."""
+    out = torch.zeros(2, dtype=torch.int32)
+    for args, want in [((0, 153, 0, 3, -1, -1, True), [0, 2]), ((0, 153, 0, 3, -1, -1, False), [0, 2]),
+                       ((0, 153, 1, 3, -1, -1, True), [1, 2]), ((80, 153, 1, 3, 60, -1, True), [2, 2]),
+                       ((0, 153, 0, 3, 100, -1, True), [1, 2]), ((0, 20, 0, 1, -1, -1, True), [0, 0])]:
+        _full_tiles_probe[(1,)](out, *args[:6], CAUSAL=args[6])
+        assert out.tolist() == want, (args, out.tolist())
 
 
 def test_rotate_q_once_plans_the_rotation_kernel():
@@ -99,9 +146,9 @@ def test_sweep_pins_the_2d_path_and_starts_with_the_default():
         tunings = _tunings(mode)
         assert tunings[0] == Tuning() and len(tunings) == len(set(tunings)) > 1
         assert all(t.path == Path.PREFILL_2D and t.tiling.num_segments == 1 for t in tunings[1:])
-        variants = {(t.tiling.code_zp, t.rotate_q_once, t.tiling.code_asm, t.tiling.dequant_first)
-                    for t in tunings[1:]}
-        assert variants == set(AP.VARIANTS[mode])
+        variants = {tuple(name for name, field in AP.VARIANT_FIELDS.items()
+                          if getattr(t if field == "rotate_q_once" else t.tiling, field)) for t in tunings[1:]}
+        assert variants == {tuple(sorted(v, key=list(AP.VARIANT_FIELDS).index)) for v in AP.VARIANTS[mode]}
 
 
 def test_bench_counts_bytes_and_flops():
@@ -130,7 +177,7 @@ def test_bench_prefill_smoke(capsys):
 def test_cuda_2d_tunings_realistic(mode, head_size, num_q_heads):
     c = make_case(mode, torch.bfloat16, [1, 300, 1, 129], [900, 300 + 700, 33, 129 + 17], num_q_heads=num_q_heads,
                   num_kv_heads=8, head_size=head_size, device="cuda")
-    for tuning in _tunings(mode):
+    for tuning in _tested(mode):
         try:
             run_and_check(c, tuning=tuning)
         except ValueError as e:  # a tiling that does not fit this GPU's shared memory says so

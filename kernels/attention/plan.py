@@ -96,6 +96,7 @@ class Tiling:
     code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
     code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
     dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the bf16 kernel
+    mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
 
 
 @dataclass(frozen=True)

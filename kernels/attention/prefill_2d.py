@@ -14,8 +14,8 @@ from layouts import KVQuantMode
 
 from .._jit import dual_jit, interpreting
 from .call import kv_align
-from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
-                     visible)
+from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, q_block_program,
+                     to_dot, visible)
 from .plan import Rotate
 from .prefill_dequant import dequantized_call
 from .prefill_2d_int4 import _attn_int4_kernel
@@ -53,6 +53,7 @@ def _attn_kernel(
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
+    MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE,
@@ -77,6 +78,8 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    if MASK_EDGES:
+        f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
@@ -104,8 +107,13 @@ def _attn_kernel(
             s = s * qk_scale
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                     s, float("-inf"))
+        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
+            if (t < f0) | (t >= f1):
+                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                             s, float("-inf"))
+        else:
+            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = tl.exp2(s - m_use[:, None])
@@ -176,6 +184,7 @@ def launch_2d(call, plan) -> None:
         BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE=tiling.tile, DOT=dot,
         CAUSAL=call.causal, USE_SOFTCAP=call.softcap > 0,
         SPLIT=split, NUM_SEGMENTS=tiling.num_segments, KV_ALIGN=align, PDL=plan.pdl, launch_pdl=plan.pdl,
+        MASK_EDGES=tiling.mask_edges_only,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, \
-    visible
+from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, full_tiles, hadamard_sign, nibble_to_dot, \
+    q_block_program, to_dot, visible
 from .._jit import dual_jit
 
 
@@ -119,6 +119,7 @@ def _attn_int4_kernel(
     Q_ROTATED: tl.constexpr = False,  # q is rotate_query's output: [T, Hq, D] fp32, even dims then odd, scaled
     CODE_ZP: tl.constexpr = False,  # zero points subtracted from the codes as they convert (no per-score term)
     ASM: tl.constexpr = False,      # CUDA: codes converted by nibbles_asm (PTX), 4 bytes per instruction group
+    MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
@@ -159,6 +160,8 @@ def _attn_int4_kernel(
     acc_even = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_odd = tl.zeros([BLOCK_M, HALF], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    if MASK_EDGES:
+        f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
@@ -198,8 +201,13 @@ def _attn_int4_kernel(
             s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                     s, float("-inf"))
+        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
+            if (t < f0) | (t >= f1):
+                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                             s, float("-inf"))
+        else:
+            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
