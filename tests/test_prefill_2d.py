@@ -122,6 +122,16 @@ def test_full_tiles_bounds():
         assert out.tolist() == want, (args, out.tolist())
 
 
+@pytest.mark.parametrize("tuning", [Tuning(), Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, code_zp=True))],
+                         ids=["default", "code-zp"])
+def test_2d_int4_head_256_rotates_in_chunks(tuning):
+    """Above head_size 128 the in-kernel INT4 rotations run in chunks of 64 dims (whole-head fp32
+    Hadamard operands would need more shared memory than an H200 has); same results."""
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, [9, 1], [9 + 30, 20], num_q_heads=2,
+                  num_kv_heads=1, head_size=256)
+    run_and_check(c, tuning=tuning)
+
+
 def test_rotate_q_once_plans_the_rotation_kernel():
     """``Tuning.rotate_q_once``: the 2D INT4 plan rotates the query with the rotation kernel in 2
     parts (even, odd dims); the default rotates in the kernel; other modes have no rotation."""

@@ -140,6 +140,9 @@ def _attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+INT4_ROT_WHOLE = 128  # largest head size whose in-kernel INT4 rotations take the whole head at once
+
+
 def launch_2d(call, plan) -> None:
     """Launch the 2D kernel (``_attn_kernel``, or ``prefill_2d_int4._attn_int4_kernel`` on INT4
     caches) on ``call``: grid (q tiles, KV heads, segments); with more than one segment it writes
@@ -192,8 +195,11 @@ def launch_2d(call, plan) -> None:
         if rotated:  # [num_tokens, num_q_heads, head_size] fp32, softmax_scale folded in
             qr, _ = rotated_query(call, plan)
             common.update(q_ptr=qr, stride_q_t=qr.stride(0), stride_q_h=qr.stride(1), stride_q_d=qr.stride(2))
+        # above head_size 128 the fp32 Hadamard operands of the in-kernel rotations would need
+        # 256 KiB of shared memory at once (more than an H200 has): chunks of 64 dims instead
         _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp,
-                                ASM=tiling.code_asm and not interpreting(q), **common)
+                                ASM=tiling.code_asm and not interpreting(q),
+                                ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)

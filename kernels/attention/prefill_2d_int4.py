@@ -120,6 +120,7 @@ def _attn_int4_kernel(
     CODE_ZP: tl.constexpr = False,  # zero points subtracted from the codes as they convert (no per-score term)
     ASM: tl.constexpr = False,      # CUDA: codes converted by nibbles_asm (PTX), 4 bytes per instruction group
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
+    ROT_CHUNK: tl.constexpr = 0,    # > 0: the in-kernel rotations in chunks of this many dims (large heads)
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
@@ -140,13 +141,27 @@ def _attn_int4_kernel(
         q_scale = 1.0
     else:
         # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
-        q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
-        h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
-        h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
-        q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-        q_odd = to_dot(tl.dot(q, h_odd), DOT)
+        if ROT_CHUNK == 0:
+            q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
+            h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
+            h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
+            q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+            q_odd = to_dot(tl.dot(q, h_odd), DOT)
+        else:  # k in chunks of ROT_CHUNK: the Hadamard operands [ROT_CHUNK, HALF] fit shared memory
+            offs_c = tl.arange(0, ROT_CHUNK)
+            q_even_f = tl.zeros([BLOCK_M, HALF], tl.float32)
+            q_odd_f = tl.zeros([BLOCK_M, HALF], tl.float32)
+            for c in tl.static_range(HEAD // ROT_CHUNK):
+                k_dims = c * ROT_CHUNK + offs_c
+                qc = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h
+                             + k_dims[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                qc = qc * tl.load(signs_ptr + k_dims)[None, :]  # [BLOCK_M, ROT_CHUNK]
+                q_even_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :]), q_even_f)
+                q_odd_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :] + 1), q_odd_f)
+            q_even = to_dot(q_even_f, DOT)
+            q_odd = to_dot(q_odd_f, DOT)
         q_scale = softmax_scale
     if not CODE_ZP:
         q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
@@ -178,7 +193,9 @@ def _attn_int4_kernel(
                         mask=n_ok, other=0)
         vbits = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
                         mask=n_ok, other=0)
+        k_zp = (kbits & 0xF).to(tl.float32)
         k_sc = (kbits & -16).to(tl.float32, bitcast=True)
+        v_zp = (vbits & 0xF).to(tl.float32)
         v_sc = (vbits & -16).to(tl.float32, bitcast=True)
 
         if ASM:
@@ -186,18 +203,17 @@ def _attn_int4_kernel(
                 kc_lo, kc_hi = nibbles_asm(kb, tl.broadcast_to((kbits & 0xF).to(tl.uint8)[None, :], kb.shape), DOT)
             else:
                 kc_lo, kc_hi = nibbles_asm(kb, tl.zeros(kb.shape, tl.uint8), DOT)
+            s = tl.dot(q_even, kc_lo)
+            s = tl.dot(q_odd, kc_hi, s)
         elif CODE_ZP:
-            kc_lo = nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT)
-            kc_hi = nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT)
+            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT))
+            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s)
         else:
-            kc_lo = nibble_to_dot(kb & 0xF, DOT)
-            kc_hi = nibble_to_dot(kb >> 4, DOT)
-        s = tl.dot(q_even, kc_lo)
-        s = tl.dot(q_odd, kc_hi, s)  # [BLOCK_M, TILE] = q_rot . codes (CODE_ZP: . (codes - zp))
-        if CODE_ZP:
+            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
+            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
+        if CODE_ZP:  # s = q_rot . (codes - zp)
             s = s * (k_sc * qk_scale)[None, :]
         else:
-            k_zp = (kbits & 0xF).to(tl.float32)
             s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
@@ -215,25 +231,25 @@ def _attn_int4_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
         pv = to_dot(p * (v_sc / vs_max)[None, :], DOT)
-        if ASM:
-            if CODE_ZP:
+        if CODE_ZP:
+            if ASM:
                 v_lo, v_hi = nibbles_asm(vb, tl.broadcast_to((vbits & 0xF).to(tl.uint8)[:, None], vb.shape), DOT)
             else:
-                v_lo, v_hi = nibbles_asm(vb, tl.zeros(vb.shape, tl.uint8), DOT)
-        elif CODE_ZP:
-            v_lo = nibble_minus_zp(vb & 0xF, (vbits & 0xF)[:, None], DOT)
-            v_hi = nibble_minus_zp(vb >> 4, (vbits & 0xF)[:, None], DOT)
-        else:
-            v_lo = nibble_to_dot(vb & 0xF, DOT)
-            v_hi = nibble_to_dot(vb >> 4, DOT)
-        if CODE_ZP:
+                v_lo = nibble_minus_zp(vb & 0xF, (vbits & 0xF)[:, None], DOT)
+                v_hi = nibble_minus_zp(vb >> 4, (vbits & 0xF)[:, None], DOT)
             acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_lo) * vs_max
             acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_hi) * vs_max
         else:
-            v_zp = (vbits & 0xF).to(tl.float32)
             zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
-            acc_even = acc_even * alpha[:, None] + (tl.dot(pv, v_lo) - zp_term[:, None]) * vs_max
-            acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, v_hi) - zp_term[:, None]) * vs_max
+            if ASM:
+                v_lo, v_hi = nibbles_asm(vb, tl.zeros(vb.shape, tl.uint8), DOT)
+                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, v_lo) - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, v_hi) - zp_term[:, None]) * vs_max
+            else:
+                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT))
+                                                        - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT))
+                                                      - zp_term[:, None]) * vs_max
         m_i = m_new
 
     if SPLIT:
@@ -247,10 +263,22 @@ def _attn_int4_kernel(
     else:
         # inverse rotation: o[j] = s[j] / d * sum_k H[j, k] acc[k], k = 2i (even) or 2i + 1 (odd)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        signs = tl.load(signs_ptr + offs_d) / HEAD
-        g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
-        g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
-        o = tl.dot(acc_even * inv_l[:, None], g_even)
-        o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
-        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if ROT_CHUNK == 0:
+            signs = tl.load(signs_ptr + offs_d) / HEAD
+            g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
+            g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
+            o = tl.dot(acc_even * inv_l[:, None], g_even)
+            o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
+            tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:  # output dims in chunks of ROT_CHUNK (operands [HALF, ROT_CHUNK])
+            offs_c = tl.arange(0, ROT_CHUNK)
+            a_even = acc_even * inv_l[:, None]
+            a_odd = acc_odd * inv_l[:, None]
+            for c in tl.static_range(HEAD // ROT_CHUNK):
+                o_dims = c * ROT_CHUNK + offs_c
+                signs = tl.load(signs_ptr + o_dims) / HEAD
+                o = tl.dot(a_even, hadamard_sign(2 * offs_h[:, None], o_dims[None, :]) * signs[None, :])
+                o = tl.dot(a_odd, hadamard_sign(2 * offs_h[:, None] + 1, o_dims[None, :]) * signs[None, :], o)
+                tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                         + o_dims[None, :] * stride_o_d, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
