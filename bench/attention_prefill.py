@@ -19,12 +19,17 @@ and the fraction of the binding limit reached (cold). Every configuration is fir
 against the oracle ``reference_unified_attention`` on the last rows of one chunk (and one
 decode row of a mixed batch): relative L2 <= 1e-2.
 
-``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
-(2D-kernel tilings and INT4 variants), side by side in the same process.
+The mixed batch is one ``unified_attention`` call, so every row goes through the 2D kernel.
 
-Run: ``python -m bench.attention_prefill`` (H200; ``--heads 128 --modes bf16,int4 --cached
-32768 --no-mixed`` for a subset), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU: a test that the
-script runs, not a measurement).
+``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
+(2D tilings, each with the mode's variants: ``Tiling.mask_edges_only`` for every mode,
+``Tiling.dequant_first`` for the quantized ones, ``Tiling.code_zp`` / ``code_asm`` and
+``Tuning.rotate_q_once`` for INT4), side by side in the same process; a tuning that does not fit
+or compile is logged (``SKIPPED``) and has no row.
+
+Run: ``python -m bench.attention_prefill`` (H200; a subset: ``--heads 128 --modes bf16,int4
+--cached 32768 --no-mixed``), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU:
+a test that the script runs, not a measurement).
 """
 
 from __future__ import annotations
@@ -246,8 +251,9 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
                 ran = plan_of(pb, tuning)
                 try:
                     err = check(pb, tuning)
-                except ValueError as e:  # a swept tiling too large for this GPU
-                    log(f"skip {name} {shape.name} {describe(ran)}: {e}")
+                except Exception as e:  # a tuning too large for this GPU (or not compiling): logged, no row
+                    log(f"SKIPPED {name} h{shape.head_size} {shape.name} {describe(ran)}: "
+                        f"{type(e).__name__}: {str(e)[:300]}")
                     continue
                 warm, cold = timer(lambda: call(pb, tuning)) if err <= 1e-2 else (float("nan"), float("nan"))
                 if name == "bf16" and tuning == Tuning():
