@@ -132,6 +132,31 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
     run_and_check(c, tuning=tuning)
 
 
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_dequantized_call_holds_the_oracle_rows(mode):
+    """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
+    the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
+    contexts longer than one program's DEQUANT_BLOCKS blocks and ending mid-block."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import DEQUANT_BLOCKS, dequantized_call
+    from kernels.reference.attention import dequantize_cache
+
+    k_lens = [16 * DEQUANT_BLOCKS + 37, 5]
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=2, head_size=64)
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
+                     v.v_scale_cache)
+    d = dequantized_call(call)
+    assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
+    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, 64)
+    for i, n in enumerate(k_lens):
+        for got, ref in ((d.k, k_ref), (d.v, v_ref)):
+            rows = got[d.block_table[i].long()].reshape(-1, 2, 64)[:n]
+            want = ref[c["block_table"][i].long()].reshape(-1, 2, 64)[:n]
+            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+
+
 def test_rotate_q_once_plans_the_rotation_kernel():
     """``Tuning.rotate_q_once``: the 2D INT4 plan rotates the query with the rotation kernel in 2
     parts (even, odd dims); the default rotates in the kernel; other modes have no rotation."""

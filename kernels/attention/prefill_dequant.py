@@ -30,14 +30,16 @@ from .common import hadamard_sign
 MODE_INT8 = tl.constexpr(1)
 MODE_FP8 = tl.constexpr(2)
 MODE_INT4 = tl.constexpr(3)
+DEQUANT_BLOCKS = 32  # table entries per program: the INT4 rotation operands are generated once for these
 _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_TOKEN_HEAD: MODE_FP8.value,
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
 
 
 @triton.jit
-def _dequant_rows(src, scale_ptr, signs_ptr, rows, r_ok, stride_s, stride_d, stride_ss,
+def _dequant_rows(src, scale_ptr, rows, r_ok, g_even, g_odd, stride_s, stride_d, stride_ss,
                   HEAD: tl.constexpr, MODE: tl.constexpr):
-    """``[ROWS, HEAD]`` fp32 rows of one block and head (``src`` at slot 0, slots ``rows``)."""
+    """``[ROWS, HEAD]`` fp32 rows of one block and head (``src`` at slot 0, slots ``rows``);
+    INT4: ``g_even`` / ``g_odd`` [HEAD // 2, HEAD] are the inverse rotation's operands."""
     offs_d = tl.arange(0, HEAD)
     bits = tl.load(scale_ptr + rows * stride_ss, mask=r_ok, other=0)
     if MODE == MODE_INT4:
@@ -48,10 +50,6 @@ def _dequant_rows(src, scale_ptr, signs_ptr, rows, r_ok, stride_s, stride_d, str
         sc = (bits & -16).to(tl.float32, bitcast=True)[:, None]
         lo = ((b & 0xF).to(tl.float32) - zp) * sc  # rotated dims 2i: [ROWS, HALF]
         hi = ((b >> 4).to(tl.float32) - zp) * sc   # rotated dims 2i + 1
-        # x[j] = s[j] / d * sum_k H[j, k] r[k], k = 2i (lo) or 2i + 1 (hi)
-        signs = tl.load(signs_ptr + offs_d) / HEAD
-        g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
-        g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
         x = tl.dot(lo, g_even)
         x = tl.dot(hi, g_odd, x)
     else:
@@ -60,8 +58,10 @@ def _dequant_rows(src, scale_ptr, signs_ptr, rows, r_ok, stride_s, stride_d, str
     return x
 
 
-# Grid: (num_seqs * blocks_per_seq, num_kv_heads). One program: block j of sequence i's table, one
-# KV head, K and V; blocks past the sequence's length are skipped (never read downstream).
+# Grid: (num_seqs * cdiv(blocks_per_seq, BLOCKS), num_kv_heads). One program: BLOCKS consecutive
+# entries of one sequence's block table, one KV head, K and V; the INT4 inverse rotation's
+# operands are generated once per program (per block they would cost more than the rows).
+# Blocks past the sequence's length are skipped (never read downstream).
 @dual_jit
 def _dequant_blocks_kernel(
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, data_head_size] codes
@@ -69,7 +69,7 @@ def _dequant_blocks_kernel(
     signs_ptr,                      # [HEAD] fp32 rotation signs (INT4)
     block_table_ptr, seqused_k_ptr,
     k_out_ptr, v_out_ptr,           # [num_seqs * blocks_per_seq, block_size, Hkv, HEAD], written
-    blocks_per_seq,
+    blocks_per_seq, groups_per_seq,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
     stride_ks_b, stride_ks_s, stride_ks_h,
@@ -77,28 +77,38 @@ def _dequant_blocks_kernel(
     stride_bt_s,
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,             # next_pow2(BLOCK_SIZE), at least 16 (a dot's smallest M)
+    BLOCKS: tl.constexpr,           # table entries per program
     MODE: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V block/slot/head strides arrive divided by this (vector loads)
 ):
-    pid = tl.program_id(0)
+    seq_idx = tl.program_id(0) // groups_per_seq
+    j0 = (tl.program_id(0) % groups_per_seq) * BLOCKS
     kv_head = tl.program_id(1)
-    seq_idx = pid // blocks_per_seq
-    j = pid % blocks_per_seq
-    if j * BLOCK_SIZE >= tl.load(seqused_k_ptr + seq_idx):
-        return
-    blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s + j).to(tl.int64)
+    seq_blocks = tl.minimum((tl.load(seqused_k_ptr + seq_idx) + BLOCK_SIZE - 1) // BLOCK_SIZE, blocks_per_seq)
     rows = tl.arange(0, ROWS)
     r_ok = rows < BLOCK_SIZE
     offs_d = tl.arange(0, HEAD)
-    out = (pid.to(tl.int64) * BLOCK_SIZE + rows[:, None]) * (NUM_KV_HEADS * HEAD) + kv_head * HEAD + offs_d[None, :]
-    k = _dequant_rows(k_ptr + blk * (stride_k_b * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN),
-                      k_scale_ptr + blk * stride_ks_b + kv_head * stride_ks_h, signs_ptr, rows, r_ok,
-                      stride_k_s * KV_ALIGN, stride_k_d, stride_ks_s, HEAD, MODE)
-    tl.store(k_out_ptr + out, k.to(k_out_ptr.dtype.element_ty), mask=r_ok[:, None])
-    v = _dequant_rows(v_ptr + blk * (stride_v_b * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN),
-                      v_scale_ptr + blk * stride_vs_b + kv_head * stride_vs_h, signs_ptr, rows, r_ok,
-                      stride_v_s * KV_ALIGN, stride_v_d, stride_vs_s, HEAD, MODE)
-    tl.store(v_out_ptr + out, v.to(v_out_ptr.dtype.element_ty), mask=r_ok[:, None])
+    if MODE == MODE_INT4:
+        # x[j] = s[j] / d * sum_k H[j, k] r[k], k = 2i (low nibbles) or 2i + 1 (high)
+        offs_h = tl.arange(0, HEAD // 2)
+        signs = tl.load(signs_ptr + offs_d) / HEAD
+        g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
+        g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
+    else:
+        g_even = 0.0
+        g_odd = 0.0
+    for j in range(j0, tl.minimum(j0 + BLOCKS, seq_blocks)):
+        blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s + j).to(tl.int64)
+        out = ((seq_idx * blocks_per_seq + j).to(tl.int64) * BLOCK_SIZE + rows[:, None]) * (NUM_KV_HEADS * HEAD) \
+            + kv_head * HEAD + offs_d[None, :]
+        k = _dequant_rows(k_ptr + blk * (stride_k_b * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN),
+                          k_scale_ptr + blk * stride_ks_b + kv_head * stride_ks_h, rows, r_ok, g_even, g_odd,
+                          stride_k_s * KV_ALIGN, stride_k_d, stride_ks_s, HEAD, MODE)
+        tl.store(k_out_ptr + out, k.to(k_out_ptr.dtype.element_ty), mask=r_ok[:, None])
+        v = _dequant_rows(v_ptr + blk * (stride_v_b * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN),
+                          v_scale_ptr + blk * stride_vs_b + kv_head * stride_vs_h, rows, r_ok, g_even, g_odd,
+                          stride_v_s * KV_ALIGN, stride_v_d, stride_vs_s, HEAD, MODE)
+        tl.store(v_out_ptr + out, v.to(v_out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
 def dequantized_call(call):
@@ -117,11 +127,12 @@ def dequantized_call(call):
     ksb, vsb = ks.view(torch.int32), vs.view(torch.int32)
     align = kv_align(k, v)
     signs = call.signs if call.signs is not None else ksb  # unread outside INT4
+    groups = cdiv(per_seq, DEQUANT_BLOCKS)
     if num_seqs * per_seq > 0:
-        _dequant_blocks_kernel[(num_seqs * per_seq, num_kv_heads)](
+        _dequant_blocks_kernel[(num_seqs * groups, num_kv_heads)](
             k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb, signs_ptr=signs,
             block_table_ptr=call.block_table, seqused_k_ptr=call.seqused_k.contiguous(),
-            k_out_ptr=k_out, v_out_ptr=v_out, blocks_per_seq=per_seq,
+            k_out_ptr=k_out, v_out_ptr=v_out, blocks_per_seq=per_seq, groups_per_seq=groups,
             stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
             stride_k_d=k.stride(3),
             stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align, stride_v_h=v.stride(2) // align,
@@ -130,7 +141,7 @@ def dequantized_call(call):
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
             NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size,
-            ROWS=max(16, next_pow2(block_size)), MODE=_MODES[call.mode], KV_ALIGN=align,
+            ROWS=max(16, next_pow2(block_size)), BLOCKS=DEQUANT_BLOCKS, MODE=_MODES[call.mode], KV_ALIGN=align,
             num_warps=4)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
