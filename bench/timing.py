@@ -30,3 +30,16 @@ def tee(path):
             with open(path, "a") as f:
                 f.write(msg + "\n")
     return log
+
+
+FLUSH_BYTES = 256 * 2**20  # well over the H200's 60 MiB L2: one write of it evicts every cached line
+
+
+def cold_graph_us(fn, rep_ms: float, flush) -> float:
+    """µs of one ``fn()`` with a cold L2: the median of CUDA-graph replays of ``flush.zero_()``
+    then ``fn()``, minus the median of replays of ``flush.zero_()`` alone (measured here, in the
+    same run). ``flush``: a CUDA uint8 buffer of :data:`FLUSH_BYTES`."""
+    def flushed():
+        flush.zero_()
+        fn()
+    return graph_us(flushed, rep_ms) - graph_us(flush.zero_, rep_ms)

@@ -81,6 +81,26 @@ def visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL: tl.constexpr)
 
 
 @triton.jit
+def full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL: tl.constexpr,
+               TILE: tl.constexpr):
+    """Tiles ``[f0, f1)`` of ``[t0, t1)`` whose every key is visible to every valid row
+    (``q_pos``, ``row_ok``: [BLOCK_M]) of a 2D program, so they need no mask; ``f0 <= f1``."""
+    q_lo = tl.min(tl.where(row_ok, q_pos, 2147483647), 0)
+    q_hi = tl.max(tl.where(row_ok, q_pos, -1), 0)
+    lo_key = k_lo
+    if window_left >= 0:
+        lo_key = tl.maximum(lo_key, q_hi - window_left)
+    hi_key = k_hi
+    if CAUSAL:
+        hi_key = tl.minimum(hi_key, q_lo + 1)
+    if window_right >= 0:
+        hi_key = tl.minimum(hi_key, q_lo + window_right + 1)
+    f0 = tl.minimum(tl.maximum(t0, (lo_key + TILE - 1) // TILE), t1)
+    f1 = tl.maximum(tl.minimum(t1, hi_key // TILE), f0)
+    return f0, f1
+
+
+@triton.jit
 def apply_softcap(s, softcap):
     """``softcap * tanh(s / softcap)`` via exp (tanh is not in every Triton build's core)."""
     x = s / softcap

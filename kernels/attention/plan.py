@@ -98,6 +98,10 @@ class Tiling:
     heads_per_program: int = 0  # decode_block_tiles: KV heads per program (0 = all)
     row_loads: bool = True      # decode_block_tiles with several heads per program: token-major loads
     max_registers: int = 0      # decode_block_tiles / staged on a GPU: ptxas register cap per thread (0 = default)
+    code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
+    code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
+    dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the bf16 kernel
+    mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,9 @@ class Tuning:
     (sm_90+). ``rotate_q_in_decode``: the code-unit decode kernel may rotate an INT4 query in
     its prologue (off: always the rotation kernel). ``bulk_copies``: the staged kernels copy
     each block with one bulk copy on sm_90+ (off: 16-byte ``cp.async``). ``gluon_edges``: the
-    Gluon query rotation and reduction where they apply (off: the Triton ones)."""
+    Gluon query rotation and reduction where they apply (off: the Triton ones). ``rotate_q_once``:
+    the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
+    program rotates its own query tile)."""
 
     path: Optional[Path] = None
     tiling: Optional[Tiling] = None
@@ -118,6 +124,7 @@ class Tuning:
     rotate_q_in_decode: bool = True
     bulk_copies: bool = True
     gluon_edges: bool = True
+    rotate_q_once: bool = False
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, Path):
@@ -243,10 +250,10 @@ def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
     dec = plan_call(decode, seq_threshold_3D=seq_threshold_3D, num_segments=num_segments, tuning=tuning, facts=facts)
     pdl = tuning.pdl and facts.type == "cuda" and tuple(facts.capability) >= (9, 0)
     tiling = _tiling(Path.PREFILL_2D, chunk, facts, False, None)
-    rotate = _rotation(Path.PREFILL_2D, tiling, chunk, facts, tuning, pdl, [])[0]
+    rotate, rotate_parts, release = _rotation(Path.PREFILL_2D, tiling, chunk, facts, tuning, pdl, [])
     rows = chunk.num_seqs
     why = f"prefill rows of {rows} sequence{'s' * (rows > 1)} after {d} decode row{'s' * (d > 1)}"
-    pre = Plan(Path.PREFILL_2D, tiling, rotate, pdl=pdl, why=why)
+    pre = Plan(Path.PREFILL_2D, tiling, rotate, rotate_parts, release, pdl=pdl, why=why)
     return Plan(Path.MIXED, tiling, pdl=pdl, parts=(dec, pre), num_decode_seqs=d,
                 why=f"mixed batch: {d} decode rows -> {dec.path.value} ({dec.why}), then {why} -> prefill_2d")
 
@@ -400,9 +407,11 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
     """Step 6: ``(Rotate, parts, release)`` of an INT4 query."""
     if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD or path == Path.DECODE_STAGED_INT8:
         return Rotate.NONE, 0, False
-    if path == Path.PREFILL_2D:
-        return Rotate.IN_KERNEL, 0, False
     parts, release = 4, False
+    if path == Path.PREFILL_2D:
+        if not tuning.rotate_q_once:
+            return Rotate.IN_KERNEL, 0, False
+        parts = 2  # the 2D kernel's dots take the even, then the odd rotated dims
     if path == Path.DECODE_CODE_UNITS:
         grid = call.num_seqs * call.num_kv_heads * tiling.num_segments
         small = 2 * grid <= C.tiling(call.mode, call.head_size)[3] * facts.num_sms  # half the resident slots

@@ -14,9 +14,12 @@ from layouts import KVQuantMode
 
 from .._jit import dual_jit, interpreting
 from .call import kv_align
-from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, int8_to_dot, q_block_program, to_dot,
-                     visible)
+from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, q_block_program,
+                     to_dot, visible)
+from .plan import Rotate
+from .prefill_dequant import dequantized_call
 from .prefill_2d_int4 import _attn_int4_kernel
+from .rotate_query import rotated_query
 
 
 # Grid: (num_tokens // BLOCK_Q - q_block_base + num_seqs, num_kv_heads, NUM_SEGMENTS), program 0 at q block
@@ -51,6 +54,7 @@ def _attn_kernel(
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
+    MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
@@ -75,6 +79,8 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    if MASK_EDGES:
+        f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
@@ -102,8 +108,13 @@ def _attn_kernel(
             s = s * qk_scale
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                     s, float("-inf"))
+        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
+            if (t < f0) | (t >= f1):
+                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                             s, float("-inf"))
+        else:
+            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = tl.exp2(s - m_use[:, None])
@@ -130,11 +141,20 @@ def _attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+INT4_ROT_WHOLE = 128  # largest head size whose in-kernel INT4 rotations take the whole head at once
+
+
 def launch_2d(call, plan) -> None:
     """Launch the 2D kernel (``_attn_kernel``, or ``prefill_2d_int4._attn_int4_kernel`` on INT4
     caches) on ``call``: grid (q tiles, KV heads, segments); with more than one segment it writes
-    ``call``'s segment buffers (allocated), else ``call.out``."""
-    q, k, v, out, tiling = call.q, call.k, call.v, call.out, plan.tiling
+    ``call``'s segment buffers (allocated), else ``call.out``. ``Tiling.dequant_first`` (one
+    segment, quantized cache): ``prefill_dequant`` converts the blocks first, then ``_attn_kernel``
+    reads them as a bf16/fp16 cache. INT4 with ``plan.rotate`` TRITON / GLUON: the query is
+    rotated first (``rotate_query``) and the kernel reads it (``Q_ROTATED``)."""
+    tiling = plan.tiling
+    if tiling.dequant_first and tiling.num_segments == 1 and call.mode != KVQuantMode.NONE:
+        call = dequantized_call(call)  # the same call over a bf16 scratch cache (prefill_dequant.py)
+    q, k, v, out = call.q, call.k, call.v, call.out
     num_tokens, num_q_heads = q.shape[:2]
     num_seqs = call.num_seqs
     split = tiling.num_segments > 1
@@ -175,10 +195,19 @@ def launch_2d(call, plan) -> None:
         BLOCK_Q=block_q, BLOCK_M=tiling.block_m, TILE=tiling.tile, DOT=dot,
         CAUSAL=call.causal, USE_SOFTCAP=call.softcap > 0,
         SPLIT=split, NUM_SEGMENTS=tiling.num_segments, KV_ALIGN=align, PDL=plan.pdl, launch_pdl=plan.pdl,
+        MASK_EDGES=tiling.mask_edges_only,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-        _attn_int4_kernel[grid](signs_ptr=call.signs, **common)
+        rotated = plan.rotate in (Rotate.TRITON, Rotate.GLUON)
+        if rotated:  # [num_tokens, num_q_heads, head_size] fp32, softmax_scale folded in
+            qr, _ = rotated_query(call, plan)
+            common.update(q_ptr=qr, stride_q_t=qr.stride(0), stride_q_h=qr.stride(1), stride_q_d=qr.stride(2))
+        # above head_size 128 the fp32 Hadamard operands of the in-kernel rotations would need
+        # 256 KiB of shared memory at once (more than an H200 has): chunks of 64 dims instead
+        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp,
+                                ASM=tiling.code_asm and not interpreting(q),
+                                ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)

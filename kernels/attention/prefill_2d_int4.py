@@ -3,25 +3,94 @@
 The cache holds codes ``c`` of the *rotated* rows ``r = H(s*x)``, with ``r ~ (c - zp) * scale``
 and ``x = s*(H r) / d``. Attention is invariant under that orthogonal-up-to-``d`` map, so:
 
-- the query is rotated once in-kernel (``q_rot = H(s*q)``, an fp32 dot against Hadamard signs
-  generated from bit parity, no table in memory), and ``1/d`` is folded into the softmax scale;
+- the query is rotated once per program in-kernel (``q_rot = H(s*q)``, an fp32 dot against
+  Hadamard signs generated from bit parity, no table in memory), or (``Q_ROTATED``) read already
+  rotated, ``softmax_scale`` folded in, from the rotation kernel that ran once over the chunk
+  (``rotate_query``, 2 parts: even dims, then odd dims); ``1/d`` is folded into the softmax scale;
 - score of key ``n``: ``(q_rot . c_n - zp_n * sum(q_rot)) * scale_n`` -- one dot on raw codes,
-  then one multiply-add per score column;
+  then one multiply-add per score column; or (``CODE_ZP``) ``(q_rot . (c_n - zp_n)) * scale_n``,
+  the zero point subtracted in the same instruction that turns a code into a float (exact:
+  small integers), so no per-score correction is left;
 - the value accumulator stays rotated: ``acc = sum_n p_n scale_n (c_n - zp_n)``, the zero point
-  folded in through the row sums of the scaled probability tile;
+  folded in through the row sums of the scaled probability tile (``CODE_ZP``: in the codes, as K);
 - the output is inverse-rotated once per query row (here for the 2D path, in the reduction
   kernel for the split path).
 
 Codes are never interleaved in registers: even and odd dimensions are the low and high nibbles,
-so the query and the accumulator are kept as even/odd halves and each dot is split in two.
+so the query and the accumulator are kept as even/odd halves and each dot is split in two. On a
+GPU (``ASM``) the codes become dot operands through :func:`nibbles_asm` (PTX on 4 bytes at a
+time) instead of per-element integer ops.
 """
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
-from .common import LOG2E, apply_softcap, hadamard_sign, nibble_to_dot, q_block_program, to_dot, visible
+from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, full_tiles, hadamard_sign, nibble_to_dot, \
+    q_block_program, to_dot, visible
 from .._jit import dual_jit
+
+
+@triton.jit
+def nibble_minus_zp(n, zp, DOT: tl.constexpr):
+    """Codes 0..15 minus their zero point ``zp`` (int32, broadcast against ``n``) as exact floats
+    for ``tl.dot``: ``n | 0x4300`` read as bf16 is ``128 + n`` (fp16: ``n | 0x6400`` is ``1024 +
+    n``), so one subtraction of ``128 + zp`` both converts and removes the zero point."""
+    n16 = n.to(tl.int16)
+    if DOT == DOT_BF16:
+        x = (n16 | 0x4300).to(tl.bfloat16, bitcast=True) - (zp + 128).to(tl.bfloat16)
+    elif DOT == DOT_FP32:
+        x = ((n16 | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float32) - zp.to(tl.float32)
+    else:
+        x = (n16 | 0x6400).to(tl.float16, bitcast=True) - (zp + 1024).to(tl.float16)
+    return x
+
+
+def _nibbles_asm(one: str, pos: str, neg: str, fma: str) -> str:
+    return f"""{{
+        .reg .b32 t0, t1, h0, h1, z0, z1, o, z;
+        mov.b32 o, {one};
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        prmt.b32 z0, $5, z, 0x4140;
+        prmt.b32 z1, $5, z, 0x4342;
+        shr.b32 h0, t0, 4;
+        shr.b32 h1, t1, 4;
+        lop3.b32 z0, z0, 0x000F000F, {neg}, 0xEA;
+        lop3.b32 z1, z1, 0x000F000F, {neg}, 0xEA;
+        lop3.b32 $0, t0, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $2, h0, 0x000F000F, {pos}, 0xEA;
+        lop3.b32 $3, h1, 0x000F000F, {pos}, 0xEA;
+        {fma} $0, $0, o, z0;
+        {fma} $1, $1, o, z1;
+        {fma} $2, $2, o, z0;
+        {fma} $3, $3, o, z1;
+        }}"""
+
+
+# (value 1, the float of 0 | bits, its negation, packed fma) per dot dtype
+_NIBBLES_BF16 = tl.constexpr(_nibbles_asm("0x3F803F80", "0x43004300", "0xC300C300", "fma.rn.bf16x2"))
+_NIBBLES_FP16 = tl.constexpr(_nibbles_asm("0x3C003C00", "0x64006400", "0xE400E400", "fma.rn.f16x2"))
+
+
+@triton.jit
+def nibbles_asm(b, zp, DOT: tl.constexpr):
+    """CUDA only: code bytes ``b`` (uint8, two nibbles) and zero points ``zp`` (uint8 0..15, same
+    shape) -> ``(low nibble - zp, high nibble - zp)`` as exact fp16 / bf16 (DOT), 4 bytes per
+    32-bit register: the bytes are spread into 16-bit lanes (``prmt``), ``(lane & 0xF) | 0x6400``
+    is fp16 ``1024 + n`` (bf16: ``| 0x4300`` is ``128 + n``; the high nibble is shifted down
+    first, bf16 has no room for ``16 n``), ``zp | 0xE400`` is fp16 ``-(1024 + zp)`` (bf16
+    ``0xC300``), and one packed ``fma`` by 1 adds the two: about 2 instructions a nibble."""
+    if DOT == DOT_BF16:
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_BF16, constraints="=r,=r,=r,=r,r,r", args=[b, zp],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_FP16, constraints="=r,=r,=r,=r,r,r", args=[b, zp],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
 
 
 # Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, NUM_SEGMENTS), as _attn_kernel.
@@ -33,7 +102,7 @@ def _attn_int4_kernel(
     out_ptr,                        # out [T, Hq, D] or segm_output [T, Hq, NUM_SEGMENTS, D] (rotated)
     segm_max_ptr, segm_sum_ptr,     # [T, Hq, NUM_SEGMENTS] fp32 (SPLIT only)
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
-    softmax_scale, softcap, window_left, window_right, num_seqs, q_block_base,
+    softmax_scale, softcap, window_left, window_right, num_seqs,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -47,11 +116,16 @@ def _attn_int4_kernel(
     SPLIT: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
+    Q_ROTATED: tl.constexpr = False,  # q is rotate_query's output: [T, Hq, D] fp32, even dims then odd, scaled
+    CODE_ZP: tl.constexpr = False,  # zero points subtracted from the codes as they convert (no per-score term)
+    ASM: tl.constexpr = False,      # CUDA: codes converted by nibbles_asm (PTX), 4 bytes per instruction group
+    MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
+    ROT_CHUNK: tl.constexpr = 0,    # > 0: the in-kernel rotations in chunks of this many dims (large heads)
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
-        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
-        GROUP, TILE, NUM_SEGMENTS, PDL)
+        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE,
+        NUM_SEGMENTS, PDL)
     if not has_rows:
         return
 
@@ -59,30 +133,50 @@ def _attn_int4_kernel(
     offs_h = tl.arange(0, HALF)
     offs_t = tl.arange(0, TILE)
 
-    # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
-    h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
-    h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
-    if HEAD >= 256:  # fp32 [HEAD, HALF] operands would need 256 KB of shared memory: 16-bit, exact for q * s and +-1
-        q = to_dot(q, DOT)
-        q_even = to_dot(tl.dot(q, to_dot(h_even, DOT)), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-        q_odd = to_dot(tl.dot(q, to_dot(h_odd, DOT)), DOT)
+    if Q_ROTATED:
+        # q_even / q_odd: [BLOCK_M, HALF], already H(s*q) * softmax_scale, rounded to the dot dtype
+        q_row = q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h
+        q_even = to_dot(tl.load(q_row + offs_h[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0), DOT)
+        q_odd = to_dot(tl.load(q_row + (HALF + offs_h[None, :]) * stride_q_d, mask=row_ok[:, None], other=0.0), DOT)
+        q_scale = 1.0
     else:
-        q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-        q_odd = to_dot(tl.dot(q, h_odd), DOT)
-    q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
+        # Rotate q: q_rot[j] = sum_k H[j, k] s[k] q[k], split into even / odd j.
+        if ROT_CHUNK == 0:
+            q = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
+            h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
+            h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
+            q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
+            q_odd = to_dot(tl.dot(q, h_odd), DOT)
+        else:  # k in chunks of ROT_CHUNK: the Hadamard operands [ROT_CHUNK, HALF] fit shared memory
+            offs_c = tl.arange(0, ROT_CHUNK)
+            q_even_f = tl.zeros([BLOCK_M, HALF], tl.float32)
+            q_odd_f = tl.zeros([BLOCK_M, HALF], tl.float32)
+            for c in tl.static_range(HEAD // ROT_CHUNK):
+                k_dims = c * ROT_CHUNK + offs_c
+                qc = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h
+                             + k_dims[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                qc = qc * tl.load(signs_ptr + k_dims)[None, :]  # [BLOCK_M, ROT_CHUNK]
+                q_even_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :]), q_even_f)
+                q_odd_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :] + 1), q_odd_f)
+            q_even = to_dot(q_even_f, DOT)
+            q_odd = to_dot(q_odd_f, DOT)
+        q_scale = softmax_scale
+    if not CODE_ZP:
+        q_sum = tl.sum(q_even.to(tl.float32), 1) + tl.sum(q_odd.to(tl.float32), 1)  # of the rounded q_rot
     if USE_SOFTCAP:
-        qk_scale = softmax_scale / HEAD
+        qk_scale = q_scale / HEAD
     else:
-        qk_scale = softmax_scale / HEAD * LOG2E
+        qk_scale = q_scale / HEAD * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_even = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_odd = tl.zeros([BLOCK_M, HALF], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    if MASK_EDGES:
+        f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
@@ -104,13 +198,32 @@ def _attn_int4_kernel(
         v_zp = (vbits & 0xF).to(tl.float32)
         v_sc = (vbits & -16).to(tl.float32, bitcast=True)
 
-        s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
-        s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
-        s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
+        if ASM:
+            if CODE_ZP:
+                kc_lo, kc_hi = nibbles_asm(kb, tl.broadcast_to((kbits & 0xF).to(tl.uint8)[None, :], kb.shape), DOT)
+            else:
+                kc_lo, kc_hi = nibbles_asm(kb, tl.zeros(kb.shape, tl.uint8), DOT)
+            s = tl.dot(q_even, kc_lo)
+            s = tl.dot(q_odd, kc_hi, s)
+        elif CODE_ZP:
+            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT))
+            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s)
+        else:
+            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
+            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
+        if CODE_ZP:  # s = q_rot . (codes - zp)
+            s = s * (k_sc * qk_scale)[None, :]
+        else:
+            s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                     s, float("-inf"))
+        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
+            if (t < f0) | (t >= f1):
+                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                             s, float("-inf"))
+        else:
+            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -118,9 +231,25 @@ def _attn_int4_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vs_max = tl.maximum(tl.max(v_sc, 0), 1e-30)  # keeps p * v_scale inside fp16's range
         pv = to_dot(p * (v_sc / vs_max)[None, :], DOT)
-        zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
-        acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT)) - zp_term[:, None]) * vs_max
-        acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT)) - zp_term[:, None]) * vs_max
+        if CODE_ZP:
+            if ASM:
+                v_lo, v_hi = nibbles_asm(vb, tl.broadcast_to((vbits & 0xF).to(tl.uint8)[:, None], vb.shape), DOT)
+            else:
+                v_lo = nibble_minus_zp(vb & 0xF, (vbits & 0xF)[:, None], DOT)
+                v_hi = nibble_minus_zp(vb >> 4, (vbits & 0xF)[:, None], DOT)
+            acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_lo) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_hi) * vs_max
+        else:
+            zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
+            if ASM:
+                v_lo, v_hi = nibbles_asm(vb, tl.zeros(vb.shape, tl.uint8), DOT)
+                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, v_lo) - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, v_hi) - zp_term[:, None]) * vs_max
+            else:
+                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT))
+                                                        - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT))
+                                                      - zp_term[:, None]) * vs_max
         m_i = m_new
 
     if SPLIT:
@@ -134,14 +263,22 @@ def _attn_int4_kernel(
     else:
         # inverse rotation: o[j] = s[j] / d * sum_k H[j, k] acc[k], k = 2i (even) or 2i + 1 (odd)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        signs = tl.load(signs_ptr + offs_d) / HEAD
-        g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
-        g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
-        if HEAD >= 256:  # 16-bit operands, as for the query (signs / HEAD is a power of two: exact)
-            o = tl.dot(to_dot(acc_even * inv_l[:, None], DOT), to_dot(g_even, DOT))
-            o = tl.dot(to_dot(acc_odd * inv_l[:, None], DOT), to_dot(g_odd, DOT), o)  # [BLOCK_M, HEAD]
-        else:
+        if ROT_CHUNK == 0:
+            signs = tl.load(signs_ptr + offs_d) / HEAD
+            g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
+            g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
             o = tl.dot(acc_even * inv_l[:, None], g_even)
             o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
-        tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:  # output dims in chunks of ROT_CHUNK (operands [HALF, ROT_CHUNK])
+            offs_c = tl.arange(0, ROT_CHUNK)
+            a_even = acc_even * inv_l[:, None]
+            a_odd = acc_odd * inv_l[:, None]
+            for c in tl.static_range(HEAD // ROT_CHUNK):
+                o_dims = c * ROT_CHUNK + offs_c
+                signs = tl.load(signs_ptr + o_dims) / HEAD
+                o = tl.dot(a_even, hadamard_sign(2 * offs_h[:, None], o_dims[None, :]) * signs[None, :])
+                o = tl.dot(a_odd, hadamard_sign(2 * offs_h[:, None] + 1, o_dims[None, :]) * signs[None, :], o)
+                tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                         + o_dims[None, :] * stride_o_d, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -1,0 +1,329 @@
+"""Benchmark the 2D attention path (prefill chunks, mixed batches) over every cache mode, against
+the device's own limits.
+
+Rows: for each head size (64: 32 query / 8 KV heads, as Llama 3.2 1B; 128: 32 / 8, as Llama 3
+8B; 256: 16 / 8, as Gemma 2 9B; block 16, bf16 queries), chunks of ``max_seqlen_q`` 512 and
+2,048 new tokens over 0 / 4,096 / 32,768 cached tokens, and one mixed batch (decode rows plus
+one chunk). The new tokens' keys are in the cache too, as a prefill worker has them after
+writing them: a sequence's context is ``cached + q_len``. Each prefill row holds
+:data:`TOKENS_PER_CALL` new tokens (``4096 // q_len`` sequences) so the grid fills the GPU.
+
+Each row, every mode: the median µs of CUDA-graph replays, warm and with a cold L2 (a 256 MiB
+write before every replay, its own time measured in the same run and subtracted); the
+*ceiling*: ``max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)``, both rates measured in
+this run (copy: a device-to-device copy of 1 GiB, counted read + write; matmul: ``torch.matmul``
+of two bf16 8192 x 8192 matrices). Bytes: every visible key's K and V row once (codes and
+scales), the queries read and the output written. FLOPs: ``4 * head_size`` per visible
+(query head, key) pair (the two dots). Printed: the ratio of bf16's cold time to the mode's,
+and the fraction of the binding limit reached (cold). Every configuration is first checked
+against the oracle ``reference_unified_attention`` on the last rows of one chunk (and one
+decode row of a mixed batch): relative L2 <= 1e-2.
+
+The mixed batch is one ``unified_attention`` call, so every row goes through the 2D kernel.
+
+``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
+(2D tilings, each with the mode's variants: ``Tiling.mask_edges_only`` for every mode,
+``Tiling.dequant_first`` for the quantized ones, ``Tiling.code_zp`` / ``code_asm`` and
+``Tuning.rotate_q_once`` for INT4), side by side in the same process; a tuning that does not fit
+or compile is logged (``SKIPPED``) and has no row.
+
+Run: ``python -m bench.attention_prefill`` (H200; a subset: ``--heads 128 --modes bf16,int4
+--cached 32768 --no-mixed``), ``--smoke`` (tiny shapes through Triton's interpreter on the CPU:
+a test that the script runs, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import torch
+
+from bench.attention import MODES, copy_gbps, fill_cache
+from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
+from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
+from kernels.reference import reference_unified_attention
+from layouts import CacheGeometry, KVQuantMode
+
+HEADS = {64: (32, 8), 128: (32, 8), 256: (16, 8)}  # head_size -> (num_q_heads, num_kv_heads)
+Q_LENS = (512, 2048)
+CACHED = (0, 4096, 32768)
+TOKENS_PER_CALL = 4096
+# mixed batch: (decode rows, their context, chunk length, tokens cached before the chunk)
+MIXED = (16, 8192, 512, 4096)
+SMOKE = dict(heads={64: (4, 2)}, q_lens=(24,), cached=(0, 40), tokens=48, mixed=(3, 50, 20, 17), block_size=16)
+FULL = dict(heads=HEADS, q_lens=Q_LENS, cached=CACHED, tokens=TOKENS_PER_CALL, mixed=MIXED, block_size=16)
+CHECK_ROWS = 64  # query rows of one chunk compared with the oracle (a suffix: same keys, same positions)
+REP_MS = 100
+MATMUL_N = 8192
+
+
+@dataclasses.dataclass
+class Shape:
+    """One row: sequences given as (query tokens, context incl. those tokens)."""
+
+    name: str
+    head_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    seqs: list          # [(q_len, seq_len)]
+
+    @property
+    def max_q(self) -> int:
+        return max(q for q, _ in self.seqs)
+
+    @property
+    def max_k(self) -> int:
+        return max(k for _, k in self.seqs)
+
+
+def shapes(p, heads) -> list:
+    out = []
+    for head in heads:
+        hq, hkv = p["heads"][head]
+        for q_len in p["q_lens"]:
+            batch = max(1, p["tokens"] // q_len)
+            for cached in p["cached"]:
+                out.append(Shape(f"prefill {q_len} over {cached}", head, hq, hkv, [(q_len, cached + q_len)] * batch))
+        if not p["mixed"]:
+            continue
+        d, d_ctx, chunk, cached = p["mixed"]
+        out.append(Shape(f"mixed {d}x decode@{d_ctx} + {chunk} over {cached}", head, hq, hkv,
+                         [(1, d_ctx)] * d + [(chunk, cached + chunk)]))
+    return out
+
+
+def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
+    """A packed cache of random codes holding every sequence's context, a shuffled block table,
+    bf16 queries and the byte / FLOP counts of the call."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    geo = CacheGeometry(mode, shape.head_size, shape.num_kv_heads, block_size, torch.bfloat16)
+    blocks = [-(-k // block_size) for _, k in shape.seqs]
+    cache, views = fill_cache(mode, geo, sum(blocks), device, gen)
+    perm = torch.randperm(sum(blocks), device=device, generator=gen).to(torch.int32)
+    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    q_lens = [q for q, _ in shape.seqs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), shape.num_q_heads, shape.head_size, device=device, generator=gen).to(torch.bfloat16)
+    seq_lens = [k for _, k in shape.seqs]
+    pairs = sum(sum(range(k - ql + 1, k + 1)) for ql, k in shape.seqs)  # causal: query at position p sees p + 1 keys
+    kv_bytes = sum(seq_lens) * shape.num_kv_heads * 2 * geo.row_bytes
+    return dict(mode=mode, views=views, table=table, cu=cu, q=q, out=torch.empty_like(q), shape=shape, cache=cache,
+                seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                bytes=kv_bytes + 2 * q.numel() * q.element_size(),
+                flops=4 * shape.head_size * shape.num_q_heads * pairs)
+
+
+def _args(pb):
+    v, s = pb["views"], pb["shape"]
+    return ((pb["q"], v.key_cache, v.value_cache, pb["out"], pb["cu"], pb["seqused_k"], s.max_q, s.max_k,
+             s.head_size ** -0.5, True, (-1, -1), pb["table"], 0.0, None, None, None),
+            dict(kv_quant_mode=pb["mode"], k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache))
+
+
+def call(pb, tuning: Tuning):
+    args, kw = _args(pb)
+    return unified_attention(*args, **kw, tuning=tuning)
+
+
+def plan_of(pb, tuning: Tuning) -> Plan:
+    args, kw = _args(pb)
+    return attention_plan(*args, **kw, tuning=tuning)
+
+
+def check(pb, tuning: Tuning) -> float:
+    """Relative L2 of the kernel vs the oracle on the last :data:`CHECK_ROWS` query rows of the
+    last sequence (a chunk) and on the first sequence's rows (a decode row in a mixed batch),
+    over a gathered sub-cache of just those sequences."""
+    pb["out"].fill_(float("nan"))
+    call(pb, tuning)
+    seqs = sorted({0, len(pb["shape"].seqs) - 1})
+    cu = pb["cu"].tolist()
+    rows, q_lens = [], []
+    for s in seqs:
+        n = min(CHECK_ROWS, cu[s + 1] - cu[s])
+        rows.append(torch.arange(cu[s + 1] - n, cu[s + 1]))
+        q_lens.append(n)
+    rows = torch.cat(rows).to(pb["q"].device)
+    ids = pb["table"][seqs].long()
+    sub = [None if t is None else t[ids.flatten()] for t in pb["views"]]
+    table = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device).view(ids.shape)
+    sub_cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=ids.device)
+    ref = reference_unified_attention(pb["q"][rows], sub[0], sub[1], sub_cu, pb["seqused_k"][seqs], table,
+                                      pb["shape"].head_size ** -0.5, True, (-1, -1), 0.0, pb["mode"], sub[2], sub[3])
+    got = pb["out"][rows].float()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+class Timer:
+    """Warm and cold-L2 µs of one call (CUDA-graph replays); wall clock of one call on the CPU."""
+
+    def __init__(self, device, rep_ms):
+        self.device, self.rep_ms = device, rep_ms
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device != "cpu" else None
+
+    def __call__(self, fn) -> tuple:
+        if self.device == "cpu":
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+            return us, us
+        return graph_us(fn, self.rep_ms), cold_graph_us(fn, self.rep_ms, self.flush)
+
+
+def matmul_tflops(device) -> float:
+    """bf16 ``torch.matmul`` of two MATMUL_N-square matrices, TFLOP/s (the dense tensor-core rate here)."""
+    if device == "cpu":
+        return float("nan")
+    import triton.testing
+    a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: torch.matmul(a, b), rep=200, return_mode="median")
+    return 2 * MATMUL_N ** 3 / ms / 1e9
+
+
+# --sweep: 2D-kernel tilings (block_m, tile, warps, stages), each under the variants of the cache's
+# mode; a variant names the fields it turns on (VARIANT_FIELDS)
+SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2))
+VARIANT_FIELDS = {"zp": "code_zp", "asm": "code_asm", "dq": "dequant_first", "mask": "mask_edges_only",
+                  "rot1": "rotate_q_once"}  # rot1 is a Tuning field, the others Tiling fields
+VARIANTS = {
+    KVQuantMode.NONE: ((), ("mask",)),
+    KVQuantMode.INT8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
+    KVQuantMode.FP8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
+    KVQuantMode.INT4_PER_TOKEN_HEAD: ((), ("zp",), ("zp", "rot1"), ("asm",), ("zp", "rot1", "asm"), ("mask",),
+                                      ("zp", "rot1", "asm", "mask"), ("dq",), ("dq", "mask")),
+}
+
+
+def variant_tuning(tiling: Tiling, variant) -> Tuning:
+    """The 2D path with ``tiling`` and the fields ``variant`` names turned on."""
+    fields = {VARIANT_FIELDS[v]: True for v in variant}
+    once = fields.pop("rotate_q_once", False)
+    return Tuning(path=Path.PREFILL_2D, tiling=dataclasses.replace(tiling, **fields), rotate_q_once=once)
+
+
+def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
+    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` with each of
+    the mode's :data:`VARIANTS`; no repeats. Tilings that do not fit the GPU's shared memory are
+    skipped at run time."""
+    out = [Tuning()]
+    for block_m, tile, warps, stages in SWEEP_TILINGS:
+        if block_m < plan.tiling.block_m:
+            continue
+        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages)
+        out += [variant_tuning(base, v) for v in VARIANTS[mode]]
+    return list(dict.fromkeys(out))
+
+
+def describe(plan: Plan) -> str:
+    t = plan.tiling
+    extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
+        (" dequant-first" if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
+        (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
+    return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
+
+
+def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
+    copy = copy_gbps(device)
+    tflops = matmul_tflops(device)
+    log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
+    timer = Timer(device, rep_ms)
+    rows = []
+    for shape in shapes(p, heads):
+        bf16_cold = None
+        for name in modes:
+            pb = make_problem(MODES[name], shape, p["block_size"], device)
+            bytes_us = pb["bytes"] / copy / 1e3
+            flops_us = pb["flops"] / tflops / 1e6
+            ceiling, bound = (bytes_us, "bytes") if bytes_us >= flops_us else (flops_us, "FLOPs")
+            big = shape.seqs[-1][1] - shape.seqs[-1][0] >= max(p["cached"])
+            tunings = sweep_tunings(plan_of(pb, Tuning()), pb["mode"]) if sweep and big else [Tuning()]
+            for tuning in tunings:
+                ran = plan_of(pb, tuning)
+                try:
+                    err = check(pb, tuning)
+                except Exception as e:  # a tuning too large for this GPU (or not compiling): logged, no row
+                    log(f"SKIPPED {name} h{shape.head_size} {shape.name} {describe(ran)}: "
+                        f"{type(e).__name__}: {str(e)[:300]}")
+                    continue
+                warm, cold = timer(lambda: call(pb, tuning)) if err <= 1e-2 else (float("nan"), float("nan"))
+                if name == "bf16" and tuning == Tuning():
+                    bf16_cold = cold
+                row = dict(head=shape.head_size, shape=shape.name, mode=name, batch=len(shape.seqs), warm=warm,
+                           cold=cold, ceiling=ceiling, bound=bound, err=err, plan=ran, swept=tuning != Tuning(),
+                           vs_bf16=bf16_cold / cold if bf16_cold else float("nan"),
+                           tflops=pb["flops"] / cold / 1e6, gbps=pb["bytes"] / cold / 1e3)
+                log(f"{name} h{shape.head_size} {shape.name} {describe(ran)} err={err:.1e} warm={warm:.1f} "
+                    f"cold={cold:.1f} ceiling={ceiling:.1f} ({bound})")
+                rows.append(row)
+            del pb
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    return rows, copy, tflops
+
+
+def table(rows, copy, tflops, device, argv) -> str:
+    name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
+    lines = [f"GPU: {name}; copy {copy:.0f} GB/s (read + write); bf16 matmul {tflops:.0f} TFLOP/s; "
+             "cold: L2 flushed before every replay",
+             f"command: `python -m bench.attention_prefill {' '.join(argv)}`", "",
+             "| head | shape | mode | seqs | µs warm | µs cold | TFLOP/s | GB/s | ceiling µs (bound) | "
+             "% of limit | vs bf16 | rel. L2 | kernel (block_m, tile, warps, stages) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        mode = r["mode"] + (" (swept)" if r["swept"] else "")
+        lines.append(f"| {r['head']} | {r['shape']} | {mode} | {r['batch']} | {r['warm']:.1f} | {r['cold']:.1f} | "
+                     f"{r['tflops']:.0f} | {r['gbps']:.0f} | {r['ceiling']:.1f} ({r['bound']}) | "
+                     f"{100 * r['ceiling'] / r['cold']:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | "
+                     f"{describe(r['plan'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m bench.attention_prefill", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU through the interpreter")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--modes", default="bf16,int8,fp8,int4", help="comma-separated subset of bf16,int8,fp8,int4")
+    parser.add_argument("--heads", default=None, help="head sizes, comma-separated (default 64,128,256)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="32k-cached rows: time every tuning of sweep_tunings side by side")
+    parser.add_argument("--q-lens", default=None, help="chunk lengths, comma-separated (default 512,2048)")
+    parser.add_argument("--cached", default=None, help="cached tokens before each chunk (default 0,4096,32768)")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                        help="include the mixed-batch row (--no-mixed: leave it out)")
+    parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
+    parser.add_argument("--log", default=None, help="append every timed configuration to this file")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    p = dict(SMOKE if args.smoke else FULL)
+    if args.q_lens:
+        p["q_lens"] = tuple(int(x) for x in args.q_lens.split(","))
+    if args.cached:
+        p["cached"] = tuple(int(x) for x in args.cached.split(","))
+    if not args.mixed:
+        p["mixed"] = None
+    heads = [int(h) for h in args.heads.split(",")] if args.heads else list(p["heads"])
+    unknown = [h for h in heads if h not in p["heads"]]
+    if unknown:
+        parser.error(f"--heads: expected some of {list(p['heads'])}, got {unknown}")
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in modes):
+        parser.error(f"--modes: expected a subset of {list(MODES)}, got {args.modes!r}")
+    modes = ["bf16"] + [m for m in modes if m != "bf16"]  # the ratios need bf16 first
+    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms)
+    print(table(rows, copy, tflops, device, list(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

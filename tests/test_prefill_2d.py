@@ -1,0 +1,222 @@
+"""The 2D attention path (prefill chunks, mixed batches): its tilings and variants against the
+oracle, and the prefill benchmark's CPU-side logic.
+
+Covers: every cache mode through the 2D kernel under the tilings and variants the prefill
+benchmark sweeps (``bench.attention_prefill.sweep_tunings``: ``Tiling.code_zp``, ``code_asm``,
+``dequant_first``, ``mask_edges_only``, ``Tuning.rotate_q_once``) on chunks that start mid-block
+after cached tokens, chunks with no cached token, decode rows and tiles every row sees; the
+INT4 variants at other head sizes with softcap and windows; the edge-tile bounds
+(``common.full_tiles``); the benchmark's byte and FLOP counts; a ``--smoke`` run of
+``bench/attention_prefill.py``. ``code_asm`` is PTX: on the CPU the plain conversion runs, so
+only the CUDA test checks it.
+
+CPU tensors run through Triton's interpreter (small shapes); the CUDA test runs when a GPU is
+present. Run: ``python -m pytest tests/test_prefill_2d.py -q``.
+
+Tolerance: relative L2 <= 1e-2 against ``reference_unified_attention`` on the same cache; the
+residual is rounding only (bf16 output, 16-bit dot operands, INT4's rotated query in 16 bits),
+measured near 3e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton.language as tl
+
+from bench import attention_prefill as AP
+from kernels._jit import dual_jit
+from kernels.attention.common import full_tiles
+from kernels.attention import Path, Rotate, Tiling, Tuning, attention_plan
+from layouts import KVQuantMode
+from test_attention_kernels import make_case, run_and_check
+
+MODES = [
+    pytest.param(KVQuantMode.NONE, id="bf16"),
+    pytest.param(KVQuantMode.INT8_PER_TOKEN_HEAD, id="int8"),
+    pytest.param(KVQuantMode.FP8_PER_TOKEN_HEAD, id="fp8"),
+    pytest.param(KVQuantMode.INT4_PER_TOKEN_HEAD, id="int4"),
+]
+# One batch of every shape the 2D path meets: a chunk after 0 cached tokens, chunks after cached
+# tokens that end mid-block (block 16), decode rows, an empty sequence, and a chunk over key tiles
+# that every row sees before the causal edge.
+Q_LENS = [24, 21, 1, 1, 19, 0, 21]
+K_LENS = [24, 21 + 37, 70, 33, 19 + 45, 5, 21 + 150]
+
+
+def _tunings(mode=KVQuantMode.INT4_PER_TOKEN_HEAD):
+    """Every tuning the benchmark sweeps for ``mode``, planned for a 64-row query tile (GQA group 4)."""
+    c = make_case(KVQuantMode.NONE, torch.bfloat16, [24], [24], num_q_heads=8, num_kv_heads=2)
+    plan = attention_plan(c["q"], c["views"].key_cache, c["views"].value_cache, torch.empty_like(c["q"]), c["cu"],
+                          c["seqused_k"], c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0)
+    return AP.sweep_tunings(plan, mode)
+
+
+def _tested(mode) -> list:
+    """The swept tunings the oracle tests run: every variant under the first and the last
+    :data:`~bench.attention_prefill.SWEEP_TILINGS` entry, the other tilings plain (a variant's
+    code does not depend on the tiling beyond block_m and tile, which those two cover)."""
+    first, last = AP.SWEEP_TILINGS[0], AP.SWEEP_TILINGS[-1]
+    return [t for t in _tunings(mode) if t == Tuning() or t == Tuning(path=Path.PREFILL_2D, tiling=t.tiling)
+            or (t.tiling.block_m, t.tiling.tile, t.tiling.num_warps, t.tiling.num_stages) in (first, last)]
+
+
+def _tuning_id(t: Tuning) -> str:
+    if t == Tuning():
+        return "default"
+    on = [name for name, field in AP.VARIANT_FIELDS.items()
+          if getattr(t if field == "rotate_q_once" else t.tiling, field)]
+    return "m{0.block_m}-t{0.tile}-w{0.num_warps}-s{0.num_stages}".format(t.tiling) + "".join(f"-{v}" for v in on)
+
+
+@pytest.mark.parametrize("mode,tuning", [pytest.param(m.values[0], t, id=f"{m.id}-{_tuning_id(t)}")
+                                         for m in MODES for t in _tested(m.values[0])])
+def test_2d_tunings_match_oracle(mode, tuning):
+    """The benchmark's tunings for the mode (:func:`_tested`) against the oracle on one batch of
+    every shape (:data:`Q_LENS`, :data:`K_LENS`)."""
+    c = make_case(mode, torch.bfloat16, Q_LENS, K_LENS, num_q_heads=8, num_kv_heads=2, head_size=64)
+    run_and_check(c, tuning=tuning)
+
+
+@pytest.mark.parametrize("head_size", [32, 128])
+@pytest.mark.parametrize("tuning", [t for t in _tunings() if t.tiling is not None and (
+    t.tiling.block_m, t.tiling.tile, t.tiling.num_warps, t.tiling.num_stages) == AP.SWEEP_TILINGS[0]], ids=_tuning_id)
+def test_2d_int4_variants_other_head_sizes(head_size, tuning):
+    """The INT4 variants at other head sizes, GQA group 1, softcap and a sliding window."""
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, [1, 19, 6], [33, 19 + 21, 6],
+                  num_q_heads=2, num_kv_heads=2, head_size=head_size)
+    run_and_check(c, tuning=tuning)
+    run_and_check(c, causal=False, window=(9, -1), softcap=20.0, tuning=tuning)
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3]])
+@pytest.mark.parametrize("causal,window", [(True, (70, -1)), (False, (100, 5)), (False, (-1, -1))],
+                         ids=["causal-left", "both-sides", "full"])
+def test_mask_edges_only_windows(mode, causal, window):
+    """``Tiling.mask_edges_only`` under sliding windows and without causality: only tiles inside
+    every row's window go unmasked (a chunk of 19 over 200 cached keys, tiles of 32)."""
+    c = make_case(mode, torch.bfloat16, [19, 1], [19 + 200, 90], num_q_heads=4, num_kv_heads=2, head_size=64)
+    for tile in (32, 64):
+        run_and_check(c, causal=causal, window=window,
+                      tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=True)))
+
+
+@dual_jit
+def _full_tiles_probe(out_ptr, k_lo, k_hi, t0, t1, wl, wr, CAUSAL: tl.constexpr):
+    """Writes ``full_tiles`` for 16 rows at positions 137..152 and tiles of 64 keys."""
+    offs = tl.arange(0, 16)
+    f0, f1 = full_tiles(137 + offs, offs < 16, k_lo, k_hi, t0, t1, wl, wr, CAUSAL, 64)
+    tl.store(out_ptr, f0)
+    tl.store(out_ptr + 1, f1)
+
+
+def test_full_tiles_bounds():
+    """``common.full_tiles``: rows at positions 137..152 all see keys 0..137 (causal), so of the
+    64-key tiles [0, 3) tiles 0 and 1 need no mask; a start tile, a left window and a short
+    context shrink the range."""
+    out = torch.zeros(2, dtype=torch.int32)
+    for args, want in [((0, 153, 0, 3, -1, -1, True), [0, 2]), ((0, 153, 0, 3, -1, -1, False), [0, 2]),
+                       ((0, 153, 1, 3, -1, -1, True), [1, 2]), ((80, 153, 1, 3, 60, -1, True), [2, 2]),
+                       ((0, 153, 0, 3, 100, -1, True), [1, 2]), ((0, 20, 0, 1, -1, -1, True), [0, 0])]:
+        _full_tiles_probe[(1,)](out, *args[:6], CAUSAL=args[6])
+        assert out.tolist() == want, (args, out.tolist())
+
+
+@pytest.mark.parametrize("tuning", [Tuning(), Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, code_zp=True))],
+                         ids=["default", "code-zp"])
+def test_2d_int4_head_256_rotates_in_chunks(tuning):
+    """Above head_size 128 the in-kernel INT4 rotations run in chunks of 64 dims (whole-head fp32
+    Hadamard operands would need more shared memory than an H200 has); same results."""
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, [9, 1], [9 + 30, 20], num_q_heads=2,
+                  num_kv_heads=1, head_size=256)
+    run_and_check(c, tuning=tuning)
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_dequantized_call_holds_the_oracle_rows(mode):
+    """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
+    the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
+    contexts longer than one program's DEQUANT_BLOCKS blocks and ending mid-block."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import DEQUANT_BLOCKS, dequantized_call
+    from kernels.reference.attention import dequantize_cache
+
+    k_lens = [16 * DEQUANT_BLOCKS + 37, 5]
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=2, head_size=64)
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
+                     v.v_scale_cache)
+    d = dequantized_call(call)
+    assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
+    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, 64)
+    for i, n in enumerate(k_lens):
+        for got, ref in ((d.k, k_ref), (d.v, v_ref)):
+            rows = got[d.block_table[i].long()].reshape(-1, 2, 64)[:n]
+            want = ref[c["block_table"][i].long()].reshape(-1, 2, 64)[:n]
+            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+
+
+def test_rotate_q_once_plans_the_rotation_kernel():
+    """``Tuning.rotate_q_once``: the 2D INT4 plan rotates the query with the rotation kernel in 2
+    parts (even, odd dims); the default rotates in the kernel; other modes have no rotation."""
+    c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, [24], [40], num_q_heads=8, num_kv_heads=2)
+    args = (c["q"], c["views"].key_cache, c["views"].value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+            c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0)
+    kw = dict(kv_quant_mode=c["mode"], k_scale_cache=c["views"].k_scale_cache, v_scale_cache=c["views"].v_scale_cache)
+    once = attention_plan(*args, **kw, tuning=Tuning(rotate_q_once=True))
+    assert (once.path, once.rotate, once.rotate_parts) == (Path.PREFILL_2D, Rotate.TRITON, 2)
+    assert attention_plan(*args, **kw).rotate == Rotate.IN_KERNEL
+    c8 = make_case(KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16, [24], [40], num_q_heads=8, num_kv_heads=2)
+    args8 = (c8["q"], c8["views"].key_cache, c8["views"].value_cache, torch.empty_like(c8["q"])) + args[4:]
+    kw8 = dict(kv_quant_mode=c8["mode"], k_scale_cache=c8["views"].k_scale_cache,
+               v_scale_cache=c8["views"].v_scale_cache)
+    assert attention_plan(*args8, **kw8, tuning=Tuning(rotate_q_once=True)).rotate == Rotate.NONE
+
+
+def test_sweep_pins_the_2d_path_and_starts_with_the_default():
+    """The default first, no repeats, every other one the 2D path without a split, under the
+    variants of the cache's mode."""
+    for mode in (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD):
+        tunings = _tunings(mode)
+        assert tunings[0] == Tuning() and len(tunings) == len(set(tunings)) > 1
+        assert all(t.path == Path.PREFILL_2D and t.tiling.num_segments == 1 for t in tunings[1:])
+        variants = {tuple(name for name, field in AP.VARIANT_FIELDS.items()
+                          if getattr(t if field == "rotate_q_once" else t.tiling, field)) for t in tunings[1:]}
+        assert variants == {tuple(sorted(v, key=list(AP.VARIANT_FIELDS).index)) for v in AP.VARIANTS[mode]}
+
+
+def test_bench_counts_bytes_and_flops():
+    """Bytes: K and V rows of every context token + queries read + output written; FLOPs: 4 *
+    head_size per causal (query head, key) pair: a chunk of 2 new tokens over 3 cached sees 4 + 5 keys."""
+    shape = AP.Shape("t", 64, 4, 2, [(2, 5), (1, 7)])
+    pb = AP.make_problem(KVQuantMode.INT4_PER_TOKEN_HEAD, shape, 16, "cpu")
+    assert pb["flops"] == 4 * 64 * 4 * (4 + 5 + 7)
+    row_bytes = 64 // 2 + 4
+    assert pb["bytes"] == (5 + 7) * 2 * 2 * row_bytes + 2 * 3 * 4 * 64 * 2
+
+
+def test_bench_prefill_smoke(capsys):
+    assert AP.main(["--smoke"]) == 0
+    text = capsys.readouterr().out
+    for mode in ("bf16", "int8", "fp8", "int4"):
+        assert f"| {mode} |" in text
+    assert "prefill 24 over 40" in text and "mixed 3x decode@50" in text
+    errs = [float(line.split("|")[12]) for line in text.splitlines() if line.startswith("| 64 |")]
+    assert len(errs) == 12 and max(errs) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head_size,num_q_heads", [(64, 32), (128, 32), (256, 16)])
+def test_cuda_2d_variants_realistic(mode, head_size, num_q_heads):
+    """On the GPU (where ``code_asm`` is PTX): the default and every variant of the mode under the
+    first swept tiling, on decode rows and chunks over cached tokens, against the oracle."""
+    c = make_case(mode, torch.bfloat16, [1, 300, 1, 129], [900, 300 + 700, 33, 129 + 17], num_q_heads=num_q_heads,
+                  num_kv_heads=8, head_size=head_size, device="cuda")
+    first = AP.SWEEP_TILINGS[0]
+    for tuning in _tunings(mode):
+        t = tuning.tiling
+        if t is not None and (t.block_m, t.tile, t.num_warps, t.num_stages) != first:
+            continue
+        run_and_check(c, tuning=tuning)  # at 64 x 64 every head size fits an sm_90 (compiled: <= 160 KiB)
