@@ -150,3 +150,16 @@ def test_bench_quick_mixed_smoke(capsys):
         cells = [c.strip() for c in row.split("|")]
         assert float(cells[-3]) <= 1e-2, row  # rel. L2 of the mixed call vs the oracle
         assert float(cells[7]) > 0 and cells[-2].startswith(("decode_", "prefill_2d")), row
+
+
+def test_mixed_int4_chunk_with_the_query_rotated_once():
+    """INT4 chunk rows whose query the rotation kernel rotates once (``Tuning.rotate_q_once``):
+    the chunk part of the mixed plan carries the rotation's parts, and the output matches the
+    oracle on every row."""
+    from kernels.attention import Tuning
+    mode = KVQuantMode.INT4_PER_TOKEN_HEAD
+    c = _mixed_case(mode, [9, 70, 130], [(6, 38), (17, 17)], "cpu", seed=3)
+    tuning = Tuning(rotate_q_once=True)
+    plan = _plan(c, num_decode_seqs=3, tuning=tuning)
+    assert plan.parts[1].rotate_parts == 2, plan.parts[1]
+    run_and_check(c, num_decode_seqs=3, tuning=tuning)

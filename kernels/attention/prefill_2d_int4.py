@@ -102,7 +102,7 @@ def _attn_int4_kernel(
     out_ptr,                        # out [T, Hq, D] or segm_output [T, Hq, NUM_SEGMENTS, D] (rotated)
     segm_max_ptr, segm_sum_ptr,     # [T, Hq, NUM_SEGMENTS] fp32 (SPLIT only)
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
-    softmax_scale, softcap, window_left, window_right, num_seqs,
+    softmax_scale, softcap, window_left, window_right, num_seqs, q_block_base,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -124,8 +124,8 @@ def _attn_int4_kernel(
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
-        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M, GROUP, TILE,
-        NUM_SEGMENTS, PDL)
+        cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
+        GROUP, TILE, NUM_SEGMENTS, PDL)
     if not has_rows:
         return
 
