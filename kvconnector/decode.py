@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
@@ -133,7 +134,8 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: list = []          # no copy workers: (event, handle, BLOCKS header, pinned staging)
+        self._gpu_writes: deque = deque()    # queued device writes, in order: (event, handle, BLOCKS header,
+        #                                      pinned buffers to hand back, DeviceWrite or None)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -402,12 +404,16 @@ class DecodeEndpoint:
             return self.metrics.ignore("late")
         try:
             return self._accept(p, h, payloads, received)
-        except Exception as e:   # a failure writing this pull's blocks fails it now, not by deadline
-            err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
-                                f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-            self.errors.append(err)
-            self._fail(p, err, "write_error")
+        except Exception as e:
+            self._write_failed(p, h, e)
+
+    def _write_failed(self, p: PullHandle, h: Header, e: Exception) -> None:
+        """A failure handling or completing this pull's blocks fails it now, not by its deadline."""
+        err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
+                            f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        self.errors.append(err)
+        self._fail(p, err, "write_error")
 
     def _accept(self, p: PullHandle, h: Header, payloads, received=None) -> None:
         """Check one BLOCKS message against its pull, then write it (inline, on a worker, or,
@@ -578,14 +584,17 @@ class DecodeEndpoint:
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
-            _, p, h, staged, check = self._gpu_writes.pop(0)
-            for b in staged:
-                self._pinned.release(b)
-            err = None if check is None else check.error()
-            if err is not None:
-                self._fail_corrupt(p, err)
-            else:
-                self._landed_all(p, h)
+            _, p, h, staged, check = self._gpu_writes.popleft()
+            try:   # the write is off the queue: it lands or fails its pull here, never neither
+                for b in staged:
+                    self._pinned.release(b)
+                err = None if check is None else check.error()
+                if err is not None:
+                    self._fail_corrupt(p, err)
+                else:
+                    self._landed_all(p, h)
+            except Exception as e:
+                self._write_failed(p, h, e)
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))
