@@ -71,10 +71,6 @@ def _segments(h: Header, per_block: int):
             g, left, off = g + k, left - k, off + k * per_block
 
 
-def _noop() -> None:
-    """Wakes the I/O thread (its tick then collects finished device writes)."""
-
-
 def default_copy_threads() -> int:
     """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
     only adds work when every core is busy), else one per four cores, at most four."""
@@ -522,9 +518,25 @@ class DecodeEndpoint:
             raise
         self._rx_kept = True     # released by _on_tick once the device copy has read it
         self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
-        if job.event is not None and self._workers is not None:   # wake the loop when it ends (else: polled)
-            self._workers.submit(job.event.synchronize).add_done_callback(lambda f: self._loop.call_soon(_noop))
+        self._watch_writes()
         return None
+
+    def _watch_writes(self) -> None:
+        """With copy workers: one of them sleeps on the oldest queued device write (a blocking
+        event) and wakes the loop when it ends; the tick then collects every write finished by
+        then and sets the next watch. One watcher at a time, not one per message: the writes end
+        in order on one copy stream, and each wake-up costs a thread hand-off and the GIL.
+        Without workers the tick polls."""
+        if self._workers is None or self._watching or not self._gpu_writes or self._gpu_writes[0][0] is None:
+            return
+        self._watching = True
+        self._workers.submit(self._gpu_writes[0][0].synchronize).add_done_callback(
+            lambda f: self._loop.call_soon(self._watched))
+
+    def _watched(self) -> None:
+        self._watching = False   # the tick that follows this call collects the writes and watches again
+
+    _watching = False   # a copy worker is waiting for the oldest queued device write
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -595,6 +607,7 @@ class DecodeEndpoint:
                     self._landed_all(p, h)
             except Exception as e:
                 self._write_failed(p, h, e)
+        self._watch_writes()
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))

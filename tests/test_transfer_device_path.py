@@ -9,7 +9,8 @@ frame fails the pull with CorruptFrameError naming the device check, truncated /
 frames (received into fixed buffers) are named, and no destination byte changes. Pulls of many
 messages of mixed sizes, all received before any write completes, use the plain-PyTorch twin of
 the kernels on CPU (``torch_frame_ops``: the interpreter would take minutes at these sizes); a
-failure while completing a device write fails the pull at once instead of by its deadline.
+failure while completing a device write fails the pull at once instead of by its deadline; with
+copy workers, one worker at a time waits for the queued device writes (fake gated events on CPU).
 
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
@@ -282,3 +283,56 @@ def test_failure_completing_a_device_write_fails_the_pull_now(device):
         with pytest.raises(TransferError, match="pool broken"):
             dec.pull("t", [0, 3], deadline_s=30).result(timeout=40)
         assert time.monotonic() - t0 < 10
+
+
+class _GatedEvent:
+    """Stands in for a CUDA event on CPU: done once ``gate`` is set; counts waiting threads."""
+
+    def __init__(self, gate, stats):
+        self.gate, self.stats = gate, stats
+
+    def query(self):
+        return self.gate.is_set()
+
+    def synchronize(self):
+        with self.stats["lock"]:
+            self.stats["calls"] += 1
+            self.stats["now"] += 1
+            self.stats["most"] = max(self.stats["most"], self.stats["now"])
+        self.gate.wait(20)
+        with self.stats["lock"]:
+            self.stats["now"] -= 1
+
+
+def test_one_copy_worker_watches_the_queued_device_writes(monkeypatch):
+    """With copy workers, queued device writes are watched by one worker at a time (the writes end
+    in order on one stream): 16 messages whose device work ends together after all are queued
+    cost one or two waits, not one per message, and the pull lands byte-exact."""
+    import threading
+    import kvconnector.decode as decode_mod
+    gate, stats = threading.Event(), {"calls": 0, "now": 0, "most": 0, "lock": threading.Lock()}
+    real = decode_mod.scatter_message
+
+    def gated(*args, **kw):
+        job = real(*args, **kw)              # CPU: the work is done now; the event says when it "ends"
+        job.event = _GatedEvent(gate, stats)
+        return job
+    monkeypatch.setattr(decode_mod, "scatter_message", gated)
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
+                     num_blocks=80)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, copy_threads=2) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", list(range(40)))
+        handle = dec.pull("t", list(range(40, 80)), deadline_s=30)
+        deadline = time.monotonic() + 20
+        while dec.metrics.c["blocks_messages"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not handle.done()             # every write queued, none ended
+        gate.set()
+        handle.result(timeout=30)
+        assert dec.metrics.c["blocks_messages"] == 16
+        assert stats["most"] == 1 and 1 <= stats["calls"] <= 2
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[40:], _b(s)[:40])
