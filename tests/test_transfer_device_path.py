@@ -15,18 +15,20 @@ copy workers, one worker at a time waits for the queued device writes (fake gate
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
+import threading
 import time
 
 import pytest
 import torch
 
+import kvconnector.decode as decode_mod
 from connector_fakes import FakePrefill, filled_caches, make_desc
-from torch_frame_ops import TORCH_FRAME_OPS
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_INTO
 from kvconnector.protocol import CHECKSUM, MIX64, MsgType
 from layouts import CorruptFrameError, KVQuantMode, TransferError
+from torch_frame_ops import TORCH_FRAME_OPS
 
 pytestmark = pytest.mark.timeout(120)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -176,9 +178,11 @@ def test_bench_transfer_kernels_quick_runs():
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
-                          "--layerwise-tokens", "32", "--layer-ms", "2"], capture_output=True, text=True, timeout=110)
+                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads"],
+                         capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+    assert "connector CPU ms/MiB by thread; decode process: " in out.stdout and "kvc-decode" in out.stdout
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
 
 
@@ -308,8 +312,6 @@ def test_one_copy_worker_watches_the_queued_device_writes(monkeypatch):
     """With copy workers, queued device writes are watched by one worker at a time (the writes end
     in order on one stream): 16 messages whose device work ends together after all are queued
     cost one or two waits, not one per message, and the pull lands byte-exact."""
-    import threading
-    import kvconnector.decode as decode_mod
     gate, stats = threading.Event(), {"calls": 0, "now": 0, "most": 0, "lock": threading.Lock()}
     real = decode_mod.scatter_message
 
