@@ -79,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "INT4 pull of this many tokens (0: off; --cuda: 32768)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
                    "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
+    p.add_argument("--no-recv-into", action="store_true", help="--kernels: the decode side receives payload "
+                   "frames zero copy and copies them into pinned memory with torch instead of Socket.recv_into")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
@@ -230,7 +232,7 @@ class Sender:
 
 # ---- the receiving side (this process) ----------------------------------------------------
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
-              kernels: bool = False, plane: str = "zmq", threads: bool = False) -> dict:
+              kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte.
     ``threads``: also sum each thread group's CPU time over the timed connector pulls
@@ -256,7 +258,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     per_thread = ({}, {})
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
-                            nixl_region_bytes=max(1 << 20, total)) as dec:
+                            nixl_region_bytes=max(1 << 20, total), recv_into=recv_into) as dec:
             dec.connect(endpoint, timeout_s=30)
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
@@ -306,6 +308,8 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
 
 def _thread_line(label: str, secs: dict, mib: float) -> str:
     """``label: name ms/MiB, ...`` for thread groups above 0.005 ms/MiB, largest first."""
+    if not secs:
+        return f"{label}: (none apart: --in-process, or no /proc schedstat)"
     parts = sorted(((v * 1e3 / mib, k) for k, v in secs.items()), reverse=True)
     return f"{label}: " + ", ".join(f"{k} {v:.2f}" for v, k in parts if v >= 0.005)
 
@@ -375,6 +379,7 @@ def run(args) -> int:
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
+          f"{', frames copied by torch (no recv_into)' if args.no_recv_into else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
@@ -387,7 +392,7 @@ def run(args) -> int:
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane, args.threads)
+                              args.kernels, args.data_plane, args.threads, False if args.no_recv_into else None)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20

@@ -106,18 +106,27 @@ class DecodeEndpoint:
         ``"zmq"``, or ``"nixl"``: offer a NIXL receive region of ``nixl_region_bytes`` (each pending
         pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
         payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
+    recv_into : bool, optional
+        ``mix64`` payloads: received with ``Socket.recv_into`` straight into a pooled pinned buffer
+        (one memcpy inside libzmq, on the I/O thread), or, False, received zero copy and copied
+        into that buffer by ``torch`` (which spreads a large copy over its intra-op threads).
+        Default: True where pyzmq has ``recv_into`` (26.4+).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
                  curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
-                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20) -> None:
+                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20,
+                 recv_into: bool | None = None) -> None:
         check_caches(caches, descriptor)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
         self.plane = ZMQ              # what the prefill said it uses (HELLO_ACK ``plane``)
         self.frame_ops = frame_ops
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
+        if recv_into and not RECV_INTO:
+            raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
+        self.recv_into = RECV_INTO if recv_into is None else bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
         self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
@@ -173,7 +182,7 @@ class DecodeEndpoint:
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
                             on_tick=self._on_tick, on_error=self._on_error,
-                            on_header=self._receive_into if self.frame_ops is not None and RECV_INTO else None)
+                            on_header=self._receive_into if self.frame_ops is not None and self.recv_into else None)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):

@@ -243,11 +243,15 @@ def test_torch_frame_ops_match_the_kernels():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_mixed_size_messages_in_flight(device):
+@pytest.mark.parametrize("recv_into", [True, False], ids=["recv_into", "torch-copy"])
+def test_many_mixed_size_messages_in_flight(device, recv_into):
     """A pull of more messages than the decode side's pinned pool keeps, of two sizes (each layer
     as a 32-block and an 8-block message, like 256-block INT8 pulls of a Llama-8B layer set at
     8 MiB chunks), all received while the I/O thread is held, so every buffer is handed back in
-    one tick: every message lands, byte-exact, and the pull completes."""
+    one tick: every message lands, byte-exact, and the pull completes; both ways of filling the
+    pinned buffers (``recv_into``, or zero-copy frames copied by torch)."""
+    if recv_into and not RECV_INTO:
+        pytest.skip("pyzmq without Socket.recv_into")
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
                      num_blocks=80)
     src = [c.to(device) for c in filled_caches(desc, 0)]
@@ -255,7 +259,7 @@ def test_many_mixed_size_messages_in_flight(device):
     g = torch.Generator().manual_seed(2)
     src_ids, dst_ids = torch.randperm(80, generator=g)[:40].tolist(), torch.randperm(80, generator=g)[:40].tolist()
     with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=_ops(device)) as pre, \
-            DecodeEndpoint(dst, desc, frame_ops=_ops(device)) as dec:
+            DecodeEndpoint(dst, desc, frame_ops=_ops(device), recv_into=recv_into) as dec:
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", src_ids)
         handle = dec.pull("t", dst_ids, deadline_s=30)
@@ -264,6 +268,7 @@ def test_many_mixed_size_messages_in_flight(device):
         _sync(device)
         assert res.nbytes == 8 * 40 * desc.block_bytes
         assert dec.metrics.c["blocks_messages"] == 16 > dec._pinned.max_buffers
+        assert dec.metrics.c["frames_received_into"] == (16 if recv_into else 0)
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
         assert not pre.errors and not dec.errors
