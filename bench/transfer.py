@@ -20,6 +20,10 @@ INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads,
 block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
 processes per MiB moved.
 
+``--threads``: also where the host CPU time of the connector's pulls goes, per thread of both
+processes (the endpoints' I/O threads, copy and staging workers, ZeroMQ's I/O threads, CUDA's
+and PyTorch's own threads), from ``/proc/self/task/*/schedstat`` (Linux), in CPU ms per MiB.
+
 ``--layerwise-tokens N``: the exposed time of a layer-wise pull of an N-token request (INT4,
 the same layer set): the decode side pulls while the prefill announces one layer every
 ``--layer-ms`` (``publish(..., layers_ready=0)`` then ``publish_layers``, standing in for the
@@ -27,10 +31,10 @@ forward writing each layer); exposed = from the last layer announced to the last
 For comparison the same pull with every layer announced at once (no layer-wise overlap).
 ``--cuda`` measures it for 32k tokens.
 
-Run: ``python -m bench.transfer [--device cuda] [--contiguous] [--kernels] [--cuda]`` (also
-``kvconnector bench-transfer``); ``--quick`` is the smoke test CI runs. The floor any connector could reach
-on the same host (the mandatory gather, checksum and write passes with no protocol) is
-``python -m bench.transfer_floor``. Results: docs/BENCHMARKS.md, "Transfer".
+Run: ``python -m bench.transfer [--device cuda] [--contiguous] [--kernels] [--cuda] [--threads]``
+(also ``kvconnector bench-transfer``); ``--quick`` is the smoke test CI runs (also with
+``--kernels --threads``). The floor any connector could reach on the same host (the mandatory
+gather, checksum and write passes with no protocol) is ``python -m bench.transfer_floor``. Results: docs/BENCHMARKS.md, "Transfer".
 """
 
 from __future__ import annotations
@@ -75,7 +79,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "INT4 pull of this many tokens (0: off; --cuda: 32768)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
                    "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
+    p.add_argument("--no-recv-into", action="store_true", help="--kernels: the decode side receives payload "
+                   "frames zero copy and copies them into pinned memory with torch instead of Socket.recv_into")
+    p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
+                   "thread of both processes (Linux /proc)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
+
+
+def thread_cpu() -> dict:
+    """CPU seconds used so far by each thread group of this process: Python threads by name,
+    others (ZeroMQ, CUDA, OpenMP) by their OS name, trailing numbers dropped so pools add up.
+    Read from ``/proc/self/task/<tid>/schedstat`` (ns on CPU); empty where that is missing."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue   # the thread ended meanwhile, or no schedstat on this kernel
+        name = names.get(int(tid), comm).rstrip("0123456789").rstrip("_/-") or comm
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
 
 # ---- the sending side (a spawned process, or a thread with --in-process) ------------------
@@ -152,6 +187,8 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
                     push.send(buf[:n], copy=False)
             elif cmd == "cpu":
                 conn.send(time.process_time())
+            elif cmd == "threads":
+                conn.send(thread_cpu())
             else:                                    # "done"
                 break
     push.close(0)
@@ -184,6 +221,10 @@ class Sender:
         mine = time.process_time()
         return mine if self.in_process else mine + self.ask("cpu")
 
+    def threads(self) -> tuple[dict, dict]:
+        """(this process's, the sender's) CPU seconds per thread group (:func:`thread_cpu`)."""
+        return thread_cpu(), ({} if self.in_process else self.ask("threads"))
+
     def close(self) -> None:
         self.conn.send(("exit",))
         self._worker.join(30)
@@ -191,9 +232,11 @@ class Sender:
 
 # ---- the receiving side (this process) ----------------------------------------------------
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
-              kernels: bool = False, plane: str = "zmq") -> dict:
+              kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
-    machine load); medians of wall and CPU time; the last pull is checked byte for byte."""
+    machine load); medians of wall and CPU time; the last pull is checked byte for byte.
+    ``threads``: also sum each thread group's CPU time over the timed connector pulls
+    (``out["threads"]``: (decode side, prefill side) dicts of seconds)."""
     from kvconnector import DecodeEndpoint
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
@@ -212,13 +255,15 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                            kernels, plane))
     dst = synthetic_caches(desc, seed + 1, device)
     t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
+    per_thread = ({}, {})
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
-                            nixl_region_bytes=max(1 << 20, total)) as dec:
+                            nixl_region_bytes=max(1 << 20, total), recv_into=recv_into) as dec:
             dec.connect(endpoint, timeout_s=30)
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
                 dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
+                th0 = sender.threads() if threads and r else None      # read outside the timed window
                 c0 = sender.cpu_s()
                 t0 = time.perf_counter()
                 res = dec.pull(f"t{r}", dst_ids, deadline_s=120).result()
@@ -226,6 +271,10 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                     torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 c1 = sender.cpu_s()
+                if th0 is not None:
+                    for acc, after, before in zip(per_thread, sender.threads(), th0):
+                        for k, v in _delta(after, before).items():
+                            acc[k] = acc.get(k, 0.0) + v
                 if res.nbytes != total:
                     raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
                 sender.conn.send("go")
@@ -253,8 +302,16 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
         if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
             raise RuntimeError("transferred blocks differ from the source")
     out = {k: statistics.median(v) for k, v in t.items()}
-    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm)
+    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm, threads=per_thread)
     return out
+
+
+def _thread_line(label: str, secs: dict, mib: float) -> str:
+    """``label: name ms/MiB, ...`` for thread groups above 0.005 ms/MiB, largest first."""
+    if not secs:
+        return f"{label}: (none apart: --in-process, or no /proc schedstat)"
+    parts = sorted(((v * 1e3 / mib, k) for k, v in secs.items()), reverse=True)
+    return f"{label}: " + ", ".join(f"{k} {v:.2f}" for v, k in parts if v >= 0.005)
 
 
 def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chunk_bytes, device, gen,
@@ -322,19 +379,20 @@ def run(args) -> int:
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
+          f"{', frames copied by torch (no recv_into)' if args.no_recv_into else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
           "| ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ratios = []
+    ratios, threads_out = [], []
     sender = Sender(args.in_process)
     try:
         for mode_str in args.modes.split(","):
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane)
+                              args.kernels, args.data_plane, args.threads, False if args.no_recv_into else None)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20
@@ -342,6 +400,13 @@ def run(args) -> int:
                       f"| {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3 / mib:.2f} "
                       f"| {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3 / mib:.2f} "
                       f"| {ratios[-1]:.2f} |", flush=True)
+                if args.threads:   # summed over the timed pulls, per MiB moved
+                    moved = mib * args.repeats
+                    threads_out.append(f"# {mode_str} {nblocks} blocks, connector CPU ms/MiB by thread; "
+                                       + _thread_line("decode process", r["threads"][0], moved) + "; "
+                                       + _thread_line("prefill process", r["threads"][1], moved))
+        for line in threads_out:
+            print(line)
         print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")
         if args.layerwise_tokens:
             geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
@@ -70,10 +71,6 @@ def _segments(h: Header, per_block: int):
             g, left, off = g + k, left - k, off + k * per_block
 
 
-def _noop() -> None:
-    """Wakes the I/O thread (its tick then collects finished device writes)."""
-
-
 def default_copy_threads() -> int:
     """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
     only adds work when every core is busy), else one per four cores, at most four."""
@@ -109,18 +106,27 @@ class DecodeEndpoint:
         ``"zmq"``, or ``"nixl"``: offer a NIXL receive region of ``nixl_region_bytes`` (each pending
         pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
         payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
+    recv_into : bool, optional
+        ``mix64`` payloads: received with ``Socket.recv_into`` straight into a pooled pinned buffer
+        (one memcpy inside libzmq, on the I/O thread), or, False, received zero copy and copied
+        into that buffer by ``torch`` (which spreads a large copy over its intra-op threads).
+        Default: True where pyzmq has ``recv_into`` (26.4+).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
                  curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
-                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20) -> None:
+                 checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20,
+                 recv_into: bool | None = None) -> None:
         check_caches(caches, descriptor)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
         self.plane = ZMQ              # what the prefill said it uses (HELLO_ACK ``plane``)
         self.frame_ops = frame_ops
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
+        if recv_into and not RECV_INTO:
+            raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
+        self.recv_into = RECV_INTO if recv_into is None else bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
         self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
@@ -133,7 +139,8 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: list = []          # no copy workers: (event, handle, BLOCKS header, pinned staging)
+        self._gpu_writes: deque = deque()    # queued device writes, in order: (event, handle, BLOCKS header,
+        #                                      pinned buffers to hand back, DeviceWrite or None)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -175,7 +182,7 @@ class DecodeEndpoint:
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
                             on_tick=self._on_tick, on_error=self._on_error,
-                            on_header=self._receive_into if self.frame_ops is not None and RECV_INTO else None)
+                            on_header=self._receive_into if self.frame_ops is not None and self.recv_into else None)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):
@@ -402,12 +409,16 @@ class DecodeEndpoint:
             return self.metrics.ignore("late")
         try:
             return self._accept(p, h, payloads, received)
-        except Exception as e:   # a failure writing this pull's blocks fails it now, not by deadline
-            err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
-                                f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-            self.errors.append(err)
-            self._fail(p, err, "write_error")
+        except Exception as e:
+            self._write_failed(p, h, e)
+
+    def _write_failed(self, p: PullHandle, h: Header, e: Exception) -> None:
+        """A failure handling or completing this pull's blocks fails it now, not by its deadline."""
+        err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
+                            f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        self.errors.append(err)
+        self._fail(p, err, "write_error")
 
     def _accept(self, p: PullHandle, h: Header, payloads, received=None) -> None:
         """Check one BLOCKS message against its pull, then write it (inline, on a worker, or,
@@ -516,9 +527,25 @@ class DecodeEndpoint:
             raise
         self._rx_kept = True     # released by _on_tick once the device copy has read it
         self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
-        if job.event is not None and self._workers is not None:   # wake the loop when it ends (else: polled)
-            self._workers.submit(job.event.synchronize).add_done_callback(lambda f: self._loop.call_soon(_noop))
+        self._watch_writes()
         return None
+
+    def _watch_writes(self) -> None:
+        """With copy workers: one of them sleeps on the oldest queued device write (a blocking
+        event) and wakes the loop when it ends; the tick then collects every write finished by
+        then and sets the next watch. One watcher at a time, not one per message: the writes end
+        in order on one copy stream, and each wake-up costs a thread hand-off and the GIL.
+        Without workers the tick polls."""
+        if self._workers is None or self._watching or not self._gpu_writes or self._gpu_writes[0][0] is None:
+            return
+        self._watching = True
+        self._workers.submit(self._gpu_writes[0][0].synchronize).add_done_callback(
+            lambda f: self._loop.call_soon(self._watched))
+
+    def _watched(self) -> None:
+        self._watching = False   # the tick that follows this call collects the writes and watches again
+
+    _watching = False   # a copy worker is waiting for the oldest queued device write
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -578,14 +605,18 @@ class DecodeEndpoint:
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
-            _, p, h, staged, check = self._gpu_writes.pop(0)
-            for b in staged:
-                self._pinned.release(b)
-            err = None if check is None else check.error()
-            if err is not None:
-                self._fail_corrupt(p, err)
-            else:
-                self._landed_all(p, h)
+            _, p, h, staged, check = self._gpu_writes.popleft()
+            try:   # the write is off the queue: it lands or fails its pull here, never neither
+                for b in staged:
+                    self._pinned.release(b)
+                err = None if check is None else check.error()
+                if err is not None:
+                    self._fail_corrupt(p, err)
+                else:
+                    self._landed_all(p, h)
+            except Exception as e:
+                self._write_failed(p, h, e)
+        self._watch_writes()
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))

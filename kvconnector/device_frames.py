@@ -126,7 +126,7 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
         host.copy_(dev, non_blocking=True)
         sums = torch.empty(1, dtype=torch.int64, pin_memory=True)
         sums.copy_(dev_sums, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)   # the I/O thread sleeps in result() instead of spinning
         event.record(copy_stream)
     return DeviceGather(event, [host.numpy()], sums)
 

@@ -5,7 +5,10 @@ A message carries one layer x a run of positions, or, when a whole layer is smal
 layer-major), spread evenly over the fewest messages of at most ``PACK_BYTES``. Measured on 2
 cores (16-block transfers, 8 layers): one message per layer pays ~50 µs of Python per message
 on each side; one 8 MiB message for everything loses the overlap of gather, socket and write;
-4 MiB packs were fastest (1, 2 and 8 MiB tried; docs/DESIGN_NOTES.md).
+4 MiB packs were fastest (1, 2 and 8 MiB tried; docs/DESIGN_NOTES.md). With the device kernels
+(``frame_ops``) the host runs no pass over the payload, so what a message costs is its fixed
+host work on both sides (kernel launches, copies queued, events, hand-offs), and whole layers
+are packed up to ``chunk_bytes`` instead.
 
 CPU caches, all heads: when the runs of consecutive source blocks are long, each run is one
 payload frame sent straight from the cache (zero copy; the lease guarantees the blocks do not
@@ -21,7 +24,9 @@ gathered and checksummed by one kernel and copied to pinned memory on the copy s
 (:mod:`kvconnector.device_frames`); the host never reads the payload.
 
 Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
-socket: up to ``ahead`` chunks are prepared while earlier ones are being sent. On hosts with
+socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
+staging stops early once the oldest chunk has landed in host memory, so the first message
+leaves after one or two launches, not ``ahead``). On hosts with
 spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
 (numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
 """
@@ -195,7 +200,8 @@ class Stream:
         # layers per message: a whole layer smaller than the chunk shares its message with the
         # next layers (protocol v2 ``nlay``); otherwise one layer x a run of positions
         n, nl = len(block_ids), len(caches)
-        lpm = max(1, min(chunk_bytes, PACK_BYTES) // (n * per_block)) if self.chunk_blocks >= n else 1
+        pack = chunk_bytes if frame_ops is not None else min(chunk_bytes, PACK_BYTES)   # module doc
+        lpm = max(1, pack // (n * per_block)) if self.chunk_blocks >= n else 1
         if self._ready is not None:   # layer-wise: a message never waits for a later layer
             lpm = 1
         self.layers_per_msg = -(-nl // -(-nl // lpm))      # same message count, layers spread evenly
@@ -381,6 +387,8 @@ class Stream:
         if not self._staged and not self._plan:
             return None
         while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
+            if self.frame_ops is not None and self._staged and self._staged[0][4].done():
+                break       # the oldest chunk is in host memory: send it before queuing more
             self._stage()   # keep later chunks staging
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published

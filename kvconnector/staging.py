@@ -43,8 +43,9 @@ class PinnedPool:
         base = buf._base if buf._base is not None else buf
         with self._lock:
             self._free.append(base)
-            if len(self._free) > self.max_buffers:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+            if len(self._free) > self.max_buffers:   # drop the smallest, by position: list.remove
+                # would compare tensors with ``==`` (elementwise; raises for buffers of other sizes)
+                del self._free[min(range(len(self._free)), key=lambda i: self._free[i].numel())]
 
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ matched its checksum.
 Covers: staged bytes equal the frames exactly (several frames, odd sizes, a 17-byte frame);
 a flipped last byte of the second frame, a truncated frame and a missing frame each raise
 CorruptFrameError naming the problem, with every staged buffer handed back to the pool; the pool reuses released buffers (smallest that
-fits) and keeps at most ``max_buffers``. Without a GPU the pool's buffers are pageable, so this
+fits) and keeps at most ``max_buffers``, dropping the smallest wherever it sits. Without a GPU the pool's buffers are pageable, so this
 runs in CI; the CUDA path through it is ``test_connector.py::test_cuda_caches_byte_exact``.
 
 Run: python -m pytest tests/test_decode_staging.py -q
@@ -73,3 +73,15 @@ def test_pool_reuses_smallest_fit_and_is_bounded():
     for t in (c, d, torch.empty(1 << 20, dtype=torch.uint8)):
         pool.release(t)
     assert len(pool._free) == 2 and min(t.numel() for t in pool._free) >= 1 << 20
+
+
+def test_pool_over_its_bound_drops_the_smallest_whatever_its_position():
+    """More buffers released than the pool keeps, of different sizes, the smallest not first (a
+    pull of 8 MiB and 264 KiB messages with many in flight): the smallest is dropped. Tensors in
+    the free list are never compared with ``==`` (elementwise: raises for other sizes)."""
+    pool = PinnedPool(max_buffers=2)
+    big, other, small = pool.acquire(8 * MIB), pool.acquire(3 * MIB), pool.acquire(270336)
+    keep = {big.data_ptr(), other.data_ptr()}
+    for t in (big, other, small):
+        pool.release(t)
+    assert len(pool._free) == 2 and {t.data_ptr() for t in pool._free} == keep

@@ -6,22 +6,29 @@ CUDA caches when a GPU is present (pinned buffers, copy streams). Covers byte-ex
 mode, head slices, one block per message and many), interoperation with endpoints that have no
 kernels (xxh3_64 is used, still byte-exact), and a faulty peer: a corrupted byte in a ``mix64``
 frame fails the pull with CorruptFrameError naming the device check, truncated / oversized
-frames (received into fixed buffers) are named, and no destination byte changes.
+frames (received into fixed buffers) are named, and no destination byte changes. Pulls of many
+messages of mixed sizes, all received before any write completes, use the plain-PyTorch twin of
+the kernels on CPU (``torch_frame_ops``: the interpreter would take minutes at these sizes); a
+failure while completing a device write fails the pull at once instead of by its deadline; with
+copy workers, one worker at a time waits for the queued device writes (fake gated events on CPU).
 
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
+import threading
 import time
 
 import pytest
 import torch
 
+import kvconnector.decode as decode_mod
 from connector_fakes import FakePrefill, filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_INTO
 from kvconnector.protocol import CHECKSUM, MIX64, MsgType
-from layouts import CorruptFrameError, KVQuantMode
+from layouts import CorruptFrameError, KVQuantMode, TransferError
+from torch_frame_ops import TORCH_FRAME_OPS
 
 pytestmark = pytest.mark.timeout(120)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -171,9 +178,11 @@ def test_bench_transfer_kernels_quick_runs():
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
-                          "--layerwise-tokens", "32", "--layer-ms", "2"], capture_output=True, text=True, timeout=110)
+                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads"],
+                         capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+    assert "connector CPU ms/MiB by thread; decode process: " in out.stdout and "kvc-decode" in out.stdout
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
 
 
@@ -199,3 +208,138 @@ def test_multi_frame_multi_layer_mix64_message(device):
             assert dec.metrics.c["frames_received_into"] == (2 if RECV_INTO else 0)
     finally:
         fake.close()
+
+
+def _ops(device):
+    """The device kernels on CUDA; on CPU their plain-PyTorch twin (same contract, checked
+    against the kernels below), so realistic message sizes run in seconds."""
+    return FRAME_OPS if device == "cuda" else TORCH_FRAME_OPS
+
+
+def test_torch_frame_ops_match_the_kernels():
+    """The CPU test double computes the kernels' payload, checksums and verify + scatter."""
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=4, num_layers=2, num_blocks=6)
+    src, ids = filled_caches(desc, 0), torch.tensor([4, 1, 2], dtype=torch.int64)
+    total = 2 * 3 * desc.block_bytes // 4 * 2          # heads (1, 3): half of each block
+    outs, sums = [], []
+    for ops in (FRAME_OPS, TORCH_FRAME_OPS):
+        out, s = torch.empty(total, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)
+        ops.gather(src, ids, out=out, checksums=s, heads=(1, 3), frame_nbytes=[total // 3, total - total // 3])
+        outs.append(out)
+        sums.append(s)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(sums[0], sums[1])
+    for bad in (False, True):
+        staged = outs[0].clone()
+        staged[5] ^= int(bad)
+        dsts = []
+        for ops in (FRAME_OPS, TORCH_FRAME_OPS):
+            dst, ok = filled_caches(desc, 1), torch.empty(3, dtype=torch.int32)
+            ops.verify_scatter(staged, sums[0], dst, ids, ok=ok, heads=(1, 3),
+                               frame_nbytes=[total // 3, total - total // 3])
+            assert ok.tolist() == ([0, 1, 1] if bad else [1, 1, 0])
+            dsts.append(dst)
+        for a, b in zip(*dsts):
+            assert torch.equal(_b(a), _b(b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recv_into", [True, False], ids=["recv_into", "torch-copy"])
+def test_many_mixed_size_messages_in_flight(device, recv_into):
+    """A pull of more messages than the decode side's pinned pool keeps, of two sizes (each layer
+    as a 32-block and an 8-block message, like 256-block INT8 pulls of a Llama-8B layer set at
+    8 MiB chunks), all received while the I/O thread is held, so every buffer is handed back in
+    one tick: every message lands, byte-exact, and the pull completes; both ways of filling the
+    pinned buffers (``recv_into``, or zero-copy frames copied by torch)."""
+    if recv_into and not RECV_INTO:
+        pytest.skip("pyzmq without Socket.recv_into")
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
+                     num_blocks=80)
+    src = [c.to(device) for c in filled_caches(desc, 0)]
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    g = torch.Generator().manual_seed(2)
+    src_ids, dst_ids = torch.randperm(80, generator=g)[:40].tolist(), torch.randperm(80, generator=g)[:40].tolist()
+    with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=_ops(device)) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=_ops(device), recv_into=recv_into) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", src_ids)
+        handle = dec.pull("t", dst_ids, deadline_s=30)
+        dec._loop.call_soon(time.sleep, 1.0)      # the messages pile up in the socket meanwhile
+        res = handle.result(timeout=60)
+        _sync(device)
+        assert res.nbytes == 8 * 40 * desc.block_bytes
+        assert dec.metrics.c["blocks_messages"] == 16 > dec._pinned.max_buffers
+        assert dec.metrics.c["frames_received_into"] == (16 if recv_into else 0)
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
+        assert not pre.errors and not dec.errors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_failure_completing_a_device_write_fails_the_pull_now(device):
+    """An exception while a finished device write is completed (handing its buffer back, reading
+    its check) fails the pull with TransferError at once; the pull does not wait for its deadline."""
+    desc = make_desc(num_layers=2, num_blocks=6)
+    src = [c.to(device) for c in filled_caches(desc, 0)]
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    with PrefillEndpoint(src, desc, frame_ops=_ops(device)) as pre, DecodeEndpoint(dst, desc, frame_ops=_ops(device)) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+
+        def broken(buf):
+            raise RuntimeError("pool broken")
+        dec._pinned.release = broken
+        pre.publish("t", [4, 1])
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="pool broken"):
+            dec.pull("t", [0, 3], deadline_s=30).result(timeout=40)
+        assert time.monotonic() - t0 < 10
+
+
+class _GatedEvent:
+    """Stands in for a CUDA event on CPU: done once ``gate`` is set; counts waiting threads."""
+
+    def __init__(self, gate, stats):
+        self.gate, self.stats = gate, stats
+
+    def query(self):
+        return self.gate.is_set()
+
+    def synchronize(self):
+        with self.stats["lock"]:
+            self.stats["calls"] += 1
+            self.stats["now"] += 1
+            self.stats["most"] = max(self.stats["most"], self.stats["now"])
+        self.gate.wait(20)
+        with self.stats["lock"]:
+            self.stats["now"] -= 1
+
+
+def test_one_copy_worker_watches_the_queued_device_writes(monkeypatch):
+    """With copy workers, queued device writes are watched by one worker at a time (the writes end
+    in order on one stream): 16 messages whose device work ends together after all are queued
+    cost one or two waits, not one per message, and the pull lands byte-exact."""
+    gate, stats = threading.Event(), {"calls": 0, "now": 0, "most": 0, "lock": threading.Lock()}
+    real = decode_mod.scatter_message
+
+    def gated(*args, **kw):
+        job = real(*args, **kw)              # CPU: the work is done now; the event says when it "ends"
+        job.event = _GatedEvent(gate, stats)
+        return job
+    monkeypatch.setattr(decode_mod, "scatter_message", gated)
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
+                     num_blocks=80)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, copy_threads=2) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", list(range(40)))
+        handle = dec.pull("t", list(range(40, 80)), deadline_s=30)
+        deadline = time.monotonic() + 20
+        while dec.metrics.c["blocks_messages"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not handle.done()             # every write queued, none ended
+        gate.set()
+        handle.result(timeout=30)
+        assert dec.metrics.c["blocks_messages"] == 16
+        assert stats["most"] == 1 and 1 <= stats["calls"] <= 2
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[40:], _b(s)[:40])
