@@ -190,3 +190,52 @@ def test_cuda_offsets_match_oracle(path, d, dtype):
     ref, got, _, _ = oracle_and_kernel(key, value, m, slots, 4096 // BS + 1, tuning=tuning)
     geo = CacheGeometry(M.INT4_PER_TOKEN_HEAD, d, H, BS, dtype)
     _assert_ties(geo, ref, got, bound=0 if path == "lanes" else 2 * 4096 * H * 1e-3)
+
+
+def test_bench_key_offset_smoke(capsys):
+    """``python -m bench.write --key-offset --quick`` runs on CPU: the offset write equals the
+    oracle's (0 rows differing) and both variants are timed."""
+    from bench import write as bench_write
+    assert bench_write.main(["--quick", "--key-offset", "--device", "cpu"]) == 0
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 64 | 64 |")]
+    assert len(row) == 1 and row[0].split("|")[4].strip() == "0", row
+
+
+def _sm90_ttgir(kernel, mma, offset, d=128):
+    """TTGIR of a lanes / mma write kernel compiled for sm_90 on this machine (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = kernel.compiled
+    names = fn.arg_names
+    consts = dict(ROWS=64, D=d, PARTS=d // 32 if mma else 4, INTERPRET=False, CACHE_ALIGN=4, NUM_KV_HEADS=8,
+                  BLOCK_SIZE=16, CONTIG=True, FAST_RCP=True, OFFSET=offset, WARPS=4, PACKED=True)
+    consts["LOG2_N"] = (d // consts["PARTS"]).bit_length() - 1
+    ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_offset_ptr": "*bf16", "key_cache_ptr": "*u8",
+            "value_cache_ptr": "*u8", "k_scale_ptr": "*i32", "v_scale_ptr": "*i32", "slot_mapping_ptr": "*i64",
+            "sign_ptr": "*fp32", "tab_ptr": "*bf16" if mma else "*fp32"}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4, enable_fp_fusion=False))
+    except Exception as e:  # no CUDA toolchain (ptxas) in this environment
+        pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
+    return compiled.asm["ttgir"]
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["lanes", "mma"])
+def test_offset_loads_share_the_rows_layout(mma):
+    """The GPU kernels hand each part's rows to inline asm that assumes the 16-byte-vector load
+    layout; the offsets are loaded with the same shape, element size and contiguity, so compiled
+    for sm_90 every ``[64, 32]`` bf16 load (rows and offsets) has one layout, and the offset adds
+    no layout conversion."""
+    import re
+    from kernels.write.int4_lanes import _reshape_and_cache_int4_lanes_kernel, _reshape_and_cache_int4_mma_kernel
+    kernel = _reshape_and_cache_int4_mma_kernel if mma else _reshape_and_cache_int4_lanes_kernel
+    plain, smooth = (_sm90_ttgir(kernel, mma, off) for off in (False, True))
+    loads = [re.findall(r"tt\.load %\S+ : tensor<64x32x!tt\.ptr<bf16>, (#\w+)>", t) for t in (plain, smooth)]
+    assert len(loads[1]) == len(loads[0]) + 4 and len(set(loads[1])) == 1, loads  # 4 parts of 32: 4 offset loads
+    assert smooth.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
