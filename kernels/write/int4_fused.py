@@ -21,6 +21,7 @@ import functools
 import torch
 
 from layouts import rht_signs
+from layouts.rotation import rht_sign_seed
 
 from .._jit import dual_jit
 from .checks import cache_alignment, stride_args
@@ -176,8 +177,9 @@ def chunk_size(head_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``."""
+def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``
+    (``seed``: ``layouts.rotation.rht_sign_seed()``, part of the cache key only)."""
     ch = chunk_size(head_size)
     h = torch.ones(1, 1)
     while h.shape[0] < ch:
@@ -205,7 +207,7 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
     launch(_reshape_and_cache_int4_fused_kernel, plan.grid, dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
-        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
+        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev, rht_sign_seed()) if dot else rht_signs(d, dev),
         shrink_ptr=device_shrink(plan.shrink, dev),
         key_offset_ptr=t.key if t.key_offset is None else t.key_offset,
         num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from layouts import rht_signs
+from layouts.rotation import rht_sign_seed
 
 from .._jit import dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
@@ -404,7 +405,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
     args = dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping, sign_ptr=signs,
-        tab_ptr=mma_table(d, t.key.dtype, dev) if mma else signs,
+        tab_ptr=mma_table(d, t.key.dtype, dev, rht_sign_seed()) if mma else signs,
         key_offset_ptr=t.key if t.key_offset is None else t.key_offset,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
         **stride_args(t, align, ks, vs),
