@@ -145,6 +145,11 @@ def test_offset_in_model_dtype_and_conversion_cache():
                                key_offset=off)
         outs.append(c.clone())
     assert torch.equal(outs[0], outs[1])
+    from kernels.write.api import model_dtype_offset
+    odd = torch.empty(2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64)  # 2 bytes off: not 16-byte aligned
+    odd.copy_(m)
+    aligned = model_dtype_offset(odd, torch.bfloat16)
+    assert aligned.data_ptr() % 16 == 0 and torch.equal(aligned, odd)  # the register paths load 16-byte vectors
     (ref, rv) = new_cache(64, 1, torch.bfloat16)
     reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, M.INT4_PER_TOKEN_HEAD,
                                 rv.k_scale_cache, rv.v_scale_cache, key_offset=m)
