@@ -26,7 +26,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def offsets(seed=0, shape=(2, 2, 32)):
     g = torch.Generator().manual_seed(seed)
-    return KeyOffsets.from_tensor(torch.randn(*shape, generator=g) * 3, "test-model", {"text": "t", "positions": [0, 8]})
+    return KeyOffsets.from_tensor(torch.randn(*shape, generator=g) * 3, "test-model",
+                                  {"text": "t", "positions": [0, 8]})
 
 
 def test_offsets_rounded_to_bf16_and_file_round_trip(tmp_path):

@@ -147,7 +147,7 @@ def run(args) -> int:
         "rope_style": args.rope_style, "command": "kvconnector calibrate " + " ".join(sys.argv[2:])})
     print(f"model: {weights.source}; text {args.text}: mean key of positions {start}..{stop - 1} per "
           f"(layer, KV head); fingerprint {offsets.fingerprint}; {time.perf_counter() - t0:.1f} s")
-    print(f"|m| per layer (L2 over heads and channels): "
+    print("|m| per layer (L2 over heads and channels): "
           + " ".join(f"{x:.1f}" for x in offsets.offsets.flatten(1).norm(dim=1).tolist()))
     if args.out:
         offsets.save(args.out)
