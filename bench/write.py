@@ -7,9 +7,11 @@ in the same run. ``--check`` first compares every mode with the PyTorch oracle o
 shapes; ``--sweep`` times int4-fused tilings and rotations; ``--compare`` checks and times the
 default INT4 path (int4-mma) against int4-lanes and int4-fused and the INT8/FP8 tiles against
 32 rows x 4 warps, next to bf16; ``--plans`` prints which path :func:`kernels.write.write_plan`
-picks over a grid of calls, on CPU and on an H200 (the table of ``docs/KERNELS.md``).
+picks over a grid of calls, on CPU and on an H200 (the table of ``docs/KERNELS.md``);
+``--key-offset`` times the INT4 write with and without a key offset, interleaved
+(``bench/write_key_offset.py``).
 ``--slots blocks`` writes whole blocks in order instead of a random slot per token. Run:
-``python -m bench.write [--quick] [--check] [--sweep] [--compare] [--plans] [--slots blocks]``.
+``python -m bench.write [--quick] [--check] [--sweep] [--compare] [--plans] [--key-offset] [--slots blocks]``.
 On CUDA every time is the median of CUDA-graph replays (plain launches would time the
 launcher's host work, not shorter kernels); the table ends with the launcher's host time per call.
 Tuning other than the defaults is passed explicitly as ``kernels.write`` tuning objects.
@@ -345,6 +347,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of the main table")
     p.add_argument("--plans", action="store_true",
                    help="print which write path runs over a grid of calls on CPU and on an H200 (no timing)")
+    p.add_argument("--key-offset", action="store_true",
+                   help="INT4 only: the write with and without a key offset, checked, then timed interleaved "
+                        "(instead of the main table)")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--slots", choices=SLOT_ORDERS, default="tokens",
@@ -369,7 +374,10 @@ def run(args) -> int:
         print(f"\nworst fraction of rows differing from the oracle: {worst:.2e}")
     if args.sweep:
         run_sweep(args, device)
-    if args.compare:
+    if args.key_offset:
+        from bench.write_key_offset import run_key_offset
+        run_key_offset(args, device)
+    elif args.compare:
         run_compare(args, device)
     elif not args.no_table:
         run_table(args, device)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from layouts import (CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, get_kv_quant_mode,
+from layouts import (CacheGeometry, KeyOffsets, KVQuantMode, LayoutDescriptor, LayoutError, get_kv_quant_mode,
                      split_kv_cache)
 
 # "triton-write": the Triton write kernel with the oracle attention (dequantize, then fp32
@@ -55,11 +55,17 @@ class PagedKVCache:
         MSE-optimal INT4 encoder (``kernels.reference.quantize_int4_rows(shrink=...)``): same
         stored format, each row keeps the range shrink factor with the least squared error.
         The Triton INT4 writer takes it as ``shrink=``; the oracle backend uses the same factors.
+    key_offsets : layouts.KeyOffsets, optional
+        INT4 key smoothing: every layer's writes subtract that layer's per-head offsets from the
+        keys (``key_offset=`` of the writers); attention is unchanged (a constant per head
+        shifts every logit of a query alike), dequantized keys read back lack ``m``
+        (:meth:`key_offset`). The descriptor's ``key_offset`` is the offsets' fingerprint.
     """
 
     def __init__(self, kv_cache_dtype, num_layers: int, num_kv_heads: int, head_size: int,
                  num_blocks: int, block_size: int = 16, model_dtype: torch.dtype = torch.bfloat16,
-                 device="cpu", backend: str = "auto", int4_shrink: Optional[Sequence[float]] = None):
+                 device="cpu", backend: str = "auto", int4_shrink: Optional[Sequence[float]] = None,
+                 key_offsets: Optional[KeyOffsets] = None):
         self.mode = (KVQuantMode(kv_cache_dtype) if isinstance(kv_cache_dtype, (int, KVQuantMode))
                      else get_kv_quant_mode(kv_cache_dtype))
         if self.mode == KVQuantMode.FP8_PER_TENSOR:
@@ -72,14 +78,26 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.backend = resolve_backend(backend)
         self.int4_shrink = tuple(int4_shrink) if int4_shrink is not None else None
+        if key_offsets is not None:
+            if self.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+                raise ValueError(f"key_offsets need int4_per_token_head, got {self.mode.name}")
+            key_offsets.check_model(num_layers, num_kv_heads, head_size)
+        self.key_offsets = key_offsets
+        self._offsets = [None if key_offsets is None else key_offsets.layer(i, device=self.device)
+                         for i in range(num_layers)]
         self.caches = [self.geometry.new_cache(num_blocks, self.device).zero_() for _ in range(num_layers)]
         self.views = [split_kv_cache(c, self.mode, head_size) for c in self.caches]
-        self.descriptor = LayoutDescriptor.from_geometry(self.geometry, num_layers=num_layers,
-                                                         num_blocks=num_blocks)
+        self.descriptor = LayoutDescriptor.from_geometry(
+            self.geometry, num_layers=num_layers, num_blocks=num_blocks,
+            key_offset=key_offsets.fingerprint if key_offsets is not None else "none")
         self._free = list(range(num_blocks))
         self._write, self._attend = _kernels(self.backend)
 
     # ---------------------------------------------------------------- blocks
+    def key_offset(self, layer_idx: int) -> Optional[torch.Tensor]:
+        """``[num_kv_heads, head_size]`` float32 key offsets of a layer on the cache's device, or None."""
+        return self._offsets[layer_idx]
+
     @property
     def block_size(self) -> int:
         return self.geometry.block_size
@@ -125,7 +143,7 @@ class PagedKVCache:
         v = self.views[layer_idx]
         dt = self.geometry.model_dtype
         key, value = key.to(dt).contiguous(), value.to(dt).contiguous()
-        self._write(key, value, v, slot_mapping, self.mode, self.int4_shrink)
+        self._write(key, value, v, slot_mapping, self.mode, self.int4_shrink, self._offsets[layer_idx])
 
     def attend(self, layer_idx: int, q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
                block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -160,11 +178,11 @@ def _kernels(backend: str):
     return write, attend
 
 
-def _reference_write(key, value, v, slot_mapping, mode, shrink=None):
+def _reference_write(key, value, v, slot_mapping, mode, shrink=None, key_offset=None):
     from .reference import reference_reshape_and_cache
 
     reference_reshape_and_cache(key, value, v.key_cache, v.value_cache, slot_mapping, mode,
-                                v.k_scale_cache, v.v_scale_cache, shrink=shrink or (1.0,))
+                                v.k_scale_cache, v.v_scale_cache, shrink=shrink or (1.0,), key_offset=key_offset)
 
 
 def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
@@ -175,13 +193,15 @@ def _reference_attend(q, v, cu, seqused, table, max_q, max_k, scale, mode):
     return out.to(q.dtype)
 
 
-def _triton_write(key, value, v, slot_mapping, mode, shrink=None):
+def _triton_write(key, value, v, slot_mapping, mode, shrink=None, key_offset=None):
     from .write import reshape_and_cache_flash, triton_reshape_and_cache_flash_per_token_head_quant
 
     if mode == KVQuantMode.NONE:
         reshape_and_cache_flash(key, value, v.key_cache, v.value_cache, slot_mapping)
     else:
         extra = {"shrink": shrink} if shrink is not None else {}
+        if key_offset is not None:
+            extra["key_offset"] = key_offset
         triton_reshape_and_cache_flash_per_token_head_quant(
             key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache,
             slot_mapping, kv_quant_mode=mode, **extra)

@@ -7,7 +7,7 @@ pairs, one BLOCKS message per pair, each frame preceded by its length (see docs/
     version   u32 LE   DUMP_FORMAT_VERSION
     hdr_len   u32 LE   <= MAX_FILE_HEADER_BYTES
     header    msgpack  {"format", "protocol", "checksum", "desc", "fingerprint", "tid",
-                        "layers", "block_ids", "meta"}
+                        "layers", "block_ids", "meta"[, "key_offsets"]}
     hdr_xxh   u64 LE   xxh3_64(header)
     messages  for each layer in "layers", for each block in "block_ids" (position p):
                 u64 LE len + BLOCKS header frame (kvconnector.protocol), then
@@ -20,6 +20,10 @@ exactly the layout's block bytes) and against the bytes left in the file *before
 is allocated; every failure is a :class:`~layouts.CorruptFrameError` (or
 :class:`~layouts.ProtocolVersionError` / :class:`~layouts.LayoutError`) naming the layer,
 block, frame and byte offset.
+
+A dump of a smoothed INT4 cache (descriptor ``key_offset`` set) may carry the offsets themselves
+in ``"key_offsets"`` (``layouts.KeyOffsets`` JSON, checked against the descriptor's fingerprint
+on read), so ``kvconnector inspect`` can add ``m`` back to the keys it shows.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from kvconnector.blocks import gather_blocks
 from kvconnector.protocol import (CHECKSUM, MAX_HEADER_BYTES, PROTOCOL_VERSION, Header, MsgType,
                                   checksum, decode_header, encode_message, verify_payloads)
-from layouts import CorruptFrameError, LayoutDescriptor, LayoutError, ProtocolVersionError
+from layouts import CorruptFrameError, KeyOffsets, LayoutDescriptor, LayoutError, ProtocolVersionError
 
 MAGIC = b"\x93KVDUMP\n"          # high bit and newline catch 7-bit and text-mode mangling
 END_MAGIC = b"\nPMUDVK\x93"
@@ -56,6 +60,7 @@ class DumpInfo:
     tid: str = "dump"
     meta: dict = field(default_factory=dict)
     protocol_version: int = PROTOCOL_VERSION
+    key_offsets: KeyOffsets | None = None  # the offsets named by desc.key_offset, when the dump carries them
 
     @property
     def fingerprint(self) -> str:
@@ -108,17 +113,21 @@ class DumpWriter:
     """
 
     def __init__(self, path, desc: LayoutDescriptor, layers, block_ids, tid: str = "dump",
-                 meta: dict | None = None):
+                 meta: dict | None = None, key_offsets: KeyOffsets | None = None):
         layers, block_ids = _check_selection(desc, layers, block_ids)
-        self.info = DumpInfo(desc, layers, block_ids, tid, dict(meta or {}))
+        _check_key_offsets(desc, key_offsets, LayoutError)
+        self.info = DumpInfo(desc, layers, block_ids, tid, dict(meta or {}), key_offsets=key_offsets)
         self.geo = desc.geometry()
         self._offsets: list[int] = []
         self._f = open(path, "wb")
-        hdr = msgpack.packb({
+        fields = {
             "format": DUMP_FORMAT_VERSION, "protocol": PROTOCOL_VERSION, "checksum": CHECKSUM,
             "desc": desc.to_dict(), "fingerprint": desc.fingerprint(), "tid": tid,
             "layers": layers, "block_ids": block_ids, "meta": self.info.meta,
-        }, use_bin_type=True)
+        }
+        if key_offsets is not None:
+            fields["key_offsets"] = key_offsets.to_json()
+        hdr = msgpack.packb(fields, use_bin_type=True)
         self._f.write(MAGIC + _U32.pack(DUMP_FORMAT_VERSION) + _U32.pack(len(hdr)) + hdr
                       + _U64.pack(checksum(hdr)))
 
@@ -169,8 +178,15 @@ class DumpWriter:
             self._f.close()
 
 
+def _check_key_offsets(desc: LayoutDescriptor, key_offsets, error) -> None:
+    """Offsets go with a descriptor that names them, and only with one (``error``: the type raised)."""
+    if key_offsets is not None and key_offsets.fingerprint != desc.key_offset:
+        raise error(f"dump key_offsets: fingerprint {key_offsets.fingerprint}, expected the descriptor's "
+                    f"key_offset {desc.key_offset!r}")
+
+
 def write_dump(path, caches, desc: LayoutDescriptor, layers=None, block_ids=None, tid: str = "dump",
-               meta: dict | None = None, progress: bool = False) -> DumpInfo:
+               meta: dict | None = None, progress: bool = False, key_offsets: KeyOffsets | None = None) -> DumpInfo:
     """Dump chosen layers and blocks of a cache held in this process.
 
     Parameters
@@ -182,11 +198,14 @@ def write_dump(path, caches, desc: LayoutDescriptor, layers=None, block_ids=None
         What to dump (all layers / all ``desc.num_blocks`` blocks when None).
     progress : bool
         Show a tqdm bar (to stderr).
+    key_offsets : layouts.KeyOffsets, optional
+        The offsets a smoothed INT4 cache was written with (fingerprint = ``desc.key_offset``),
+        stored in the header so readers can add ``m`` back to the keys.
     """
     layers = range(desc.num_layers) if layers is None else layers
     block_ids = range(desc.num_blocks) if block_ids is None else block_ids
     geo = desc.geometry()
-    with DumpWriter(path, desc, layers, block_ids, tid, meta) as w:
+    with DumpWriter(path, desc, layers, block_ids, tid, meta, key_offsets) as w:
         pairs = [(l, b) for l in w.info.layers for b in w.info.block_ids]
         if progress:
             from tqdm import tqdm
@@ -269,7 +288,14 @@ class DumpReader:
             raise CorruptFrameError(f"file header lists {n_msg} messages of >= {16 + desc.block_bytes} "
                                     f"bytes each, file has {left} bytes left")
         meta = h.get("meta") if isinstance(h.get("meta"), dict) else {}
-        return DumpInfo(desc, layers, block_ids, h["tid"], meta, h["protocol"])
+        key_offsets = None
+        if "key_offsets" in h:
+            try:
+                key_offsets = KeyOffsets.from_json(h["key_offsets"], "file header key_offsets")
+            except LayoutError as e:
+                raise CorruptFrameError(str(e)) from e
+            _check_key_offsets(desc, key_offsets, CorruptFrameError)
+        return DumpInfo(desc, layers, block_ids, h["tid"], meta, h["protocol"], key_offsets)
 
     def _frame(self, bound: int, what: str) -> bytearray:
         at = self._f.tell()

@@ -12,6 +12,12 @@ Field classes
 - ``head_start`` / ``num_kv_heads`` may differ under different tensor parallelism: each
   range must lie inside ``[0, total_num_kv_heads)`` and the two ranges must overlap, since
   every (token, head) row carries its own scale and heads can be assembled row by row.
+
+``key_offset`` (exact) names the per-model key offsets an INT4 writer subtracted from every key
+(``layouts.key_offsets``): ``"none"`` or the offsets file's fingerprint. A layout without
+smoothing leaves it out of :meth:`LayoutDescriptor.to_dict` and out of the fingerprint, so its
+descriptor, its fingerprint and its dumps are those of a peer that predates the field; a map
+without the field reads as ``"none"``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 
 from .errors import LayoutError, LayoutMismatchError
 from .geometry import CacheGeometry
+from .key_offsets import NONE as NO_KEY_OFFSET
+from .key_offsets import check_key_offset_field
 from .modes import KVQuantMode
 
 FORMAT_VERSION = 1
@@ -64,10 +72,12 @@ class LayoutDescriptor:
     head_start: int
     num_kv_heads: int
     num_blocks: int
+    key_offset: str = NO_KEY_OFFSET  # "none" or the key offsets' fingerprint (INT4 key smoothing)
 
     @classmethod
     def from_geometry(cls, geo: CacheGeometry, *, num_layers: int, num_blocks: int,
-                      head_start: int = 0, total_num_kv_heads: int | None = None) -> "LayoutDescriptor":
+                      head_start: int = 0, total_num_kv_heads: int | None = None,
+                      key_offset: str = NO_KEY_OFFSET) -> "LayoutDescriptor":
         mode = geo.mode
         int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
         d = cls(
@@ -91,6 +101,7 @@ class LayoutDescriptor:
             head_start=head_start,
             num_kv_heads=geo.num_kv_heads,
             num_blocks=num_blocks,
+            key_offset=key_offset,
         )
         d.validate()
         return d
@@ -122,6 +133,7 @@ class LayoutDescriptor:
                 f"outside [0, {self.total_num_kv_heads})")
         if self.num_layers <= 0 or self.num_blocks < 0:
             raise LayoutError(f"descriptor num_layers={self.num_layers}, num_blocks={self.num_blocks}")
+        check_key_offset_field(self.key_offset, self.quant_mode == int(KVQuantMode.INT4_PER_TOKEN_HEAD))
 
     def geometry(self) -> CacheGeometry:
         try:
@@ -140,8 +152,11 @@ class LayoutDescriptor:
         return range(self.head_start, self.head_start + self.num_kv_heads)
 
     def to_dict(self) -> dict:
-        """Plain dict of ints and strs (what goes into msgpack)."""
-        return asdict(self)
+        """Plain dict of ints and strs (what goes into msgpack); ``key_offset`` only when set."""
+        d = asdict(self)
+        if d["key_offset"] == NO_KEY_OFFSET:
+            del d["key_offset"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayoutDescriptor":
@@ -149,6 +164,7 @@ class LayoutDescriptor:
         if not isinstance(d, dict):
             raise LayoutError(f"descriptor: expected a map, got {type(d).__name__}")
         names = [f.name for f in fields(cls)]
+        d = {"key_offset": NO_KEY_OFFSET, **d}  # written without it: keys stored as they are
         missing = [n for n in names if n not in d]
         extra = [k for k in d if k not in names]
         if missing or extra:
@@ -158,8 +174,11 @@ class LayoutDescriptor:
         return out
 
     def fingerprint(self) -> str:
-        """Stable 16-hex-digit hash of the exact-match fields (sha256 of canonical JSON)."""
+        """Stable 16-hex-digit hash of the exact-match fields (sha256 of canonical JSON);
+        ``key_offset`` takes part only when set, so unsmoothed layouts keep their fingerprints."""
         exact = {n: getattr(self, n) for n in EXACT_FIELDS}
+        if exact["key_offset"] == NO_KEY_OFFSET:
+            del exact["key_offset"]
         blob = json.dumps(exact, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

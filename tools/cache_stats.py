@@ -148,7 +148,8 @@ def _hist(codes: torch.Tensor, nbins: int) -> torch.Tensor:
     return torch.bincount(flat, minlength=2 * h * nbins).view(2, h, nbins).cpu()
 
 
-def block_stats(block: torch.Tensor, geo: CacheGeometry, reference: torch.Tensor | None = None) -> HeadStats:
+def block_stats(block: torch.Tensor, geo: CacheGeometry, reference: torch.Tensor | None = None,
+                key_offset: torch.Tensor | None = None) -> HeadStats:
     """Statistics of one block.
 
     Parameters
@@ -157,6 +158,9 @@ def block_stats(block: torch.Tensor, geo: CacheGeometry, reference: torch.Tensor
     geo : CacheGeometry of the block
     reference : [2, block_size, num_kv_heads, head_size] float (bf16/fp16/fp32), optional
         The values the block was written from (e.g. the same block of a bf16 dump).
+    key_offset : [num_kv_heads, head_size] float32, optional
+        The key offsets a smoothed INT4 writer subtracted: added back (rounded to the model dtype,
+        as the writer rounded them) to the dequantized keys, so statistics describe the keys.
 
     Returns
     -------
@@ -200,6 +204,8 @@ def block_stats(block: torch.Tensor, geo: CacheGeometry, reference: torch.Tensor
         scale_inf = _per_head(torch.isinf(s), lambda x: x.sum(-1)).cpu()
 
     x = dequantize_rows(data, scale, mode).double()      # [2, N, H, head_size]
+    if key_offset is not None:
+        x[0] += key_offset.to(geo.model_dtype).to(x.device).double()
     fin = torch.isfinite(x)
     xz = torch.where(fin, x, 0.0)
     err_sq, ref_sq, err_max = (torch.zeros(2, h, dtype=torch.float64) for _ in range(3))
@@ -238,8 +244,8 @@ class CacheStats:
         self.layers: dict[int, HeadStats] = {}
 
     def add_block(self, layer_idx: int, block_id: int, block: torch.Tensor,
-                  reference: torch.Tensor | None = None) -> HeadStats:
-        st = block_stats(block, self.geo, reference)
+                  reference: torch.Tensor | None = None, key_offset: torch.Tensor | None = None) -> HeadStats:
+        st = block_stats(block, self.geo, reference, key_offset)
         if self.keep_blocks:
             self.blocks[(layer_idx, block_id)] = st
         self.layers[layer_idx] = st if layer_idx not in self.layers else self.layers[layer_idx].merge(st)

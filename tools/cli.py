@@ -23,6 +23,7 @@ from tools.errors import EXIT_USAGE, run_guarded
 COMMANDS = {
     "demo": "tools.demo",
     "eval": "tools.eval_accuracy",
+    "calibrate": "tools.calibrate",
     "quickstart": "tools.quickstart",
     "serve": "tools.serve",
     "dump": "tools.dump",

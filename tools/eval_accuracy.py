@@ -21,6 +21,7 @@ TEXT_CANDIDATES = (  # shipped by Debian's base-files on every machine
     "/usr/share/common-licenses/MPL-2.0",
 )
 DEFAULT_VARIANTS = ("int8", "fp8", "int4", "int4-norot", "int4-mse")
+SMOOTH_VARIANTS = ("int4-smooth", "int4-smooth-mse", "int4-smooth-prompt")  # key smoothing (INT4)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,8 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens of the text to score (default 1024)")
     p.add_argument("--windows", type=positive_int, default=1,
                    help="score this many consecutive windows of --tokens tokens; report mean and std")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {','.join(DEFAULT_VARIANTS + SMOOTH_VARIANTS)} (default: "
+                        f"{','.join(DEFAULT_VARIANTS)}, plus int4-smooth when key offsets are found)")
+    p.add_argument("--key-offsets", default="auto", metavar="PATH",
+                   help="offsets file of the int4-smooth* variants (kvconnector calibrate); auto: the one shipped "
+                        "for the model (layouts/data), if any; none: no smoothing variants")
+    p.add_argument("--sign-seeds", type=positive_int, default=1, metavar="N",
+                   help="run every INT4 variant with N rotation sign vectors (seeds RHT_SIGN_SEED + 0..N-1) and "
+                        "report their mean: one vector's INT4 KL varies by about 12%% (default 1)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "triton-write", "reference"),
                    help="triton: Triton write + paged attention kernels; triton-write: Triton write kernel + "
                         "oracle attention over the dequantized cache; reference: PyTorch oracle only. auto: "
@@ -54,6 +62,7 @@ EXAMPLES = """\
   kvconnector eval                                    # 1,024 tokens of a licence text, every variant
   kvconnector eval --variants int4,int4-mse --tokens 512 --plot acc.png
   kvconnector eval --text my.txt --windows 4 --json acc.json
+  kvconnector eval --variants int8,int4,int4-smooth --sign-seeds 4   # key smoothing, 4 sign vectors
 """
 
 
@@ -73,11 +82,16 @@ def run(args) -> int:
     from kernels.paged_cache import describe_backend, resolve_backend
     from tools.llama.accuracy import VARIANTS
 
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    offsets_path = _offsets_path(args)
+    names = [v.strip() for v in (args.variants or ",".join(DEFAULT_VARIANTS + (("int4-smooth",) if offsets_path
+                                                                             else ()))).split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS or n == "bf16"]
     if bad or not names:
-        raise UsageError(f"--variants: expected a comma-separated subset of {','.join(DEFAULT_VARIANTS)}, "
-                         f"got {args.variants!r}")
+        raise UsageError(f"--variants: expected a comma-separated subset of "
+                         f"{','.join(DEFAULT_VARIANTS + SMOOTH_VARIANTS)}, got {args.variants!r}")
+    if offsets_path is None and any(VARIANTS[n].smooth == "model" for n in names):
+        raise UsageError(f"--variants {args.variants}: int4-smooth and int4-smooth-mse need --key-offsets "
+                         f"(none shipped for --model {args.model})")
     text_path = find_text(args.text)   # before the model loads: a wrong path fails at once
     variants = dict(VARIANTS)
     if args.shrink:
@@ -101,6 +115,18 @@ def run(args) -> int:
                          f"tokens (--tokens >= 2); {text_path} has {len(all_ids)}")
     print(f"model: {weights.source} ({weights.config.num_layers} layers), rope {args.rope_style}, "
           f"loaded in {time.perf_counter() - t0:.1f} s")
+    key_offsets = None
+    if offsets_path is not None:
+        from layouts import KeyOffsets
+        key_offsets = KeyOffsets.load(offsets_path)
+        cfg = weights.config
+        key_offsets.check_model(cfg.num_layers, cfg.num_kv_heads, cfg.head_size)
+        cal = key_offsets.calibration
+        print(f"key offsets: {offsets_path} (fingerprint {key_offsets.fingerprint}; calibrated on "
+              f"{cal.get('text', '?')}, positions {cal.get('positions', '?')})")
+    seeds = _sign_seeds(args.sign_seeds)
+    if args.sign_seeds > 1:
+        print(f"INT4 variants: mean over {len(seeds)} rotation sign vectors (seeds {', '.join(map(hex, seeds))})")
     print(f"text: {text_path}, {args.windows} window(s) of {args.tokens} tokens, each teacher-forced in one "
           f"prefill; device {device}; kernels: {describe_backend(backend)}"
           f"{' (Triton interpreter)' if device.type == 'cpu' and backend != 'reference' else ''}")
@@ -109,46 +135,71 @@ def run(args) -> int:
     runner = LlamaRunner(weights)
     windows = []
     # one bar over every layer of every variant forward (bf16 first) of every window, with ETA
-    bar = tqdm(total=args.windows * (1 + len(names)) * weights.config.num_layers, unit="layer",
+    runs = 1 + sum(len(seeds) if variants[n].rotated else 1 for n in names)
+    bar = tqdm(total=args.windows * runs * weights.config.num_layers, unit="layer",
                desc="eval", file=sys.stderr, dynamic_ncols=True)
     with bar:
         for w in range(args.windows):
             ids = all_ids[w * args.tokens:(w + 1) * args.tokens]
             token_ids = torch.tensor(ids, dtype=torch.int64, device=device)
             windows.append(_evaluate_window(runner, token_ids, names, variants, backend, args.block_size, w,
-                                            args.windows, bar))
+                                            args.windows, bar, seeds, key_offsets))
     rows, nll = _aggregate(windows, names)
     _print_tables(rows, nll, args.tokens, args.windows)
+    _print_smoothing(rows)
     if args.plot:
         _plot(rows, args.plot)
         print(f"plot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shrink": list(variants["int4-mse"].int4_shrink), "text": text_path, "tokens": args.tokens, "windows": args.windows, "backend": backend,
+            json.dump({"shrink": list(variants["int4-mse"].int4_shrink), "text": text_path, "tokens": args.tokens,
+                       "windows": args.windows, "backend": backend, "sign_seeds": seeds,
+                       "key_offsets": key_offsets.fingerprint if key_offsets is not None else None,
                        "device": str(device), "model": weights.source, "rope_style": args.rope_style, "bf16_nll": nll,
                        "rows": rows}, f, indent=1)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 
 
-def _evaluate_window(runner, token_ids, names, variants, backend, block_size, w, num_windows, bar):
-    """All variants on one window: ``(rows, bf16 NLL)``, rows as in :func:`_print_tables`."""
-    from tools.llama.accuracy import compare, roundtrip_errors, run_variant
+def _offsets_path(args):
+    """The offsets file of the smoothing variants: ``--key-offsets``, or the shipped one (auto)."""
+    from tools.calibrate import resolve_key_offsets
+    return resolve_key_offsets(args.key_offsets, args.model)
 
-    results = {}
+
+def _sign_seeds(n: int) -> list[int]:
+    from layouts import RHT_SIGN_SEED
+    return [RHT_SIGN_SEED + i for i in range(n)]
+
+
+def _evaluate_window(runner, token_ids, names, variants, backend, block_size, w, num_windows, bar, seeds,
+                     key_offsets):
+    """All variants on one window: ``(rows, bf16 NLL)``, rows as in :func:`_print_tables`.
+
+    A rotated (INT4) variant runs once per sign seed; its top-1/KL/NLL are the seeds' means
+    (``kl_seeds``: each seed's KL), its K/V errors those of the first seed."""
+    from layouts.rotation import sign_seed_override
+    from tools.llama.accuracy import compare, prompt_key_offsets, roundtrip_errors, run_variant
+
     tag = f"[{w + 1}/{num_windows}] " if num_windows > 1 else ""
-    for name in ["bf16"] + names:
-        bar.set_description(f"eval {tag}{name}")
-        res = run_variant(runner, token_ids, variants[name], backend, block_size, keep_kv=(name == "bf16"),
-                          progress=lambda _layer: bar.update(1))
-        results[name] = res
-    base = results["bf16"]
+    step = lambda _layer: bar.update(1)  # noqa: E731
+    bar.set_description(f"eval {tag}bf16")
+    base = run_variant(runner, token_ids, variants["bf16"], backend, block_size, keep_kv=True, progress=step)
+    own = prompt_key_offsets(base.kv) if any(variants[n].smooth == "prompt" for n in names) else None
     rows = []
     for name in names:
-        m = compare(base, results[name])
-        k_err, v_err = roundtrip_errors(base.kv, variants[name], backend, block_size)
-        rows.append({"variant": name, "top1": m["top1"], "kl": m["kl"],
-                     "nll": _nll(results[name].logprobs, token_ids), "key_err": k_err, "value_err": v_err})
+        var = variants[name]
+        offsets = own if var.smooth == "prompt" else key_offsets
+        per_seed = []
+        for i, seed in enumerate(seeds if var.rotated else seeds[:1]):
+            bar.set_description(f"eval {tag}{name}" + (f" seed {i + 1}/{len(seeds)}" if var.rotated else ""))
+            with sign_seed_override(seed):
+                res = run_variant(runner, token_ids, var, backend, block_size, progress=step, key_offsets=offsets)
+                if i == 0:
+                    k_err, v_err = roundtrip_errors(base.kv, var, backend, block_size, offsets)
+            per_seed.append({**compare(base, res), "nll": _nll(res.logprobs, token_ids)})
+        rows.append({"variant": name, **{k: _mean([p[k] for p in per_seed]) for k in ("top1", "kl", "nll")},
+                     "kl_seeds": [p["kl"] for p in per_seed], "key_err": k_err, "value_err": v_err})
     return rows, _nll(base.logprobs, token_ids)
 
 
@@ -165,6 +216,7 @@ def _aggregate(windows, names):
             row[key + "_windows"] = vals.tolist()
         for key in ("key_err", "value_err"):
             row[key] = torch.tensor([r[key] for r in per], dtype=torch.float64).mean(0).tolist()
+        row["kl_runs"] = [kl for r in per for kl in r["kl_seeds"]]  # every (window, seed), in order
         rows.append(row)
     return rows, sum(w[1] for w in windows) / len(windows)
 
@@ -196,6 +248,24 @@ def _print_tables(rows, base_nll, num_tokens, num_windows):
         a, b = by["int4"], by["int4-norot"]
         for i, vals in enumerate(zip(a["key_err"], b["key_err"], a["value_err"], b["value_err"])):
             print(f"| {i} | " + " | ".join(f"{x:.4f}" for x in vals) + " |")
+
+
+def _print_smoothing(rows):
+    """Key smoothing against plain INT4: the share of the int4 -> int8 KL gap it closes, and in
+    how many paired runs (same window, same sign vector) its KL is lower."""
+    by = {r["variant"]: r for r in rows}
+    smooth = [n for n in SMOOTH_VARIANTS if n in by]
+    if "int4" not in by or not smooth:
+        return
+    print("\nkey smoothing vs int4 (paired runs: same window, same sign vector)\n")
+    print("| variant | mean KL | int4 -> int8 KL gap closed | lower KL than int4 in |\n|---|---:|---:|---:|")
+    base = by["int4"]
+    for n in smooth:
+        r = by[n]
+        span = base["kl"] - by["int8"]["kl"] if "int8" in by else 0.0
+        gap = f"{100 * (base['kl'] - r['kl']) / span:.0f}%" if span > 0 else "-"  # no gap: nothing to close
+        wins = sum(a < b for a, b in zip(r["kl_runs"], base["kl_runs"]))
+        print(f"| {n} | {r['kl']:.4f} | {gap} | {wins} of {len(base['kl_runs'])} |")
 
 
 def _plot(rows, path):

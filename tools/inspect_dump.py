@@ -34,7 +34,7 @@ class BlockSource:
     order; ``block(layer, block_id)`` reads one (a dump seeks through its footer index).
     """
 
-    def __init__(self, path):
+    def __init__(self, path, key_offsets_path: str | None = None):
         self.path = str(path)
         with open(self.path, "rb") as f:
             is_dump = f.read(len(MAGIC)) == MAGIC
@@ -47,6 +47,29 @@ class BlockSource:
             self.desc, self.caches = load_cache_file(self.path)
             self.layers, self.block_ids = sorted(self.caches), list(range(self.desc.num_blocks))
             self.kind = "cache file"
+        self.key_offsets = self.reader.info.key_offsets if self.reader is not None else None
+        if key_offsets_path:
+            from layouts import KeyOffsets
+            ko = KeyOffsets.load(key_offsets_path)
+            if ko.fingerprint != self.desc.key_offset:
+                raise LayoutMismatchError([("key_offset", self.desc.key_offset, ko.fingerprint)],
+                                          f"{self.path} vs --key-offsets {key_offsets_path}")
+            self.key_offsets = ko
+
+    def key_offset(self, layer: int) -> torch.Tensor | None:
+        """``[num_kv_heads, head_size]`` offsets of this source's heads in ``layer`` (None: not smoothed
+        or the offsets are not at hand)."""
+        if self.key_offsets is None:
+            return None
+        return self.key_offsets.layer(layer, self.desc.head_start, self.desc.num_kv_heads)
+
+    def key_offset_note(self) -> str:
+        if self.desc.key_offset == "none":
+            return ""
+        if self.key_offsets is None:
+            return (f"key offsets: {self.desc.key_offset} (smoothed keys; values not in this file: keys are shown "
+                    f"WITHOUT m, pass --key-offsets FILE)")
+        return f"key offsets: {self.desc.key_offset} (smoothed keys; m added back to the keys shown)"
 
     def blocks(self):
         if self.reader is not None:
@@ -92,7 +115,7 @@ def collect(src: BlockSource, ref: BlockSource | None = None, progress: bool = F
         it = tqdm(it, total=len(src.layers) * len(src.block_ids), desc="inspect", unit="block", file=sys.stderr)
     for layer, b, blk in it:
         r = ref.block(layer, b).float() if ref is not None else None
-        st.add_block(layer, b, blk, r)
+        st.add_block(layer, b, blk, r, src.key_offset(layer))
     return st
 
 
@@ -126,6 +149,7 @@ def format_table(src: BlockSource, st: CacheStats, per_block: bool = False) -> s
         f"block_size {d.block_size}  row {geo.row_bytes} B  block {geo.block_bytes} B",
         f"fingerprint: {d.fingerprint()}  layers {d.num_layers}  blocks {d.num_blocks}",
         f"holds: layers {src.layers}  blocks {src.block_ids[:32]}{'...' if len(src.block_ids) > 32 else ''}",
+    ] + ([src.key_offset_note()] if src.key_offset_note() else []) + [
         "",
         "layer block kv head        scale min..max     zp    sat%   nan  inf      mean       std    absmax    rel L2",
     ]
@@ -144,6 +168,7 @@ def format_table(src: BlockSource, st: CacheStats, per_block: bool = False) -> s
 
 def to_json(src: BlockSource, st: CacheStats) -> dict:
     return {"file": src.path, "kind": src.kind, "layout": src.desc.to_dict(),
+            "key_offsets_added": src.key_offsets is not None,
             "mode": KVQuantMode(src.desc.quant_mode).name, "fingerprint": src.desc.fingerprint(),
             "layers": src.layers, "block_ids": src.block_ids, "stats": st.to_dict()}
 
@@ -222,6 +247,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="OUT.png", help="write histograms and a layer x head heat map")
     p.add_argument("--per-block", action="store_true", help="statistics per block too (table rows, JSON entries)")
+    p.add_argument("--key-offsets", metavar="FILE", help="offsets file of a smoothed INT4 dump that does not carry "
+                   "them (its fingerprint must be the layout's key_offset): m is added back to the keys shown")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_endpoint_arguments(p)
 
@@ -241,7 +268,7 @@ def _run(args) -> int:
 
 
 def _inspect(args) -> int:
-    src = BlockSource(args.dump)
+    src = BlockSource(args.dump, args.key_offsets)
     if args.endpoint:   # name what was pulled, not the temporary file
         src.path, src.kind = args.endpoint, f"pulled from a prefill endpoint (tid {src.reader.info.tid!r})"
     ref = BlockSource(args.reference) if args.reference else None

@@ -4,6 +4,11 @@ Nothing here is fast; everything here is the definition the Triton write kernels
 against; each function's docstring states its math. Math runs in float32 on whatever device
 the inputs are on.
 
+Key smoothing (INT4 only): an optional per-(KV head) offset ``m`` is subtracted from every key
+row before the rotation (:func:`smooth_keys`). Attention is unchanged by it (``q·(k − m) =
+q·k − q·m``, one shift per query for every key it sees) as long as ``m`` is one constant per
+head for the whole sequence; the row's range shrinks when keys carry large per-channel offsets.
+
 Non-finite rows (any NaN/Inf in a row of K or V; for INT4 the rotation spreads one bad
 element over the whole row): every quantized mode stores codes 0 and the scale
 ``NAN_SCALE_BITS`` (a quiet NaN, zero point 0), so the row dequantizes to all-NaN and
@@ -84,6 +89,37 @@ def round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
+
+
+def smooth_keys(key: torch.Tensor, key_offset: torch.Tensor) -> torch.Tensor:
+    """Key rows with the offset subtracted: ``RN(key - RN(m))`` in ``key.dtype``.
+
+    ``m`` is first rounded to the model dtype (round to nearest even), then subtracted in
+    float32 and the difference rounded to the model dtype again, so the writers feed their
+    unchanged rotation the same model-dtype rows. Any constant ``m`` keeps attention exact; the
+    rounding of ``m`` only has to be the same for the writer and for whoever adds it back
+    (:func:`unsmooth_keys`).
+
+    Parameters
+    ----------
+    key : [..., num_kv_heads, head_size] bf16/fp16
+    key_offset : [num_kv_heads, head_size] float32 (or the model dtype), same device
+    """
+    m = key_offset.to(key.dtype).float()
+    return (key.float() - m).to(key.dtype)
+
+
+def unsmooth_keys(key: torch.Tensor, key_offset: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized keys with the offset added back: ``key + RN(m)`` as float32, ``m`` rounded to
+    ``model_dtype`` as :func:`smooth_keys` rounded it.
+
+    Parameters
+    ----------
+    key : [..., num_kv_heads, head_size] float (dequantized, unrotated)
+    key_offset : [num_kv_heads, head_size] float32, same device
+    model_dtype : the dtype the writer's keys had (bf16/fp16)
+    """
+    return key.float() + key_offset.to(model_dtype).float()
 
 
 def quantize_int4_rows(x: torch.Tensor, shrink: tuple[float, ...] = (1.0,)):
@@ -198,7 +234,7 @@ def dequantize_rows(data: torch.Tensor, scale, mode: KVQuantMode, rotated: bool 
 
 def reference_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                 kv_quant_mode=KVQuantMode.NONE, k_scale_cache=None, v_scale_cache=None,
-                                shrink: tuple[float, ...] = (1.0,)):
+                                shrink: tuple[float, ...] = (1.0,), key_offset=None):
     """Oracle of the write kernels: quantize ``key``/``value`` rows into the cache by slot.
 
     Parameters
@@ -208,10 +244,16 @@ def reference_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping
     slot_mapping : [num_tokens] int; slot = block_idx * block_size + offset; negative = skip
     k_scale_cache, v_scale_cache : [num_blocks, block_size, num_kv_heads] float32, written in place
     shrink : INT4 only: the MSE encoder's range factors (:func:`quantize_int4_rows`)
+    key_offset : INT4 only: [num_kv_heads, head_size] float32 per-head key offset, subtracted from
+        every key row first (:func:`smooth_keys`); None: keys quantized as they are
     """
     mode = KVQuantMode(kv_quant_mode)
     if tuple(shrink) != (1.0,) and mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
         raise ValueError(f"shrink: only the INT4 encoder has range factors, got {shrink} for {mode.name}")
+    if key_offset is not None:
+        if mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+            raise ValueError(f"key_offset: key smoothing applies to INT4_PER_TOKEN_HEAD only, got {mode.name}")
+        key = smooth_keys(key, key_offset)
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -14,6 +14,10 @@ int4-fused      ``int4_fused.py``                          INT4 on CPU, with the
                                                            above 256, K/V rows not 16-byte loadable
 ==============  =========================================  ===========================================
 
+Every INT4 path takes an optional ``key_offset`` (per-head key smoothing,
+``kernels.reference.smooth_keys``): each K row loses its head's offset right after its load, in
+the same pass. ``bench/write.py --key-offset`` times the write with and without it.
+
 Around them: ``checks.py`` validates the arguments (``LayoutError`` saying expected vs got;
 nothing written on error), ``tuning.py`` holds each path's frozen tuning and its measured
 defaults, ``device_math.py`` the device helpers the kernels share (exact division, rounding,

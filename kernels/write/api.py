@@ -19,6 +19,30 @@ LAUNCHERS = {"unquantized": launch_unquantized, "symmetric": launch_symmetric, "
              "int4-lanes": launch_int4_lanes, "int4-fused": launch_int4_fused}
 
 
+_OFFSETS: dict = {}  # (id, version, dtype) -> (the caller's tensor, its model-dtype contiguous copy)
+_MAX_OFFSETS = 64
+
+
+def model_dtype_offset(key_offset: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``key_offset`` rounded to the model ``dtype`` (RNE), contiguous and 16-byte aligned, as the
+    kernels read it (the register paths load it like the K rows, in 16-byte vectors).
+
+    A float32 offset is converted once per (tensor, in-place version, dtype) and kept: a model
+    writes every layer every step with the same offsets, and a conversion per call would add a
+    launch to every write. The entry holds the caller's tensor, so its address cannot be reused
+    by another tensor while the entry lives."""
+    if key_offset is None or (key_offset.dtype == dtype and key_offset.is_contiguous()
+                              and key_offset.data_ptr() % 16 == 0):
+        return key_offset
+    k = (id(key_offset), key_offset._version, dtype)
+    hit = _OFFSETS.get(k)
+    if hit is None or hit[0] is not key_offset:
+        if len(_OFFSETS) >= _MAX_OFFSETS:
+            _OFFSETS.pop(next(iter(_OFFSETS)))
+        hit = _OFFSETS[k] = (key_offset, key_offset.to(dtype, copy=True, memory_format=torch.contiguous_format))
+    return hit[1]
+
+
 def run_plan(plan: WritePlan, args: WriteArgs) -> None:
     """Launch ``plan`` (from :func:`~kernels.write.plan.write_plan` on these same tensors)."""
     if plan.shape.num_tokens * plan.shape.num_kv_heads:
@@ -29,7 +53,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
         key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, slot_mapping: torch.Tensor,
         kv_quant_mode: KVQuantMode = KVQuantMode.INT8_PER_TOKEN_HEAD, *, check_slots: bool = True,
-        shrink: Optional[Sequence[float]] = None, tuning=None) -> None:
+        shrink: Optional[Sequence[float]] = None, tuning=None, key_offset: Optional[torch.Tensor] = None) -> None:
     """Quantize K/V rows per (token, head) and write codes and inline scales into a paged cache.
 
     Parameters
@@ -46,6 +70,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     check_slots : check ``max(slot_mapping) < num_blocks * block_size`` first (one device sync).
     shrink : INT4 only, as in :func:`reshape_and_cache_int4`.
     tuning : a ``kernels.write.tuning`` instance (benchmarks and tests; None: the defaults).
+    key_offset : INT4 only, as in :func:`reshape_and_cache_int4`.
 
     Raises
     ------
@@ -57,14 +82,16 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
         raise LayoutError(f"kv_quant_mode: expected INT8_PER_TOKEN_HEAD, FP8_PER_TOKEN_HEAD or "
                           f"INT4_PER_TOKEN_HEAD, got {mode.name}")
     plan = write_plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping, mode,
-                      check_slots=check_slots, shrink=shrink, tuning=tuning)
-    run_plan(plan, WriteArgs(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache))
+                      check_slots=check_slots, shrink=shrink, tuning=tuning, key_offset=key_offset)
+    run_plan(plan, WriteArgs(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache,
+                             model_dtype_offset(key_offset, key.dtype)))
 
 
 def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            k_scale_cache: torch.Tensor, v_scale_cache: torch.Tensor, *,
-                           shrink: Sequence[float] = (1.0,), check_slots: bool = True, tuning=None) -> None:
+                           shrink: Sequence[float] = (1.0,), check_slots: bool = True, tuning=None,
+                           key_offset: Optional[torch.Tensor] = None) -> None:
     """Rotate, quantize to INT4 and write K/V rows into a paged cache, one fused pass.
 
     Parameters
@@ -85,6 +112,11 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         The kernel never writes outside the cache either way: unchecked bad slots are skipped.
     tuning : ``LanesTuning``, ``MmaTuning`` or ``FusedTuning`` (benchmarks and tests): that path
         first, with these fields; None: the default path (``plan.write_plan`` says which and why).
+    key_offset : [num_kv_heads, head_size] float32 (or bf16/fp16), same device, or None: key
+        smoothing. Each key row first loses its head's offset ``m`` (rounded to the model dtype),
+        ``RN(k - RN(m))`` (``kernels.reference.smooth_keys``), in the same pass; values are never
+        changed. Attention over the cache is unchanged when ``m`` is the same for every key of a
+        sequence (``q·(k - m) = q·k - q·m``); readers that want the keys themselves add ``m`` back.
 
     Raises
     ------
@@ -92,8 +124,10 @@ def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: to
         On any shape, dtype, device, stride, head-size or slot-range mismatch; nothing is written.
     """
     plan = write_plan(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping,
-                      KVQuantMode.INT4_PER_TOKEN_HEAD, check_slots=check_slots, shrink=shrink, tuning=tuning)
-    run_plan(plan, WriteArgs(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache))
+                      KVQuantMode.INT4_PER_TOKEN_HEAD, check_slots=check_slots, shrink=shrink, tuning=tuning,
+                      key_offset=key_offset)
+    run_plan(plan, WriteArgs(key, value, key_cache, value_cache, slot_mapping, k_scale_cache, v_scale_cache,
+                             model_dtype_offset(key_offset, key.dtype)))
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

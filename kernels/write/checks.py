@@ -166,3 +166,19 @@ def lane_layout_ok(*inputs: torch.Tensor) -> bool:
     so :func:`~kernels.write.plan.write_plan` takes the layout-agnostic ``int4-fused`` path instead."""
     return all(t.data_ptr() % 16 == 0 and (packed_rows(t) or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0))
                for t in inputs)
+
+
+def check_key_offset(key_offset, mode: KVQuantMode, shape: WriteShape, device: torch.device) -> None:
+    """Validate the INT4 key offset: float32 (or bf16/fp16) ``[num_kv_heads, head_size]`` on the
+    device of ``key``, or None. Raises :class:`LayoutError` naming ``key_offset``."""
+    if key_offset is None:
+        return
+    if mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        raise LayoutError(f"key_offset: expected None for {mode.name} (key smoothing is INT4_PER_TOKEN_HEAD only), "
+                          f"got a tensor")
+    _tensor("key_offset", key_offset)
+    want = (shape.num_kv_heads, shape.head_size)
+    if tuple(key_offset.shape) != want or key_offset.dtype not in (torch.float32,) + MODEL_DTYPES:
+        raise LayoutError(f"key_offset: expected float32 {list(want)} ([num_kv_heads, head_size]), "
+                          f"got {key_offset.dtype} {list(key_offset.shape)}")
+    _same_device(device, key_offset=key_offset)

@@ -7,7 +7,8 @@ on the GPU, for what the register paths (``int4_lanes``) cannot write: the MSE e
 range factors per row), head sizes above 256, and K/V rows Triton cannot load in 16-byte
 vectors. The ``tl.dot`` rotation adds its exact ±1 products in another order than the oracle,
 so a rare rotated value rounds to the neighbouring bf16/fp16 (a tie row, within one code step);
-the butterfly rotation is bit-identical to the oracle.
+the butterfly rotation is bit-identical to the oracle. With a key offset each K row loses its
+head's offset (model dtype, rounded once) right after its load, before the rotation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import torch
 
 from layouts import rht_signs
+from layouts.rotation import rht_sign_seed
 
 from .._jit import dual_jit
 from .checks import cache_alignment, stride_args
@@ -29,20 +31,36 @@ from .plan import WriteArgs, WritePlan, launch
 
 
 @triton.jit
+def _smoothed(x, m_row, mask, OFFSET: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x: [ROWS, CH]`` (model dtype) minus its rows' key offsets at ``m_row`` (model dtype),
+    subtracted in fp32 and rounded to the model dtype, as ``kernels.reference.smooth_keys``."""
+    if OFFSET:
+        m = tl.load(m_row, mask=mask[:, None], other=0.0)  # m: [ROWS, CH] model dtype
+        x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
+    return x
+
+
+@triton.jit
 def _int4_write_rows(x_ptr, x_off, cache_ptr, c_off, scale_ptr, s_off, rot_a, rot_b, shrink_ptr, mask,
-                     ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
-                     DOT: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr):
+                     m_ptr, m_off, ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
+                     OFFSET: tl.constexpr):
     """Quantize ROWS rows of K (or V) and store codes and scales where ``mask`` holds.
 
     A row is one chunk of CH values, or two (SPLIT) whose rotations are joined by the
     oracle's last butterfly stage, so head_size 256 needs only 128x128 rotation tiles.
+    ``OFFSET``: subtract the rows' key offsets (``m_ptr + m_off``, model dtype) before the
+    rotation, in the same pass.
     """
     cols = tl.arange(0, CH)
     x_row = x_ptr + x_off[:, None]
+    m_row = m_ptr + m_off[:, None]
     xa = tl.load(x_row + cols[None, :], mask=mask[:, None], other=0.0)  # xa: [ROWS, CH] model dtype
+    xa = _smoothed(xa, m_row + cols[None, :], mask, OFFSET, INTERPRET)
     ra = rotate_chunk(xa, rot_a, ROWS, CH, LOG2_CH, DOT, INTERPRET)    # ra: [ROWS, CH] fp32
     if SPLIT:
         xb = tl.load(x_row + CH + cols[None, :], mask=mask[:, None], other=0.0)
+        xb = _smoothed(xb, m_row + CH + cols[None, :], mask, OFFSET, INTERPRET)
         rb = rotate_chunk(xb, rot_b, ROWS, CH, LOG2_CH, DOT, INTERPRET)
         ra, rb = ra + rb, ra - rb
         rb = to_model_dtype(rb, xa.dtype, INTERPRET).to(tl.float32)
@@ -103,16 +121,18 @@ def _reshape_and_cache_int4_fused_kernel(
     slot_mapping_ptr,                # [num_tokens] int32/int64, negative = skip
     rot_ptr,                         # DOT: [head_size // CH, CH, CH] diag(s)·H tiles; else [head_size] fp32 signs
     shrink_ptr,                      # [NUM_SHRINK] fp32 range factors (entry 0 is 1.0)
+    key_offset_ptr,                  # OFFSET: [NUM_KV_HEADS, CH * (1 + SPLIT)] model dtype; else unused
     num_rows, num_tiles, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, CH: tl.constexpr, LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
     DOT: tl.constexpr, INTERPRET: tl.constexpr, NUM_SHRINK: tl.constexpr,
-    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Grid ``(min(num_tiles, programs),)``: each program loads the rotation once, then loops
-    over tiles of ROWS (token, head) rows, quantizing the K rows and the same V rows. Rows are
+    over tiles of ROWS (token, head) rows, quantizing the K rows (less their head's key offset,
+    OFFSET) and the same V rows. Rows are
     flattened token-major so a tile is a contiguous stretch of ``key``; K and V share a
     program so the slot loads and the rotation tiles serve both."""
     cols = tl.arange(0, CH)
@@ -142,12 +162,13 @@ def _reshape_and_cache_int4_fused_kernel(
         vc_off = (blk * stride_vc_block + off * stride_vc_slot + head * stride_vc_head) * CACHE_ALIGN
         ks_off = blk * stride_ks_block + off * stride_ks_slot + head * stride_ks_head
         vs_off = blk * stride_vs_block + off * stride_vs_slot + head * stride_vs_head
+        m_off = head * (CH * (1 + SPLIT))  # the key offset row of each row's head
         _int4_write_rows(key_ptr, token * stride_key_token + head * stride_key_head, key_cache_ptr, kc_off,
-                         k_scale_ptr, ks_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK)
+                         k_scale_ptr, ks_off, rot_a, rot_b, shrink_ptr, mask, key_offset_ptr, m_off,
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK, OFFSET)
         _int4_write_rows(value_ptr, token * stride_value_token + head * stride_value_head, value_cache_ptr,
-                         vc_off, v_scale_ptr, vs_off, rot_a, rot_b, shrink_ptr, mask,
-                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK)
+                         vc_off, v_scale_ptr, vs_off, rot_a, rot_b, shrink_ptr, mask, key_offset_ptr, m_off,
+                         ROWS, CH, LOG2_CH, SPLIT, DOT, INTERPRET, NUM_SHRINK, False)  # values: never smoothed
 
 
 def chunk_size(head_size: int) -> int:
@@ -156,8 +177,9 @@ def chunk_size(head_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``."""
+def signed_hadamard_chunks(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """[head_size // CH, CH, CH] ±1 tiles ``diag(s_c)·H_CH`` so ``x_c @ M_c`` rotates chunk ``c``
+    (``seed``: ``layouts.rotation.rht_sign_seed()``, part of the cache key only)."""
     ch = chunk_size(head_size)
     h = torch.ones(1, 1)
     while h.shape[0] < ch:
@@ -185,11 +207,12 @@ def launch_int4_fused(plan: WritePlan, t: WriteArgs) -> None:
     launch(_reshape_and_cache_int4_fused_kernel, plan.grid, dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping,
-        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev) if dot else rht_signs(d, dev),
+        rot_ptr=signed_hadamard_chunks(d, t.key.dtype, dev, rht_sign_seed()) if dot else rht_signs(d, dev),
         shrink_ptr=device_shrink(plan.shrink, dev),
+        key_offset_ptr=t.key if t.key_offset is None else t.key_offset,
         num_rows=num_rows, num_tiles=-(-num_rows // tuning.rows), num_slots=shape.num_blocks * shape.block_size,
         **stride_args(t, align, ks, vs),
         ROWS=tuning.rows, CH=ch, LOG2_CH=ch.bit_length() - 1, SPLIT=ch != d, DOT=dot,
         INTERPRET=plan.interpret, NUM_SHRINK=len(plan.shrink), CACHE_ALIGN=align,
-        NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
+        NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size, OFFSET=t.key_offset is not None,
         num_warps=tuning.num_warps, enable_fp_fusion=False))  # keep the oracle's separate roundings

@@ -41,11 +41,12 @@ import triton
 import triton.language as tl
 
 from layouts import rht_signs
+from layouts.rotation import rht_sign_seed
 
 from .._jit import dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
-                          pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal)
+                          pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal, to_model_dtype)
 from .int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, mma_table, packed_range
 from .plan import WriteArgs, WritePlan, launch
 from .tuning import MMA_COLS
@@ -130,12 +131,22 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
+                  m_row, smooth, OFFSET: tl.constexpr):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
-    ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``b0``/``b1`` its B words)."""
+    ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``b0``/``b1`` its B words).
+    ``OFFSET`` and ``smooth`` (this program writes K): the rows' key offsets at ``m_row`` (model
+    dtype) are subtracted first, in fp32, rounded back to the model dtype (the oracle's
+    ``smooth_keys``), so the rotation below takes the same model-dtype rows either way. The
+    offsets are loaded with the same shape, element size and contiguity as ``x``, hence in its
+    layout: the rotation's inline asm receives the same lane arrangement."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
+    if OFFSET:
+        if smooth:
+            m = tl.load(m_row + cols[None, :])  # [ROWS, N] model dtype
+            x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
     if INTERPRET:
         r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
     elif MMA:  # the signs come with the B table
@@ -149,14 +160,17 @@ def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, L
 
 @triton.jit
 def _rotated_quad(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1):
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
+                  m_row, smooth, OFFSET: tl.constexpr):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
-    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
-    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
+    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+                       m_row, smooth, OFFSET)
+    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+                       m_row, smooth, OFFSET)
     r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1)
+                       b0, b1, m_row, smooth, OFFSET)
     r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1)
+                       b0, b1, m_row, smooth, OFFSET)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
@@ -225,13 +239,13 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
 @triton.jit
 def _int4_rows(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
-    tab_ptr, num_rows, num_slots,
+    tab_ptr, key_offset_ptr, num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
-    MMA: tl.constexpr, WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr,
+    MMA: tl.constexpr, WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """The body of both kernels below (their arguments; ``MMA`` picks the rotation of a part).
     Program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K, ``(t, 1)`` the same rows of V (small
@@ -241,7 +255,8 @@ def _int4_rows(
     lanes hold element ``i`` of every part, each part is transformed by the lanes (or one
     tensor-core product, MMA), and the oracle's last ``log2(PARTS)`` stages (pairs ``N``, ``2N``,
     ``4N`` apart) are in-lane adds and subtracts: fewer shuffle stages, and the per-row work is
-    shared by fewer lanes.
+    shared by fewer lanes. ``OFFSET``: K programs subtract each row's key offset right after
+    its load (``_rotated_part``), V programs skip it (one uniform branch per program).
     """
     N: tl.constexpr = D // PARTS
     kv = tl.program_id(1) == 0
@@ -258,6 +273,8 @@ def _int4_rows(
     rows = tl.minimum(rows, num_rows - 1)  # a partial tile reads the last row again: no masked loads
     token = rows // NUM_KV_HEADS
     head = rows - token * NUM_KV_HEADS
+    m_row = key_offset_ptr + (head * D)[:, None]  # OFFSET: each row's head offset, [NUM_KV_HEADS, D]
+    smooth = kv  # only keys are smoothed
     if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
         x_row = x_ptr + (rows.to(tl.int64) * D)[:, None]
     else:
@@ -265,23 +282,24 @@ def _int4_rows(
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
         r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                           b0, b1)  # [ROWS, N] fp32
+                           b0, b1, m_row, smooth, OFFSET)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
-            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1)
+            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+                               m_row, smooth, OFFSET)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
         r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1)
+                                       tab_ptr, b0, b1, m_row, smooth, OFFSET)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
         r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1)
+                                       tab_ptr, b0, b1, m_row, smooth, OFFSET)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6
@@ -327,24 +345,25 @@ def _reshape_and_cache_int4_lanes_kernel(
     slot_mapping_ptr,                # [num_tokens] int32/int64, negative = skip
     sign_ptr,                        # [D] fp32 RHT signs
     tab_ptr,                         # unused (the int4-mma kernel's table): both kernels take one argument list
+    key_offset_ptr,                  # OFFSET: [NUM_KV_HEADS, D] model dtype key offsets; else unused
     num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
-    FAST_RCP: tl.constexpr,
+    FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Path ``int4-lanes``. Grid ``(cdiv(num_rows, ROWS), 2)``: program ``(t, kv)`` writes rows
     ``t·ROWS ..`` of K (kv 0) or V (kv 1); each part rotated by butterflies in registers and warp
     shuffles, the oracle's additions in its order (bit-identical codes and scales)."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
-               sign_ptr, tab_ptr, num_rows, num_slots,
+               sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               False, 1, False, FAST_RCP)
+               False, 1, False, FAST_RCP, OFFSET)
 
 
 @dual_jit
@@ -353,24 +372,25 @@ def _reshape_and_cache_int4_mma_kernel(
     slot_mapping_ptr,                # as in _reshape_and_cache_int4_lanes_kernel
     sign_ptr,                        # [D] fp32 RHT signs (the interpreter's butterflies)
     tab_ptr,                         # int4_mma.mma_table in the input dtype: B words, then sign bits
+    key_offset_ptr,                  # as in _reshape_and_cache_int4_lanes_kernel
     num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
-    WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr,
+    WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
     (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``WARPS`` is ``num_warps``
     (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
-               sign_ptr, tab_ptr, num_rows, num_slots,
+               sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               True, WARPS, PACKED, FAST_RCP)
+               True, WARPS, PACKED, FAST_RCP, OFFSET)
 
 
 def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
@@ -385,12 +405,14 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
     args = dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping, sign_ptr=signs,
-        tab_ptr=mma_table(d, t.key.dtype, dev) if mma else signs,
+        tab_ptr=mma_table(d, t.key.dtype, dev, rht_sign_seed()) if mma else signs,
+        key_offset_ptr=t.key if t.key_offset is None else t.key_offset,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
         **stride_args(t, align, ks, vs),
         ROWS=tuning.rows, D=d, PARTS=parts, LOG2_N=(d // parts).bit_length() - 1, INTERPRET=plan.interpret,
         CACHE_ALIGN=align, NUM_KV_HEADS=shape.num_kv_heads, BLOCK_SIZE=shape.block_size,
         CONTIG=packed_rows(t.key) and packed_rows(t.value), FAST_RCP=bool(tuning.fast_rcp),
+        OFFSET=t.key_offset is not None,
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,

@@ -61,10 +61,11 @@ def b_word(lane: int, q: int, one: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def mma_table(head_size: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
     """``[B_HALVES + head_size]`` 16-bit table in ``dtype``: lane ``l``'s B words at ``l·32 ..``
     (half ``2q + e`` of word ``q``), then the sign bits (``0x8000`` where ``s = -1``) per column.
-    Made once per (head_size, dtype, device); bit patterns, not values."""
+    Made once per (head_size, dtype, device, sign seed: ``layouts.rotation.rht_sign_seed()``, part of
+    the cache key only); bit patterns, not values."""
     one = _ONE[dtype]
     halves = [(b_word(lane, q, one) >> (16 * e)) & 0xFFFF for lane in range(32) for q in range(16) for e in (0, 1)]
     halves += [0x8000 if s < 0 else 0 for s in rht_signs(head_size).tolist()]

@@ -27,7 +27,7 @@ import torch
 from layouts import KVQuantMode
 
 from .._jit import cdiv
-from .checks import WriteShape, check_write_args, lane_layout_ok
+from .checks import WriteShape, check_key_offset, check_write_args, lane_layout_ok
 from .tuning import LANES_TILING, MMA_COLS, MMA_TILING, TUNING_OF_PATH, TileTuning, resolve_tuning
 
 # the Triton kernel each path launches (the names ``record_launches`` sees)
@@ -48,6 +48,7 @@ class WriteArgs(NamedTuple):
     slot_mapping: torch.Tensor
     k_scale_cache: Optional[torch.Tensor]
     v_scale_cache: Optional[torch.Tensor]
+    key_offset: Optional[torch.Tensor] = None  # INT4: [num_kv_heads, head_size] in the model dtype, contiguous
 
 
 class WriteCall(NamedTuple):
@@ -177,7 +178,8 @@ def _sm_count(device: torch.device) -> int:
 def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                k_scale_cache: Optional[torch.Tensor], v_scale_cache: Optional[torch.Tensor],
                slot_mapping: torch.Tensor, kv_quant_mode: KVQuantMode = KVQuantMode.INT8_PER_TOKEN_HEAD, *,
-               check_slots: bool = True, shrink: Optional[Sequence[float]] = None, tuning=None) -> WritePlan:
+               check_slots: bool = True, shrink: Optional[Sequence[float]] = None, tuning=None,
+               key_offset: Optional[torch.Tensor] = None) -> WritePlan:
     """Validate one cache write and decide how it runs; launches nothing.
 
     Arguments as :func:`~kernels.write.triton_reshape_and_cache_flash_per_token_head_quant`
@@ -194,6 +196,8 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
     shrink : INT4 only: range factors tried per row, least squared error wins; None or ``(1.0,)``
         is the vLLM-compatible encoder; the first factor must be 1.0
     tuning : a ``kernels.write.tuning`` instance (benchmarks, tests): names the path tried first
+    key_offset : INT4 only: [num_kv_heads, head_size] float32 (or the model dtype) key offsets,
+        or None; every INT4 path subtracts them in its one pass, so the choice does not depend on it
 
     Returns
     -------
@@ -217,6 +221,7 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
             raise ValueError(f"shrink: expected factors in (0, 1] starting with 1.0, got {shrink}")
     shape = check_write_args(key, value, key_cache, value_cache, slot_mapping, mode,
                              k_scale_cache, v_scale_cache, check_slots)
+    check_key_offset(key_offset, mode, shape, key.device)
     on_gpu = key.device.type != "cpu"
     int4_gpu = on_gpu and mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     return _plan(mode, shape.head_size, shape.num_tokens * shape.num_kv_heads, on_gpu,

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels.paged_cache import PagedKVCache
-from kernels.reference import INT4_LEVELS, MIN_SCALE, dequantize_rows, round_half_away
+from kernels.reference import INT4_LEVELS, MIN_SCALE, dequantize_rows, round_half_away, unsmooth_keys
 from .model import LlamaRunner
 
 MSE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # six range factors the MSE-optimal encoder tries
@@ -34,6 +34,12 @@ class Variant:
     cache_dtype: str
     int4_shrink: Optional[tuple] = None
     fake: Optional[str] = None  # "int4_norot"
+    smooth: Optional[str] = None  # key smoothing: "model" (an offsets file) or "prompt" (the prompt's own mean)
+
+    @property
+    def rotated(self) -> bool:
+        """Whether the variant's cache holds rotated rows (its numbers depend on the sign vector)."""
+        return self.cache_dtype == "int4_per_token_head"
 
 
 VARIANTS = {
@@ -43,6 +49,9 @@ VARIANTS = {
     "int4": Variant("int4", "int4_per_token_head"),
     "int4-norot": Variant("int4-norot", "auto", fake="int4_norot"),
     "int4-mse": Variant("int4-mse", "int4_per_token_head", int4_shrink=MSE_SHRINK),
+    "int4-smooth": Variant("int4-smooth", "int4_per_token_head", smooth="model"),
+    "int4-smooth-mse": Variant("int4-smooth-mse", "int4_per_token_head", int4_shrink=MSE_SHRINK, smooth="model"),
+    "int4-smooth-prompt": Variant("int4-smooth-prompt", "int4_per_token_head", smooth="prompt"),
 }
 
 
@@ -75,16 +84,17 @@ class VariantResult:
 
 def run_variant(runner: LlamaRunner, token_ids: torch.Tensor, variant: Variant, backend: str,
                 block_size: int = 16, keep_kv: bool = False,
-                progress: Optional[Callable[[int], None]] = None) -> VariantResult:
+                progress: Optional[Callable[[int], None]] = None, key_offsets=None) -> VariantResult:
     """Teacher-forced prefill of ``token_ids`` through ``variant``'s cache.
 
     Returns the next-token log-probabilities of every position and, with ``keep_kv``, each
     layer's K/V ``[num_tokens, num_kv_heads, head_size]`` as written (before quantization).
+    ``key_offsets`` (``layouts.KeyOffsets``): the offsets of a smoothing variant.
     """
     cfg = runner.config
     n = int(token_ids.shape[0])
     cache = _cache_for(variant, cfg.num_layers, cfg.num_kv_heads, cfg.head_size, n, block_size,
-                       token_ids.device, backend)
+                       token_ids.device, backend, key_offsets)
     block_ids = cache.allocate(n)
     kv = []
 
@@ -101,26 +111,47 @@ def run_variant(runner: LlamaRunner, token_ids: torch.Tensor, variant: Variant, 
     return VariantResult(variant.name, torch.log_softmax(logits.float(), dim=-1), kv, seconds)
 
 
-def _cache_for(variant: Variant, num_layers, num_kv_heads, head_size, num_tokens, block_size, device, backend):
+def _cache_for(variant: Variant, num_layers, num_kv_heads, head_size, num_tokens, block_size, device, backend,
+               key_offsets=None):
+    if variant.smooth and key_offsets is None:
+        raise ValueError(f"variant {variant.name}: key smoothing needs key offsets")
     return PagedKVCache(variant.cache_dtype, num_layers, num_kv_heads, head_size,
                         num_blocks=-(-num_tokens // block_size), block_size=block_size,
-                        device=device, backend=backend, int4_shrink=variant.int4_shrink)
+                        device=device, backend=backend, int4_shrink=variant.int4_shrink,
+                        key_offsets=key_offsets if variant.smooth else None)
 
 
-def roundtrip_errors(kv: list, variant: Variant, backend: str, block_size: int = 16) -> tuple[list, list]:
+def prompt_key_offsets(kv: list):
+    """The prompt's own mean key per (layer, KV head) (``kv`` as in :attr:`VariantResult.kv`):
+    the offsets of the ``smooth="prompt"`` variant. Per request, so a cache written with it
+    cannot be reused by another request's prefix (its keys carry another ``m``)."""
+    from layouts import KeyOffsets
+
+    return KeyOffsets.from_tensor(torch.stack([k.double().mean(0).float().cpu() for k, _ in kv]), "prompt")
+
+
+def roundtrip_errors(kv: list, variant: Variant, backend: str, block_size: int = 16,
+                     key_offsets=None) -> tuple[list, list]:
     """Per-layer relative L2 error of K and of V after a write into ``variant``'s cache and a
-    dequantizing read back (fake variants: their PyTorch round trip). ``kv`` as in
-    :attr:`VariantResult.kv`."""
+    dequantizing read back (fake variants: their PyTorch round trip; smoothing variants: the
+    layer's offsets added back to the keys). ``kv`` as in :attr:`VariantResult.kv`."""
+    from layouts import KeyOffsets
+
     ke, ve = [], []
-    for kb, vb in kv:
+    for i, (kb, vb) in enumerate(kv):
         if variant.fake == "int4_norot":
             k_hat, v_hat = int4_norot_roundtrip(kb), int4_norot_roundtrip(vb)
         else:
             n, h, d = kb.shape
-            cache = _cache_for(variant, 1, h, d, n, block_size, kb.device, backend)
+            layer_offsets = None
+            if variant.smooth:
+                layer_offsets = KeyOffsets(key_offsets.model, key_offsets.offsets[i:i + 1])
+            cache = _cache_for(variant, 1, h, d, n, block_size, kb.device, backend, layer_offsets)
             block_ids = cache.allocate(n)
             cache.write(0, kb, vb, cache.slot_mapping(block_ids, 0, n))
             k_hat, v_hat = read_back(cache, 0, block_ids, n)
+            if variant.smooth:
+                k_hat = unsmooth_keys(k_hat, cache.key_offset(0), cache.geometry.model_dtype)
         ke.append(rel_l2(k_hat, kb))
         ve.append(rel_l2(v_hat, vb))
     return ke, ve
@@ -148,4 +179,4 @@ def compare(base: VariantResult, other: VariantResult) -> dict:
 
 
 __all__ = ["MSE_SHRINK", "VARIANTS", "Variant", "VariantResult", "compare", "int4_norot_roundtrip",
-           "read_back", "rel_l2", "roundtrip_errors", "run_variant"]
+           "prompt_key_offsets", "read_back", "rel_l2", "roundtrip_errors", "run_variant"]

@@ -46,11 +46,18 @@ def _setup(spec: dict, role: str):
                               seed=spec["seed"], device=device)
     cfg = weights.config
     mode = spec["decode_mode"] if role == "decode" else spec["mode"]
+    offsets_path = spec.get("decode_key_offsets" if role == "decode" else "key_offsets")
+    key_offsets = None
+    if offsets_path:  # INT4 key smoothing: the same m on both sides, or the handshake refuses
+        from layouts import KeyOffsets
+        key_offsets = KeyOffsets.load(offsets_path)
     cache = PagedKVCache(mode, cfg.num_layers, cfg.num_kv_heads, cfg.head_size,
                          num_blocks=spec["num_blocks"] + (DECODE_BLOCK_OFFSET if role == "decode" else 0),
-                         block_size=spec["block_size"], device=device, backend=spec["backend"])
+                         block_size=spec["block_size"], device=device, backend=spec["backend"],
+                         key_offsets=key_offsets)
+    smooth = f", key offsets {key_offsets.fingerprint}" if key_offsets is not None else ""
     _say(role, f"model {weights.source.rsplit('/', 1)[-1]} loaded in {time.perf_counter() - t0:.1f} s; "
-               f"cache {cache.mode.name}, {cache.block_bytes} B/block/layer, fingerprint "
+               f"cache {cache.mode.name}{smooth}, {cache.block_bytes} B/block/layer, fingerprint "
                f"{cache.descriptor.fingerprint()}")
     return LlamaRunner(weights), tok, cache, device
 

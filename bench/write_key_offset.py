@@ -1,0 +1,77 @@
+"""The INT4 write with and without a key offset (key smoothing), timed interleaved in one run.
+
+For each head size and token count: the default INT4 path checked against the oracle with an
+offset (rows differing, max |Δ dequantized| in scales: the tensor-core path's tie rows only),
+then ``rounds`` rounds that time the plain write and the offset write alternately (the order
+flips every round, so drift of clocks or temperature falls on both), each the median of CUDA-
+graph replays over input sets that leave the L2 cold. Prints the median of the rounds for each
+and the difference. Run: ``python -m bench.write --key-offset [--tokens ...] [--head-sizes ...]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from kernels.reference import reference_reshape_and_cache
+from kernels.write import reshape_and_cache_int4
+from bench import write as bw
+
+
+def _offset(head_size, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(bw.NUM_KV_HEADS, head_size, generator=g) * 2).to(device)  # [H, d] float32
+
+
+def _int4(key, value, slots, views, key_offset=None):
+    reshape_and_cache_int4(key, value, views.key_cache, views.value_cache, slots, views.k_scale_cache,
+                           views.v_scale_cache, check_slots=False, key_offset=key_offset)
+
+
+def check_offset(head_size, num_tokens, device):
+    """(rows differing, max |Δ dequantized| in scales) of the offset write against the oracle."""
+    geo, [(key, value, slots, cache, views)] = bw._setup(num_tokens, head_size, "int4", device)
+    m = _offset(head_size, device)
+    key += m.to(key.dtype)  # keys that carry the offset, as a model's do
+    slots[::97] = -1
+    cache.view(torch.uint8).fill_(0xA5)
+    ref = cache.clone()
+    rv = bw.split_kv_cache(ref, geo.mode, head_size)
+    reference_reshape_and_cache(key, value, rv.key_cache, rv.value_cache, slots, geo.mode, rv.k_scale_cache,
+                                rv.v_scale_cache, key_offset=m)
+    _int4(key, value, slots, views, m)
+    rows, _, err = bw._compare("int4", geo, ref, cache)
+    return rows, err
+
+
+def run_key_offset(args, device, rounds: int = 6) -> list:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    if args.quick:
+        rounds = 2
+    print(f"\n## INT4 write, key offset vs none, on {name}\n\ncommand: `{' '.join(sys.argv)}`; "
+          f"{bw.NUM_KV_HEADS} kv heads, block_size {bw.BLOCK_SIZE}, bf16 inputs, slots: {args.slots}; "
+          f"{rounds} interleaved rounds, median of each\n")
+    print("| tokens | head_size | path | rows ≠ oracle (offset) | max Δ (scales) | µs none | µs offset | Δ | "
+          "GB/s none | GB/s offset |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    results = []
+    for head_size in args.head_sizes:
+        path = bw._plan("int4", head_size, device.type == "cuda").path
+        rows, err = check_offset(head_size, args.tokens[0], device)
+        m = _offset(head_size, device)
+        for num_tokens in args.tokens:
+            nbytes, sets = bw.timing_sets("int4", num_tokens, head_size, device, args.slots)
+            fns = {None: bw._each(sets, lambda k, v, s, c, views: _int4(k, v, s, views)),
+                   "offset": bw._each(sets, lambda k, v, s, c, views: _int4(k, v, s, views, m))}
+            times = {None: [], "offset": []}
+            for r in range(rounds):
+                for which in ((None, "offset") if r % 2 == 0 else ("offset", None)):
+                    times[which].append(bw._time_us(fns[which], device, len(sets)))
+            plain, smooth = statistics.median(times[None]), statistics.median(times["offset"])
+            results.append((num_tokens, head_size, plain, smooth))
+            print(f"| {num_tokens} | {head_size} | {path} | {rows} | {err:.2f} | {plain:.2f} | {smooth:.2f} | "
+                  f"{100 * (smooth / plain - 1):+.1f}% | {nbytes / plain / 1e3:.0f} | {nbytes / smooth / 1e3:.0f} |",
+                  flush=True)
+    return results
