@@ -206,7 +206,7 @@ def launch_2d(call, plan) -> None:
         # above head_size 128 the fp32 Hadamard operands of the in-kernel rotations would need
         # 256 KiB of shared memory at once (more than an H200 has): chunks of 64 dims instead
         _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp,
-                                ASM=tiling.code_asm and not interpreting(q),
+                                ASM=tiling.code_asm and not interpreting(q) and dot != DOT_FP32.value,  # 16-bit only
                                 ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
