@@ -42,7 +42,7 @@ from kernels.attention import Path, Plan, Tuning, attention_plan, unified_attent
 from kernels.attention.plan import DECODE_STAGES, DECODE_TILE, DECODE_WARPS
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
-from bench.timing import graph_us, tee
+from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
 
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
          "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD, "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
@@ -53,7 +53,6 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
 COLD_L2 = False  # --cold-l2: flush the L2 before every timed call
-FLUSH_BYTES = 256 * 2**20
 # --compare: tilings of the split decode kernels (path; tile, warps, stages)
 COMPARE = ((Path.DECODE_SPLIT, 128, 4, 3), (Path.DECODE_CODE_UNITS, 64, 2, 2), (Path.DECODE_CODE_UNITS, 32, 1, 2))
 
@@ -140,13 +139,14 @@ def check(pb, tuning) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-_FLUSH = {}  # the 256 MiB buffer of --cold-l2 and the µs of one write of it
+_FLUSH = {}  # the 256 MiB buffer of --cold-l2
 
 
 def timed_us(fn, device, cold: bool = False) -> float:
     """µs of one ``fn()``: the median of CUDA-graph replays; ``cold``: each replay writes a
-    256 MiB buffer first (the L2 flushed) and that write's own time is subtracted. On the CPU:
-    wall clock of one run (a smoke test, not a measurement)."""
+    256 MiB buffer first (the L2 flushed) and that write's own time is subtracted
+    (:func:`bench.timing.cold_graph_us`). On the CPU: wall clock of one run (a smoke test, not a
+    measurement)."""
     if device == "cpu":
         t0 = time.perf_counter()
         fn()
@@ -155,13 +155,20 @@ def timed_us(fn, device, cold: bool = False) -> float:
         return graph_us(fn, REP_MS)
     if "buf" not in _FLUSH:
         _FLUSH["buf"] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-        _FLUSH["us"] = graph_us(_FLUSH["buf"].zero_, REP_MS)
-    buf = _FLUSH["buf"]
+    return cold_graph_us(fn, REP_MS, _FLUSH["buf"])
 
-    def flushed():
-        buf.zero_()
-        fn()
-    return graph_us(flushed, REP_MS) - _FLUSH["us"]
+
+def shuffled_block_table(blocks: list, device, gen) -> torch.Tensor:
+    """``[len(blocks), max(blocks)]`` int32 block table: sequence ``i`` owns ``blocks[i]`` blocks of
+    a random permutation of ``range(sum(blocks))`` (the rest of its row 0), so no sequence reads
+    consecutive blocks."""
+    perm = torch.randperm(sum(blocks), device=device, generator=gen).to(torch.int32)
+    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    return table
 
 
 def time_us(pb, tuning) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.attention import MODES, describe, fill_cache, timed_us
+from bench.attention import MODES, describe, fill_cache, shuffled_block_table, timed_us
 from kernels.attention import Plan, attention_plan, unified_attention
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry
@@ -37,12 +37,7 @@ def make_mixed(mode, d, dec_ctx, chunks, p, device, seed=0):
     bs = p["block_size"]
     blocks = [-(-k // bs) for k in k_lens]
     cache, views = fill_cache(mode, geo, sum(blocks), device, gen)
-    perm = torch.randperm(sum(blocks), device=device, generator=gen).to(torch.int32)
-    table = torch.zeros(len(q_lens), max(blocks), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[start:start + n]
-        start += n
+    table = shuffled_block_table(blocks, device, gen)
     cu_host = [0]
     for n in q_lens:
         cu_host.append(cu_host[-1] + n)

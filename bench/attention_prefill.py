@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from bench.attention import MODES, copy_gbps, fill_cache
+from bench.attention import MODES, copy_gbps, fill_cache, shuffled_block_table
 from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
 from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
 from kernels.reference import reference_unified_attention
@@ -102,12 +102,7 @@ def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
     geo = CacheGeometry(mode, shape.head_size, shape.num_kv_heads, block_size, torch.bfloat16)
     blocks = [-(-k // block_size) for _, k in shape.seqs]
     cache, views = fill_cache(mode, geo, sum(blocks), device, gen)
-    perm = torch.randperm(sum(blocks), device=device, generator=gen).to(torch.int32)
-    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[start:start + n]
-        start += n
+    table = shuffled_block_table(blocks, device, gen)
     q_lens = [q for q, _ in shape.seqs]
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     q = torch.randn(sum(q_lens), shape.num_q_heads, shape.head_size, device=device, generator=gen).to(torch.bfloat16)
