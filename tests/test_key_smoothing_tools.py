@@ -96,3 +96,20 @@ def test_demo_with_offsets_and_refused_with_different_ones(offsets_file, tmp_pat
     assert r.returncode == 1
     assert "layout mismatch (decode side)" in r.stderr and "layout mismatch (prefill side)" in r.stderr
     assert f"key_offset: local='none' remote='{fp}'" in r.stderr
+
+
+def test_calibrate_over_windows(tmp_path):
+    """``--windows 2``: the mean over positions 0..15 of two consecutive 16-token windows, each
+    run from position 0 (the positions short prompts occupy)."""
+    from tools.calibrate import key_means, model_keys
+    from tools.llama import LlamaRunner, load_model
+    path = tmp_path / "w.json"
+    r = _cli("calibrate", *SYN, "--text", TEXT, "--positions", "0:16", "--windows", "2", "-o", path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    weights, tok = load_model("synthetic", synthetic_layers=2)
+    ids = tok.encode(open(TEXT, encoding="utf-8").read())[:32]
+    runner = LlamaRunner(weights)
+    means = [key_means(model_keys(runner, torch.tensor(ids[w * 16:(w + 1) * 16])), 0, 16) for w in range(2)]
+    ko = KeyOffsets.load(str(path))
+    assert ko.calibration["windows"] == 2
+    assert torch.equal(ko.offsets, ((means[0] + means[1]) / 2).to(torch.bfloat16).float())

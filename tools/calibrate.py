@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="calibration text (plain UTF-8)")
     p.add_argument("--positions", type=positions, default=(0, 1024), metavar="START:STOP",
                    help="positions to average the keys over (default 0:1024); the text must have STOP tokens")
+    p.add_argument("--windows", type=positive_int, default=1,
+                   help="average over this many consecutive windows of STOP tokens of the text, each run from "
+                        "position 0 (default 1): the positions START..STOP-1 of many prompts, for short contexts")
     p.add_argument("-o", "--out", default=None, help="offsets file to write (default: none, report only)")
     p.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
     p.add_argument("--synthetic-layers", type=int, default=None, help="layers of the synthetic model")
@@ -136,17 +139,23 @@ def run(args) -> int:
     start, stop = args.positions
     with open(args.text, encoding="utf-8") as f:
         ids = tok.encode(f.read())
-    if len(ids) < stop:
-        raise UsageError(f"--positions {start}:{stop} needs {stop} tokens; {args.text} has {len(ids)}")
+    if len(ids) < stop * args.windows:
+        raise UsageError(f"--positions {start}:{stop} x --windows {args.windows} needs {stop * args.windows} tokens; "
+                         f"{args.text} has {len(ids)}")
     runner = LlamaRunner(weights)
-    keys = model_keys(runner, torch.tensor(ids[:stop], dtype=torch.int64, device=device))
-    m = key_means([k.cpu() for k in keys], start, stop)
+    per_window = []
+    for w in range(args.windows):
+        keys = model_keys(runner, torch.tensor(ids[w * stop:(w + 1) * stop], dtype=torch.int64, device=device))
+        per_window.append(key_means([k.cpu() for k in keys], start, stop))
+    m = torch.stack(per_window).mean(0)  # every window has stop - start positions: the mean of the means
     name = SMOLLM2_OFFSETS if args.model == "smollm2" else f"synthetic-{weights.config.num_layers}"
     offsets = KeyOffsets.from_tensor(m, name, {
-        "text": os.path.basename(args.text), "positions": [start, stop], "statistic": "mean of post-RoPE keys (bf16)",
+        "text": os.path.basename(args.text), "positions": [start, stop], "windows": args.windows,
+        "statistic": "mean of post-RoPE keys (bf16)",
         "rope_style": args.rope_style, "command": "kvconnector calibrate " + " ".join(sys.argv[2:])})
-    print(f"model: {weights.source}; text {args.text}: mean key of positions {start}..{stop - 1} per "
-          f"(layer, KV head); fingerprint {offsets.fingerprint}; {time.perf_counter() - t0:.1f} s")
+    print(f"model: {weights.source}; text {args.text}: mean key of positions {start}..{stop - 1} "
+          f"({args.windows} window(s)) per (layer, KV head); fingerprint {offsets.fingerprint}; "
+          f"{time.perf_counter() - t0:.1f} s")
     print("|m| per layer (L2 over heads and channels): "
           + " ".join(f"{x:.1f}" for x in offsets.offsets.flatten(1).norm(dim=1).tolist()))
     if args.out:
