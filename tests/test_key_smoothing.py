@@ -235,12 +235,13 @@ def _sm90_ttgir(kernel, mma, offset, d=128):
 def test_offset_loads_share_the_rows_layout(mma):
     """The GPU kernels hand each part's rows to inline asm that assumes the 16-byte-vector load
     layout; the offsets are loaded with the same shape, element size and contiguity, so compiled
-    for sm_90 every ``[64, 32]`` bf16 load (rows and offsets) has one layout, and the offset adds
-    no layout conversion."""
+    for sm_90 every ``[64, 32]`` bf16 load (rows and offsets, the offsets' predicated on the
+    program writing K) has one layout, the offset adds no layout conversion and no branch."""
     import re
     from kernels.write.int4_lanes import _reshape_and_cache_int4_lanes_kernel, _reshape_and_cache_int4_mma_kernel
     kernel = _reshape_and_cache_int4_mma_kernel if mma else _reshape_and_cache_int4_lanes_kernel
     plain, smooth = (_sm90_ttgir(kernel, mma, off) for off in (False, True))
-    loads = [re.findall(r"tt\.load %\S+ : tensor<64x32x!tt\.ptr<bf16>, (#\w+)>", t) for t in (plain, smooth)]
+    loads = [re.findall(r"tt\.load %[^:]* : tensor<64x32x!tt\.ptr<bf16>, (#\w+)>", t) for t in (plain, smooth)]
     assert len(loads[1]) == len(loads[0]) + 4 and len(set(loads[1])) == 1, loads  # 4 parts of 32: 4 offset loads
     assert smooth.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
+    assert smooth.count("scf.if") == plain.count("scf.if")  # predicated loads, no branch per part

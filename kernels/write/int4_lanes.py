@@ -143,10 +143,9 @@ def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, L
     layout: the rotation's inline asm receives the same lane arrangement."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
-    if OFFSET:
-        if smooth:
-            m = tl.load(m_row + cols[None, :])  # [ROWS, N] model dtype
-            x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
+    if OFFSET:  # predicated, not branched: V programs load nothing and subtract 0 (exact)
+        m = tl.load(m_row + cols[None, :], mask=tl.full([ROWS, N], 1, tl.int1) & smooth, other=0.0)  # [ROWS, N]
+        x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
     if INTERPRET:
         r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
     elif MMA:  # the signs come with the B table
