@@ -101,6 +101,22 @@ def full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAU
 
 
 @triton.jit
+def mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL: tl.constexpr,
+                MASK_EDGES: tl.constexpr):
+    """2D-path scores ``s`` [BLOCK_M, TILE] of key tile ``t`` with every key a row must not see
+    (causal, window, past the length, outside the segment: ``n_ok``) set to -inf. ``MASK_EDGES``:
+    tiles inside ``[f0, f1)`` (:func:`full_tiles`) are returned as they are."""
+    if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
+        if (t < f0) | (t >= f1):
+            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                         s, float("-inf"))
+    else:
+        s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
+                     s, float("-inf"))
+    return s
+
+
+@triton.jit
 def apply_softcap(s, softcap):
     """``softcap * tanh(s / softcap)`` via exp (tanh is not in every Triton build's core)."""
     x = s / softcap

@@ -14,8 +14,8 @@ from layouts import KVQuantMode
 
 from .._jit import dual_jit, interpreting
 from .call import kv_align
-from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, q_block_program,
-                     to_dot, visible)
+from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, mask_scores,
+                     q_block_program, to_dot)
 from .plan import Rotate
 from .prefill_dequant import dequantized_call
 from .prefill_2d_int4 import _attn_int4_kernel
@@ -79,6 +79,8 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    f0 = t0  # [f0, f1): the tiles no row needs masked (MASK_EDGES), else none
+    f1 = t0
     if MASK_EDGES:
         f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
@@ -108,13 +110,7 @@ def _attn_kernel(
             s = s * qk_scale
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
-            if (t < f0) | (t >= f1):
-                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                             s, float("-inf"))
-        else:
-            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                         s, float("-inf"))
+        s = mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL, MASK_EDGES)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = tl.exp2(s - m_use[:, None])

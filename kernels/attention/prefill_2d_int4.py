@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, full_tiles, hadamard_sign, nibble_to_dot, \
-    q_block_program, to_dot, visible
+from .common import DOT_BF16, DOT_FP32, LOG2E, apply_softcap, full_tiles, hadamard_sign, mask_scores, \
+    nibble_to_dot, q_block_program, to_dot
 from .._jit import dual_jit
 
 
@@ -175,6 +175,8 @@ def _attn_int4_kernel(
     acc_even = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_odd = tl.zeros([BLOCK_M, HALF], tl.float32)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s
+    f0 = t0  # [f0, f1): the tiles no row needs masked (MASK_EDGES), else none
+    f1 = t0
     if MASK_EDGES:
         f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
     for t in range(t0, t1):
@@ -217,13 +219,7 @@ def _attn_int4_kernel(
             s = (s - q_sum[:, None] * k_zp[None, :]) * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
             s = apply_softcap(s, softcap) * LOG2E
-        if MASK_EDGES:  # only tiles outside [f0, f1) hold keys some row must not see
-            if (t < f0) | (t >= f1):
-                s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                             s, float("-inf"))
-        else:
-            s = tl.where(visible(q_pos, k_pos, k_hi, window_left, window_right, CAUSAL) & n_ok[None, :],
-                         s, float("-inf"))
+        s = mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL, MASK_EDGES)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
