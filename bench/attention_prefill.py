@@ -207,14 +207,15 @@ def variant_tuning(tiling: Tiling, variant) -> Tuning:
 
 
 def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
-    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` with each of
-    the mode's :data:`VARIANTS`; no repeats. Tilings that do not fit the GPU's shared memory are
-    skipped at run time."""
+    """The default first (the planner's choice, variants included), then the 2D kernel under each
+    of :data:`SWEEP_TILINGS` with each of the mode's :data:`VARIANTS` (the others off); no
+    repeats. Tilings that do not fit the GPU's shared memory are skipped at run time."""
     out = [Tuning()]
+    plain = {field: False for field in VARIANT_FIELDS.values() if field != "rotate_q_once"}  # the default's variants off
     for block_m, tile, warps, stages in SWEEP_TILINGS:
         if block_m < plan.tiling.block_m:
             continue
-        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages)
+        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages, **plain)
         out += [variant_tuning(base, v) for v in VARIANTS[mode]]
     return list(dict.fromkeys(out))
 

@@ -2,15 +2,24 @@
 
 A prefill chunk of ``q_len`` tokens is read by ``q_len / BLOCK_Q`` programs per KV head, and
 each of them converts every code of the context it reads: the conversion is paid once per query
-block. Converting the context once per call instead (``Tiling.dequant_first``) costs one read of
+tile. Converting the context once per call instead (``Tiling.dequant_first``) costs one read of
 the quantized blocks and one write of 16-bit rows; the attention then runs at the unquantized
-kernel's speed. Worth it where query blocks per sequence are many (long chunks), not for decode
-rows.
+kernel's speed. Worth it where query tiles per sequence are many (long chunks), not for decode
+rows (``plan._prefill_tiling`` decides).
 
 Rows are dequantized to the original domain: INT8 / FP8 ``c * scale``; INT4 ``(c - zp) * scale``
 is the rotated row, inverse-rotated here (``s * (H r) / d``, the 2D INT4 kernel's epilogue
-applied per key), so the scratch is an ordinary bf16 / fp16 cache (fp32 under the interpreter,
-whose 16-bit rounding is not the GPU's).
+applied per key), so the scratch is an ordinary 16-bit cache. It is fp16, and the query is
+read as fp16 (a copy when it is bf16): the operand type of the fused INT8 / FP8 kernels' dots.
+bf16 rows would round every key and value to 8 bits of mantissa, fp16 keeps 11: on the prefill
+benchmark's random codes bf16 rows measured 4.9e-3 / 8.0e-3 relative L2 (INT8 / FP8) against
+the oracle where the fused kernels reach 1.7e-3. The price is fp16's range: a dequantized
+element beyond 65,504 becomes inf, as in an fp16 cache. Under the interpreter the scratch is
+fp32 (its 16-bit rounding is not the GPU's).
+
+Memory: :func:`scratch_bytes` (K and V rows of ``num_seqs * blocks_per_seq`` blocks, plus the
+fp16 query); allocated per call from torch's caching allocator; the planner caps it
+(``Tuning.dequant_max_bytes``) and runs the fused kernel above the cap.
 """
 
 from __future__ import annotations
@@ -111,16 +120,44 @@ def _dequant_blocks_kernel(
         tl.store(v_out_ptr + out, v.to(v_out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
+def reads(call) -> bool:
+    """Whether :func:`dequantized_call` serves ``call``: a per-token-head mode and a power-of-two
+    head size (its row tiles are powers of two)."""
+    head = call.head_size
+    return call.mode in _MODES and head >= 16 and head & (head - 1) == 0
+
+
+def _blocks_per_seq(call) -> int:
+    return min(call.block_table.shape[1], cdiv(call.max_seqlen_k, call.k.shape[1]))
+
+
+def _scratch_dtype(call, interpreted: bool) -> torch.dtype:
+    return torch.float32 if interpreted else torch.float16
+
+
+def scratch_bytes(call, interpreted: bool = False) -> int:
+    """Bytes :func:`dequantized_call` allocates for ``call``: K and V rows of ``num_seqs *
+    blocks_per_seq`` blocks (``blocks_per_seq`` from ``max_seqlen_k``), fp16 (fp32 when
+    ``interpreted``), and an fp16 copy of a bf16 query."""
+    k = call.k
+    rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
+    size = _scratch_dtype(call, interpreted).itemsize
+    q_copy = 0 if interpreted or call.q.dtype == torch.float16 else call.q.numel() * 2
+    return 2 * rows * call.head_size * size + q_copy
+
+
 def dequantized_call(call):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
-    head_size]``, q's dtype; fp32 under the interpreter) with an identity block table; mode NONE.
-    Launches :func:`_dequant_blocks_kernel` on the current stream (no host sync)."""
+    head_size]`` fp16; fp32 under the interpreter) with an identity block table, its query fp16
+    (a copy of a bf16 one; ``out`` is the caller's); mode NONE. Launches
+    :func:`_dequant_blocks_kernel` on the current stream (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
     block_size, num_kv_heads = k.shape[1], k.shape[2]
-    per_seq = min(call.block_table.shape[1], cdiv(call.max_seqlen_k, block_size))
+    per_seq = _blocks_per_seq(call)
     num_seqs = call.num_seqs
-    dtype = torch.float32 if interpreting(call.q) else call.q.dtype
+    interpreted = interpreting(call.q)
+    dtype = _scratch_dtype(call, interpreted)
     shape = (num_seqs * per_seq, block_size, num_kv_heads, call.head_size)
     k_out = torch.empty(shape, dtype=dtype, device=k.device)
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
@@ -145,5 +182,6 @@ def dequantized_call(call):
             num_warps=4)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
-    return dataclasses.replace(call, k=k_out, v=v_out, ks=dummy, vs=dummy, block_table=table, signs=None,
+    q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
+    return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=dummy, vs=dummy, block_table=table, signs=None,
                                mode=KVQuantMode.NONE)
