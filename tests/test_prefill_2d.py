@@ -138,27 +138,31 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_dequantized_call_holds_the_oracle_rows(mode):
+@pytest.mark.parametrize("head_size", [32, 64, 256])
+def test_dequantized_call_holds_the_oracle_rows(mode, head_size):
     """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
     the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
-    contexts longer than one program's DEQUANT_BLOCKS blocks and ending mid-block."""
+    contexts longer than one program's BLOCKS table entries and ending mid-block; 4 KV heads of
+    16 slots = 64 rows a block: several row tiles at head_size 256, one below (INT4: at 32 one
+    chunk and no butterfly, at 64 / 256 a butterfly over 2 / 8 chunks of 32 dims)."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import DEQUANT_BLOCKS, dequantized_call
+    from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, tile_rows
     from kernels.reference.attention import dequantize_cache
 
-    k_lens = [16 * DEQUANT_BLOCKS + 37, 5]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=2, head_size=64)
+    k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=4, head_size=head_size)
     v = c["views"]
     call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
                      v.v_scale_cache)
+    assert (tile_rows(MODE_INT4.value, head_size, 16, 4) < 64) == (head_size == 256)
     d = dequantized_call(call)
     assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
-    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, 64)
+    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
     for i, n in enumerate(k_lens):
         for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = got[d.block_table[i].long()].reshape(-1, 2, 64)[:n]
-            want = ref[c["block_table"][i].long()].reshape(-1, 2, 64)[:n]
+            rows = got[d.block_table[i].long()].reshape(-1, 4, head_size)[:n]
+            want = ref[c["block_table"][i].long()].reshape(-1, 4, head_size)[:n]
             torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
 
@@ -278,6 +282,9 @@ def test_bench_counts_bytes_and_flops():
     assert pb["flops"] == 4 * 64 * 4 * (4 + 5 + 7)
     row_bytes = 64 // 2 + 4
     assert pb["bytes"] == (5 + 7) * 2 * 2 * row_bytes + 2 * 3 * 4 * 64 * 2
+    # the dequantizing pass: every slot of the 2 blocks (16 slots, 2 KV heads), K and V, read and
+    # written as fp16 rows; the query read as bf16 and written as fp16
+    assert pb["dequant_bytes"] == 2 * 16 * 2 * 2 * (row_bytes + 64 * 2) + 3 * 4 * 64 * 4
 
 
 def test_bench_prefill_smoke(capsys):
@@ -288,6 +295,18 @@ def test_bench_prefill_smoke(capsys):
     assert "prefill 24 over 40" in text and "mixed 3x decode@50" in text
     errs = [float(line.split("|")[12]) for line in text.splitlines() if line.startswith("| 64 |")]
     assert len(errs) == 12 and max(errs) <= 1e-2
+    assert all(line.split("|")[13].strip() == "-" for line in text.splitlines() if line.startswith("| 64 |"))
+
+
+def test_bench_prefill_smoke_times_the_dequant_pass(capsys):
+    """A chunk of 128 tokens at GQA group 2 (4 query tiles): the INT8 default dequantizes first,
+    and its row reports the pass's own time; bf16 has none."""
+    assert AP.main(["--smoke", "--q-lens", "128", "--cached", "40", "--no-mixed", "--modes", "int8"]) == 0
+    rows = {line.split("|")[3].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 64 |")}
+    assert set(rows) == {"bf16", "int8"} and rows["bf16"][13].strip() == "-"
+    assert "dequant-first" in rows["int8"][14] and float(rows["int8"][13].split("(")[0]) > 0
+    assert float(rows["int8"][12]) <= 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

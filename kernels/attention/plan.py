@@ -456,6 +456,8 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         return Rotate.NONE, 0, False
     parts, release = 4, False
     if path == Path.PREFILL_2D:
+        if tiling.dequant_first and tiling.num_segments == 1:  # the scratch holds un-rotated rows
+            return Rotate.NONE, 0, False
         if not tuning.rotate_q_once:
             return Rotate.IN_KERNEL, 0, False
         parts = 2  # the 2D kernel's dots take the even, then the odd rotated dims
