@@ -138,19 +138,22 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-@pytest.mark.parametrize("head_size", [32, 64, 256])
-def test_dequantized_call_holds_the_oracle_rows(mode, head_size):
+@pytest.mark.parametrize("head_size,packed", [(32, True), (64, True), (64, False), (256, True)],
+                         ids=["h32", "h64", "h64-separate", "h256"])
+def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
     the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
     contexts longer than one program's BLOCKS table entries and ending mid-block; 4 KV heads of
     16 slots = 64 rows a block: several row tiles at head_size 256, one below (INT4: at 32 one
-    chunk and no butterfly, at 64 / 256 a butterfly over 2 / 8 chunks of 32 dims)."""
+    chunk and no butterfly, at 64 / 256 a butterfly over 2 / 8 chunks of 32 dims); the packed
+    cache and four separate tensors."""
     from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, tile_rows
     from kernels.reference.attention import dequantize_cache
 
     k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=4, head_size=head_size)
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=4, head_size=head_size,
+                  packed=packed)
     v = c["views"]
     call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
