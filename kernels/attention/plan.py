@@ -34,8 +34,8 @@ The 2D kernel masks scores only in the key tiles that cross a causal / window / 
 (``Tiling.mask_edges_only``), in every mode and for decode segments too.
 
 ``Tuning.path`` / ``Tuning.tiling`` replace the choice of steps 2-4 (benchmarks and tests); step
-5 still applies; a tiling given in ``Tuning.tiling`` is used as given. ``docs/KERNELS.md`` lists the plans over a grid of shapes
-(``python -m bench.attention --plans``).
+5 still applies; a tiling given in ``Tuning.tiling`` is used as given. ``docs/KERNELS.md`` lists
+the plans over a grid of shapes (``python -m bench.attention --plans``).
 """
 
 from __future__ import annotations
