@@ -21,6 +21,11 @@ decode row of a mixed batch): relative L2 <= 1e-2.
 
 The mixed batch is one ``unified_attention`` call, so every row goes through the 2D kernel.
 
+Quantized rows whose plan dequantizes the context first (``Tiling.dequant_first``) also time
+that pass alone (``prefill_dequant.dequantized_call``: codes and scales of every context block
+read, fp16 K/V rows written, the bf16 query copied to fp16), cold, with its GB/s (read + write)
+and the fraction of the copy bandwidth: the pass should run near copy speed.
+
 ``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
 (2D tilings, each with the mode's variants: ``Tiling.mask_edges_only`` for every mode,
 ``Tiling.dequant_first`` for the quantized ones, ``Tiling.code_zp`` / ``code_asm`` and
@@ -44,6 +49,8 @@ import torch
 from bench.attention import MODES, copy_gbps, fill_cache, shuffled_block_table
 from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
 from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
+from kernels.attention.call import make_call
+from kernels.attention.prefill_dequant import dequantized_call
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode
 
@@ -109,10 +116,12 @@ def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
     seq_lens = [k for _, k in shape.seqs]
     pairs = sum(sum(range(k - ql + 1, k + 1)) for ql, k in shape.seqs)  # causal: query at position p sees p + 1 keys
     kv_bytes = sum(seq_lens) * shape.num_kv_heads * 2 * geo.row_bytes
+    rows = sum(blocks) * block_size * shape.num_kv_heads  # every slot of every block the pass converts
     return dict(mode=mode, views=views, table=table, cu=cu, q=q, out=torch.empty_like(q), shape=shape, cache=cache,
                 seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 bytes=kv_bytes + 2 * q.numel() * q.element_size(),
-                flops=4 * shape.head_size * shape.num_q_heads * pairs)
+                flops=4 * shape.head_size * shape.num_q_heads * pairs,
+                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size) + q.numel() * 4)
 
 
 def _args(pb):
@@ -125,6 +134,13 @@ def _args(pb):
 def call(pb, tuning: Tuning):
     args, kw = _args(pb)
     return unified_attention(*args, **kw, tuning=tuning)
+
+
+def dequant(pb) -> None:
+    """The dequantizing pass of a ``dequant_first`` plan alone (``prefill_dequant.dequantized_call``)."""
+    args, _ = _args(pb)
+    v = pb["views"]
+    dequantized_call(make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache))
 
 
 def plan_of(pb, tuning: Tuning) -> Plan:
@@ -207,14 +223,15 @@ def variant_tuning(tiling: Tiling, variant) -> Tuning:
 
 
 def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
-    """The default first, then the 2D kernel under each of :data:`SWEEP_TILINGS` with each of
-    the mode's :data:`VARIANTS`; no repeats. Tilings that do not fit the GPU's shared memory are
-    skipped at run time."""
+    """The default first (the planner's choice, variants included), then the 2D kernel under each
+    of :data:`SWEEP_TILINGS` with each of the mode's :data:`VARIANTS` (the others off); no
+    repeats. Tilings that do not fit the GPU's shared memory are skipped at run time."""
     out = [Tuning()]
+    plain = {field: False for field in VARIANT_FIELDS.values() if field != "rotate_q_once"}  # the default's variants off
     for block_m, tile, warps, stages in SWEEP_TILINGS:
         if block_m < plan.tiling.block_m:
             continue
-        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages)
+        base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages, **plain)
         out += [variant_tuning(base, v) for v in VARIANTS[mode]]
     return list(dict.fromkeys(out))
 
@@ -253,12 +270,18 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
                 warm, cold = timer(lambda: call(pb, tuning)) if err <= 1e-2 else (float("nan"), float("nan"))
                 if name == "bf16" and tuning == Tuning():
                     bf16_cold = cold
+                dq_us = float("nan")
+                if ran.tiling.dequant_first and tuning == Tuning() and pb["mode"] != KVQuantMode.NONE:
+                    dq_us = timer(lambda: dequant(pb))[1]
                 row = dict(head=shape.head_size, shape=shape.name, mode=name, batch=len(shape.seqs), warm=warm,
                            cold=cold, ceiling=ceiling, bound=bound, err=err, plan=ran, swept=tuning != Tuning(),
                            vs_bf16=bf16_cold / cold if bf16_cold else float("nan"),
-                           tflops=pb["flops"] / cold / 1e6, gbps=pb["bytes"] / cold / 1e3)
+                           tflops=pb["flops"] / cold / 1e6, gbps=pb["bytes"] / cold / 1e3,
+                           dq_us=dq_us, dq_gbps=pb["dequant_bytes"] / dq_us / 1e3)
                 log(f"{name} h{shape.head_size} {shape.name} {describe(ran)} err={err:.1e} warm={warm:.1f} "
-                    f"cold={cold:.1f} ceiling={ceiling:.1f} ({bound})")
+                    f"cold={cold:.1f} ceiling={ceiling:.1f} ({bound})"
+                    + (f" dequant={dq_us:.1f} ({row['dq_gbps']:.0f} GB/s, {100 * row['dq_gbps'] / copy:.0f}% of copy)"
+                       if dq_us == dq_us else ""))
                 rows.append(row)
             del pb
             if device != "cpu":
@@ -272,13 +295,16 @@ def table(rows, copy, tflops, device, argv) -> str:
              "cold: L2 flushed before every replay",
              f"command: `python -m bench.attention_prefill {' '.join(argv)}`", "",
              "| head | shape | mode | seqs | µs warm | µs cold | TFLOP/s | GB/s | ceiling µs (bound) | "
-             "% of limit | vs bf16 | rel. L2 | kernel (block_m, tile, warps, stages) |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "% of limit | vs bf16 | rel. L2 | dequant µs cold (GB/s, % of copy) | "
+             "kernel (block_m, tile, warps, stages) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         mode = r["mode"] + (" (swept)" if r["swept"] else "")
+        dq = (f"{r['dq_us']:.1f} ({r['dq_gbps']:.0f}, {100 * r['dq_gbps'] / copy:.0f}%)"
+              if r["dq_us"] == r["dq_us"] else "-")
         lines.append(f"| {r['head']} | {r['shape']} | {mode} | {r['batch']} | {r['warm']:.1f} | {r['cold']:.1f} | "
                      f"{r['tflops']:.0f} | {r['gbps']:.0f} | {r['ceiling']:.1f} ({r['bound']}) | "
-                     f"{100 * r['ceiling'] / r['cold']:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | "
+                     f"{100 * r['ceiling'] / r['cold']:.0f} | {r['vs_bf16']:.2f} | {r['err']:.1e} | {dq} | "
                      f"{describe(r['plan'])} |")
     return "\n".join(lines)
 

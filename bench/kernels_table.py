@@ -101,6 +101,8 @@ def cell(p: Plan) -> str:
         extra.append(f"rot {p.rotate.value}")
     if p.reduce.value != "none":
         extra.append(f"red {p.reduce.value}")
+    if p.tiling.dequant_first:
+        extra.append("dequant first")
     return f"`{p.path.value}`" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -125,7 +127,9 @@ def section() -> str:
            "why in words (`attention_plan(...).why`). Files are under `kernels/attention/`. In the cells: the "
            "path, its split-KV segments, how an INT4 query is rotated before the kernel (`rot`: `prologue` inside "
            "`decode_code_units`, `triton` / `gluon` a rotation kernel first; the 2D kernel rotates its own tile) "
-           "and which kernel merges the segments (`red`).", "",
+           "and which kernel merges the segments (`red`); `dequant first`: the 2D plan dequantizes a "
+           "quantized context into a 16-bit scratch first (`Tiling.dequant_first`, see \"Prefill over a "
+           "quantized cache\" below).", "",
            "### Decode and prefill, head_size 128, 32 query / 8 KV heads, packed cache", ""]
     out += table(128, 32, 8, [(b, c, 1) for b, c in DECODE] + [(1, 4096, 4096)])
     out += ["", "### Other head sizes (32 query / 8 KV heads)", ""]

@@ -128,6 +128,7 @@ PATH_KERNELS = {
     Path.DECODE_STAGED_INT8: ("decode_staged_int8_gluon", "_decode_staged_int8_kernel"),
 }
 INT4_2D = ("prefill_2d", "_attn_int4_kernel")
+DEQUANT = ("prefill_dequant", "_dequant_blocks_kernel")  # Tiling.dequant_first's pass before the 2D kernel
 ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_rotate_query_kernel"),
                   Rotate.GLUON: ("rotate_query_gluon", "_rotate_query_gluon_kernel")}
 REDUCE_KERNELS = {Reduce.TRITON: ("reduce", "_attn_reduce_kernel"),
@@ -155,7 +156,7 @@ def launched(monkeypatch):
 
     from kernels.attention import gluon_probe
     log = []
-    for module, name in [*PATH_KERNELS.values(), INT4_2D, *ROTATE_KERNELS.values(), *REDUCE_KERNELS.values()]:
+    for module, name in [*PATH_KERNELS.values(), INT4_2D, DEQUANT, *ROTATE_KERNELS.values(), *REDUCE_KERNELS.values()]:
         if not module.endswith("_gluon"):
             mod = importlib.import_module(f"kernels.attention.{module}")
             monkeypatch.setattr(mod, name, _Recorder(name, getattr(mod, name), log))
@@ -165,9 +166,15 @@ def launched(monkeypatch):
 
 
 def expected_launches(plan, mode) -> list:
-    """The kernels ``plan`` names, in launch order: the query rotation, the path's kernel, the reduction."""
+    """The kernels ``plan`` names, in launch order: the query rotation, the path's kernel, the
+    reduction; a mixed plan's parts one after the other; a dequantized 2D plan (``dequant_first``
+    over a quantized cache): the dequantizing pass, then the unquantized 2D kernel."""
     if plan.path == Path.EMPTY:
         return []
+    if plan.path == Path.MIXED:
+        return expected_launches(plan.parts[0], mode) + expected_launches(plan.parts[1], mode)
+    if plan.path == P2D and plan.tiling.dequant_first and mode != KVQuantMode.NONE:
+        return [DEQUANT[1], PATH_KERNELS[P2D][1]]
     names = [ROTATE_KERNELS[plan.rotate][1]] if plan.rotate in ROTATE_KERNELS else []
     main = INT4_2D if plan.path == P2D and mode == KVQuantMode.INT4_PER_TOKEN_HEAD else PATH_KERNELS[plan.path]
     names.append(main[1])

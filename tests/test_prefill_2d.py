@@ -1,7 +1,10 @@
 """The 2D attention path (prefill chunks, mixed batches): its tilings and variants against the
 oracle, and the prefill benchmark's CPU-side logic.
 
-Covers: every cache mode through the 2D kernel under the tilings and variants the prefill
+Covers: the planner's 2D defaults (``mask_edges_only`` always; ``dequant_first`` over a
+quantized cache from ``plan.DEQUANT_MIN_Q_TILES`` query tiles per sequence, within
+``Tuning.dequant_max_bytes``, for chunks and the chunk half of a mixed batch) and the kernels
+they launch; every cache mode through the 2D kernel under the tilings and variants the prefill
 benchmark sweeps (``bench.attention_prefill.sweep_tunings``: ``Tiling.code_zp``, ``code_asm``,
 ``dequant_first``, ``mask_edges_only``, ``Tuning.rotate_q_once``) on chunks that start mid-block
 after cached tokens, chunks with no cached token, decode rows and tiles every row sees; the
@@ -25,11 +28,13 @@ import torch
 import triton.language as tl
 
 from bench import attention_prefill as AP
+from bench import kernels_table
 from kernels._jit import dual_jit
+from kernels.attention import CPU, H200, Path, Rotate, Tiling, Tuning, attention_plan
 from kernels.attention.common import full_tiles
-from kernels.attention import Path, Rotate, Tiling, Tuning, attention_plan
+from kernels.attention.plan import DEQUANT_MIN_Q_TILES
 from layouts import KVQuantMode
-from test_attention_kernels import make_case, run_and_check
+from test_attention_kernels import expected_launches, launched, make_case, run_and_check  # noqa: F401 (fixture)
 
 MODES = [
     pytest.param(KVQuantMode.NONE, id="bf16"),
@@ -133,28 +138,114 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_dequantized_call_holds_the_oracle_rows(mode):
+@pytest.mark.parametrize("head_size,packed", [(32, True), (64, True), (64, False), (256, True)],
+                         ids=["h32", "h64", "h64-separate", "h256"])
+def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
     the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
-    contexts longer than one program's DEQUANT_BLOCKS blocks and ending mid-block."""
+    contexts longer than one program's BLOCKS table entries and ending mid-block; 4 KV heads of
+    16 slots = 64 rows a block: several row tiles at head_size 256, one below (INT4: at 32 one
+    chunk and no butterfly, at 64 / 256 a butterfly over 2 / 8 chunks of 32 dims); the packed
+    cache and four separate tensors."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import DEQUANT_BLOCKS, dequantized_call
+    from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, tile_rows
     from kernels.reference.attention import dequantize_cache
 
-    k_lens = [16 * DEQUANT_BLOCKS + 37, 5]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=2, head_size=64)
+    k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=4, head_size=head_size,
+                  packed=packed)
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
+                     v.v_scale_cache)
+    assert (tile_rows(MODE_INT4.value, head_size, 16, 4) < 64) == (head_size == 256)
+    d = dequantized_call(call)
+    assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
+    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
+    for i, n in enumerate(k_lens):
+        for got, ref in ((d.k, k_ref), (d.v, v_ref)):
+            rows = got[d.block_table[i].long()].reshape(-1, 4, head_size)[:n]
+            want = ref[c["block_table"][i].long()].reshape(-1, 4, head_size)[:n]
+            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("facts", [H200, CPU], ids=["h200", "cpu"])
+def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
+    """The planner's 2D tilings: edge tiles only masked in every mode, decode segments included;
+    over a quantized cache the context is dequantized first from DEQUANT_MIN_Q_TILES query tiles
+    per sequence (64-row tiles, GQA group 4: 16 tokens a tile), not below, not at a head size the
+    pass does not serve, not above ``Tuning.dequant_max_bytes``; ``why`` says which."""
+    quantized = mode != KVQuantMode.NONE
+    tokens = DEQUANT_MIN_Q_TILES * 16
+    long = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens)
+    assert long.path == Path.PREFILL_2D and long.tiling.mask_edges_only and long.tiling.num_segments == 1
+    assert long.tiling.dequant_first == quantized, long
+    assert ("dequantized first" in long.why) == quantized, long.why
+    short = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens - 1)
+    assert short.tiling.mask_edges_only and not short.tiling.dequant_first
+    if quantized:
+        assert "query tiles per sequence <" in short.why, short.why
+        # 2 sequences x 256 blocks x 16 slots x 8 KV heads x 128 dims, K and V, fp16 (fp32 interpreted)
+        need = 2 * 256 * 16 * 8 * 128 * 2 * (2 if facts is H200 else 4) + (2 * tokens * 32 * 128 * 2 if facts is H200 else 0)
+        fits = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need))
+        capped = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need - 1))
+        assert fits.tiling.dequant_first and not capped.tiling.dequant_first
+        assert "Tuning.dequant_max_bytes" in capped.why and capped.tiling.mask_edges_only, capped.why
+        off = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=0))
+        assert not off.tiling.dequant_first
+    if mode in (KVQuantMode.NONE, KVQuantMode.INT8_PER_TOKEN_HEAD):
+        odd = kernels_table.plan(mode, 2, 4096, facts, head_size=96, q_len=tokens)  # no pow2 row tiles
+        assert odd.tiling.mask_edges_only and not odd.tiling.dequant_first
+    decode = kernels_table.plan(mode, 2, 32768, facts)
+    if decode.path == Path.PREFILL_2D:  # bf16 decode: the 2D kernel's segments mask edges only too
+        assert decode.tiling.mask_edges_only and decode.tiling.num_segments > 1, decode
+    mixed = kernels_table.mixed_plan(mode, 16, 8192, 512, 8192, facts)
+    assert mixed.parts[1].tiling.mask_edges_only and mixed.parts[1].tiling.dequant_first == quantized
+    assert mixed.tiling == mixed.parts[1].tiling
+    given = Tiling(64, 64)
+    asked = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(tiling=given))
+    assert asked.tiling == given  # a tiling the caller gives is used as given
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_default_dequant_first_matches_oracle(mode, launched):
+    """The default plan of a 64-token chunk over 37 cached keys (4 query tiles at GQA group 4)
+    dequantizes first: the pass then the unquantized 2D kernel launch, and the output matches
+    the oracle; with a window and softcap; and as the chunk half of a mixed batch."""
+    c = make_case(mode, torch.bfloat16, [64], [64 + 37], num_q_heads=8, num_kv_heads=2, head_size=64)
+    v = c["views"]
+    args = (c["q"], v.key_cache, v.value_cache, c["q"], c["cu"], c["seqused_k"], c["max_q"], c["max_k"], 0.125,
+            True, (-1, -1), c["block_table"], 0.0)
+    kw = dict(kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
+    plan = attention_plan(*args, **kw)
+    assert plan.tiling.dequant_first and plan.tiling.mask_edges_only, plan
+    run_and_check(c)
+    assert launched == expected_launches(plan, mode) == ["_dequant_blocks_kernel", "_attn_kernel"]
+    run_and_check(c, causal=False, window=(40, 3), softcap=10.0)
+    m = make_case(mode, torch.bfloat16, [1, 1, 64], [30, 90, 64 + 21], num_q_heads=8, num_kv_heads=2, head_size=64,
+                  seed=1)
+    launched.clear()
+    run_and_check(m, num_decode_seqs=2)
+    assert launched[-2:] == ["_dequant_blocks_kernel", "_attn_kernel"], launched
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
+    """``prefill_dequant.scratch_bytes``, which the planner caps, counts the K and V scratch that
+    ``dequantized_call`` allocates (fp32 under the interpreter, no query copy there)."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import dequantized_call, scratch_bytes
+
+    c = make_case(mode, torch.bfloat16, [3, 1, 5], [70, 33, 5], num_q_heads=4, num_kv_heads=2, head_size=64)
     v = c["views"]
     call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
                      v.v_scale_cache)
     d = dequantized_call(call)
-    assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
-    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, 64)
-    for i, n in enumerate(k_lens):
-        for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = got[d.block_table[i].long()].reshape(-1, 2, 64)[:n]
-            want = ref[c["block_table"][i].long()].reshape(-1, 2, 64)[:n]
-            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+    assert d.k.shape == (3 * 5, 16, 2, 64) and d.q is call.q
+    assert scratch_bytes(call, interpreted=True) == 2 * d.k.numel() * d.k.element_size()
+    assert scratch_bytes(call) == 2 * d.k.numel() * 2 + c["q"].numel() * 2  # fp16 rows + an fp16 query on a GPU
 
 
 def test_rotate_q_once_plans_the_rotation_kernel():
@@ -194,6 +285,9 @@ def test_bench_counts_bytes_and_flops():
     assert pb["flops"] == 4 * 64 * 4 * (4 + 5 + 7)
     row_bytes = 64 // 2 + 4
     assert pb["bytes"] == (5 + 7) * 2 * 2 * row_bytes + 2 * 3 * 4 * 64 * 2
+    # the dequantizing pass: every slot of the 2 blocks (16 slots, 2 KV heads), K and V, read and
+    # written as fp16 rows; the query read as bf16 and written as fp16
+    assert pb["dequant_bytes"] == 2 * 16 * 2 * 2 * (row_bytes + 64 * 2) + 3 * 4 * 64 * 4
 
 
 def test_bench_prefill_smoke(capsys):
@@ -204,6 +298,18 @@ def test_bench_prefill_smoke(capsys):
     assert "prefill 24 over 40" in text and "mixed 3x decode@50" in text
     errs = [float(line.split("|")[12]) for line in text.splitlines() if line.startswith("| 64 |")]
     assert len(errs) == 12 and max(errs) <= 1e-2
+    assert all(line.split("|")[13].strip() == "-" for line in text.splitlines() if line.startswith("| 64 |"))
+
+
+def test_bench_prefill_smoke_times_the_dequant_pass(capsys):
+    """A chunk of 128 tokens at GQA group 2 (4 query tiles): the INT8 default dequantizes first,
+    and its row reports the pass's own time; bf16 has none."""
+    assert AP.main(["--smoke", "--q-lens", "128", "--cached", "40", "--no-mixed", "--modes", "int8"]) == 0
+    rows = {line.split("|")[3].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 64 |")}
+    assert set(rows) == {"bf16", "int8"} and rows["bf16"][13].strip() == "-"
+    assert "dequant-first" in rows["int8"][14] and float(rows["int8"][13].split("(")[0]) > 0
+    assert float(rows["int8"][12]) <= 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

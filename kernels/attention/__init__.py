@@ -13,7 +13,7 @@ Entry points and the decision
 Kernels (each beside its launcher), by how they read the cache
     ``prefill_2d.py``       2D tiles of query rows x keys: prefill, mixed batches, bf16 decode
                             (split into segments), any head size; ``prefill_2d_int4.py`` its INT4 twin;
-                            ``prefill_dequant.py`` converts a call's blocks to a bf16 cache first
+                            ``prefill_dequant.py`` converts a call's blocks to an fp16 cache first
                             (``Tiling.dequant_first``)
     ``decode_split.py``     split-KV decode through byte strides: any quantized cache
     ``decode_code_units.py`` split-KV decode on 16-bit code units, a loop per row-alignment class:

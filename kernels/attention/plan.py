@@ -13,7 +13,9 @@ Order of the questions (each asked once):
    decode batch of their own (these questions again), the others through the 2D kernel.
    D == num_seqs: a decode batch; D == 0: as without it.
 2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
-   2D kernel (``prefill_2d``).
+   2D kernel (``prefill_2d``). Over a quantized cache, with many query tiles per sequence and a
+   scratch within ``Tuning.dequant_max_bytes``, the context is dequantized first and the
+   unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`).
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
    keys split into segments when the 2D grid would leave SMs idle.
 4. Quantized decode, the first path that *wants* the batch (a shape rule measured on the H200):
@@ -28,9 +30,12 @@ Order of the questions (each asked once):
    kernel's prologue, or by a Triton / Gluon rotation kernel first), which kernel merges the
    segments (Triton / Gluon), programmatic dependent launch, bulk copies.
 
+The 2D kernel masks scores only in the key tiles that cross a causal / window / length edge
+(``Tiling.mask_edges_only``), in every mode and for decode segments too.
+
 ``Tuning.path`` / ``Tuning.tiling`` replace the choice of steps 2-4 (benchmarks and tests); step
-5 still applies. ``docs/KERNELS.md`` lists the plans over a grid of shapes
-(``python -m bench.attention --plans``).
+5 still applies; a tiling given in ``Tuning.tiling`` is used as given. ``docs/KERNELS.md`` lists
+the plans over a grid of shapes (``python -m bench.attention --plans``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from .._jit import next_pow2, prev_pow2
 from . import decode_block_tiles as B
 from . import decode_code_units as C
 from . import decode_staged as S
+from . import prefill_dequant as D
 from . import reduce as R
 from . import rotate_query as Q
 from .call import AttnCall, check_num_decode_seqs, split_mixed
@@ -100,7 +106,7 @@ class Tiling:
     max_registers: int = 0      # decode_block_tiles / staged on a GPU: ptxas register cap per thread (0 = default)
     code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
     code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
-    dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the bf16 kernel
+    dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the unquantized kernel
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
 
 
@@ -116,7 +122,10 @@ class Tuning:
     each block with one bulk copy on sm_90+ (off: 16-byte ``cp.async``). ``gluon_edges``: the
     Gluon query rotation and reduction where they apply (off: the Triton ones). ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
-    program rotates its own query tile)."""
+    program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
+    may allocate to dequantize a quantized context before attending (``Tiling.dequant_first``,
+    ``prefill_dequant.scratch_bytes``); a call that would need more runs the fused kernel; 0:
+    never dequantize first."""
 
     path: Optional[Path] = None
     tiling: Optional[Tiling] = None
@@ -125,6 +134,7 @@ class Tuning:
     bulk_copies: bool = True
     gluon_edges: bool = True
     rotate_q_once: bool = False
+    dequant_max_bytes: int = 1 << 30
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, Path):
@@ -205,6 +215,13 @@ DECODE_WARPS = 4
 DECODE_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_TILE = 64
+# Tiling.dequant_first from this many query tiles per sequence (mean over the call's sequences).
+# The fused 2D kernels convert every code once per query tile that reads it; dequantizing first
+# converts it once, then writes and re-reads 16-bit rows: about what one or two query tiles'
+# conversions cost (H200, head_size 128, a 2,048-token chunk = 128 tiles over 32k cached keys:
+# 2.3x faster dequantized first). The margin keeps batches whose mean hides many one-token
+# sequences (decode rows read their context once) on the fused kernel.
+DEQUANT_MIN_Q_TILES = 4
 TARGET_PROGRAMS_PER_SM = 16  # 2D split decode: segments until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in reduction than it saves
 SPLIT_PROGRAMS_PER_SM = 2    # decode_split asked for without a tiling: segments for about this many per SM
@@ -235,6 +252,8 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
     given = call.segm_output.shape[2] if call.segm_output is not None else num_segments
     path, tiling = _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why)
     path, tiling, units = _settle(path, tiling, call, facts, tuning, pdl, why)
+    if path == Path.PREFILL_2D and tuning.tiling is None:  # decode through the 2D kernel too (its segments)
+        tiling = dataclasses.replace(tiling, mask_edges_only=True)
     rotate, parts, release = _rotation(path, tiling, call, facts, tuning, pdl, why)
     reduce = _reduction(tiling, call, facts, tuning, pdl)
     bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
@@ -249,10 +268,12 @@ def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
     decode, chunk = split_mixed(call, d)
     dec = plan_call(decode, seq_threshold_3D=seq_threshold_3D, num_segments=num_segments, tuning=tuning, facts=facts)
     pdl = tuning.pdl and facts.type == "cuda" and tuple(facts.capability) >= (9, 0)
-    tiling = _tiling(Path.PREFILL_2D, chunk, facts, False, None)
+    whys: list = []
+    tiling = _prefill_tiling(chunk, facts, tuning, whys)
     rotate, rotate_parts, release = _rotation(Path.PREFILL_2D, tiling, chunk, facts, tuning, pdl, [])
     rows = chunk.num_seqs
-    why = f"prefill rows of {rows} sequence{'s' * (rows > 1)} after {d} decode row{'s' * (d > 1)}"
+    why = "; ".join([f"prefill rows of {rows} sequence{'s' * (rows > 1)} after {d} decode row{'s' * (d > 1)}"]
+                    + whys)
     pre = Plan(Path.PREFILL_2D, tiling, rotate, rotate_parts, release, pdl=pdl, why=why)
     return Plan(Path.MIXED, tiling, pdl=pdl, parts=(dec, pre), num_decode_seqs=d,
                 why=f"mixed batch: {d} decode rows -> {dec.path.value} ({dec.why}), then {why} -> prefill_2d")
@@ -267,11 +288,13 @@ def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
     decode = call.max_seqlen_q == 1 and not (seq_threshold_3D is not None and call.num_seqs > seq_threshold_3D)
     if tuning.path is not None:
         why.append(f"{tuning.path.value} asked for (Tuning.path)")
+        if tuning.path == Path.PREFILL_2D and not decode and tuning.tiling is None:
+            return tuning.path, _prefill_tiling(call, facts, tuning, why)
         return tuning.path, tuning.tiling or _tiling(tuning.path, call, facts, decode, given)
     if not decode:
         why.append(f"prefill / mixed batch (max_seqlen_q {call.max_seqlen_q})" if call.max_seqlen_q != 1 else
                    f"decode batch of {call.num_seqs} sequences > seq_threshold_3D {seq_threshold_3D}")
-        return Path.PREFILL_2D, tuning.tiling or _tiling(Path.PREFILL_2D, call, facts, False, given)
+        return Path.PREFILL_2D, tuning.tiling or _prefill_tiling(call, facts, tuning, why)
     head, mode = call.head_size, call.mode
     keys = call.num_seqs * call.max_seqlen_k
     if mode not in DECODE_MODES or head & (head - 1):
@@ -295,6 +318,30 @@ def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
         why.append("one segment: the 2D kernel")
         return Path.PREFILL_2D, _generic(call, tiling.block_m, tiling.num_segments)
     return path, tiling
+
+
+def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: list) -> Tiling:
+    """The 2D kernel's tiling of a prefill / mixed call (no split): edge tiles only masked, and
+    over a quantized cache the context dequantized first where it pays (:data:`DEQUANT_MIN_Q_TILES`
+    query tiles per sequence) and its scratch fits ``tuning.dequant_max_bytes``; ``why`` says which."""
+    block_m = max(PREFILL_BLOCK_M, next_pow2(call.group))
+    dequant = False
+    if call.mode != KVQuantMode.NONE:
+        tiles = (call.q.shape[0] - call.first_token) * call.group / (block_m * call.num_seqs)
+        need = D.scratch_bytes(call, interpreted=facts.type == "cpu")
+        cap = tuning.dequant_max_bytes
+        if tiles < DEQUANT_MIN_Q_TILES:
+            why.append(f"fused kernel: {tiles:.1f} query tiles per sequence < {DEQUANT_MIN_Q_TILES}")
+        elif not D.reads(call):
+            why.append(f"fused kernel: no dequantizing pass for {call.mode.name} at head_size {call.head_size}")
+        elif need > cap:
+            why.append(f"fused kernel: dequantizing first would need {need / 2**20:.1f} MiB of scratch > "
+                       f"Tuning.dequant_max_bytes {cap / 2**20:.1f} MiB")
+        else:
+            dequant = True
+            why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
+                       f"{DEQUANT_MIN_Q_TILES}; {need / 2**20:.1f} MiB of scratch)")
+    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant)
 
 
 def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given: Optional[int]) -> Tiling:
@@ -409,6 +456,8 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         return Rotate.NONE, 0, False
     parts, release = 4, False
     if path == Path.PREFILL_2D:
+        if tiling.dequant_first and tiling.num_segments == 1:  # the scratch holds un-rotated rows
+            return Rotate.NONE, 0, False
         if not tuning.rotate_q_once:
             return Rotate.IN_KERNEL, 0, False
         parts = 2  # the 2D kernel's dots take the even, then the odd rotated dims

@@ -2,12 +2,16 @@
 
 Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNCHERS`, the
 rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``); a mixed plan
-runs its two parts on the two halves of the call (``call.split_mixed``).
+runs its two parts on the two halves of the call (``call.split_mixed``); a 2D plan with
+``Tiling.dequant_first`` over a quantized cache dequantizes the context first
+(``prefill_dequant.dequantized_call``) and runs the 2D kernel on the scratch cache.
 """
 
 from __future__ import annotations
 
 from triton.runtime.errors import OutOfResources
+
+from layouts import KVQuantMode
 
 from . import decode_staged
 from .call import AttnCall, split_mixed, with_segment_buffers
@@ -16,6 +20,7 @@ from .decode_code_units import launch_code_units
 from .decode_split import launch_split
 from .plan import Path, Plan
 from .prefill_2d import launch_2d
+from .prefill_dequant import dequantized_call
 from .reduce import reduce_segments
 from .rotate_query import query_scales, rotated_query
 
@@ -52,6 +57,8 @@ def run_plan(call: AttnCall, plan: Plan):
         return call.out
     if plan.tiling.num_segments > 1:
         call = with_segment_buffers(call, plan.tiling.num_segments)
+    elif plan.tiling.dequant_first and plan.path == Path.PREFILL_2D and call.mode != KVQuantMode.NONE:
+        call = dequantized_call(call)  # the same call over a 16-bit scratch cache, mode NONE
     try:
         LAUNCHERS[plan.path](call, plan)
     except OutOfResources as e:  # a caller's tiling too large for this GPU: say which, before any output
