@@ -101,6 +101,30 @@ def test_mask_edges_only_windows(mode, causal, window):
                       tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=True)))
 
 
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]])
+@pytest.mark.parametrize("offs_i64", [False, True], ids=["offs-i32", "offs-i64"])
+def test_2d_block_sizes_strides_and_offset_widths(mode, offs_i64, monkeypatch):
+    """The 2D kernel's K/V addressing: blocks of 32 keys under tiles of 16 (a tile inside a block),
+    32 and 64 (whole blocks: the slot offsets are computed once), a value cache whose strides
+    differ from the key cache's (a view of every other 64-dim half, the other half NaN / 0x7F
+    codes), and the int32 and int64 offset arithmetic (``OFFS_I64``, forced here)."""
+    from kernels.attention import prefill_2d
+    monkeypatch.setattr(prefill_2d, "OFFS_I32_MAX", -1 if offs_i64 else 2 ** 31 - 1)
+    c = make_case(mode, torch.bfloat16, [19, 1, 40], [19 + 45, 70, 40], num_q_heads=4, num_kv_heads=2,
+                  head_size=64, block_size=32, seed=7)
+    views = c["views"]
+    v = views.value_cache
+    poison = torch.full_like(v, float("nan")) if v.is_floating_point() else torch.full_like(v, 127)
+    wide = torch.stack([poison, v], dim=3).view(*v.shape[:3], 2 * v.shape[3])[..., v.shape[3]:]
+    assert wide.stride() != views.key_cache.stride() and torch.equal(wide.float().nan_to_num(), v.float().nan_to_num())
+    c["views"] = type(views)(views.key_cache, wide, views.k_scale_cache, views.v_scale_cache)
+    for tile in (16, 32, 64):
+        for edges in (False, True):
+            run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=edges)))
+    run_and_check(c, causal=False, window=(20, 3), softcap=10.0,
+                  tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=True)))
+
+
 @dual_jit
 def _full_tiles_probe(out_ptr, k_lo, k_hi, t0, t1, wl, wr, CAUSAL: tl.constexpr):
     """Writes ``full_tiles`` for 16 rows at positions 137..152 and tiles of 64 keys."""

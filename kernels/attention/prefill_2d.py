@@ -55,6 +55,8 @@ def _attn_kernel(
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
+    OFFS_I64: tl.constexpr = True,     # K/V element offsets need int64 (else int32 address math)
+    SAME_KV_STRIDES: tl.constexpr = False,  # K and V share every stride: one offset tensor serves both
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
@@ -83,37 +85,64 @@ def _attn_kernel(
     f1 = t0
     if MASK_EDGES:
         f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
+    # The part of every K/V element's offset that does not depend on the key's block, computed
+    # once: tiles start at a multiple of BLOCK_SIZE when TILE is one, so column n of every tile
+    # sits in slot n % BLOCK_SIZE of the tile's block n // BLOCK_SIZE.
+    slot_t = offs_t % BLOCK_SIZE
+    k_in = slot_t[:, None] * (stride_k_s * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN) + offs_d[None, :] * stride_k_d
+    if SAME_KV_STRIDES:
+        v_in = k_in
+    else:
+        v_in = slot_t[:, None] * (stride_v_s * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN) \
+            + offs_d[None, :] * stride_v_d
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        # k: [HEAD_PAD, TILE] (transposed gather of TILE rows); v: [TILE, HEAD_PAD]
-        k = tl.load(k_ptr + blk[None, :] * (stride_k_b * KV_ALIGN) + slot[None, :] * (stride_k_s * KV_ALIGN)
-                    + kv_head * (stride_k_h * KV_ALIGN)
-                    + offs_d[:, None] * stride_k_d, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN)
-                    + kv_head * (stride_v_h * KV_ALIGN)
-                    + offs_d[None, :] * stride_v_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if TILE % BLOCK_SIZE == 0:
+            slot = slot_t
+            blk = tl.load(bt_row + (t * (TILE // BLOCK_SIZE) + offs_t // BLOCK_SIZE), mask=n_ok, other=0)
+        else:
+            slot = k_pos % BLOCK_SIZE
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0)
+        if OFFS_I64:  # else every K/V element offset fits in int32 (the launcher checks)
+            blk = blk.to(tl.int64)
+        # k, v: [TILE, HEAD_PAD] gathers of TILE rows (K enters the dot transposed in shared memory)
+        if TILE % BLOCK_SIZE == 0:
+            k_off = blk[:, None] * (stride_k_b * KV_ALIGN) + k_in
+            v_off = blk[:, None] * (stride_v_b * KV_ALIGN) + v_in
+        else:
+            k_off = blk[:, None] * (stride_k_b * KV_ALIGN) + slot[:, None] * (stride_k_s * KV_ALIGN) \
+                + kv_head * (stride_k_h * KV_ALIGN) + offs_d[None, :] * stride_k_d
+            v_off = blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN) \
+                + kv_head * (stride_v_h * KV_ALIGN) + offs_d[None, :] * stride_v_d
+        if SAME_KV_STRIDES:
+            v_off = k_off
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + v_off, mask=kv_ok, other=0.0)
         if IS_INT8:
             k = int8_to_dot(k, DOT)
             v = int8_to_dot(v, DOT)
         else:
             k = to_dot(k, DOT)
             v = to_dot(v, DOT)
-        s = tl.dot(q, k)  # [BLOCK_M, TILE] fp32
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE] fp32
+        # s_scale: the factor still to apply to s (log2 units); unscaled scores fold it into
+        # the exp2's FMA (and the row max), scaled or soft-capped ones are scaled here
         if SCALED:
             ks = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
                          mask=n_ok, other=0.0)
             s = s * (ks * qk_scale)[None, :]
+            s_scale = 1.0
         else:
-            s = s * qk_scale
+            s_scale = qk_scale
         if USE_SOFTCAP:
-            s = apply_softcap(s, softcap) * LOG2E
+            s = apply_softcap(s * s_scale, softcap) * LOG2E
+            s_scale = 1.0
         s = mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL, MASK_EDGES)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)  # s_scale > 0: the max commutes with it
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * s_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if SCALED:
@@ -135,6 +164,14 @@ def _attn_kernel(
         o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # no visible key -> 0 (as the oracle)
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+OFFS_I32_MAX = 2 ** 31 - 1  # K/V/scale element offsets up to this are computed in int32 (OFFS_I64 off)
+
+
+def max_offset(x: torch.Tensor) -> int:
+    """Largest element offset from ``x``'s first element to any of its elements."""
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0)
 
 
 INT4_ROT_WHOLE = 128  # largest head size whose in-kernel INT4 rotations take the whole head at once
@@ -206,4 +243,6 @@ def launch_2d(call, plan) -> None:
                                 ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
+                           OFFS_I64=max(max_offset(x) for x in (k, v, ks, vs)) > OFFS_I32_MAX,
+                           SAME_KV_STRIDES=k.stride() == v.stride(),
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
