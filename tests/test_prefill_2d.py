@@ -125,6 +125,20 @@ def test_2d_block_sizes_strides_and_offset_widths(mode, offs_i64, monkeypatch):
                   tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=True)))
 
 
+def test_register_caps_only_where_they_fit():
+    """``prefill_2d.reg_cap``: the 128 x 32, 8-warp tiling compiles under 128 registers (two
+    programs per SM) only over 16-bit caches of head size <= 128; scaled caches and wider heads
+    (more live registers: they would spill) and other tilings compile uncapped."""
+    from kernels.attention.prefill_2d import REG_CAPS, reg_cap
+    tiling = Tiling(128, 32, num_warps=8)
+    assert reg_cap(tiling, KVQuantMode.NONE, 128) == REG_CAPS[(128, 32, 8)] == 128
+    assert reg_cap(tiling, KVQuantMode.NONE, 64) == 128
+    assert reg_cap(tiling, KVQuantMode.NONE, 256) is None
+    assert reg_cap(tiling, KVQuantMode.INT8_PER_TOKEN_HEAD, 128) is None
+    assert reg_cap(Tiling(128, 64, num_warps=8), KVQuantMode.NONE, 128) is None
+    assert reg_cap(Tiling(128, 32, num_warps=4), KVQuantMode.NONE, 128) is None
+
+
 @dual_jit
 def _full_tiles_probe(out_ptr, k_lo, k_hi, t0, t1, wl, wr, CAUSAL: tl.constexpr):
     """Writes ``full_tiles`` for 16 rows at positions 137..152 and tiles of 64 keys."""

@@ -169,6 +169,21 @@ def _attn_kernel(
 OFFS_I32_MAX = 2 ** 31 - 1  # K/V/scale element offsets up to this are computed in int32 (OFFS_I64 off)
 
 
+# Register caps (per thread) that let two programs of a tiling share an H200 SM (65,536 registers):
+# (block_m, tile, num_warps) -> cap, for 16-bit caches (bf16 / fp16 and dequant_first) of head size
+# <= 128. sm_90 SASS (triton 3.6): 128 x 32 with 8 warps compiles to 158 registers uncapped (one
+# program per SM) and to 128 with no spill and the same wgmma issue under the cap.
+REG_CAPS = {(128, 32, 8): 128}
+
+
+def reg_cap(tiling, mode: KVQuantMode, head_pad: int):
+    """The :data:`REG_CAPS` entry ``_attn_kernel`` compiles under for ``tiling`` over a cache of
+    ``mode`` (after any dequant_first conversion) and padded head size ``head_pad``, else None."""
+    if mode != KVQuantMode.NONE or head_pad > 128:
+        return None
+    return REG_CAPS.get((tiling.block_m, tiling.tile, tiling.num_warps))
+
+
 def max_offset(x: torch.Tensor) -> int:
     """Largest element offset from ``x``'s first element to any of its elements."""
     return sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0)
@@ -242,6 +257,9 @@ def launch_2d(call, plan) -> None:
                                 ASM=tiling.code_asm and not interpreting(q) and dot != DOT_FP32.value,  # 16-bit only
                                 ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
+        cap = tiling.max_registers or reg_cap(tiling, call.mode, call.head_pad)  # a tiling's own cap wins
+        if cap and not interpreting(q):
+            common.update(maxnreg=cap)
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            OFFS_I64=max(max_offset(x) for x in (k, v, ks, vs)) > OFFS_I32_MAX,
                            SAME_KV_STRIDES=k.stride() == v.stride(),
