@@ -203,7 +203,7 @@ def matmul_tflops(device) -> float:
 
 # --sweep: 2D-kernel tilings (block_m, tile, warps, stages), each under the variants of the cache's
 # mode; a variant names the fields it turns on (VARIANT_FIELDS)
-SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2))
+SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
 VARIANT_FIELDS = {"zp": "code_zp", "asm": "code_asm", "dq": "dequant_first", "mask": "mask_edges_only",
                   "rot1": "rotate_q_once"}  # rot1 is a Tuning field, the others Tiling fields
 VARIANTS = {

@@ -106,6 +106,68 @@ def test_mask_edges_only_windows(mode, causal, window):
                       tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=True)))
 
 
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]])
+@pytest.mark.parametrize("offs_i64", [False, True], ids=["offs-i32", "offs-i64"])
+def test_2d_block_sizes_strides_and_offset_widths(mode, offs_i64, monkeypatch):
+    """The 2D kernel's K/V addressing: blocks of 32 keys under tiles of 16 (a tile inside a block),
+    32 and 64 (whole blocks: the slot offsets are computed once), a value cache whose strides
+    differ from the key cache's (a view of every other 64-dim half, the other half NaN / 0x7F
+    codes), and the int32 and int64 offset arithmetic (``OFFS_I64``, forced here)."""
+    from kernels.attention import prefill_2d
+    monkeypatch.setattr(prefill_2d, "OFFS_I32_MAX", -1 if offs_i64 else 2 ** 31 - 1)
+    c = make_case(mode, torch.bfloat16, [19, 1, 40], [19 + 45, 70, 40], num_q_heads=4, num_kv_heads=2,
+                  head_size=64, block_size=32, seed=7)
+    views = c["views"]
+    v = views.value_cache
+    poison = torch.full_like(v, float("nan")) if v.is_floating_point() else torch.full_like(v, 127)
+    wide = torch.stack([poison, v], dim=3).view(*v.shape[:3], 2 * v.shape[3])[..., v.shape[3]:]
+    assert wide.stride() != views.key_cache.stride() and torch.equal(wide.float().nan_to_num(), v.float().nan_to_num())
+    c["views"] = type(views)(views.key_cache, wide, views.k_scale_cache, views.v_scale_cache)
+    for tile in (16, 32, 64):
+        for edges in (False, True):
+            run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, tile, mask_edges_only=edges)))
+    run_and_check(c, causal=False, window=(20, 3), softcap=10.0,
+                  tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=True)))
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]])
+def test_lazy_rescale_matches_oracle(mode, monkeypatch):
+    """``prefill_2d.LAZY_RESCALE`` (the accumulator rescaled only when a row max grows past
+    ``RESCALE_SLACK``) against the oracle: the batch of every shape with a few keys made 40x
+    larger late in their sequences (row maxima jump by far more than the slack there), with and
+    without edge-only masking, a window with softcap, and split decode (segment max and sum)."""
+    from kernels.attention import prefill_2d
+    monkeypatch.setattr(prefill_2d, "LAZY_RESCALE", True)
+    c = make_case(mode, torch.bfloat16, Q_LENS, K_LENS, num_q_heads=8, num_kv_heads=2, head_size=64, seed=11)
+    views, table = c["views"], c["block_table"]
+    for seq, pos in [(1, 50), (4, 60), (6, 120), (6, 160)]:  # K_LENS: 58, 64, 171
+        blk, slot = int(table[seq, pos // 16]), pos % 16
+        if views.k_scale_cache is None:
+            views.key_cache[blk, slot] *= 40
+        else:
+            views.k_scale_cache[blk, slot] *= 40
+    for edges in (False, True):
+        run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=edges)))
+    run_and_check(c, causal=False, window=(30, 2), softcap=30.0,
+                  tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 16, mask_edges_only=True)))
+    d = make_case(mode, torch.bfloat16, [1, 1, 1], [70, 23, 130], num_q_heads=4, num_kv_heads=2, seed=12)
+    run_and_check(d, num_par_softmax_segments=4, tuning=Tuning(path=Path.PREFILL_2D))
+
+
+def test_register_caps_only_where_they_fit():
+    """``prefill_2d.reg_cap``: the 128 x 32, 8-warp tiling compiles under 128 registers (two
+    programs per SM) only over 16-bit caches of head size <= 128; scaled caches and wider heads
+    (more live registers: they would spill) and other tilings compile uncapped."""
+    from kernels.attention.prefill_2d import REG_CAPS, reg_cap
+    tiling = Tiling(128, 32, num_warps=8)
+    assert reg_cap(tiling, KVQuantMode.NONE, 128) == REG_CAPS[(128, 32, 8)] == 128
+    assert reg_cap(tiling, KVQuantMode.NONE, 64) == 128
+    assert reg_cap(tiling, KVQuantMode.NONE, 256) is None
+    assert reg_cap(tiling, KVQuantMode.INT8_PER_TOKEN_HEAD, 128) is None
+    assert reg_cap(Tiling(128, 64, num_warps=8), KVQuantMode.NONE, 128) is None
+    assert reg_cap(Tiling(128, 32, num_warps=4), KVQuantMode.NONE, 128) is None
+
+
 @dual_jit
 def _full_tiles_probe(out_ptr, k_lo, k_hi, t0, t1, wl, wr, CAUSAL: tl.constexpr):
     """Writes ``full_tiles`` for 16 rows at positions 137..152 and tiles of 64 keys."""

@@ -22,6 +22,9 @@ from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
 
 
+RESCALE_SLACK = tl.constexpr(8.0)  # LAZY_RESCALE: log2 units a row's reference max may lag its true max
+
+
 # Grid: (num_tokens // BLOCK_Q - q_block_base + num_seqs, num_kv_heads, NUM_SEGMENTS), program 0 at q block
 # q_block_base (the chunk half of a mixed call starts after the decode rows). One program: one q
 # tile of one sequence x one KV head x one segment of the visible keys, streamed TILE keys at a
@@ -55,6 +58,9 @@ def _attn_kernel(
     KV_ALIGN: tl.constexpr,         # K/V strides arrive divided by this (so loads vectorise)
     PDL: tl.constexpr,              # launched with launch_pdl (waits in its prologue)
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
+    OFFS_I64: tl.constexpr = True,     # K/V element offsets need int64 (else int32 address math)
+    SAME_KV_STRIDES: tl.constexpr = False,  # K and V share every stride: one offset tensor serves both
+    LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows past RESCALE_SLACK
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
@@ -83,48 +89,90 @@ def _attn_kernel(
     f1 = t0
     if MASK_EDGES:
         f0, f1 = full_tiles(q_pos, row_ok, k_lo, k_hi, t0, t1, window_left, window_right, CAUSAL, TILE)
+    # The part of every K/V element's offset that does not depend on the key's block, computed
+    # once: tiles start at a multiple of BLOCK_SIZE when TILE is one, so column n of every tile
+    # sits in slot n % BLOCK_SIZE of the tile's block n // BLOCK_SIZE.
+    slot_t = offs_t % BLOCK_SIZE
+    k_in = slot_t[:, None] * (stride_k_s * KV_ALIGN) + kv_head * (stride_k_h * KV_ALIGN) + offs_d[None, :] * stride_k_d
+    if SAME_KV_STRIDES:
+        v_in = k_in
+    else:
+        v_in = slot_t[:, None] * (stride_v_s * KV_ALIGN) + kv_head * (stride_v_h * KV_ALIGN) \
+            + offs_d[None, :] * stride_v_d
     for t in range(t0, t1):
         k_pos = t * TILE + offs_t
         n_ok = (k_pos < k_hi) & (k_pos >= k_lo)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        # k: [HEAD_PAD, TILE] (transposed gather of TILE rows); v: [TILE, HEAD_PAD]
-        k = tl.load(k_ptr + blk[None, :] * (stride_k_b * KV_ALIGN) + slot[None, :] * (stride_k_s * KV_ALIGN)
-                    + kv_head * (stride_k_h * KV_ALIGN)
-                    + offs_d[:, None] * stride_k_d, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN)
-                    + kv_head * (stride_v_h * KV_ALIGN)
-                    + offs_d[None, :] * stride_v_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if TILE % BLOCK_SIZE == 0:
+            slot = slot_t
+            blk = tl.load(bt_row + (t * (TILE // BLOCK_SIZE) + offs_t // BLOCK_SIZE), mask=n_ok, other=0)
+        else:
+            slot = k_pos % BLOCK_SIZE
+            blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=n_ok, other=0)
+        if OFFS_I64:  # else every K/V element offset fits in int32 (the launcher checks)
+            blk = blk.to(tl.int64)
+        # k, v: [TILE, HEAD_PAD] gathers of TILE rows (K enters the dot transposed in shared memory)
+        if TILE % BLOCK_SIZE == 0:
+            k_off = blk[:, None] * (stride_k_b * KV_ALIGN) + k_in
+            v_off = blk[:, None] * (stride_v_b * KV_ALIGN) + v_in
+        else:
+            k_off = blk[:, None] * (stride_k_b * KV_ALIGN) + slot[:, None] * (stride_k_s * KV_ALIGN) \
+                + kv_head * (stride_k_h * KV_ALIGN) + offs_d[None, :] * stride_k_d
+            v_off = blk[:, None] * (stride_v_b * KV_ALIGN) + slot[:, None] * (stride_v_s * KV_ALIGN) \
+                + kv_head * (stride_v_h * KV_ALIGN) + offs_d[None, :] * stride_v_d
+        if SAME_KV_STRIDES:
+            v_off = k_off
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + v_off, mask=kv_ok, other=0.0)
         if IS_INT8:
             k = int8_to_dot(k, DOT)
             v = int8_to_dot(v, DOT)
         else:
             k = to_dot(k, DOT)
             v = to_dot(v, DOT)
-        s = tl.dot(q, k)  # [BLOCK_M, TILE] fp32
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, TILE] fp32
+        # s_scale: the factor still to apply to s (log2 units); unscaled scores fold it into
+        # the exp2's FMA (and the row max), scaled or soft-capped ones are scaled here
         if SCALED:
             ks = tl.load(k_scale_ptr + blk * stride_ks_b + slot * stride_ks_s + kv_head * stride_ks_h,
                          mask=n_ok, other=0.0)
             s = s * (ks * qk_scale)[None, :]
+            s_scale = 1.0
         else:
-            s = s * qk_scale
+            s_scale = qk_scale
         if USE_SOFTCAP:
-            s = apply_softcap(s, softcap) * LOG2E
+            s = apply_softcap(s * s_scale, softcap) * LOG2E
+            s_scale = 1.0
         s = mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL, MASK_EDGES)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_tile = tl.max(s, 1) * s_scale  # s_scale > 0: the max commutes with it
+        if LAZY_RESCALE:
+            # m_i: each row's reference max (log2 units), moved only when some row's tile max
+            # passes it by more than RESCALE_SLACK, so most tiles skip the accumulator rescale
+            # (one CTA-wide reduction decides); p stays <= 2 ** RESCALE_SLACK
+            if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))  # 0 before a row's first key
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i += tl.sum(p, 1)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+            p = tl.exp2(s * s_scale - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         if SCALED:
             vs = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
                          mask=n_ok, other=0.0)
             vs_max = tl.maximum(tl.max(vs, 0), 1e-30)
             p = p * (vs / vs_max)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v) * vs_max
+            acc += tl.dot(to_dot(p, DOT), v) * vs_max
         else:
-            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v)
-        m_i = m_new
+            acc += tl.dot(to_dot(p, DOT), v)
 
     if SPLIT:
         row = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx
@@ -135,6 +183,34 @@ def _attn_kernel(
         o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # no visible key -> 0 (as the oracle)
         tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+OFFS_I32_MAX = 2 ** 31 - 1  # K/V/scale element offsets up to this are computed in int32 (OFFS_I64 off)
+
+
+# Register caps (per thread) that let two programs of a tiling share an H200 SM (65,536 registers):
+# (block_m, tile, num_warps) -> cap, for 16-bit caches (bf16 / fp16 and dequant_first) of head size
+# <= 128. sm_90 SASS (triton 3.6): 128 x 32 with 8 warps compiles to 158 registers uncapped (one
+# program per SM) and to 128 with no spill and the same wgmma issue under the cap.
+REG_CAPS = {(128, 32, 8): 128}
+# The 2D kernel's LAZY_RESCALE (16-bit P stays <= 256, fp32 sums): per key tile it trades the
+# accumulator rescale (head_size / 2 FMULs per thread at 4 warps per 64 rows) for a CTA-wide
+# reduction with two barriers; sm_90 SASS: interior-tile loop 405 -> 366 instructions per warp at
+# 64 x 64, 367 -> 324 at 128 x 64 (head 128). Off until timed.
+LAZY_RESCALE = False
+
+
+def reg_cap(tiling, mode: KVQuantMode, head_pad: int):
+    """The :data:`REG_CAPS` entry ``_attn_kernel`` compiles under for ``tiling`` over a cache of
+    ``mode`` (after any dequant_first conversion) and padded head size ``head_pad``, else None."""
+    if mode != KVQuantMode.NONE or head_pad > 128:
+        return None
+    return REG_CAPS.get((tiling.block_m, tiling.tile, tiling.num_warps))
+
+
+def max_offset(x: torch.Tensor) -> int:
+    """Largest element offset from ``x``'s first element to any of its elements."""
+    return sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n > 0)
 
 
 INT4_ROT_WHOLE = 128  # largest head size whose in-kernel INT4 rotations take the whole head at once
@@ -205,5 +281,10 @@ def launch_2d(call, plan) -> None:
                                 ASM=tiling.code_asm and not interpreting(q) and dot != DOT_FP32.value,  # 16-bit only
                                 ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:
+        cap = tiling.max_registers or reg_cap(tiling, call.mode, call.head_pad)  # a tiling's own cap wins
+        if cap and not interpreting(q):
+            common.update(maxnreg=cap)
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
+                           OFFS_I64=max(max_offset(x) for x in (k, v, ks, vs)) > OFFS_I32_MAX,
+                           SAME_KV_STRIDES=k.stride() == v.stride(), LAZY_RESCALE=LAZY_RESCALE,
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
