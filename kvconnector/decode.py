@@ -8,10 +8,12 @@ match. A failed check fails the pull with a typed error, reports the destination
 that did not land, and sends ABORT so the prefill side releases its lease.
 
 With the device kernels given (``frame_ops``) this side offers ``mix64`` in its HELLO; a
-prefill that accepts sends ``mix64`` BLOCKS, whose payload frames are received straight into a
-pooled pinned buffer (``IOLoop`` ``on_header``, ``Socket.recv_into``), copied to the device
-once and verified + scattered there (:mod:`kvconnector.device_frames`): a frame that does not
-match fails the pull with :class:`CorruptFrameError` and none of that message's rows is written.
+prefill that accepts sends ``mix64`` BLOCKS, which the I/O thread receives zero copy, checks and
+hands to the endpoint's landing thread (:mod:`kvconnector.landing`): it copies the payload into a
+pooled pinned buffer piece by piece behind the device copies, and the device verifies + scatters
+it (:mod:`kvconnector.device_frames`), while the I/O thread already receives the next message. A
+frame that does not match fails the pull with :class:`CorruptFrameError` and none of that
+message's rows is written.
 
 An ERROR from the prefill side about a pending pull fails it at once with :class:`PeerError`
 (its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
@@ -45,15 +47,17 @@ from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, 
 from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
-from .device_frames import frame_views, scatter_message, stage_frames, warm
+from .device_frames import frame_views, warm
+from .landing import Lander, LandJob
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
                        verify_payloads)
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
-# pyzmq >= 26.4: a frame is received into a caller's buffer. Without it, mix64 frames arrive as
-# zero-copy zmq Frames and are copied once into a pooled pinned buffer (_write_device).
+# pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into=True``: mix64 frames straight
+# into a pooled pinned buffer, one memcpy on the I/O thread); by default they arrive as zero-copy
+# zmq Frames and the landing thread copies them into that buffer.
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
 
 
@@ -107,10 +111,11 @@ class DecodeEndpoint:
         pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
         payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
     recv_into : bool, optional
-        ``mix64`` payloads: received with ``Socket.recv_into`` straight into a pooled pinned buffer
-        (one memcpy inside libzmq, on the I/O thread), or, False, received zero copy and copied
-        into that buffer by ``torch`` (which spreads a large copy over its intra-op threads).
-        Default: True where pyzmq has ``recv_into`` (26.4+).
+        ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
+        pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False (default)
+        receives them zero copy and the landing thread copies them into that buffer with ``torch``
+        (spread over its intra-op threads, overlapped with the device copies and with the next
+        receive).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -126,7 +131,7 @@ class DecodeEndpoint:
             warm(frame_ops, caches[0].device)
         if recv_into and not RECV_INTO:
             raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
-        self.recv_into = RECV_INTO if recv_into is None else bool(recv_into)
+        self.recv_into = bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
         self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
@@ -139,8 +144,8 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: deque = deque()    # queued device writes, in order: (event, handle, BLOCKS header,
-        #                                      pinned buffers to hand back, DeviceWrite or None)
+        self._gpu_writes: deque = deque()    # queued xxh3 device writes, in order: (event, handle, BLOCKS header,
+        #                                      pinned buffers to hand back)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -155,6 +160,9 @@ class DecodeEndpoint:
         self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
+        self._lander = None if frame_ops is None else Lander(
+            frame_ops, self._copy_stream, self._pinned, report=lambda done: self._loop.call_soon(self._landed_jobs, done),
+            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p)
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
@@ -227,11 +235,27 @@ class DecodeEndpoint:
         s["pending"] = len(self._pending)
         return s
 
+    def stage_times(self) -> dict:
+        """Seconds spent so far per stage of receiving (``bench.transfer --threads``): ``receive``
+        (I/O thread: receive and check messages, hand them off), and for ``mix64`` messages on the
+        landing thread ``host_copy`` (frames into pinned memory), ``launch`` (queue the device
+        copies and kernels, host copy excluded), ``device_wait`` (waiting for the device to end a
+        message); ``landed`` counts those messages."""
+        out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
+        if self._lander is not None:
+            st = self._lander.stage_s
+            out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
+                       device_wait=st["wait"], landed=st["messages"])
+        return out
+
     def close(self) -> None:
         if self._loop is not None:
             for h in list(self._pending.values()):
                 wait(list(h.jobs), timeout=10)
                 h.fail(PeerError(f"pull {h.transfer_id!r}: endpoint closed"))
+        if self._lander is not None:
+            self._lander.close()
+        if self._loop is not None:
             self._loop.close()
         if self._workers is not None:
             self._workers.shutdown(wait=True)
@@ -474,7 +498,7 @@ class DecodeEndpoint:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
-            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged, None))
+            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
@@ -505,47 +529,39 @@ class DecodeEndpoint:
                 copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
 
     def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received, owned: bool = True) -> None:
-        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``).
-        ``received``: the payload back to back in host memory (a pooled buffer when ``owned``, handed
-        back once the device has read it; else the NIXL region, which the pull's area keeps)."""
+        """Hand one checked ``mix64`` message to the landing thread (:mod:`kvconnector.landing`),
+        which copies it to the device, verifies and scatters it there and reports back in
+        :meth:`_landed_jobs`. ``received``: the payload back to back in host memory already (a
+        pooled buffer when ``owned``, handed back once the device has read it; else the NIXL
+        region, which the pull's area keeps), or None: the lander copies ``payloads`` into one."""
         try:
             check_frames(h, payloads)
         except CorruptFrameError as e:
             return self._fail_corrupt(p, e)
-        if received is None:   # frames not received into a pooled buffer (no recv_into): one copy there
-            received = stage_frames(self._pinned, payloads, h.nbytes)
-        else:
-            received = received[:sum(h.nbytes)]
         if p.dst_dev is None:
             p.dst_dev = torch.as_tensor(p.dst_block_ids, dtype=torch.int64)
-        try:
-            job = scatter_message(self.frame_ops, h, received, self.caches[h.layer:h.layer + h.nlay],
-                                  p.dst_dev[h.first:h.first + h.nblk], local, self._copy_stream)
-        except BaseException:
-            if owned:
-                self._pinned.release(received)
-            raise
-        self._rx_kept = True     # released by _on_tick once the device copy has read it
-        self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
-        self._watch_writes()
+        job = LandJob(p, h, None if received is not None else list(payloads),
+                      None if received is None else received[:sum(h.nbytes)], owned and received is not None,
+                      self.caches[h.layer:h.layer + h.nlay], p.dst_dev[h.first:h.first + h.nblk], local)
+        p.jobs.add(job.future)
+        self._rx_kept = received is not None and owned    # the lander hands the buffer back
+        self._lander.submit(job)
         return None
 
-    def _watch_writes(self) -> None:
-        """With copy workers: one of them sleeps on the oldest queued device write (a blocking
-        event) and wakes the loop when it ends; the tick then collects every write finished by
-        then and sets the next watch. One watcher at a time, not one per message: the writes end
-        in order on one copy stream, and each wake-up costs a thread hand-off and the GIL.
-        Without workers the tick polls."""
-        if self._workers is None or self._watching or not self._gpu_writes or self._gpu_writes[0][0] is None:
-            return
-        self._watching = True
-        self._workers.submit(self._gpu_writes[0][0].synchronize).add_done_callback(
-            lambda f: self._loop.call_soon(self._watched))
-
-    def _watched(self) -> None:
-        self._watching = False   # the tick that follows this call collects the writes and watches again
-
-    _watching = False   # a copy worker is waiting for the oldest queued device write
+    def _landed_jobs(self, done: list) -> None:
+        """Landing thread report: each message written (its blocks land), or failed (its pull fails)."""
+        for job, err in done:
+            p, h = job.p, job.h
+            p.jobs.discard(job.future)
+            try:
+                if err is None:
+                    self._landed_all(p, h)
+                elif isinstance(err, CorruptFrameError):
+                    self._fail_corrupt(p, err)
+                else:
+                    self._write_failed(p, h, err)
+            except Exception as e:
+                self._write_failed(p, h, e)
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -604,19 +620,14 @@ class DecodeEndpoint:
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
 
     def _on_tick(self, now: float) -> float:
-        while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
-            _, p, h, staged, check = self._gpu_writes.popleft()
+        while self._gpu_writes and self._gpu_writes[0][0].query():
+            _, p, h, staged = self._gpu_writes.popleft()
             try:   # the write is off the queue: it lands or fails its pull here, never neither
                 for b in staged:
                     self._pinned.release(b)
-                err = None if check is None else check.error()
-                if err is not None:
-                    self._fail_corrupt(p, err)
-                else:
-                    self._landed_all(p, h)
+                self._landed_all(p, h)
             except Exception as e:
                 self._write_failed(p, h, e)
-        self._watch_writes()
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))
@@ -630,6 +641,4 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
-        if self._gpu_writes:   # polled every ms without copy workers; with them a worker wakes the loop
-            return 0.001 if self._workers is None else max(0.0, min(wait, 0.05))
-        return max(0.0, wait)
+        return 0.001 if self._gpu_writes else max(0.0, wait)   # queued xxh3 device writes: polled every ms

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,6 +165,9 @@ class Stream:
     layers_ready : callable() -> int or None, optional
         Layer-wise publish: how many layers (from 0) hold their K/V now; chunks of later layers
         wait (one layer per message then). None: every layer is ready.
+    timings : dict, optional
+        Seconds spent staging (``"stage"``) and waiting for staged bytes (``"copy_wait"``) are
+        added to it (the endpoint's :meth:`~PrefillEndpoint.stage_times`).
     at_base : int, optional
         ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
         each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
@@ -178,7 +182,7 @@ class Stream:
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
                  pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
                  algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None,
-                 layers_ready=None) -> None:
+                 layers_ready=None, timings: dict | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
@@ -224,6 +228,7 @@ class Stream:
         self._reading: deque = deque()   # trackers of zero-copy messages (frames inside the cache)
         self.last_reads_cache = False    # the last frames are views of the cache (zero copy)
         self._hook = fault_hook or (lambda stage: None)
+        self._timings = timings if timings is not None else {}
         self._running: list = []         # staging jobs still running after cancel()
 
     def push_back(self, frames: list) -> None:
@@ -386,10 +391,13 @@ class Stream:
             return frames
         if not self._staged and not self._plan:
             return None
+        t0 = time.perf_counter()
         while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
             if self.frame_ops is not None and self._staged and self._staged[0][4].done():
                 break       # the oldest chunk is in host memory: send it before queuing more
             self._stage()   # keep later chunks staging
+        t1 = time.perf_counter()
+        self._timings["stage"] = self._timings.get("stage", 0.0) + t1 - t0
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
@@ -397,6 +405,7 @@ class Stream:
         if work is None:
             self._hook("checksum")
         payload, sums = job.result() if job is not None else self._prepare(*work)
+        self._timings["copy_wait"] = self._timings.get("copy_wait", 0.0) + time.perf_counter() - t1
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,
