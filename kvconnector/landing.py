@@ -2,28 +2,31 @@
 
 The I/O thread receives a ``mix64`` BLOCKS message (zero copy: ZeroMQ's own frames), checks
 its header against the pull and hands it to the endpoint's :class:`Lander`, then goes straight
-back to the socket for the next message. The lander (one thread per endpoint, first in first
-out, so the device work of messages stays in arrival order on the copy stream), per message:
+back to the socket for the next message. The lander's launcher thread (first in first out, so
+the device work of messages stays in arrival order on the copy stream), per message:
 
-1. takes a pinned buffer from the pool; when ``max_inflight`` messages are still being read by
-   the device it first waits for the oldest (a blocking CUDA event: the thread sleeps) and hands
-   its buffer back, so a buffer is never refilled before the device copy that reads it ended;
+1. takes a pinned buffer from the pool; while ``max_inflight`` messages are still being read by
+   the device it first waits for the oldest to end (its buffer is back in the pool then), so a
+   buffer is never refilled before the device copy that reads it ended;
 2. copies the frames into the buffer in pieces of ``piece_bytes`` (``torch`` copies, which
    release the GIL and spread over the intra-op threads), queuing each piece's host-to-device
    copy on the copy stream right after it, so the DMA of one piece overlaps the host copy of the
    next (a payload already in pinned memory, received into the pool or written by NIXL, is only
    copied to the device);
 3. queues verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes
-   nothing unless every frame matched) and records an event;
-4. hands finished messages back to the I/O thread in batches (``report``): their pinned buffers
-   go back to the pool first, then the I/O thread marks the blocks landed, or fails the pull with
-   the :class:`CorruptFrameError` of the first mismatching frame.
+   nothing unless every frame matched) and records a blocking event.
 
-When it has nothing to launch, the lander waits on the oldest queued message's event, so the
-last message of a pull is reported as soon as the device has written it. A message of a pull
-that is no longer pending (failed, aborted) is dropped before its copy. Every message carries a
-future in its pull's ``jobs`` that is set once the lander is done with it (written, failed or
-dropped), which :meth:`DecodeEndpoint._fail` waits for (bounded) before it reports blocks.
+Its watcher thread sleeps on the oldest queued message's event (the thread sleeps, it does not
+spin) and, once the device has ended it, completes it and every later message already ended:
+their pinned buffers go back to the pool, then one ``report`` hands them to the I/O thread,
+which marks the blocks landed, or fails the pull with the :class:`CorruptFrameError` of the
+first mismatching frame. So the last message of a pull is reported as soon as the device has
+written it, and the launcher never waits on an event unless it needs a buffer back.
+
+A message of a pull that is no longer pending (failed, aborted) is dropped before its copy.
+Every message carries a future in its pull's ``jobs``, set once the lander is done with it
+(written, failed or dropped), which :meth:`DecodeEndpoint._fail` waits for (bounded) before it
+reports blocks.
 
 On CPU caches there is no stream: the kernels run in the call, and no event is recorded
 (``_record`` is the seam tests replace with fake events to drive the in-flight logic on CPU).
@@ -75,7 +78,10 @@ class LandJob:
 
 
 class Lander:
-    """The landing thread of one decode endpoint (module doc).
+    """The landing threads of one decode endpoint (module doc): a launcher that copies and queues
+    messages, and a watcher that sleeps on the oldest queued message's event and completes
+    messages as the device ends them (so the launcher is never held up by an event unless a
+    pinned buffer must be reused).
 
     Parameters
     ----------
@@ -86,7 +92,7 @@ class Lander:
     pool : PinnedPool
         Pinned buffers for frames that were not received into one.
     report : callable(list of (LandJob, Exception or None))
-        Called on the lander thread with finished messages (None: written; CorruptFrameError: a
+        Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame did not match, nothing written; other: the landing failed).
     alive : callable(LandJob) -> bool
         False when the message's pull is no longer pending (the message is dropped unwritten).
@@ -98,45 +104,49 @@ class Lander:
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}   # read by bench.transfer
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight: deque = deque()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
+        self._cv = threading.Condition()   # popped by the watcher only
+        self._closing = False
+        self._threads = [threading.Thread(target=self._launcher, name=name, daemon=True),
+                         threading.Thread(target=self._watcher, name=f"{name}-wait", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: LandJob) -> None:
         """Queue a message (any thread; the I/O thread in practice)."""
         self._q.put(job)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Land what is queued, then stop (bounded wait)."""
+        """Land what is queued, then stop both threads (bounded waits)."""
         self._q.put(None)
-        self._thread.join(timeout_s)
+        self._threads[0].join(timeout_s)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._threads[1].join(timeout_s)
 
-    # ---- lander thread ---------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- launcher thread -------------------------------------------------------------
+    def _launcher(self) -> None:
         while True:
             try:
-                job = self._q.get_nowait() if self._inflight else self._q.get(timeout=1.0)
+                job = self._q.get(timeout=1.0)
             except queue.Empty:
-                if self._inflight:   # nothing to launch: report the oldest as soon as it is written
-                    self._finish(wait=True)
                 continue
             if job is None:
-                while self._inflight:
-                    self._finish(wait=True)
                 return
-            done = []
             try:
                 if not self.alive(job):
                     self._drop(job)
                     continue
-                while len(self._inflight) >= self.max_inflight:   # its pinned buffer is needed again
-                    done += self._collect(wait=True)
+                t0 = time.perf_counter()
+                with self._cv:   # every buffer may still be read by the device: wait for the oldest to end
+                    while len(self._inflight) >= self.max_inflight:
+                        self._cv.wait(1.0)
+                self.stage_s["wait"] += time.perf_counter() - t0
                 self._launch(job)
             except Exception as e:
                 self._drop(job)
-                done.append((job, e))   # the pull fails with it (write_error)
-            done += self._collect(wait=False)
-            self._send(done)
+                self._send([(job, e)])   # the pull fails with it (write_error)
 
     def _launch(self, job: LandJob) -> None:
         total = sum(job.h.nbytes)
@@ -155,32 +165,48 @@ class Lander:
             self.stage_s["launch"] += time.perf_counter() - t0
             self.stage_s["messages"] += 1
         job.frames = None               # ZeroMQ's buffers go back now
-        self._inflight.append(job)
+        with self._cv:
+            self._inflight.append(job)
+            self._cv.notify_all()
 
-    def _collect(self, wait: bool) -> list:
-        """Finished messages from the front of the queue (the oldest waited for when ``wait``)."""
-        out = []
-        while self._inflight:
-            job = self._inflight[0]
+    # ---- watcher thread --------------------------------------------------------------
+    def _watcher(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inflight and not self._closing:
+                    self._cv.wait(1.0)
+                if not self._inflight:
+                    return
+                oldest = self._inflight[0]
+            err = None
             try:
-                if job.event is not None and not job.event.query():
-                    if not wait:
-                        break
-                    t0 = time.perf_counter()
-                    job.event.synchronize()
-                    self.stage_s["wait"] += time.perf_counter() - t0
-                err = job.write.error()
+                if oldest.event is not None:
+                    oldest.event.synchronize()   # blocking event: this thread sleeps
             except Exception as e:   # a device error: this message fails its pull
                 err = e
-            wait = False
-            self._inflight.popleft()
-            dropped = self._drop(job)
-            out.append((job, err if err is not None else dropped))
-        return out
+            with self._cv:   # the oldest and every later message the device has ended too
+                done = [oldest]
+                for job in list(self._inflight)[1:]:
+                    if job.event is not None and not job.event.query():
+                        break
+                    done.append(job)
+            out = []
+            for job in done:
+                e = err if job is oldest else None
+                if e is None:
+                    try:
+                        e = job.write.error()
+                    except Exception as x:
+                        e = x
+                dropped = self._drop(job)    # buffer back to the pool before the launcher may need it
+                out.append((job, e if e is not None else dropped))
+            with self._cv:
+                for _ in done:
+                    self._inflight.popleft()
+                self._cv.notify_all()
+            self._send(out)
 
-    def _finish(self, wait: bool) -> None:
-        self._send(self._collect(wait))
-
+    # ---- either thread ---------------------------------------------------------------
     def _drop(self, job: LandJob) -> Exception | None:
         """The device no longer reads this message's buffers: hand them back, settle its future.
         Returns what handing the buffer back raised, if anything (the message then fails its pull)."""

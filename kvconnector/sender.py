@@ -25,9 +25,11 @@ gathered and checksummed by one kernel and copied to pinned memory on the copy s
 
 Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
-staging stops early once the oldest chunk has landed in host memory, so the first message
-leaves after one or two launches, not ``ahead``). On hosts with
-spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
+the first message of a pull leaves as soon as its own copy has landed, with nothing staged
+behind it, since the socket is idle until then; later staging stops once the oldest chunk has
+landed in host memory, so a message leaves after one or two launches, not ``ahead``). When a
+layer takes several messages they are evenly sized (no small tail message that costs a
+message's fixed work for a few blocks). On hosts with spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
 (numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
 """
 
@@ -187,6 +189,8 @@ class Stream:
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
+        if self.chunk_blocks < len(block_ids):   # a layer in several messages: as many, evenly sized (no small tail)
+            self.chunk_blocks = -(-len(block_ids) // -(-len(block_ids) // self.chunk_blocks))
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         self.algorithm, self.frame_ops, self.at_base = algorithm, frame_ops, at_base
@@ -393,8 +397,8 @@ class Stream:
             return None
         t0 = time.perf_counter()
         while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
-            if self.frame_ops is not None and self._staged and self._staged[0][4].done():
-                break       # the oldest chunk is in host memory: send it before queuing more
+            if self.frame_ops is not None and self._staged and (self._seq == 0 or self._staged[0][4].done()):
+                break       # the first chunk, or the oldest in host memory: send it before queuing more
             self._stage()   # keep later chunks staging
         t1 = time.perf_counter()
         self._timings["stage"] = self._timings.get("stage", 0.0) + t1 - t0

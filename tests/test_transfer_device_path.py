@@ -366,7 +366,8 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
             deadline = time.monotonic() + 20
             while not cond() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert cond(), what
+            assert cond(), (what, len(calls), handle.done(), handle.error, dec.errors, pre.errors,
+                            len(dec._lander._inflight), [e.query() for e in events])
         until(lambda: dec.metrics.c["blocks_messages"] == 16, "the I/O thread received every message")
         until(lambda: len(calls) == 2, "two messages launched")
         time.sleep(0.2)
