@@ -145,7 +145,7 @@ class DeviceWrite:
 
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
-                 timings: dict | None = None) -> DeviceWrite:
+                 timings: dict | None = None, aux: torch.Tensor | None = None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -165,11 +165,15 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
         the DMA of one piece overlaps the host copy of the next.
     timings : dict, optional
         ``timings["copy"]`` gains the seconds spent in host copies.
+    aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
+        Where the header's checksums go to the device from and the verdict comes back to, in one
+        copy each way (allocated here when None or too small); like ``host``, untouched until the
+        device work ended and :meth:`DeviceWrite.error` was read.
     """
     nf = len(h.nbytes)
-    expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
     hd = (heads.start, heads.stop)
     if copy_stream is None:
+        expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
         if frames is not None:
             _fill(host, frames, h.nbytes, timings)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
@@ -177,23 +181,34 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
                            frame_nbytes=h.nbytes)
         return DeviceWrite(False, h, ok, sums)
     device = caches[0].device
+    n_aux = aux_words(nf)      # [expected (nf) | computed sums (nf) | ok flags + bad count (nf + 1 int32)]
+    if aux is None or aux.numel() < n_aux:
+        aux = torch.empty(n_aux, dtype=torch.int64, pin_memory=True)
+    aux = aux[:n_aux]
+    aux.numpy()[:nf] = [_signed(v) for v in h.checksums]
     copy_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
-        want = expected.pin_memory().to(device, non_blocking=True)
+        dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
+        dev_aux[:nf].copy_(aux[:nf], non_blocking=True)
         if frames is None:
             staging = host.to(device, non_blocking=True)
         else:
             staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
             _fill(host, frames, h.nbytes, timings, staging, piece_bytes)
-        ok = torch.empty(nf + 1, dtype=torch.int32, device=device)
-        sums = torch.empty(nf, dtype=torch.int64, device=device)
-        ops.verify_scatter(staging, want, caches, block_ids, ok=ok, checksums=sums, heads=hd,
-                           frame_nbytes=h.nbytes)
-        ok_host = torch.empty(nf + 1, dtype=torch.int32, pin_memory=True)
-        sums_host = torch.empty(nf, dtype=torch.int64, pin_memory=True)
-        ok_host.copy_(ok, non_blocking=True)
-        sums_host.copy_(sums, non_blocking=True)
-    return DeviceWrite(True, h, ok_host, sums_host)
+        ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
+                           checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
+        aux[nf:].copy_(dev_aux[nf:], non_blocking=True)
+    return DeviceWrite(True, h, _ok_view(aux, nf), aux[nf:2 * nf])
+
+
+def aux_words(num_frames: int) -> int:
+    """int64 words of :func:`land_message`'s ``aux`` for a message of ``num_frames`` frames."""
+    return 2 * num_frames + (num_frames + 2) // 2
+
+
+def _ok_view(aux: torch.Tensor, nf: int) -> torch.Tensor:
+    """The ``[nf + 1]`` int32 verdict inside ``aux`` (after the expected and computed sums)."""
+    return aux[2 * nf:].view(torch.int32)[:nf + 1]
 
 
 def _fill(host: torch.Tensor, frames, nbytes: list, timings: dict | None, staging: torch.Tensor | None = None,

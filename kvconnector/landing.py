@@ -43,11 +43,12 @@ from typing import Callable
 
 import torch
 
-from .device_frames import land_message
+from .device_frames import aux_words, land_message
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough for the DMA to overlap, large
 #                           enough that a torch copy spreads over the intra-op threads
 MAX_INFLIGHT = 4          # messages the device may still be reading (pinned buffers held) before the lander waits
+AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
 
 
 def _record(stream):
@@ -68,13 +69,13 @@ class LandJob:
     ``owned``: ``host`` came from the pool and goes back to it once the device has read it.
     """
 
-    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event")
+    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux")
 
     def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
         self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
         self.caches, self.ids, self.heads = caches, ids, heads
         self.future: Future = Future()
-        self.write = self.event = None
+        self.write = self.event = self.aux = None
 
 
 class Lander:
@@ -107,6 +108,7 @@ class Lander:
         self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
         self._cv = threading.Condition()   # popped by the watcher only
         self._closing = False
+        self._aux_free: list = []          # pinned [aux_words(AUX_FRAMES)] int64 buffers (CUDA caches)
         self._threads = [threading.Thread(target=self._launcher, name=name, daemon=True),
                          threading.Thread(target=self._watcher, name=f"{name}-wait", daemon=True)]
         for t in self._threads:
@@ -152,10 +154,16 @@ class Lander:
         total = sum(job.h.nbytes)
         if job.host is None:
             job.host, job.owned = self.pool.acquire(total), True
+        if self.stream is not None and len(job.h.nbytes) <= AUX_FRAMES:
+            try:
+                job.aux = self._aux_free.pop()
+            except IndexError:
+                job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
         t0 = time.perf_counter()
         try:
             job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
-                                     frames=job.frames, piece_bytes=self.piece_bytes, timings=self.stage_s)
+                                     frames=job.frames, piece_bytes=self.piece_bytes, timings=self.stage_s,
+                                     aux=job.aux)
             job.event = _record(self.stream)
         except BaseException:
             if self.stream is not None:
@@ -212,6 +220,9 @@ class Lander:
         Returns what handing the buffer back raised, if anything (the message then fails its pull)."""
         job.frames = None
         err = None
+        if job.aux is not None:
+            aux, job.aux = job.aux, None
+            self._aux_free.append(aux)
         if job.owned and job.host is not None:
             host, job.host = job.host, None
             try:

@@ -29,7 +29,8 @@ from connector_fakes import FakePrefill, filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_INTO
-from kvconnector.protocol import CHECKSUM, MIX64, MsgType
+from kvconnector.device_frames import DeviceWrite, _ok_view, aux_words
+from kvconnector.protocol import CHECKSUM, MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
 from layouts import CorruptFrameError, KVQuantMode, TransferError
 from torch_frame_ops import TORCH_FRAME_OPS
@@ -383,3 +384,30 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
         assert len(calls) == 16 and not pool.early and not pool.held
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[40:], _b(s)[:40])
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["match", "mismatch"])
+def test_verdict_buffer_layout_with_the_kernels(bad):
+    """The one buffer the CUDA landing path sends the header's checksums in and reads the verdict
+    back from (``land_message``'s ``aux``: expected | computed | ok flags + bad count) is what the
+    kernels write, and DeviceWrite reads it back: the bad frame is named, nothing is written."""
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    ids, total = torch.tensor([1, 2]), 2 * 2 * desc.block_bytes
+    split = [total // 2, total - total // 2]
+    payload, sums = torch.empty(total, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)
+    FRAME_OPS.gather(src, ids, out=payload, checksums=sums, frame_nbytes=split)
+    aux = torch.full((aux_words(2) + 3,), -1, dtype=torch.int64)[:aux_words(2)]    # poisoned, and a view
+    aux[:2] = sums
+    payload[total // 2 + 5] ^= int(bad)
+    FRAME_OPS.verify_scatter(payload, aux[:2], dst, ids, ok=_ok_view(aux, 2), checksums=aux[2:4], frame_nbytes=split)
+    h = Header(MsgType.BLOCKS, tid="t", layer=0, sum=MIX64)
+    h.nbytes, h.checksums = split, [int(v) & ((1 << 64) - 1) for v in sums]
+    err = DeviceWrite(True, h, _ok_view(aux, 2), aux[2:4]).error()
+    assert _ok_view(aux, 2).tolist() == ([1, 0, 1] if bad else [1, 1, 0])
+    if bad:
+        assert isinstance(err, CorruptFrameError) and "payload frame 1 checksum (mix64, verified on the GPU)" in str(err)
+        assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))
+    else:
+        assert err is None and all(torch.equal(_b(d)[[1, 2]], _b(s)[[1, 2]]) for d, s in zip(dst, src))
