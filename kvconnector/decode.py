@@ -98,8 +98,9 @@ class DecodeEndpoint:
     copy_threads : int, optional
         Threads that verify and write BLOCKS messages in parallel with the I/O thread (each
         message is still verified before any of its bytes is written); for CUDA caches they
-        also stage, launch the device copies and wait for them. 0 does it all on the I/O
-        thread. Default :func:`default_copy_threads`.
+        also stage, launch the device copies and wait for them; for ``mix64`` messages they copy
+        the pieces of a payload into pinned memory for the landing thread. 0 does it all on the
+        I/O thread (``mix64``: on the landing thread). Default :func:`default_copy_threads`.
     frame_ops : FrameOps, optional
         Device kernels (``kernels.transfer.FRAME_OPS``): this side then offers ``mix64`` and
         verifies + scatters such messages on the device (module doc).
@@ -113,9 +114,8 @@ class DecodeEndpoint:
     recv_into : bool, optional
         ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
         pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False (default)
-        receives them zero copy and the landing thread copies them into that buffer with ``torch``
-        (spread over its intra-op threads, overlapped with the device copies and with the next
-        receive).
+        receives them zero copy and the landing thread copies them into that buffer (with the copy
+        workers where there are some, overlapped with the device copies and with the next receive).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -162,7 +162,7 @@ class DecodeEndpoint:
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
         self._lander = None if frame_ops is None else Lander(
             frame_ops, self._copy_stream, self._pinned, report=lambda done: self._loop.call_soon(self._landed_jobs, done),
-            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p)
+            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers)
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:

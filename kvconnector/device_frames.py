@@ -25,8 +25,10 @@ is tested without a GPU); nothing is queued, every step completes in the call.
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait as futures_wait
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from layouts import CorruptFrameError
@@ -145,7 +147,7 @@ class DeviceWrite:
 
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
-                 timings: dict | None = None, aux: torch.Tensor | None = None) -> DeviceWrite:
+                 timings: dict | None = None, aux: torch.Tensor | None = None, executor=None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -161,8 +163,9 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
     frames : list of ZeroMQ frames or buffers, optional
         The payload frames (sizes ``h.nbytes``) to copy into ``host`` first, in pieces of
-        ``piece_bytes``: each piece's host-to-device copy is queued right after its host copy, so
-        the DMA of one piece overlaps the host copy of the next.
+        ``piece_bytes`` (by the threads of ``executor`` when given, else by this one): each
+        piece's host-to-device copy is queued as soon as its host copy is done, so the DMA of one
+        piece overlaps the host copy of the next.
     timings : dict, optional
         ``timings["copy"]`` gains the seconds spent in host copies.
     aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
@@ -175,7 +178,7 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     if copy_stream is None:
         expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
         if frames is not None:
-            _fill(host, frames, h.nbytes, timings)
+            _fill(host, frames, h.nbytes, timings, piece_bytes=piece_bytes, executor=executor)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
         ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
                            frame_nbytes=h.nbytes)
@@ -194,7 +197,7 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
             staging = host.to(device, non_blocking=True)
         else:
             staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-            _fill(host, frames, h.nbytes, timings, staging, piece_bytes)
+            _fill(host, frames, h.nbytes, timings, staging, piece_bytes, executor)
         ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
                            checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
         aux[nf:].copy_(dev_aux[nf:], non_blocking=True)
@@ -212,19 +215,30 @@ def _ok_view(aux: torch.Tensor, nf: int) -> torch.Tensor:
 
 
 def _fill(host: torch.Tensor, frames, nbytes: list, timings: dict | None, staging: torch.Tensor | None = None,
-          piece_bytes: int = 2 << 20) -> None:
-    """Copy ``frames`` back to back into ``host``; with ``staging`` (a device buffer, on the current
-    stream) queue each piece's device copy right after its host copy."""
+          piece_bytes: int = 2 << 20, executor=None) -> None:
+    """Copy ``frames`` back to back into ``host`` in pieces of ``piece_bytes``; with ``staging`` (a
+    device buffer, on the current stream) queue each piece's device copy as soon as its host copy
+    is done. ``executor``: the pieces are copied by its threads, all submitted at once and waited
+    for in order (NumPy copies: they release the GIL and use one core each, where a ``torch``
+    copy would wake, and keep spinning, every intra-op thread); None: by this thread."""
     t0 = time.perf_counter()
-    off = 0
+    dst, pieces, off = host.numpy(), [], 0
     for f, n in zip(frames, nbytes):   # sizes checked: positive, as the header says
-        src = torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8)   # received frames are writable
-        step = piece_bytes if staging is not None else n
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            host[off + a:off + b].copy_(src[a:b])
-            if staging is not None:
-                staging[off + a:off + b].copy_(host[off + a:off + b], non_blocking=True)
+        src = np.frombuffer(getattr(f, "buffer", f), dtype=np.uint8)
+        pieces += [(off + a, off + min(n, a + piece_bytes), src[a:a + piece_bytes]) for a in range(0, n, piece_bytes)]
         off += n
+    jobs = [None] * len(pieces) if executor is None else \
+        [executor.submit(np.copyto, dst[a:b], piece) for a, b, piece in pieces]
+    try:
+        for (a, b, piece), job in zip(pieces, jobs):
+            if job is None:
+                np.copyto(dst[a:b], piece)
+            else:
+                job.result()
+            if staging is not None:
+                staging[a:b].copy_(host[a:b], non_blocking=True)
+    finally:
+        if executor is not None:   # on a failure: no worker may still write into host once it is handed back
+            futures_wait([j for j in jobs if j is not None])
     if timings is not None:
         timings["copy"] = timings.get("copy", 0.0) + time.perf_counter() - t0

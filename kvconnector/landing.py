@@ -8,11 +8,11 @@ the device work of messages stays in arrival order on the copy stream), per mess
 1. takes a pinned buffer from the pool; while ``max_inflight`` messages are still being read by
    the device it first waits for the oldest to end (its buffer is back in the pool then), so a
    buffer is never refilled before the device copy that reads it ended;
-2. copies the frames into the buffer in pieces of ``piece_bytes`` (``torch`` copies, which
-   release the GIL and spread over the intra-op threads), queuing each piece's host-to-device
-   copy on the copy stream right after it, so the DMA of one piece overlaps the host copy of the
-   next (a payload already in pinned memory, received into the pool or written by NIXL, is only
-   copied to the device);
+2. copies the frames into the buffer in pieces of ``piece_bytes`` (NumPy copies, which release
+   the GIL; spread over the endpoint's copy workers where it has them, one piece each), queuing
+   each piece's host-to-device copy on the copy stream as soon as it is in, so the DMA of one
+   piece overlaps the host copy of the next (a payload already in pinned memory, received into
+   the pool or written by NIXL, is only copied to the device);
 3. queues verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes
    nothing unless every frame matched) and records a blocking event.
 
@@ -92,6 +92,9 @@ class Lander:
         The endpoint's copy stream (None: CPU caches).
     pool : PinnedPool
         Pinned buffers for frames that were not received into one.
+    executor : ThreadPoolExecutor, optional
+        Threads that copy the pieces of a message into its pinned buffer in parallel (the
+        endpoint's copy workers); None: the launcher copies them.
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame did not match, nothing written; other: the landing failed).
@@ -100,8 +103,9 @@ class Lander:
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
-                 piece_bytes: int = PIECE_BYTES, name: str = "kvc-decode-land") -> None:
+                 piece_bytes: int = PIECE_BYTES, executor=None, name: str = "kvc-decode-land") -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
+        self.executor = executor
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}   # read by bench.transfer
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -163,7 +167,7 @@ class Lander:
         try:
             job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
                                      frames=job.frames, piece_bytes=self.piece_bytes, timings=self.stage_s,
-                                     aux=job.aux)
+                                     aux=job.aux, executor=self.executor)
             job.event = _record(self.stream)
         except BaseException:
             if self.stream is not None:
