@@ -21,10 +21,11 @@ fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while wri
 pull's blocks fails that pull (``write_error``) instead of leaving it to its deadline.
 
 The module is over 400 lines because it is one state machine run by one I/O thread: the
-handshake, the pull table and the checks above, and the landing of bytes on CPU and CUDA
-caches (host-verified or device-verified, from frames or from a NIXL region) read top to
-bottom in one place; the reusable pieces (frames, staging, the device passes, the data planes,
-the handle) are their own modules.
+handshake, the pull table, the checks above and which path lands a message (host-verified,
+device-verified, from frames or from a NIXL region) read top to bottom in one place; the
+writes themselves (:mod:`kvconnector.host_writes`, :mod:`kvconnector.landing`) and the other
+reusable pieces (frames, staging, the device passes, the data planes, the handle) are their own
+modules.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
-import numpy as np
 import torch
 import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, device_rows, scatter_blocks,
-                     slice_bytes)
+from .blocks import check_caches, device_ids, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
 from .device_frames import frame_views, warm
+from .host_writes import HostWrites
 from .landing import Lander, LandJob
-from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
-                       verify_payloads)
+from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
@@ -59,20 +58,6 @@ INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a h
 # into a pooled pinned buffer, one memcpy on the I/O thread); by default they arrive as zero-copy
 # zmq Frames and the landing thread copies them into that buffer.
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
-
-
-def _segments(h: Header, per_block: int):
-    """Split a BLOCKS payload into per-layer pieces: yields ``(frame index, byte offset in
-    the frame, layer, first position, block count)``. Frames hold whole blocks in
-    (layer, position) order and may cross a layer boundary (byte counts checked already)."""
-    g = 0                                   # blocks before this piece, over all layers
-    for i, n in enumerate(h.nbytes):
-        left, off = n // per_block, 0
-        while left:
-            li, pos = divmod(g, h.nblk)
-            k = min(left, h.nblk - pos)
-            yield i, off, h.layer + li, h.first + pos, k
-            g, left, off = g + k, left - k, off + k * per_block
 
 
 def default_copy_threads() -> int:
@@ -153,11 +138,8 @@ class DecodeEndpoint:
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
-        self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
-        # [num_blocks, block bytes] row views: numpy (CPU) or torch (CUDA), made once
-        self._rows = [device_rows(c, self.geometry) for c in self.caches] if self.cuda else \
-            [block_rows(v) for v in self._views]
         self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
+        self._host = HostWrites(self.caches, self.geometry, self._copy_stream, self._pinned)   # xxh3 messages
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
         self._lander = None if frame_ops is None else Lander(
@@ -498,35 +480,17 @@ class DecodeEndpoint:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
-            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged))
+            self._gpu_writes.append((self._host.launch_cuda(p, h, staged, local), p, h, staged))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
-                self._write(p, h, payloads, local)
+                self._host.write_cpu(p, h, payloads, local)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
             return self._landed_all(p, h)
-        job = self._workers.submit(self._write_cuda if self.cuda else self._write, p, h, payloads, local)
+        job = self._workers.submit(self._host.write_cuda if self.cuda else self._host.write_cpu, p, h, payloads, local)
         p.jobs.add(job)
         job.add_done_callback(lambda f: self._loop.call_soon(self._written, p, h, f))
-
-    def _write(self, p: PullHandle, h: Header, payloads, local: range) -> None:
-        """Verify every payload frame of one message, then copy it into the CPU cache.
-
-        Runs on the I/O thread or a copy worker (xxh3 and numpy copies release the GIL).
-        Raises CorruptFrameError before any byte is written.
-        """
-        verify_payloads(h, payloads)
-        v0 = self._views[h.layer]
-        full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
-        for i, off, layer, pos, k in _segments(h, per_block):
-            src = np.frombuffer(getattr(payloads[i], "buffer", payloads[i]), dtype=np.uint8, count=k * per_block,
-                                offset=off)
-            if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
-                self._rows[layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
-            else:
-                src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
-                copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
 
     def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received, owned: bool = True) -> None:
         """Hand one checked ``mix64`` message to the landing thread (:mod:`kvconnector.landing`),
@@ -572,38 +536,6 @@ class DecodeEndpoint:
             return self._fail_corrupt(p, err)
         self._on_error(err)
         self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
-
-    def _write_cuda(self, p: PullHandle, h: Header, payloads, local: range) -> None:
-        """Copy worker, CUDA caches: stage and verify every frame (raises CorruptFrameError
-        before anything leaves host memory), launch the device copies, wait for them."""
-        staged = stage_verified(h, payloads, self._pinned)
-        try:
-            self._launch_cuda(p, h, staged, local, len(local) * self._head_block_bytes).synchronize()
-        except BaseException:
-            self._copy_stream.synchronize()   # no DMA may still read a buffer handed back below
-            raise
-        finally:
-            for b in staged:
-                self._pinned.release(b)
-
-    def _launch_cuda(self, p: PullHandle, h: Header, staged: list, local: range, per_block: int):
-        """Queue one verified message on the copy stream: each staged frame to the device (one
-        copy each), then one row scatter per layer piece; return the event that marks the end."""
-        device = self.caches[0].device
-        s = self._copy_stream
-        s.wait_stream(torch.cuda.current_stream(device))
-        full = len(local) == self.geometry.num_kv_heads
-        with torch.cuda.stream(s):
-            on_device = [t.to(device, non_blocking=True) for t in staged]
-            for i, off, layer, pos, k in _segments(h, per_block):
-                ids, src = p.dst_dev[pos:pos + k], on_device[i][off:off + k * per_block]
-                if full:   # whole blocks: one index_copy_ on the cached row view
-                    self._rows[layer].index_copy_(0, ids, src.view(k, -1))
-                else:
-                    scatter_blocks(self.caches[layer], self.geometry, ids, src, local)
-            ev = torch.cuda.Event()
-            ev.record(s)
-        return ev
 
     def _landed_all(self, p: PullHandle, h: Header) -> None:
         for layer in range(h.layer, h.layer + h.nlay):

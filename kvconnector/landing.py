@@ -199,7 +199,10 @@ class Lander:
             with self._cv:   # the oldest and every later message the device has ended too
                 done = [oldest]
                 for job in list(self._inflight)[1:]:
-                    if job.event is not None and not job.event.query():
+                    try:
+                        if job.event is not None and not job.event.query():
+                            break
+                    except Exception:   # its error surfaces when it is the oldest (synchronize)
                         break
                     done.append(job)
             out = []
