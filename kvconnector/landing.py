@@ -45,8 +45,8 @@ import torch
 
 from .device_frames import aux_words, land_message
 
-PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough for the DMA to overlap, large
-#                           enough that a torch copy spreads over the intra-op threads
+PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
+#                           copy of the next and the copy workers share a message, large enough to amortize each call
 MAX_INFLIGHT = 4          # messages the device may still be reading (pinned buffers held) before the lander waits
 AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
 
