@@ -193,6 +193,10 @@ class DecodeEndpoint:
         on_layer : callable(transfer_id, layer), optional
             Called on the I/O thread as each layer has fully landed; an exception it raises
             goes to the handle's ``callback_errors`` and changes nothing else.
+
+        CUDA caches: the blocks are written after the work queued on the caller's current stream
+        before this call (e.g. kernels still reading the blocks' old contents), not after work
+        queued later.
         """
         if self.shared_heads is None:
             raise PeerError("pull before a successful connect()")
@@ -205,6 +209,12 @@ class DecodeEndpoint:
             raise LayoutError(f"heads: expected a range inside {self.shared_heads}, got {heads}")
         h = PullHandle(transfer_id, ids, self.descriptor.num_layers, (heads.start, heads.stop),
                        time.monotonic() + deadline_s, on_layer)
+        if self.cuda:   # ids on the device, and the event every write of this pull waits for: the ids' copy and
+            #             the work queued so far on the caller's stream (e.g. reads of these blocks' old contents)
+            device = self.caches[0].device
+            h.dst_dev = device_ids(ids, device)
+            h.ready = torch.cuda.Event()
+            h.ready.record(torch.cuda.current_stream(device))
         self._loop.call_soon(self._start_pull, h)
         return h
 
@@ -295,8 +305,6 @@ class DecodeEndpoint:
         self._pending[h.transfer_id] = h
         self.metrics.add("transfers_started")
         self._send_pull(h)
-        if self.cuda:   # destination ids on the device while the request is on its way (checked by pull())
-            h.dst_dev = device_ids(h.dst_block_ids, self.caches[0].device)
 
     def _send_pull(self, h: PullHandle) -> None:
         area = getattr(h, "area", None)

@@ -105,6 +105,9 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
     heads : range of local heads to send
     host : [nlay·k·2·N·h·P] uint8, CPU (pinned for CUDA caches), written once the event fires
     copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host`` directly)
+        Already ordered after the writes of the blocks (it waited for the event recorded at
+        publish): nothing else queued on other streams since, e.g. the next forward pass, holds
+        the gather back.
     """
     hd = (heads.start, heads.stop)
     if copy_stream is None:
@@ -112,7 +115,6 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
         ops.gather(caches, block_ids, out=host, checksums=sums, heads=hd)
         return DeviceGather(None, [host.numpy()], sums)
     device = caches[0].device
-    copy_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
         dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         dev_sums = torch.empty(1, dtype=torch.int64, device=device)
@@ -147,7 +149,8 @@ class DeviceWrite:
 
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
-                 timings: dict | None = None, aux: torch.Tensor | None = None, executor=None) -> DeviceWrite:
+                 timings: dict | None = None, aux: torch.Tensor | None = None, executor=None,
+                 ready=None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -172,6 +175,10 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
         Where the header's checksums go to the device from and the verdict comes back to, in one
         copy each way (allocated here when None or too small); like ``host``, untouched until the
         device work ended and :meth:`DeviceWrite.error` was read.
+    ready : torch.cuda.Event, optional
+        What the device work waits for (the pull's: work queued before it started, e.g. reads of
+        the destination blocks' old contents, and the copy of ``block_ids``); None: the work
+        queued so far on the current stream.
     """
     nf = len(h.nbytes)
     hd = (heads.start, heads.stop)
@@ -189,7 +196,10 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
         aux = torch.empty(n_aux, dtype=torch.int64, pin_memory=True)
     aux = aux[:n_aux]
     aux.numpy()[:nf] = [_signed(v) for v in h.checksums]
-    copy_stream.wait_stream(torch.cuda.current_stream(device))
+    if ready is not None:
+        copy_stream.wait_event(ready)
+    else:
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
         dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
         dev_aux[:nf].copy_(aux[:nf], non_blocking=True)

@@ -96,6 +96,8 @@ class HostWrites:
         device = self.caches[0].device
         s = self.copy_stream
         s.wait_stream(torch.cuda.current_stream(device))
+        if getattr(p, "ready", None) is not None:   # the pull's start on the caller's stream (DecodeEndpoint.pull)
+            s.wait_event(p.ready)
         full = len(local) == self.geo.num_kv_heads
         per_block = len(local) * self.head_block_bytes
         with torch.cuda.stream(s):

@@ -69,13 +69,15 @@ class LandJob:
     ``owned``: ``host`` came from the pool and goes back to it once the device has read it.
     """
 
-    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux")
+    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux",
+                 "ready")
 
     def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
         self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
         self.caches, self.ids, self.heads = caches, ids, heads
         self.future: Future = Future()
         self.write = self.event = self.aux = None
+        self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
 
 
 class Lander:
@@ -167,7 +169,7 @@ class Lander:
         try:
             job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
                                      frames=job.frames, piece_bytes=self.piece_bytes, timings=self.stage_s,
-                                     aux=job.aux, executor=self.executor)
+                                     aux=job.aux, executor=self.executor, ready=job.ready)
             job.event = _record(self.stream)
         except BaseException:
             if self.stream is not None:
