@@ -108,6 +108,6 @@ class HostWrites:
                     self.rows[layer].index_copy_(0, ids, src.view(k, -1))
                 else:
                     scatter_blocks(self.caches[layer], self.geo, ids, src, local)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)   # a copy worker waiting in write_cuda sleeps instead of spinning
             ev.record(s)
         return ev

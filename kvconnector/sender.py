@@ -329,7 +329,7 @@ class Stream:
                 else:
                     gather_blocks(self.caches[layer + li], self.geo, ids_dev, self.local_heads, out=out)
             host.copy_(dev, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)   # the waiting thread sleeps instead of spinning a core
             ev.record(self.copy_stream)
         ev.synchronize()
 
