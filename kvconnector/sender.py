@@ -28,7 +28,7 @@ socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (d
 the first message of a pull leaves as soon as its own copy has landed, with nothing staged
 behind it, since the socket is idle until then; later staging stops once the oldest chunk has
 landed in host memory, so a message leaves after one or two launches, not ``ahead``). When a
-layer takes several messages they are evenly sized (no small tail message that costs a
+layer takes several messages their runs are of nearly equal size (no small tail message that costs a
 message's fixed work for a few blocks). On hosts with spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
 (numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
 """
@@ -189,7 +189,7 @@ class Stream:
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
-        if self.chunk_blocks < len(block_ids):   # a layer in several messages: as many, evenly sized (no small tail)
+        if self.chunk_blocks < len(block_ids):   # a layer in several messages: as many, of nearly equal size
             self.chunk_blocks = -(-len(block_ids) // -(-len(block_ids) // self.chunk_blocks))
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
