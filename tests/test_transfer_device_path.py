@@ -190,6 +190,9 @@ def test_bench_transfer_kernels_quick_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
     assert "connector CPU ms/MiB by thread; decode process: " in out.stdout and "kvc-decode" in out.stdout
+    stages = [ln for ln in out.stdout.splitlines() if "ms per pull by stage" in ln]
+    assert stages and all("decode: receive" in ln and "host_copy" in ln and "landed 1" in ln
+                          and "prefill: stage" in ln and "sent 1" in ln for ln in stages), stages
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
 
 
