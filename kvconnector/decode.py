@@ -144,7 +144,7 @@ class DecodeEndpoint:
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
         self._lander = None if frame_ops is None else Lander(
             frame_ops, self._copy_stream, self._pinned, report=lambda done: self._loop.call_soon(self._landed_jobs, done),
-            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers)
+            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers, workers=n)
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:

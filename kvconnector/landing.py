@@ -47,6 +47,7 @@ from .device_frames import aux_words, land_message
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
+MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
 MAX_INFLIGHT = 4          # messages the device may still be reading (pinned buffers held) before the lander waits
 AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
 
@@ -96,7 +97,9 @@ class Lander:
         Pinned buffers for frames that were not received into one.
     executor : ThreadPoolExecutor, optional
         Threads that copy the pieces of a message into its pinned buffer in parallel (the
-        endpoint's copy workers); None: the launcher copies them.
+        endpoint's copy workers, ``workers`` of them: a message is cut in as many pieces, at most
+        ``piece_bytes`` and at least ``MIN_PIECE_BYTES`` each, so all of them copy at once); None:
+        the launcher copies them.
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame did not match, nothing written; other: the landing failed).
@@ -105,9 +108,10 @@ class Lander:
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
-                 piece_bytes: int = PIECE_BYTES, executor=None, name: str = "kvc-decode-land") -> None:
+                 piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0,
+                 name: str = "kvc-decode-land") -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
-        self.executor = executor
+        self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}   # read by bench.transfer
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -165,10 +169,13 @@ class Lander:
                 job.aux = self._aux_free.pop()
             except IndexError:
                 job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
+        piece = self.piece_bytes
+        if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
+            piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
         t0 = time.perf_counter()
         try:
             job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
-                                     frames=job.frames, piece_bytes=self.piece_bytes, timings=self.stage_s,
+                                     frames=job.frames, piece_bytes=piece, timings=self.stage_s,
                                      aux=job.aux, executor=self.executor, ready=job.ready)
             job.event = _record(self.stream)
         except BaseException:

@@ -260,8 +260,8 @@ def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
     as a 32-block and an 8-block message, like 256-block INT8 pulls of a Llama-8B layer set at
     8 MiB chunks), all received while the I/O thread is held, so every buffer is handed back in
     one tick: every message lands, byte-exact, and the pull completes; both ways of filling the
-    pinned buffers (``recv_into``, or zero-copy frames copied by the landing thread or, in pieces,
-    by two copy workers)."""
+    pinned buffers (``recv_into``, or zero-copy frames copied by the landing thread in ten pieces,
+    or by two copy workers, half a message each)."""
     if recv_into and not RECV_INTO:
         pytest.skip("pyzmq without Socket.recv_into")
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
@@ -272,7 +272,8 @@ def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
     src_ids, dst_ids = torch.randperm(80, generator=g)[:40].tolist(), torch.randperm(80, generator=g)[:40].tolist()
     with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=_ops(device)) as pre, \
             DecodeEndpoint(dst, desc, frame_ops=_ops(device), recv_into=recv_into, copy_threads=copy_threads) as dec:
-        dec._lander.piece_bytes = 100_003     # ten pieces per message, cut anywhere (not on blocks)
+        if not copy_threads:   # ten pieces per message, cut anywhere (not on blocks); with workers: one piece each
+            dec._lander.piece_bytes = 100_003
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", src_ids)
         handle = dec.pull("t", dst_ids, deadline_s=30)
