@@ -14,7 +14,8 @@ received ``copy=False``; timed from the "go" signal to the last byte received.
 
 ``--kernels``: both endpoints get the device kernels (``kernels.transfer.FRAME_OPS``) and
 negotiate ``mix64``: the prefill gathers and checksums on the device, the decode side receives
-into pinned buffers and verifies + scatters on the device (on CPU caches the kernels run in
+zero copy, its landing thread copies each message into pinned memory behind the device copies,
+and the device verifies + scatters (on CPU caches the kernels run in
 Triton's interpreter: only a functional check). ``--cuda`` is the CUDA-cache preset: INT8 and
 INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads, head size 128,
 block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
@@ -78,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-plane", default="zmq", choices=("zmq", "nixl"), help="payload path of the connector: "
                    "ZeroMQ frames, or NIXL writes into the decode side's registered region (pip install nixl)")
     p.add_argument("--kernels", action="store_true", help="device kernels on both ends (mix64, gather / "
-                   "verify + scatter on the device, recv_into pinned buffers)")
+                   "verify + scatter on the device, the decode side's landing thread)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
                    "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
     p.add_argument("--layerwise-tokens", type=int, default=0, help="also measure the exposed time of a layer-wise "
