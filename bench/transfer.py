@@ -14,15 +14,22 @@ received ``copy=False``; timed from the "go" signal to the last byte received.
 
 ``--kernels``: both endpoints get the device kernels (``kernels.transfer.FRAME_OPS``) and
 negotiate ``mix64``: the prefill gathers and checksums on the device, the decode side receives
-into pinned buffers and verifies + scatters on the device (on CPU caches the kernels run in
+zero copy, its landing thread copies each message into pinned memory behind the device copies,
+and the device verifies + scatters (on CPU caches the kernels run in
 Triton's interpreter: only a functional check). ``--cuda`` is the CUDA-cache preset: INT8 and
 INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads, head size 128,
 block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
 processes per MiB moved.
 
 ``--threads``: also where the host CPU time of the connector's pulls goes, per thread of both
-processes (the endpoints' I/O threads, copy and staging workers, ZeroMQ's I/O threads, CUDA's
-and PyTorch's own threads), from ``/proc/self/task/*/schedstat`` (Linux), in CPU ms per MiB.
+processes (the endpoints' I/O threads, copy and staging workers, the decode side's landing
+thread, ZeroMQ's I/O threads, CUDA's and PyTorch's own threads), from
+``/proc/self/task/*/schedstat`` (Linux), in CPU ms per MiB; and where the wall time of one pull
+goes, per stage (``PrefillEndpoint.stage_times`` / ``DecodeEndpoint.stage_times``, ms per pull):
+prefill I/O thread staging (gather + device-to-host copies queued), waiting for a message's
+bytes in host memory, handing it to ZeroMQ; decode I/O thread receiving and checking messages,
+and on its landing thread the host copy into pinned memory, queuing the device copies and
+kernels, and waiting for the device.
 
 ``--layerwise-tokens N``: the exposed time of a layer-wise pull of an N-token request (INT4,
 the same layer set): the decode side pulls while the prefill announces one layer every
@@ -72,15 +79,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-plane", default="zmq", choices=("zmq", "nixl"), help="payload path of the connector: "
                    "ZeroMQ frames, or NIXL writes into the decode side's registered region (pip install nixl)")
     p.add_argument("--kernels", action="store_true", help="device kernels on both ends (mix64, gather / "
-                   "verify + scatter on the device, recv_into pinned buffers)")
+                   "verify + scatter on the device, the decode side's landing thread)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
                    "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
     p.add_argument("--layerwise-tokens", type=int, default=0, help="also measure the exposed time of a layer-wise "
                    "INT4 pull of this many tokens (0: off; --cuda: 32768)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
                    "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
-    p.add_argument("--no-recv-into", action="store_true", help="--kernels: the decode side receives payload "
-                   "frames zero copy and copies them into pinned memory with torch instead of Socket.recv_into")
+    p.add_argument("--recv-into", action="store_true", help="--kernels: the decode side's I/O thread receives "
+                   "payload frames straight into pinned memory with Socket.recv_into (default: zero copy, copied into "
+                   "pinned memory on the landing thread)")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
@@ -189,6 +197,8 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
                 conn.send(time.process_time())
             elif cmd == "threads":
                 conn.send(thread_cpu())
+            elif cmd == "stages":
+                conn.send(pre.stage_times())
             else:                                    # "done"
                 break
     push.close(0)
@@ -225,6 +235,10 @@ class Sender:
         """(this process's, the sender's) CPU seconds per thread group (:func:`thread_cpu`)."""
         return thread_cpu(), ({} if self.in_process else self.ask("threads"))
 
+    def stages(self) -> dict:
+        """The prefill endpoint's :meth:`~kvconnector.PrefillEndpoint.stage_times` so far."""
+        return self.ask("stages")
+
     def close(self) -> None:
         self.conn.send(("exit",))
         self._worker.join(30)
@@ -255,7 +269,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                            kernels, plane))
     dst = synthetic_caches(desc, seed + 1, device)
     t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
-    per_thread = ({}, {})
+    per_thread, stages = ({}, {}), ({}, {})   # (decode, prefill): summed over the timed pulls
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
                             nixl_region_bytes=max(1 << 20, total), recv_into=recv_into) as dec:
@@ -264,6 +278,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
             for r in range(repeats + 1):               # first round is warm-up
                 dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                 th0 = sender.threads() if threads and r else None      # read outside the timed window
+                st0 = (dec.stage_times(), sender.stages()) if th0 is not None else None
                 c0 = sender.cpu_s()
                 t0 = time.perf_counter()
                 res = dec.pull(f"t{r}", dst_ids, deadline_s=120).result()
@@ -275,6 +290,9 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                     for acc, after, before in zip(per_thread, sender.threads(), th0):
                         for k, v in _delta(after, before).items():
                             acc[k] = acc.get(k, 0.0) + v
+                    for acc, after, before in zip(stages, (dec.stage_times(), sender.stages()), st0):
+                        for k, v in after.items():   # seconds (float) or counts (int)
+                            acc[k] = acc.get(k, 0 * v) + v - before.get(k, 0 * v)
                 if res.nbytes != total:
                     raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
                 sender.conn.send("go")
@@ -302,7 +320,8 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
         if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
             raise RuntimeError("transferred blocks differ from the source")
     out = {k: statistics.median(v) for k, v in t.items()}
-    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm, threads=per_thread)
+    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm, threads=per_thread,
+               stages=stages)
     return out
 
 
@@ -312,6 +331,16 @@ def _thread_line(label: str, secs: dict, mib: float) -> str:
         return f"{label}: (none apart: --in-process, or no /proc schedstat)"
     parts = sorted(((v * 1e3 / mib, k) for k, v in secs.items()), reverse=True)
     return f"{label}: " + ", ".join(f"{k} {v:.2f}" for v, k in parts if v >= 0.005)
+
+
+def _stage_line(label: str, stages: tuple, repeats: int) -> str:
+    """``label``: per stage, ms per pull (counts per pull), decode side then prefill side."""
+    parts = []
+    for side, st in zip(("decode", "prefill"), stages):
+        items = [f"{k} {v * 1e3 / repeats:.2f}" if isinstance(v, float) else f"{k} {v / repeats:.0f}"
+                 for k, v in st.items()]
+        parts.append(f"{side}: " + (", ".join(items) or "(none)"))
+    return f"{label}; " + "; ".join(parts)
 
 
 def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chunk_bytes, device, gen,
@@ -379,7 +408,7 @@ def run(args) -> int:
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
-          f"{', frames copied by torch (no recv_into)' if args.no_recv_into else ''}"
+          f"{', frames received into pinned memory on the I/O thread (recv_into)' if args.recv_into else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
@@ -392,7 +421,7 @@ def run(args) -> int:
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane, args.threads, False if args.no_recv_into else None)
+                              args.kernels, args.data_plane, args.threads, True if args.recv_into else None)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20
@@ -405,6 +434,8 @@ def run(args) -> int:
                     threads_out.append(f"# {mode_str} {nblocks} blocks, connector CPU ms/MiB by thread; "
                                        + _thread_line("decode process", r["threads"][0], moved) + "; "
                                        + _thread_line("prefill process", r["threads"][1], moved))
+                    threads_out.append(_stage_line(f"# {mode_str} {nblocks} blocks, connector I/O and landing "
+                                                   f"threads, ms per pull by stage", r["stages"], args.repeats))
         for line in threads_out:
             print(line)
         print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}")

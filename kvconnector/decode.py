@@ -8,10 +8,12 @@ match. A failed check fails the pull with a typed error, reports the destination
 that did not land, and sends ABORT so the prefill side releases its lease.
 
 With the device kernels given (``frame_ops``) this side offers ``mix64`` in its HELLO; a
-prefill that accepts sends ``mix64`` BLOCKS, whose payload frames are received straight into a
-pooled pinned buffer (``IOLoop`` ``on_header``, ``Socket.recv_into``), copied to the device
-once and verified + scattered there (:mod:`kvconnector.device_frames`): a frame that does not
-match fails the pull with :class:`CorruptFrameError` and none of that message's rows is written.
+prefill that accepts sends ``mix64`` BLOCKS, which the I/O thread receives zero copy, checks and
+hands to the endpoint's landing thread (:mod:`kvconnector.landing`): it copies the payload into a
+pooled pinned buffer piece by piece behind the device copies, and the device verifies + scatters
+it (:mod:`kvconnector.device_frames`), while the I/O thread already receives the next message. A
+frame that does not match fails the pull with :class:`CorruptFrameError` and none of that
+message's rows is written.
 
 An ERROR from the prefill side about a pending pull fails it at once with :class:`PeerError`
 (its ``code`` attribute holds the ERROR's code); an ERROR while the handshake is waiting
@@ -19,10 +21,11 @@ fails :meth:`DecodeEndpoint.connect` the same way. Any other exception while wri
 pull's blocks fails that pull (``write_error``) instead of leaving it to its deadline.
 
 The module is over 400 lines because it is one state machine run by one I/O thread: the
-handshake, the pull table and the checks above, and the landing of bytes on CPU and CUDA
-caches (host-verified or device-verified, from frames or from a NIXL region) read top to
-bottom in one place; the reusable pieces (frames, staging, the device passes, the data planes,
-the handle) are their own modules.
+handshake, the pull table, the checks above and which path lands a message (host-verified,
+device-verified, from frames or from a NIXL region) read top to bottom in one place; the
+writes themselves (:mod:`kvconnector.host_writes`, :mod:`kvconnector.landing`) and the other
+reusable pieces (frames, staging, the device passes, the data planes, the handle) are their own
+modules.
 """
 
 from __future__ import annotations
@@ -34,41 +37,27 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
-import numpy as np
 import torch
 import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
-from .blocks import (as_bytes, block_rows, check_caches, copy_runs, device_ids, device_rows, scatter_blocks,
-                     slice_bytes)
+from .blocks import check_caches, device_ids, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
-from .device_frames import frame_views, scatter_message, stage_frames, warm
-from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header,
-                       verify_payloads)
+from .device_frames import frame_views, warm
+from .host_writes import HostWrites
+from .landing import Lander, LandJob
+from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header
 from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
-# pyzmq >= 26.4: a frame is received into a caller's buffer. Without it, mix64 frames arrive as
-# zero-copy zmq Frames and are copied once into a pooled pinned buffer (_write_device).
+# pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into=True``: mix64 frames straight
+# into a pooled pinned buffer, one memcpy on the I/O thread); by default they arrive as zero-copy
+# zmq Frames and the landing thread copies them into that buffer.
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
-
-
-def _segments(h: Header, per_block: int):
-    """Split a BLOCKS payload into per-layer pieces: yields ``(frame index, byte offset in
-    the frame, layer, first position, block count)``. Frames hold whole blocks in
-    (layer, position) order and may cross a layer boundary (byte counts checked already)."""
-    g = 0                                   # blocks before this piece, over all layers
-    for i, n in enumerate(h.nbytes):
-        left, off = n // per_block, 0
-        while left:
-            li, pos = divmod(g, h.nblk)
-            k = min(left, h.nblk - pos)
-            yield i, off, h.layer + li, h.first + pos, k
-            g, left, off = g + k, left - k, off + k * per_block
 
 
 def default_copy_threads() -> int:
@@ -94,8 +83,9 @@ class DecodeEndpoint:
     copy_threads : int, optional
         Threads that verify and write BLOCKS messages in parallel with the I/O thread (each
         message is still verified before any of its bytes is written); for CUDA caches they
-        also stage, launch the device copies and wait for them. 0 does it all on the I/O
-        thread. Default :func:`default_copy_threads`.
+        also stage, launch the device copies and wait for them; for ``mix64`` messages they copy
+        the pieces of a payload into pinned memory for the landing thread. 0 does it all on the
+        I/O thread (``mix64``: on the landing thread). Default :func:`default_copy_threads`.
     frame_ops : FrameOps, optional
         Device kernels (``kernels.transfer.FRAME_OPS``): this side then offers ``mix64`` and
         verifies + scatters such messages on the device (module doc).
@@ -107,10 +97,10 @@ class DecodeEndpoint:
         pull holds ``num_layers · blocks · 2·N·h·P`` of it); a prefill that accepts writes the
         payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
     recv_into : bool, optional
-        ``mix64`` payloads: received with ``Socket.recv_into`` straight into a pooled pinned buffer
-        (one memcpy inside libzmq, on the I/O thread), or, False, received zero copy and copied
-        into that buffer by ``torch`` (which spreads a large copy over its intra-op threads).
-        Default: True where pyzmq has ``recv_into`` (26.4+).
+        ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
+        pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False (default)
+        receives them zero copy and the landing thread copies them into that buffer (with the copy
+        workers where there are some, overlapped with the device copies and with the next receive).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -126,7 +116,7 @@ class DecodeEndpoint:
             warm(frame_ops, caches[0].device)
         if recv_into and not RECV_INTO:
             raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
-        self.recv_into = RECV_INTO if recv_into is None else bool(recv_into)
+        self.recv_into = bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
         self.peer_checksums: tuple = ()   # what the prefill said it can produce (HELLO_ACK ``sums``)
@@ -139,8 +129,8 @@ class DecodeEndpoint:
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}
-        self._gpu_writes: deque = deque()    # queued device writes, in order: (event, handle, BLOCKS header,
-        #                                      pinned buffers to hand back, DeviceWrite or None)
+        self._gpu_writes: deque = deque()    # queued xxh3 device writes, in order: (event, handle, BLOCKS header,
+        #                                      pinned buffers to hand back)
         self._hs_done = threading.Event()
         self._hs_error: Exception | None = None
         self._last_seen = self._last_ping = 0.0
@@ -148,13 +138,13 @@ class DecodeEndpoint:
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
-        self._views = None if self.cuda else [as_bytes(c, self.geometry).numpy() for c in self.caches]
-        # [num_blocks, block bytes] row views: numpy (CPU) or torch (CUDA), made once
-        self._rows = [device_rows(c, self.geometry) for c in self.caches] if self.cuda else \
-            [block_rows(v) for v in self._views]
         self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
+        self._host = HostWrites(self.caches, self.geometry, self._copy_stream, self._pinned)   # xxh3 messages
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
+        self._lander = None if frame_ops is None else Lander(
+            frame_ops, self._copy_stream, self._pinned, report=lambda done: self._loop.call_soon(self._landed_jobs, done),
+            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers, workers=n)
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
@@ -203,6 +193,10 @@ class DecodeEndpoint:
         on_layer : callable(transfer_id, layer), optional
             Called on the I/O thread as each layer has fully landed; an exception it raises
             goes to the handle's ``callback_errors`` and changes nothing else.
+
+        CUDA caches: the blocks are written after the work queued on the caller's current stream
+        before this call (e.g. kernels still reading the blocks' old contents), not after work
+        queued later.
         """
         if self.shared_heads is None:
             raise PeerError("pull before a successful connect()")
@@ -215,6 +209,12 @@ class DecodeEndpoint:
             raise LayoutError(f"heads: expected a range inside {self.shared_heads}, got {heads}")
         h = PullHandle(transfer_id, ids, self.descriptor.num_layers, (heads.start, heads.stop),
                        time.monotonic() + deadline_s, on_layer)
+        if self.cuda:   # ids on the device, and the event every write of this pull waits for: the ids' copy and
+            #             the work queued so far on the caller's stream (e.g. reads of these blocks' old contents)
+            device = self.caches[0].device
+            h.dst_dev = device_ids(ids, device)
+            h.ready = torch.cuda.Event()
+            h.ready.record(torch.cuda.current_stream(device))
         self._loop.call_soon(self._start_pull, h)
         return h
 
@@ -227,11 +227,27 @@ class DecodeEndpoint:
         s["pending"] = len(self._pending)
         return s
 
+    def stage_times(self) -> dict:
+        """Seconds spent so far per stage of receiving (``bench.transfer --threads``): ``receive``
+        (I/O thread: receive and check messages, hand them off), and for ``mix64`` messages on the
+        landing thread ``host_copy`` (frames into pinned memory), ``launch`` (queue the device
+        copies and kernels, host copy excluded), ``device_wait`` (waiting for the device to end the
+        oldest of ``max_inflight`` messages, to reuse its pinned buffer); ``landed`` counts them."""
+        out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
+        if self._lander is not None:
+            st = self._lander.stage_s
+            out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
+                       device_wait=st["wait"], landed=st["messages"])
+        return out
+
     def close(self) -> None:
         if self._loop is not None:
             for h in list(self._pending.values()):
                 wait(list(h.jobs), timeout=10)
                 h.fail(PeerError(f"pull {h.transfer_id!r}: endpoint closed"))
+        if self._lander is not None:
+            self._lander.close()
+        if self._loop is not None:
             self._loop.close()
         if self._workers is not None:
             self._workers.shutdown(wait=True)
@@ -289,8 +305,6 @@ class DecodeEndpoint:
         self._pending[h.transfer_id] = h
         self.metrics.add("transfers_started")
         self._send_pull(h)
-        if self.cuda:   # destination ids on the device while the request is on its way (checked by pull())
-            h.dst_dev = device_ids(h.dst_block_ids, self.caches[0].device)
 
     def _send_pull(self, h: PullHandle) -> None:
         area = getattr(h, "area", None)
@@ -474,78 +488,52 @@ class DecodeEndpoint:
                 staged = stage_verified(h, payloads, self._pinned)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
-            self._gpu_writes.append((self._launch_cuda(p, h, staged, local, per_block), p, h, staged, None))
+            self._gpu_writes.append((self._host.launch_cuda(p, h, staged, local), p, h, staged))
             return None
         if self._workers is None or (not self.cuda and sum(h.nbytes) < INLINE_BYTES):
             try:
-                self._write(p, h, payloads, local)
+                self._host.write_cpu(p, h, payloads, local)
             except CorruptFrameError as e:
                 return self._fail_corrupt(p, e)
             return self._landed_all(p, h)
-        job = self._workers.submit(self._write_cuda if self.cuda else self._write, p, h, payloads, local)
+        job = self._workers.submit(self._host.write_cuda if self.cuda else self._host.write_cpu, p, h, payloads, local)
         p.jobs.add(job)
         job.add_done_callback(lambda f: self._loop.call_soon(self._written, p, h, f))
 
-    def _write(self, p: PullHandle, h: Header, payloads, local: range) -> None:
-        """Verify every payload frame of one message, then copy it into the CPU cache.
-
-        Runs on the I/O thread or a copy worker (xxh3 and numpy copies release the GIL).
-        Raises CorruptFrameError before any byte is written.
-        """
-        verify_payloads(h, payloads)
-        v0 = self._views[h.layer]
-        full, per_block = len(local) == v0.shape[3], len(local) * self._head_block_bytes
-        for i, off, layer, pos, k in _segments(h, per_block):
-            src = np.frombuffer(getattr(payloads[i], "buffer", payloads[i]), dtype=np.uint8, count=k * per_block,
-                                offset=off)
-            if full:   # whole blocks: one C-level row scatter (ids were checked by pull())
-                self._rows[layer][p.dst_index[pos:pos + k]] = src.reshape(k, -1)
-            else:
-                src = src.reshape(k, *v0.shape[1:3], len(local), v0.shape[4])
-                copy_runs(self._views[layer], p.dst_block_ids[pos:pos + k], src, None, local, head_side="dst")
-
     def _write_device(self, p: PullHandle, h: Header, payloads, local: range, received, owned: bool = True) -> None:
-        """Queue verify + scatter of one ``mix64`` message on the device (completed in ``_on_tick``).
-        ``received``: the payload back to back in host memory (a pooled buffer when ``owned``, handed
-        back once the device has read it; else the NIXL region, which the pull's area keeps)."""
+        """Hand one checked ``mix64`` message to the landing thread (:mod:`kvconnector.landing`),
+        which copies it to the device, verifies and scatters it there and reports back in
+        :meth:`_landed_jobs`. ``received``: the payload back to back in host memory already (a
+        pooled buffer when ``owned``, handed back once the device has read it; else the NIXL
+        region, which the pull's area keeps), or None: the lander copies ``payloads`` into one."""
         try:
             check_frames(h, payloads)
         except CorruptFrameError as e:
             return self._fail_corrupt(p, e)
-        if received is None:   # frames not received into a pooled buffer (no recv_into): one copy there
-            received = stage_frames(self._pinned, payloads, h.nbytes)
-        else:
-            received = received[:sum(h.nbytes)]
         if p.dst_dev is None:
             p.dst_dev = torch.as_tensor(p.dst_block_ids, dtype=torch.int64)
-        try:
-            job = scatter_message(self.frame_ops, h, received, self.caches[h.layer:h.layer + h.nlay],
-                                  p.dst_dev[h.first:h.first + h.nblk], local, self._copy_stream)
-        except BaseException:
-            if owned:
-                self._pinned.release(received)
-            raise
-        self._rx_kept = True     # released by _on_tick once the device copy has read it
-        self._gpu_writes.append((job.event, p, h, [received] if owned else [], job))
-        self._watch_writes()
+        job = LandJob(p, h, None if received is not None else list(payloads),
+                      None if received is None else received[:sum(h.nbytes)], owned and received is not None,
+                      self.caches[h.layer:h.layer + h.nlay], p.dst_dev[h.first:h.first + h.nblk], local)
+        p.jobs.add(job.future)
+        self._rx_kept = received is not None and owned    # the lander hands the buffer back
+        self._lander.submit(job)
         return None
 
-    def _watch_writes(self) -> None:
-        """With copy workers: one of them sleeps on the oldest queued device write (a blocking
-        event) and wakes the loop when it ends; the tick then collects every write finished by
-        then and sets the next watch. One watcher at a time, not one per message: the writes end
-        in order on one copy stream, and each wake-up costs a thread hand-off and the GIL.
-        Without workers the tick polls."""
-        if self._workers is None or self._watching or not self._gpu_writes or self._gpu_writes[0][0] is None:
-            return
-        self._watching = True
-        self._workers.submit(self._gpu_writes[0][0].synchronize).add_done_callback(
-            lambda f: self._loop.call_soon(self._watched))
-
-    def _watched(self) -> None:
-        self._watching = False   # the tick that follows this call collects the writes and watches again
-
-    _watching = False   # a copy worker is waiting for the oldest queued device write
+    def _landed_jobs(self, done: list) -> None:
+        """Landing thread report: each message written (its blocks land), or failed (its pull fails)."""
+        for job, err in done:
+            p, h = job.p, job.h
+            p.jobs.discard(job.future)
+            try:
+                if err is None:
+                    self._landed_all(p, h)
+                elif isinstance(err, CorruptFrameError):
+                    self._fail_corrupt(p, err)
+                else:
+                    self._write_failed(p, h, err)
+            except Exception as e:
+                self._write_failed(p, h, e)
 
     def _written(self, p: PullHandle, h: Header, job) -> None:
         p.jobs.discard(job)
@@ -556,38 +544,6 @@ class DecodeEndpoint:
             return self._fail_corrupt(p, err)
         self._on_error(err)
         self._fail(p, TransferError(f"pull {p.transfer_id!r}: writing layer {h.layer} failed: {err}"), "write_error")
-
-    def _write_cuda(self, p: PullHandle, h: Header, payloads, local: range) -> None:
-        """Copy worker, CUDA caches: stage and verify every frame (raises CorruptFrameError
-        before anything leaves host memory), launch the device copies, wait for them."""
-        staged = stage_verified(h, payloads, self._pinned)
-        try:
-            self._launch_cuda(p, h, staged, local, len(local) * self._head_block_bytes).synchronize()
-        except BaseException:
-            self._copy_stream.synchronize()   # no DMA may still read a buffer handed back below
-            raise
-        finally:
-            for b in staged:
-                self._pinned.release(b)
-
-    def _launch_cuda(self, p: PullHandle, h: Header, staged: list, local: range, per_block: int):
-        """Queue one verified message on the copy stream: each staged frame to the device (one
-        copy each), then one row scatter per layer piece; return the event that marks the end."""
-        device = self.caches[0].device
-        s = self._copy_stream
-        s.wait_stream(torch.cuda.current_stream(device))
-        full = len(local) == self.geometry.num_kv_heads
-        with torch.cuda.stream(s):
-            on_device = [t.to(device, non_blocking=True) for t in staged]
-            for i, off, layer, pos, k in _segments(h, per_block):
-                ids, src = p.dst_dev[pos:pos + k], on_device[i][off:off + k * per_block]
-                if full:   # whole blocks: one index_copy_ on the cached row view
-                    self._rows[layer].index_copy_(0, ids, src.view(k, -1))
-                else:
-                    scatter_blocks(self.caches[layer], self.geometry, ids, src, local)
-            ev = torch.cuda.Event()
-            ev.record(s)
-        return ev
 
     def _landed_all(self, p: PullHandle, h: Header) -> None:
         for layer in range(h.layer, h.layer + h.nlay):
@@ -604,19 +560,14 @@ class DecodeEndpoint:
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
 
     def _on_tick(self, now: float) -> float:
-        while self._gpu_writes and (self._gpu_writes[0][0] is None or self._gpu_writes[0][0].query()):
-            _, p, h, staged, check = self._gpu_writes.popleft()
+        while self._gpu_writes and self._gpu_writes[0][0].query():
+            _, p, h, staged = self._gpu_writes.popleft()
             try:   # the write is off the queue: it lands or fails its pull here, never neither
                 for b in staged:
                     self._pinned.release(b)
-                err = None if check is None else check.error()
-                if err is not None:
-                    self._fail_corrupt(p, err)
-                else:
-                    self._landed_all(p, h)
+                self._landed_all(p, h)
             except Exception as e:
                 self._write_failed(p, h, e)
-        self._watch_writes()
         if self._hs_done.is_set() and self._hs_error is None and now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(Header(MsgType.PING))
@@ -630,6 +581,4 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
-        if self._gpu_writes:   # polled every ms without copy workers; with them a worker wakes the loop
-            return 0.001 if self._workers is None else max(0.0, min(wait, 0.05))
-        return max(0.0, wait)
+        return 0.001 if self._gpu_writes else max(0.0, wait)   # queued xxh3 device writes: polled every ms

@@ -9,12 +9,14 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
   device buffer and computes its ``mix64``; one device-to-host copy puts the payload in a pinned
   buffer that is sent with zero copy, the checksum follows it in an 8-byte copy. Both are queued
   on the endpoint's copy stream, so message k+1 is gathered and copied while k is on the wire.
-- decode (:func:`scatter_message`): the payload frames were received straight into one pinned
-  buffer (``IOLoop`` ``on_header``: ``Socket.recv_into``); one host-to-device copy, then one
-  kernel pass verifies every frame against the header and a scatter kernel writes the blocks
-  only if all matched (it reads the mismatch count on the device). The host reads the count
-  once the copy stream passes that point (:meth:`DeviceWrite.error`) and fails the pull with a
-  :class:`CorruptFrameError`; the destination blocks of that message were not written.
+- decode (:func:`land_message`, run by the endpoint's landing thread, :mod:`kvconnector.landing`):
+  the payload frames are copied piece by piece into one pinned buffer, each piece's
+  host-to-device copy queued right behind it (or, received straight into pinned memory already,
+  copied to the device at once); then one kernel pass verifies every frame against the header
+  and a scatter kernel writes the blocks only if all matched (it reads the mismatch count on the
+  device). The host reads the count once the copy stream passes that point
+  (:meth:`DeviceWrite.error`) and fails the pull with a :class:`CorruptFrameError`; the
+  destination blocks of that message were not written.
 
 On CPU caches the same kernels run through Triton's interpreter on host memory (how the path
 is tested without a GPU); nothing is queued, every step completes in the call.
@@ -22,8 +24,11 @@ is tested without a GPU); nothing is queued, every step completes in the call.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import wait as futures_wait
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from layouts import CorruptFrameError
@@ -65,17 +70,6 @@ def frame_views(buf: torch.Tensor, nbytes: list) -> list:
     return views
 
 
-def stage_frames(pool, payloads, nbytes: list) -> torch.Tensor:
-    """Copy received frames back to back into a buffer from ``pool`` (sizes already checked):
-    the one copy when they were not received straight into it."""
-    buf = pool.acquire(sum(nbytes))
-    off = 0
-    for f, n in zip(payloads, nbytes):
-        buf[off:off + n].copy_(torch.frombuffer(getattr(f, "buffer", f), dtype=torch.uint8))
-        off += n
-    return buf
-
-
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
@@ -111,6 +105,9 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
     heads : range of local heads to send
     host : [nlay·k·2·N·h·P] uint8, CPU (pinned for CUDA caches), written once the event fires
     copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host`` directly)
+        Already ordered after the writes of the blocks (it waited for the event recorded at
+        publish): nothing else queued on other streams since, e.g. the next forward pass, holds
+        the gather back.
     """
     hd = (heads.start, heads.stop)
     if copy_stream is None:
@@ -118,7 +115,6 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
         ops.gather(caches, block_ids, out=host, checksums=sums, heads=hd)
         return DeviceGather(None, [host.numpy()], sums)
     device = caches[0].device
-    copy_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
         dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         dev_sums = torch.empty(1, dtype=torch.int64, device=device)
@@ -134,14 +130,12 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
 class DeviceWrite:
     """A received message queued for verify + scatter; :meth:`error` once :meth:`done`."""
 
-    def __init__(self, event, h: Header, ok: torch.Tensor, sums: torch.Tensor) -> None:
-        self.event, self.h, self.ok, self.sums = event, h, ok, sums
-
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
+    def __init__(self, on_device: bool, h: Header, ok: torch.Tensor, sums: torch.Tensor) -> None:
+        self.on_device, self.h, self.ok, self.sums = on_device, h, ok, sums
 
     def error(self) -> CorruptFrameError | None:
-        """The checksum mismatch of the first bad frame (nothing of the message was written), or None."""
+        """The checksum mismatch of the first bad frame (nothing of the message was written), or None;
+        read once the device work queued with it has ended."""
         ok = self.ok.tolist()
         if ok[-1] == 0:
             return None
@@ -149,12 +143,14 @@ class DeviceWrite:
         got = int(self.sums[i]) & _MASK
         h = self.h
         return CorruptFrameError(f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({h.algorithm}, "
-                                 f"verified on {'the GPU' if self.event is not None else 'the host'}): "
+                                 f"verified on {'the GPU' if self.on_device else 'the host'}): "
                                  f"expected {h.checksums[i]:#018x}, got {got:#018x}")
 
 
-def scatter_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
-                    heads: range, copy_stream) -> DeviceWrite:
+def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
+                 heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
+                 timings: dict | None = None, aux: torch.Tensor | None = None, executor=None,
+                 ready=None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -162,33 +158,97 @@ def scatter_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, 
     h : Header
         The BLOCKS header (frame byte counts already checked against the frames received).
     host : [sum(h.nbytes)] uint8, CPU (pinned for CUDA caches)
-        The payload frames back to back, as received; must stay untouched until :meth:`DeviceWrite.done`.
+        The payload back to back: received into it already (``frames`` None), or filled here from
+        ``frames``; must stay untouched until the device has read it (:class:`DeviceWrite` event).
     caches : list of packed per-layer caches ``h.layer .. h.layer + h.nlay - 1`` (written only on a match)
     block_ids : [h.nblk] int64 on the caches' device, destination blocks of positions ``h.first ..``
     heads : range of local heads the message carries
-    copy_stream : torch.cuda.Stream, or None for CPU caches
+    copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
+    frames : list of ZeroMQ frames or buffers, optional
+        The payload frames (sizes ``h.nbytes``) to copy into ``host`` first, in pieces of
+        ``piece_bytes`` (by the threads of ``executor`` when given, else by this one): each
+        piece's host-to-device copy is queued as soon as its host copy is done, so the DMA of one
+        piece overlaps the host copy of the next.
+    timings : dict, optional
+        ``timings["copy"]`` gains the seconds spent in host copies.
+    aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
+        Where the header's checksums go to the device from and the verdict comes back to, in one
+        copy each way (allocated here when None or too small); like ``host``, untouched until the
+        device work ended and :meth:`DeviceWrite.error` was read.
+    ready : torch.cuda.Event, optional
+        What the device work waits for (the pull's: work queued before it started, e.g. reads of
+        the destination blocks' old contents, and the copy of ``block_ids``); None: the work
+        queued so far on the current stream.
     """
     nf = len(h.nbytes)
-    expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
     hd = (heads.start, heads.stop)
     if copy_stream is None:
+        expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
+        if frames is not None:
+            _fill(host, frames, h.nbytes, timings, piece_bytes=piece_bytes, executor=executor)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
         ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
                            frame_nbytes=h.nbytes)
-        return DeviceWrite(None, h, ok, sums)
+        return DeviceWrite(False, h, ok, sums)
     device = caches[0].device
-    copy_stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(copy_stream):
-        staging = host.to(device, non_blocking=True)
-        want = expected.pin_memory().to(device, non_blocking=True)
-        ok = torch.empty(nf + 1, dtype=torch.int32, device=device)
-        sums = torch.empty(nf, dtype=torch.int64, device=device)
-        ops.verify_scatter(staging, want, caches, block_ids, ok=ok, checksums=sums, heads=hd,
-                           frame_nbytes=h.nbytes)
-        ok_host = torch.empty(nf + 1, dtype=torch.int32, pin_memory=True)
-        sums_host = torch.empty(nf, dtype=torch.int64, pin_memory=True)
-        ok_host.copy_(ok, non_blocking=True)
-        sums_host.copy_(sums, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)   # a waiting thread sleeps instead of spinning
-        event.record(copy_stream)
-    return DeviceWrite(event, h, ok_host, sums_host)
+    n_aux = aux_words(nf)      # [expected (nf) | computed sums (nf) | ok flags + bad count (nf + 1 int32)]
+    if aux is None or aux.numel() < n_aux:
+        aux = torch.empty(n_aux, dtype=torch.int64, pin_memory=True)
+    aux = aux[:n_aux]
+    aux.numpy()[:nf] = [_signed(v) for v in h.checksums]
+    if ready is not None:
+        copy_stream.wait_event(ready)
+    else:
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
+        dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
+        dev_aux[:nf].copy_(aux[:nf], non_blocking=True)
+        if frames is None:
+            staging = host.to(device, non_blocking=True)
+        else:
+            staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+            _fill(host, frames, h.nbytes, timings, staging, piece_bytes, executor)
+        ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
+                           checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
+        aux[nf:].copy_(dev_aux[nf:], non_blocking=True)
+    return DeviceWrite(True, h, _ok_view(aux, nf), aux[nf:2 * nf])
+
+
+def aux_words(num_frames: int) -> int:
+    """int64 words of :func:`land_message`'s ``aux`` for a message of ``num_frames`` frames."""
+    return 2 * num_frames + (num_frames + 2) // 2
+
+
+def _ok_view(aux: torch.Tensor, nf: int) -> torch.Tensor:
+    """The ``[nf + 1]`` int32 verdict inside ``aux`` (after the expected and computed sums)."""
+    return aux[2 * nf:].view(torch.int32)[:nf + 1]
+
+
+def _fill(host: torch.Tensor, frames, nbytes: list, timings: dict | None, staging: torch.Tensor | None = None,
+          piece_bytes: int = 2 << 20, executor=None) -> None:
+    """Copy ``frames`` back to back into ``host`` in pieces of ``piece_bytes``; with ``staging`` (a
+    device buffer, on the current stream) queue each piece's device copy as soon as its host copy
+    is done. ``executor``: the pieces are copied by its threads, all submitted at once and waited
+    for in order (NumPy copies: they release the GIL and use one core each, where a ``torch``
+    copy would wake, and keep spinning, every intra-op thread); None: by this thread."""
+    t0 = time.perf_counter()
+    dst, pieces, off = host.numpy(), [], 0
+    for f, n in zip(frames, nbytes):   # sizes checked: positive, as the header says
+        src = np.frombuffer(getattr(f, "buffer", f), dtype=np.uint8)
+        pieces += [(off + a, off + min(n, a + piece_bytes), src[a:a + piece_bytes]) for a in range(0, n, piece_bytes)]
+        off += n
+    jobs = [None] * len(pieces) if executor is None else \
+        [executor.submit(np.copyto, dst[a:b], piece) for a, b, piece in pieces]
+    try:
+        for (a, b, piece), job in zip(pieces, jobs):
+            if job is None:
+                np.copyto(dst[a:b], piece)
+            else:
+                job.result()
+            if staging is not None:
+                staging[a:b].copy_(host[a:b], non_blocking=True)
+    finally:
+        if executor is not None:   # on a failure: no worker may still write into host once it is handed back
+            futures_wait([j for j in jobs if j is not None])
+    if timings is not None:
+        timings["copy"] = timings.get("copy", 0.0) + time.perf_counter() - t0

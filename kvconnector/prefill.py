@@ -122,6 +122,7 @@ class PrefillEndpoint:
         self._started: dict[str, tuple] = {}     # tid -> (pull time, payload bytes) for metrics
         self._blocked_until = 0.0
         self._pool = BufferPool()
+        self._stage_s = {"stage": 0.0, "copy_wait": 0.0, "send": 0.0, "sent": 0}   # see stage_times
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         ctx = zmq.Context()
@@ -210,6 +211,13 @@ class PrefillEndpoint:
         s["leases"] = len(self.held())
         s["streams"] = len(self._streams)
         return s
+
+    def stage_times(self) -> dict:
+        """Seconds the I/O thread spent so far per stage of sending (``bench.transfer --threads``):
+        ``stage`` (queue gathers and device-to-host copies, or gather and hash on the host),
+        ``copy_wait`` (wait for a message's bytes to be in host memory; CPU caches without staging
+        threads: gather and hash them), ``send`` (hand it to ZeroMQ); ``sent`` counts the messages."""
+        return dict(self._stage_s)
 
     def close(self) -> None:
         if self._zap is not None:
@@ -428,7 +436,7 @@ class PrefillEndpoint:
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
                             fault_hook=self._fault_hook, algorithm=algorithm,
                             frame_ops=self.frame_ops if algorithm == MIX64 else None,
-                            at_base=h.at if peer.get("nixl") else None,
+                            at_base=h.at if peer.get("nixl") else None, timings=self._stage_s,
                             layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
@@ -502,7 +510,10 @@ class PrefillEndpoint:
                             frames = frames[:1]
                         s.sent(self._send(s.ident, frames))
                     else:
+                        t0 = time.perf_counter()
                         s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
+                        self._stage_s["send"] += time.perf_counter() - t0
+                        self._stage_s["sent"] += 1
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue

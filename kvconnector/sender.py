@@ -25,16 +25,20 @@ gathered and checksummed by one kernel and copied to pinned memory on the copy s
 
 Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
-staging stops early once the oldest chunk has landed in host memory, so the first message
-leaves after one or two launches, not ``ahead``). On hosts with
-spare cores (see :func:`stage_threads`) the staging runs on a small shared thread pool
-(numpy copies and xxh3 release the GIL), so gather and hash overlap the I/O thread.
+the first message of a pull leaves as soon as its own copy has landed, with nothing staged
+behind it, since the socket is idle until then; later staging stops once the oldest chunk has
+landed in host memory, so a message leaves after one or two launches, not ``ahead``). When a
+layer takes several messages, their runs of positions are of nearly equal size (no small tail
+message that pays a message's fixed work for a few blocks). On hosts with spare cores (see
+:func:`stage_threads`) the staging runs on a small shared thread pool (numpy copies and xxh3
+release the GIL), so gather and hash overlap the I/O thread.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,6 +168,9 @@ class Stream:
     layers_ready : callable() -> int or None, optional
         Layer-wise publish: how many layers (from 0) hold their K/V now; chunks of later layers
         wait (one layer per message then). None: every layer is ready.
+    timings : dict, optional
+        Seconds spent staging (``"stage"``) and waiting for staged bytes (``"copy_wait"``) are
+        added to it (the endpoint's :meth:`~PrefillEndpoint.stage_times`).
     at_base : int, optional
         ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
         each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
@@ -178,11 +185,13 @@ class Stream:
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
                  pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
                  algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None,
-                 layers_ready=None) -> None:
+                 layers_ready=None, timings: dict | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
         self.chunk_blocks = max(1, chunk_bytes // per_block)
+        if self.chunk_blocks < len(block_ids):   # a layer in several messages: as many, of nearly equal size
+            self.chunk_blocks = -(-len(block_ids) // -(-len(block_ids) // self.chunk_blocks))
         self.full_heads = len(local_heads) == geo.num_kv_heads
         self.copy_stream = copy_stream
         self.algorithm, self.frame_ops, self.at_base = algorithm, frame_ops, at_base
@@ -224,6 +233,7 @@ class Stream:
         self._reading: deque = deque()   # trackers of zero-copy messages (frames inside the cache)
         self.last_reads_cache = False    # the last frames are views of the cache (zero copy)
         self._hook = fault_hook or (lambda stage: None)
+        self._timings = timings if timings is not None else {}
         self._running: list = []         # staging jobs still running after cancel()
 
     def push_back(self, frames: list) -> None:
@@ -320,7 +330,7 @@ class Stream:
                 else:
                     gather_blocks(self.caches[layer + li], self.geo, ids_dev, self.local_heads, out=out)
             host.copy_(dev, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)   # the waiting thread sleeps instead of spinning a core
             ev.record(self.copy_stream)
         ev.synchronize()
 
@@ -386,10 +396,13 @@ class Stream:
             return frames
         if not self._staged and not self._plan:
             return None
+        t0 = time.perf_counter()
         while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
-            if self.frame_ops is not None and self._staged and self._staged[0][4].done():
-                break       # the oldest chunk is in host memory: send it before queuing more
+            if self.frame_ops is not None and self._staged and (self._seq == 0 or self._staged[0][4].done()):
+                break       # the first chunk, or the oldest in host memory: send it before queuing more
             self._stage()   # keep later chunks staging
+        t1 = time.perf_counter()
+        self._timings["stage"] = self._timings.get("stage", 0.0) + t1 - t0
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
@@ -397,6 +410,7 @@ class Stream:
         if work is None:
             self._hook("checksum")
         payload, sums = job.result() if job is not None else self._prepare(*work)
+        self._timings["copy_wait"] = self._timings.get("copy_wait", 0.0) + time.perf_counter() - t1
         self._seq += 1
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,

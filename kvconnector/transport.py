@@ -122,6 +122,7 @@ class IOLoop:
         self._wake_lock = threading.Lock()
         self._calls: deque = deque()
         self._stop = False
+        self.handled_s = 0.0     # seconds spent receiving and handling messages (bench.transfer --threads)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -160,11 +161,13 @@ class IOLoop:
                 for _ in range(256):
                     if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
+                    t0 = time.perf_counter()
                     try:
                         frames = self._recv()
                     except zmq.Again:
                         break
                     self._guard(self._on_message, frames)
+                    self.handled_s += time.perf_counter() - t0
                 timeout_s = self._guard(self._on_tick, time.monotonic())
                 timeout_s = 0.05 if timeout_s is None else min(timeout_s, 0.25)
             except zmq.ZMQError as e:

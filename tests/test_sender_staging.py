@@ -5,7 +5,8 @@ copy through.
 Covers: the streamed xxh3_64 of a gathered frame equals the one-shot checksum of exactly the
 bytes ``gather_blocks`` produces (all heads and a head slice; chunks spanning several hash
 pieces and chunks smaller than one); small layers packed several per message, each layer
-sent exactly once, layer-major, gathered or as zero-copy runs; a pull much larger than the in-flight limit completes
+sent exactly once, layer-major, gathered or as zero-copy runs; a layer over several messages
+split into runs of nearly equal size; a pull much larger than the in-flight limit completes
 byte-exact while the stream waits for ZeroMQ to release its buffers (the limit forced down
 to one message); ``block_rows`` is a view that writes through, also at a storage offset.
 
@@ -52,16 +53,17 @@ def test_streamed_hash_matches_gathered_bytes(monkeypatch, piece_blocks, heads):
     monkeypatch.setattr(sender, "HASH_PIECE_BYTES", piece_blocks * per_block)
     ids = [17, 3, 4, 5, 39, 0, 22, 21, 8, 30, 31]          # scattered, short runs: gathered
     s = sender.Stream(b"p", "t", ids, caches, geo, heads, (heads.start, heads.stop),
-                      chunk_bytes=7 * per_block)            # chunks of 7 then 4 blocks
-    n = 0
+                      chunk_bytes=7 * per_block)            # 11 blocks in 2 runs: 6 and 5, not 7 and 4
+    n, runs = 0, []
     for frames in _messages(s):
         n += 1
         h = decode_header(frames[0])
+        runs.append((h.first, h.nblk))
         assert len(frames) == 2
         want = gather_blocks(caches[h.layer], geo, ids[h.first:h.first + h.nblk], heads).numpy()
         assert np.array_equal(np.asarray(frames[1]).reshape(-1), want)
         assert h.checksums == [checksum(want)] and h.nbytes == [want.nbytes]
-    assert n == desc.num_layers * 2
+    assert n == desc.num_layers * 2 and runs == [(0, 6), (6, 5)] * desc.num_layers
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["gathered", "zero-copy-runs"])

@@ -1,32 +1,37 @@
 """The connector's device path: ``mix64`` negotiated, gather + checksum and verify + scatter
-by the injected kernels (``kernels.transfer.FRAME_OPS``), payload received with ``recv_into``.
+by the injected kernels (``kernels.transfer.FRAME_OPS``), payload received zero copy and landed by
+the decode side's landing thread (or received with ``recv_into`` into pinned buffers).
 
 Runs on CPU caches (the kernels through Triton's interpreter: the same logic, no GPU) and on
 CUDA caches when a GPU is present (pinned buffers, copy streams). Covers byte-exact pulls (every
 mode, head slices, one block per message and many), interoperation with endpoints that have no
 kernels (xxh3_64 is used, still byte-exact), and a faulty peer: a corrupted byte in a ``mix64``
 frame fails the pull with CorruptFrameError naming the device check, truncated / oversized
-frames (received into fixed buffers) are named, and no destination byte changes. Pulls of many
+frames are named (received zero copy, or into fixed buffers), and no destination byte changes. Pulls of many
 messages of mixed sizes, all received before any write completes, use the plain-PyTorch twin of
 the kernels on CPU (``torch_frame_ops``: the interpreter would take minutes at these sizes); a
-failure while completing a device write fails the pull at once instead of by its deadline; with
-copy workers, one worker at a time waits for the queued device writes (fake gated events on CPU).
+failure while completing a device write fails the pull at once instead of by its deadline; the
+landing thread keeps at most ``max_inflight`` messages on the device and refills a pinned buffer
+only after the device copy that read it ended (fake gated events on CPU).
 
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import kvconnector.decode as decode_mod
+import kvconnector.landing as landing_mod
 from connector_fakes import FakePrefill, filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_INTO
-from kvconnector.protocol import CHECKSUM, MIX64, MsgType
+from kvconnector.device_frames import DeviceWrite, _ok_view, aux_words
+from kvconnector.protocol import CHECKSUM, MIX64, Header, MsgType
+from kvconnector.staging import PinnedPool
 from layouts import CorruptFrameError, KVQuantMode, TransferError
 from torch_frame_ops import TORCH_FRAME_OPS
 
@@ -66,8 +71,8 @@ def test_device_path_byte_exact(device, mode, chunk):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
             rest = sorted(set(range(10)) - set(dst_ids))
             assert torch.equal(_b(d)[rest], _b(b)[rest])
-        # payload received straight into pooled buffers (pyzmq >= 26.4), else copied there once
-        assert (dec.metrics.c["frames_received_into"] >= 1) == RECV_INTO
+        # by default received zero copy; the landing thread copies the payload into pooled buffers
+        assert dec.metrics.c["frames_received_into"] == 0
         assert not pre.errors and not dec.errors
 
 
@@ -146,14 +151,16 @@ FAULTS = [(_corrupt, r"checksum \(mix64, verified on"), (_truncated, "truncated"
 @pytest.mark.parametrize("script,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized", "extra-frame",
                                                       "good-then-corrupt"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device):
+@pytest.mark.parametrize("recv_into", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not RECV_INTO, reason="pyzmq without Socket.recv_into"))], ids=["zero-copy", "recv_into"])
+def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device, recv_into):
     desc = make_desc(num_layers=2, num_blocks=4)
     src = filled_caches(desc, 0)
     fake = FakePrefill(desc, src, script)
     dst = [c.to(device) for c in filled_caches(desc, 1)]
     before = [c.clone() for c in dst]
     try:
-        with DecodeEndpoint(dst, desc, peer_timeout_s=10, frame_ops=FRAME_OPS) as dec:
+        with DecodeEndpoint(dst, desc, peer_timeout_s=10, frame_ops=FRAME_OPS, recv_into=recv_into) as dec:
             dec.connect(fake.endpoint, timeout_s=5)
             handle = dec.pull("t", [2, 3], deadline_s=30)
             with pytest.raises(CorruptFrameError, match=match):
@@ -183,6 +190,9 @@ def test_bench_transfer_kernels_quick_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
     assert "connector CPU ms/MiB by thread; decode process: " in out.stdout and "kvc-decode" in out.stdout
+    stages = [ln for ln in out.stdout.splitlines() if "ms per pull by stage" in ln]
+    assert stages and all("decode: receive" in ln and "host_copy" in ln and "landed 1" in ln
+                          and "prefill: stage" in ln and "sent 1" in ln for ln in stages), stages
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
 
 
@@ -199,7 +209,7 @@ def test_multi_frame_multi_layer_mix64_message(device):
     fake = FakePrefill(desc, src, script)
     dst = [c.to(device) for c in filled_caches(desc, 1)]
     try:
-        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS, recv_into=RECV_INTO) as dec:
             dec.connect(fake.endpoint, timeout_s=5)
             dec.pull("t", [3, 1], deadline_s=30).result(timeout=30)
             _sync(device)
@@ -243,13 +253,15 @@ def test_torch_frame_ops_match_the_kernels():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recv_into", [True, False], ids=["recv_into", "torch-copy"])
-def test_many_mixed_size_messages_in_flight(device, recv_into):
+@pytest.mark.parametrize("recv_into,copy_threads", [(True, None), (False, 0), (False, 2)],
+                         ids=["recv_into", "zero-copy-landing-thread-copies", "zero-copy-2-copy-workers"])
+def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
     """A pull of more messages than the decode side's pinned pool keeps, of two sizes (each layer
     as a 32-block and an 8-block message, like 256-block INT8 pulls of a Llama-8B layer set at
     8 MiB chunks), all received while the I/O thread is held, so every buffer is handed back in
     one tick: every message lands, byte-exact, and the pull completes; both ways of filling the
-    pinned buffers (``recv_into``, or zero-copy frames copied by torch)."""
+    pinned buffers (``recv_into``, or zero-copy frames copied by the landing thread in ten pieces,
+    or by two copy workers, half a message each)."""
     if recv_into and not RECV_INTO:
         pytest.skip("pyzmq without Socket.recv_into")
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
@@ -259,7 +271,9 @@ def test_many_mixed_size_messages_in_flight(device, recv_into):
     g = torch.Generator().manual_seed(2)
     src_ids, dst_ids = torch.randperm(80, generator=g)[:40].tolist(), torch.randperm(80, generator=g)[:40].tolist()
     with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=_ops(device)) as pre, \
-            DecodeEndpoint(dst, desc, frame_ops=_ops(device), recv_into=recv_into) as dec:
+            DecodeEndpoint(dst, desc, frame_ops=_ops(device), recv_into=recv_into, copy_threads=copy_threads) as dec:
+        if not copy_threads:   # ten pieces per message, cut anywhere (not on blocks); with workers: one piece each
+            dec._lander.piece_bytes = 100_003
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", src_ids)
         handle = dec.pull("t", dst_ids, deadline_s=30)
@@ -295,51 +309,112 @@ def test_failure_completing_a_device_write_fails_the_pull_now(device):
 
 
 class _GatedEvent:
-    """Stands in for a CUDA event on CPU: done once ``gate`` is set; counts waiting threads."""
+    """Stands in for a CUDA event on CPU: done once its own ``gate`` is set."""
 
-    def __init__(self, gate, stats):
-        self.gate, self.stats = gate, stats
+    def __init__(self):
+        self.gate = threading.Event()
 
     def query(self):
         return self.gate.is_set()
 
     def synchronize(self):
-        with self.stats["lock"]:
-            self.stats["calls"] += 1
-            self.stats["now"] += 1
-            self.stats["most"] = max(self.stats["most"], self.stats["now"])
-        self.gate.wait(20)
-        with self.stats["lock"]:
-            self.stats["now"] -= 1
+        assert self.gate.wait(20), "fake event never released"
 
 
-def test_one_copy_worker_watches_the_queued_device_writes(monkeypatch):
-    """With copy workers, queued device writes are watched by one worker at a time (the writes end
-    in order on one stream): 16 messages whose device work ends together after all are queued
-    cost one or two waits, not one per message, and the pull lands byte-exact."""
-    gate, stats = threading.Event(), {"calls": 0, "now": 0, "most": 0, "lock": threading.Lock()}
-    real = decode_mod.scatter_message
+class _WatchedPool(PinnedPool):
+    """A pinned pool that records, per buffer, when it is handed out and back."""
 
-    def gated(*args, **kw):
-        job = real(*args, **kw)              # CPU: the work is done now; the event says when it "ends"
-        job.event = _GatedEvent(gate, stats)
-        return job
-    monkeypatch.setattr(decode_mod, "scatter_message", gated)
-    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 128, num_kv_heads=8, block_size=16, num_layers=8,
+    def __init__(self, events):
+        super().__init__()
+        self.events, self.held, self.acquired, self.early = events, {}, [], []
+
+    def acquire(self, nbytes):
+        buf = super().acquire(nbytes)
+        base = buf._base if buf._base is not None else buf
+        assert base.data_ptr() not in self.held, "a buffer handed out twice"
+        self.held[base.data_ptr()] = len(self.events)      # the event recorded after its use comes next
+        self.acquired.append(base.data_ptr())
+        return buf
+
+    def release(self, buf):
+        base = buf._base if buf._base is not None else buf
+        ev = self.events[self.held.pop(base.data_ptr())]
+        if not ev.query():
+            self.early.append(base.data_ptr())             # handed back while the device may still read it
+        super().release(buf)
+
+
+def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
+    """The landing thread keeps at most ``max_inflight`` messages on the device: with their events
+    held (fake events on CPU), it launches two messages, then waits; releasing the first event lets
+    exactly the third launch, into the first message's buffer. No buffer goes back to the pool
+    before its event has passed, the I/O thread keeps receiving meanwhile, and the pull lands
+    byte-exact (16 messages, real sockets, the plain-PyTorch kernels)."""
+    events = []
+
+    def record(stream):
+        events.append(_GatedEvent())
+        return events[-1]
+    monkeypatch.setattr(landing_mod, "_record", record)
+    calls = []
+    ops = SimpleNamespace(gather=TORCH_FRAME_OPS.gather,
+                          verify_scatter=lambda *a, **k: (calls.append(1), TORCH_FRAME_OPS.verify_scatter(*a, **k)))
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=16, num_layers=4,
                      num_blocks=80)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
-    with PrefillEndpoint(src, desc, chunk_bytes=32 * desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
-            DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, copy_threads=2) as dec:
+    with PrefillEndpoint(src, desc, chunk_bytes=10 * desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=ops, copy_threads=0) as dec:
+        pool = dec._pinned = dec._lander.pool = _WatchedPool(events)
+        dec._lander.max_inflight = 2
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", list(range(40)))
         handle = dec.pull("t", list(range(40, 80)), deadline_s=30)
-        deadline = time.monotonic() + 20
-        while dec.metrics.c["blocks_messages"] < 16 and time.monotonic() < deadline:
+
+        def until(cond, what):
+            deadline = time.monotonic() + 20
+            while not cond() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert cond(), (what, len(calls), handle.done(), handle.error, dec.errors, pre.errors,
+                            len(dec._lander._inflight), [e.query() for e in events])
+        until(lambda: dec.metrics.c["blocks_messages"] == 16, "the I/O thread received every message")
+        until(lambda: len(calls) == 2, "two messages launched")
+        time.sleep(0.2)
+        assert len(calls) == 2 and not handle.done()        # the third waits for a buffer's device copy
+        events[0].gate.set()
+        until(lambda: len(calls) == 3, "the third launched once the first ended")
+        assert pool.acquired[2] == pool.acquired[0]          # into the buffer the first one used
+        while not handle.done():
+            for ev in list(events):
+                ev.gate.set()
             time.sleep(0.01)
-        assert not handle.done()             # every write queued, none ended
-        gate.set()
         handle.result(timeout=30)
-        assert dec.metrics.c["blocks_messages"] == 16
-        assert stats["most"] == 1 and 1 <= stats["calls"] <= 2
+        assert len(calls) == 16 and not pool.early and not pool.held
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[40:], _b(s)[:40])
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["match", "mismatch"])
+def test_verdict_buffer_layout_with_the_kernels(bad):
+    """The one buffer the CUDA landing path sends the header's checksums in and reads the verdict
+    back from (``land_message``'s ``aux``: expected | computed | ok flags + bad count) is what the
+    kernels write, and DeviceWrite reads it back: the bad frame is named, nothing is written."""
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    ids, total = torch.tensor([1, 2]), 2 * 2 * desc.block_bytes
+    split = [total // 2, total - total // 2]
+    payload, sums = torch.empty(total, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)
+    FRAME_OPS.gather(src, ids, out=payload, checksums=sums, frame_nbytes=split)
+    aux = torch.full((aux_words(2) + 3,), -1, dtype=torch.int64)[:aux_words(2)]    # poisoned, and a view
+    aux[:2] = sums
+    payload[total // 2 + 5] ^= int(bad)
+    FRAME_OPS.verify_scatter(payload, aux[:2], dst, ids, ok=_ok_view(aux, 2), checksums=aux[2:4], frame_nbytes=split)
+    h = Header(MsgType.BLOCKS, tid="t", layer=0, sum=MIX64)
+    h.nbytes, h.checksums = split, [int(v) & ((1 << 64) - 1) for v in sums]
+    err = DeviceWrite(True, h, _ok_view(aux, 2), aux[2:4]).error()
+    assert _ok_view(aux, 2).tolist() == ([1, 0, 1] if bad else [1, 1, 0])
+    if bad:
+        assert isinstance(err, CorruptFrameError) and "payload frame 1 checksum (mix64, verified on the GPU)" in str(err)
+        assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))
+    else:
+        assert err is None and all(torch.equal(_b(d)[[1, 2]], _b(s)[[1, 2]]) for d, s in zip(dst, src))

@@ -228,19 +228,34 @@ class _Layers:
         self.offsets = offs
 
 
+_frame_tables: dict = {}      # (device, frame byte counts) -> (offsets, lengths) on the device, built once
+
+
 def _frames(frame_nbytes, total: int, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    lens = [total] if frame_nbytes is None else [int(n) for n in frame_nbytes]
+    """``(offsets [nf] int64, lengths [nf] int64, nf, tiles per frame)`` of the frames of a message on
+    ``device``. On a CUDA device the table is made once per distinct set of frame sizes (messages of
+    a pull mostly share theirs) and kept, so a launch queues no copy of it."""
+    lens = (total,) if frame_nbytes is None else tuple(int(n) for n in frame_nbytes)
     if not lens or any(n <= 0 for n in lens) or sum(lens) != total:
-        raise LayoutError(f"frame_nbytes: expected positive byte counts summing to {total}, got {lens[:8]}")
+        raise LayoutError(f"frame_nbytes: expected positive byte counts summing to {total}, got {list(lens[:8])}")
     if total >= 1 << 31:
         raise LayoutError(f"message: expected fewer than 2**31 bytes (int32 addressing), got {total}")
+    tiles = cdiv(max(lens), 8 * TILE_WORDS)
     offs = [0]
     for n in lens[:-1]:
         offs.append(offs[-1] + n)
-    table = torch.tensor([offs, lens], dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    return table[0], table[1], len(lens), cdiv(max(lens), 8 * TILE_WORDS)
+    device = torch.device(device)
+    if device.type != "cuda":
+        table = torch.tensor([offs, list(lens)], dtype=torch.int64)
+        return table[0], table[1], len(lens), tiles
+    key = (device, lens)
+    table = _frame_tables.get(key)
+    if table is None:
+        if len(_frame_tables) >= 1024:   # kernels queued on any stream may still read a table: let them end
+            torch.cuda.synchronize(device)
+            _frame_tables.clear()
+        table = _frame_tables[key] = _to_device(torch.tensor([offs, list(lens)], dtype=torch.int64), device)
+    return table[0], table[1], len(lens), tiles
 
 
 def _check_out(t: torch.Tensor, n: int, dtype, device, name: str) -> None:

@@ -1,0 +1,257 @@
+"""Decode side, device path: lands received ``mix64`` messages on the caches off the I/O thread.
+
+The I/O thread receives a ``mix64`` BLOCKS message (zero copy: ZeroMQ's own frames), checks
+its header against the pull and hands it to the endpoint's :class:`Lander`, then goes straight
+back to the socket for the next message. The lander's launcher thread (first in first out, so
+the device work of messages stays in arrival order on the copy stream), per message:
+
+1. takes a pinned buffer from the pool; while ``max_inflight`` messages are still being read by
+   the device it first waits for the oldest to end (its buffer is back in the pool then), so a
+   buffer is never refilled before the device copy that reads it ended;
+2. copies the frames into the buffer in pieces of ``piece_bytes`` (NumPy copies, which release
+   the GIL; spread over the endpoint's copy workers where it has them, one piece each), queuing
+   each piece's host-to-device copy on the copy stream as soon as it is in, so the DMA of one
+   piece overlaps the host copy of the next (a payload already in pinned memory, received into
+   the pool or written by NIXL, is only copied to the device);
+3. queues verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes
+   nothing unless every frame matched) and records a blocking event.
+
+Its watcher thread sleeps on the oldest queued message's event (the thread sleeps, it does not
+spin) and, once the device has ended it, completes it and every later message already ended:
+their pinned buffers go back to the pool, then one ``report`` hands them to the I/O thread,
+which marks the blocks landed, or fails the pull with the :class:`CorruptFrameError` of the
+first mismatching frame. So the last message of a pull is reported as soon as the device has
+written it, and the launcher never waits on an event unless it needs a buffer back.
+
+A message of a pull that is no longer pending (failed, aborted) is dropped before its copy.
+Every message carries a future in its pull's ``jobs``, set once the lander is done with it
+(written, failed or dropped), which :meth:`DecodeEndpoint._fail` waits for (bounded) before it
+reports blocks.
+
+On CPU caches there is no stream: the kernels run in the call, and no event is recorded
+(``_record`` is the seam tests replace with fake events to drive the in-flight logic on CPU).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from .device_frames import aux_words, land_message
+
+PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
+#                           copy of the next and the copy workers share a message, large enough to amortize each call
+MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
+MAX_INFLIGHT = 4          # messages the device may still be reading (pinned buffers held) before the lander waits
+AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
+
+
+def _record(stream):
+    """An event after the work queued so far on ``stream`` (blocking: a waiting thread sleeps), or
+    None on CPU where nothing is queued."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    return ev
+
+
+class LandJob:
+    """One received message for the lander.
+
+    ``frames``: the payload frames (ZeroMQ frames or buffers) to copy into a pooled pinned buffer,
+    or None when ``host`` ([sum(h.nbytes)] uint8, pinned for CUDA caches) already holds the payload;
+    ``owned``: ``host`` came from the pool and goes back to it once the device has read it.
+    """
+
+    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux",
+                 "ready")
+
+    def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
+        self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
+        self.caches, self.ids, self.heads = caches, ids, heads
+        self.future: Future = Future()
+        self.write = self.event = self.aux = None
+        self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
+
+
+class Lander:
+    """The landing threads of one decode endpoint (module doc): a launcher that copies and queues
+    messages, and a watcher that sleeps on the oldest queued message's event and completes
+    messages as the device ends them (so the launcher is never held up by an event unless a
+    pinned buffer must be reused).
+
+    Parameters
+    ----------
+    ops : FrameOps
+        The device kernels (``verify_scatter``).
+    stream : torch.cuda.Stream or None
+        The endpoint's copy stream (None: CPU caches).
+    pool : PinnedPool
+        Pinned buffers for frames that were not received into one.
+    executor : ThreadPoolExecutor, optional
+        Threads that copy the pieces of a message into its pinned buffer in parallel (the
+        endpoint's copy workers, ``workers`` of them: a message is cut in as many pieces, at most
+        ``piece_bytes`` and at least ``MIN_PIECE_BYTES`` each, so all of them copy at once); None:
+        the launcher copies them.
+    report : callable(list of (LandJob, Exception or None))
+        Called on a landing thread with finished messages (None: written; CorruptFrameError: a
+        frame did not match, nothing written; other: the landing failed).
+    alive : callable(LandJob) -> bool
+        False when the message's pull is no longer pending (the message is dropped unwritten).
+    """
+
+    def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
+                 piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0,
+                 name: str = "kvc-decode-land") -> None:
+        self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
+        self.executor, self.workers = executor, workers
+        self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
+        self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}   # read by bench.transfer
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
+        self._cv = threading.Condition()   # popped by the watcher only
+        self._closing = False
+        self._aux_free: list = []          # pinned [aux_words(AUX_FRAMES)] int64 buffers (CUDA caches)
+        self._threads = [threading.Thread(target=self._launcher, name=name, daemon=True),
+                         threading.Thread(target=self._watcher, name=f"{name}-wait", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: LandJob) -> None:
+        """Queue a message (any thread; the I/O thread in practice)."""
+        self._q.put(job)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Land what is queued, then stop both threads (bounded waits)."""
+        self._q.put(None)
+        self._threads[0].join(timeout_s)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._threads[1].join(timeout_s)
+
+    # ---- launcher thread -------------------------------------------------------------
+    def _launcher(self) -> None:
+        while True:
+            try:
+                job = self._q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            try:
+                if not self.alive(job):
+                    self._drop(job)
+                    continue
+                t0 = time.perf_counter()
+                with self._cv:   # every buffer may still be read by the device: wait for the oldest to end
+                    while len(self._inflight) >= self.max_inflight:
+                        self._cv.wait(1.0)
+                self.stage_s["wait"] += time.perf_counter() - t0
+                self._launch(job)
+            except Exception as e:
+                self._drop(job)
+                self._send([(job, e)])   # the pull fails with it (write_error)
+
+    def _launch(self, job: LandJob) -> None:
+        total = sum(job.h.nbytes)
+        if job.host is None:
+            job.host, job.owned = self.pool.acquire(total), True
+        if self.stream is not None and len(job.h.nbytes) <= AUX_FRAMES:
+            try:
+                job.aux = self._aux_free.pop()
+            except IndexError:
+                job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
+        piece = self.piece_bytes
+        if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
+            piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
+        t0 = time.perf_counter()
+        try:
+            job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
+                                     frames=job.frames, piece_bytes=piece, timings=self.stage_s,
+                                     aux=job.aux, executor=self.executor, ready=job.ready)
+            job.event = _record(self.stream)
+        except BaseException:
+            if self.stream is not None:
+                self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
+            raise
+        finally:
+            self.stage_s["launch"] += time.perf_counter() - t0
+            self.stage_s["messages"] += 1
+        job.frames = None               # ZeroMQ's buffers go back now
+        with self._cv:
+            self._inflight.append(job)
+            self._cv.notify_all()
+
+    # ---- watcher thread --------------------------------------------------------------
+    def _watcher(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inflight and not self._closing:
+                    self._cv.wait(1.0)
+                if not self._inflight:
+                    return
+                oldest = self._inflight[0]
+            err = None
+            try:
+                if oldest.event is not None:
+                    oldest.event.synchronize()   # blocking event: this thread sleeps
+            except Exception as e:   # a device error: this message fails its pull
+                err = e
+            with self._cv:   # the oldest and every later message the device has ended too
+                done = [oldest]
+                for job in list(self._inflight)[1:]:
+                    try:
+                        if job.event is not None and not job.event.query():
+                            break
+                    except Exception:   # its error surfaces when it is the oldest (synchronize)
+                        break
+                    done.append(job)
+            out = []
+            for job in done:
+                e = err if job is oldest else None
+                if e is None:
+                    try:
+                        e = job.write.error()
+                    except Exception as x:
+                        e = x
+                dropped = self._drop(job)    # buffer back to the pool before the launcher may need it
+                out.append((job, e if e is not None else dropped))
+            with self._cv:
+                for _ in done:
+                    self._inflight.popleft()
+                self._cv.notify_all()
+            self._send(out)
+
+    # ---- either thread ---------------------------------------------------------------
+    def _drop(self, job: LandJob) -> Exception | None:
+        """The device no longer reads this message's buffers: hand them back, settle its future.
+        Returns what handing the buffer back raised, if anything (the message then fails its pull)."""
+        job.frames = None
+        err = None
+        if job.aux is not None:
+            aux, job.aux = job.aux, None
+            self._aux_free.append(aux)
+        if job.owned and job.host is not None:
+            host, job.host = job.host, None
+            try:
+                self.pool.release(host)
+            except Exception as e:
+                err = e
+        if not job.future.done():
+            job.future.set_result(None)
+        return err
+
+    def _send(self, done: list) -> None:
+        if done:
+            try:
+                self.report(done)
+            except Exception:   # the endpoint is closing (its loop is gone): nobody to tell
+                pass
