@@ -130,30 +130,6 @@ def test_2d_block_sizes_strides_and_offset_widths(mode, offs_i64, monkeypatch):
                   tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=True)))
 
 
-@pytest.mark.parametrize("mode", [MODES[0], MODES[1]])
-def test_lazy_rescale_matches_oracle(mode, monkeypatch):
-    """``prefill_2d.LAZY_RESCALE`` (the accumulator rescaled only when a row max grows past
-    ``RESCALE_SLACK``) against the oracle: the batch of every shape with a few keys made 40x
-    larger late in their sequences (row maxima jump by far more than the slack there), with and
-    without edge-only masking, a window with softcap, and split decode (segment max and sum)."""
-    from kernels.attention import prefill_2d
-    monkeypatch.setattr(prefill_2d, "LAZY_RESCALE", True)
-    c = make_case(mode, torch.bfloat16, Q_LENS, K_LENS, num_q_heads=8, num_kv_heads=2, head_size=64, seed=11)
-    views, table = c["views"], c["block_table"]
-    for seq, pos in [(1, 50), (4, 60), (6, 120), (6, 160)]:  # K_LENS: 58, 64, 171
-        blk, slot = int(table[seq, pos // 16]), pos % 16
-        if views.k_scale_cache is None:
-            views.key_cache[blk, slot] *= 40
-        else:
-            views.k_scale_cache[blk, slot] *= 40
-    for edges in (False, True):
-        run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 32, mask_edges_only=edges)))
-    run_and_check(c, causal=False, window=(30, 2), softcap=30.0,
-                  tuning=Tuning(path=Path.PREFILL_2D, tiling=Tiling(64, 16, mask_edges_only=True)))
-    d = make_case(mode, torch.bfloat16, [1, 1, 1], [70, 23, 130], num_q_heads=4, num_kv_heads=2, seed=12)
-    run_and_check(d, num_par_softmax_segments=4, tuning=Tuning(path=Path.PREFILL_2D))
-
-
 def test_register_caps_only_where_they_fit():
     """``prefill_2d.reg_cap``: the 128 x 32, 8-warp tiling compiles under 128 registers (two
     programs per SM) only over 16-bit caches of head size <= 128; scaled caches and wider heads

@@ -22,9 +22,6 @@ from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
 
 
-RESCALE_SLACK = tl.constexpr(8.0)  # LAZY_RESCALE: log2 units a row's reference max may lag its true max
-
-
 # Grid: (num_tokens // BLOCK_Q - q_block_base + num_seqs, num_kv_heads, NUM_SEGMENTS), program 0 at q block
 # q_block_base (the chunk half of a mixed call starts after the decode rows). One program: one q
 # tile of one sequence x one KV head x one segment of the visible keys, streamed TILE keys at a
@@ -60,7 +57,6 @@ def _attn_kernel(
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
     OFFS_I64: tl.constexpr = True,     # K/V element offsets need int64 (else int32 address math)
     SAME_KV_STRIDES: tl.constexpr = False,  # K and V share every stride: one offset tensor serves both
-    LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows past RESCALE_SLACK
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
@@ -144,35 +140,20 @@ def _attn_kernel(
             s = apply_softcap(s * s_scale, softcap) * LOG2E
             s_scale = 1.0
         s = mask_scores(s, t, f0, f1, q_pos, k_pos, k_hi, n_ok, window_left, window_right, CAUSAL, MASK_EDGES)
-        m_tile = tl.max(s, 1) * s_scale  # s_scale > 0: the max commutes with it
-        if LAZY_RESCALE:
-            # m_i: each row's reference max (log2 units), moved only when some row's tile max
-            # passes it by more than RESCALE_SLACK, so most tiles skip the accumulator rescale
-            # (one CTA-wide reduction decides); p stays <= 2 ** RESCALE_SLACK
-            if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))  # 0 before a row's first key
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s * s_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i += tl.sum(p, 1)
-        else:
-            m_new = tl.maximum(m_i, m_tile)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-            p = tl.exp2(s * s_scale - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)  # s_scale > 0: the max commutes with it
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s * s_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
         if SCALED:
             vs = tl.load(v_scale_ptr + blk * stride_vs_b + slot * stride_vs_s + kv_head * stride_vs_h,
                          mask=n_ok, other=0.0)
             vs_max = tl.maximum(tl.max(vs, 0), 1e-30)
             p = p * (vs / vs_max)[None, :]
-            acc += tl.dot(to_dot(p, DOT), v) * vs_max
+            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v) * vs_max
         else:
-            acc += tl.dot(to_dot(p, DOT), v)
+            acc = acc * alpha[:, None] + tl.dot(to_dot(p, DOT), v)
+        m_i = m_new
 
     if SPLIT:
         row = (tok * NUM_Q_HEADS + head) * NUM_SEGMENTS + seg_idx
@@ -193,11 +174,6 @@ OFFS_I32_MAX = 2 ** 31 - 1  # K/V/scale element offsets up to this are computed 
 # <= 128. sm_90 SASS (triton 3.6): 128 x 32 with 8 warps compiles to 158 registers uncapped (one
 # program per SM) and to 128 with no spill and the same wgmma issue under the cap.
 REG_CAPS = {(128, 32, 8): 128}
-# The 2D kernel's LAZY_RESCALE (16-bit P stays <= 256, fp32 sums): per key tile it trades the
-# accumulator rescale (head_size / 2 FMULs per thread at 4 warps per 64 rows) for a CTA-wide
-# reduction with two barriers; sm_90 SASS: interior-tile loop 405 -> 366 instructions per warp at
-# 64 x 64, 367 -> 324 at 128 x 64 (head 128). Off until timed.
-LAZY_RESCALE = False
 
 
 def reg_cap(tiling, mode: KVQuantMode, head_pad: int):
@@ -286,5 +262,5 @@ def launch_2d(call, plan) -> None:
             common.update(maxnreg=cap)
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            OFFS_I64=max(max_offset(x) for x in (k, v, ks, vs)) > OFFS_I32_MAX,
-                           SAME_KV_STRIDES=k.stride() == v.stride(), LAZY_RESCALE=LAZY_RESCALE,
+                           SAME_KV_STRIDES=k.stride() == v.stride(),
                            IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
