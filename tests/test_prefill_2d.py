@@ -32,7 +32,7 @@ from bench import kernels_table
 from kernels._jit import dual_jit
 from kernels.attention import CPU, H200, Path, Rotate, Tiling, Tuning, attention_plan
 from kernels.attention.common import full_tiles
-from kernels.attention.plan import DEQUANT_MIN_Q_TILES
+from kernels.attention.plan import BIG_PREFILL, DEQUANT_MIN_Q_TILES
 from layouts import KVQuantMode
 from test_attention_kernels import expected_launches, launched, make_case, run_and_check  # noqa: F401 (fixture)
 
@@ -244,6 +244,40 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
     given = Tiling(64, 64)
     asked = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(tiling=given))
     assert asked.tiling == given  # a tiling the caller gives is used as given
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_long_16_bit_chunks_take_the_big_tiling_on_a_gpu(mode):
+    """``BIG_PREFILL`` where the 2D kernel reads 16-bit rows on a GPU (a bf16 cache, or a context
+    dequantized first) at head_size <= 128 with at least its block_m query rows per sequence;
+    64 x 64 below that row count, at head_size 256, for the fused quantized kernel, on the CPU."""
+    bm, tile, warps, stages = BIG_PREFILL
+    big = dict(block_m=bm, tile=tile, num_warps=warps, num_stages=stages)
+    tokens = DEQUANT_MIN_Q_TILES * 16  # dequantized first (see above): 256 query rows per sequence at group 4
+    long = kernels_table.plan(mode, 2, 4096, H200, q_len=tokens)
+    assert {k: getattr(long.tiling, k) for k in big} == big and long.tiling.mask_edges_only, long
+    assert f"{bm} x {tile} tiles" in long.why, long.why
+    few = kernels_table.plan(mode, 2, 4096, H200, q_len=bm // 4 - 1)  # group 4: fewer than bm rows
+    assert (few.tiling.block_m, few.tiling.tile) == (64, 64), few
+    wide = kernels_table.plan(mode, 2, 4096, H200, head_size=256, q_len=tokens)
+    assert (wide.tiling.block_m, wide.tiling.tile) == (64, 64), wide
+    cpu = kernels_table.plan(mode, 2, 4096, CPU, q_len=tokens)
+    assert (cpu.tiling.block_m, cpu.tiling.tile) == (64, 64), cpu
+    if mode != KVQuantMode.NONE:
+        fused = kernels_table.plan(mode, 2, 4096, H200, q_len=tokens, tuning=Tuning(dequant_max_bytes=0))
+        assert (fused.tiling.block_m, fused.tiling.tile) == (64, 64) and not fused.tiling.dequant_first, fused
+
+
+@pytest.mark.parametrize("mode", [KVQuantMode.NONE, KVQuantMode.INT4_PER_TOKEN_HEAD])
+def test_big_tiling_matches_oracle(mode):
+    """The ``BIG_PREFILL`` tiling (edges-only masking; INT4 dequantized first) against the oracle
+    on a causal chunk whose length is not a tile multiple, with a window and softcap too."""
+    bm, tile, warps, stages = BIG_PREFILL
+    tiling = Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True,
+                    dequant_first=mode != KVQuantMode.NONE)
+    c = make_case(mode, torch.bfloat16, [70, 45], [70 + 150, 45 + 9], num_q_heads=8, num_kv_heads=2, head_size=64)
+    run_and_check(c, tuning=Tuning(tiling=tiling))
+    run_and_check(c, causal=False, window=(60, 5), softcap=8.0, tuning=Tuning(tiling=tiling))
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
