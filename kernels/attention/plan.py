@@ -331,9 +331,10 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
     over a quantized cache the context dequantized first where it pays (:data:`DEQUANT_MIN_Q_TILES`
     query tiles per sequence) and its scratch fits ``tuning.dequant_max_bytes``; ``why`` says which."""
     block_m = max(PREFILL_BLOCK_M, next_pow2(call.group))
+    rows = (call.q.shape[0] - call.first_token) * call.group / call.num_seqs  # query rows per sequence
     dequant = False
     if call.mode != KVQuantMode.NONE:
-        tiles = (call.q.shape[0] - call.first_token) * call.group / (block_m * call.num_seqs)
+        tiles = rows / block_m
         need = D.scratch_bytes(call, interpreted=facts.type == "cpu")
         cap = tuning.dequant_max_bytes
         if tiles < DEQUANT_MIN_Q_TILES:
@@ -347,7 +348,6 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
             dequant = True
             why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
                        f"{DEQUANT_MIN_Q_TILES}; {need / 2**20:.1f} MiB of scratch)")
-    rows = (call.q.shape[0] - call.first_token) * call.group / call.num_seqs
     if (facts.type == "cuda" and (call.mode == KVQuantMode.NONE or dequant) and call.head_size <= 128
             and rows >= BIG_PREFILL[0] and block_m <= BIG_PREFILL[0]):
         why.append(f"{BIG_PREFILL[0]} x {BIG_PREFILL[1]} tiles over 16-bit rows ({rows:.0f} query rows per sequence)")

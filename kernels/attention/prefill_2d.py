@@ -17,7 +17,6 @@ from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, mask_scores,
                      q_block_program, to_dot)
 from .plan import Rotate
-from .prefill_dequant import dequantized_call
 from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
 
@@ -195,13 +194,11 @@ INT4_ROT_WHOLE = 128  # largest head size whose in-kernel INT4 rotations take th
 def launch_2d(call, plan) -> None:
     """Launch the 2D kernel (``_attn_kernel``, or ``prefill_2d_int4._attn_int4_kernel`` on INT4
     caches) on ``call``: grid (q tiles, KV heads, segments); with more than one segment it writes
-    ``call``'s segment buffers (allocated), else ``call.out``. ``Tiling.dequant_first`` (one
-    segment, quantized cache): ``prefill_dequant`` converts the blocks first, then ``_attn_kernel``
-    reads them as a bf16/fp16 cache. INT4 with ``plan.rotate`` TRITON / GLUON: the query is
-    rotated first (``rotate_query``) and the kernel reads it (``Q_ROTATED``)."""
+    ``call``'s segment buffers (allocated), else ``call.out``. A ``Tiling.dequant_first`` plan
+    arrives as the call over its 16-bit scratch cache (``run.run_plan`` converted it). INT4 with
+    ``plan.rotate`` TRITON / GLUON: the query is rotated first (``rotate_query``) and the kernel
+    reads it (``Q_ROTATED``)."""
     tiling = plan.tiling
-    if tiling.dequant_first and tiling.num_segments == 1 and call.mode != KVQuantMode.NONE:
-        call = dequantized_call(call)  # the same call over a bf16 scratch cache (prefill_dequant.py)
     q, k, v, out = call.q, call.k, call.v, call.out
     num_tokens, num_q_heads = q.shape[:2]
     num_seqs = call.num_seqs

@@ -195,14 +195,6 @@ def tile_rows(mode: int, head_size: int, block_size: int, num_kv_heads: int) -> 
     return max(16, rows) if mode == MODE_INT4.value else rows
 
 
-def bench_constexprs(mode: int, head_size: int, block_size: int, num_kv_heads: int) -> tuple:
-    """``(constexprs, num_warps)`` of a GPU launch (the offline sm_90 build of this kernel reads them)."""
-    align = {MODE_INT4.value: 4, MODE_INT8.value: 4, MODE_FP8.value: 4}[mode]
-    return dict(NUM_KV_HEADS=num_kv_heads, HEAD=head_size, BLOCK_SIZE=block_size,
-                ROWS=tile_rows(mode, head_size, block_size, num_kv_heads), BLOCKS=BLOCKS[mode], MODE=mode,
-                KV_ALIGN=align, F16=True, **_chunks(mode, head_size)), NUM_WARPS
-
-
 def reads(call) -> bool:
     """Whether :func:`dequantized_call` serves ``call``: a per-token-head mode and a power-of-two
     head size (its row tiles are powers of two); INT4 from DOT_ROT (32) to 16 DOT_ROT (512)."""
@@ -216,7 +208,7 @@ def _blocks_per_seq(call) -> int:
     return min(call.block_table.shape[1], cdiv(call.max_seqlen_k, call.k.shape[1]))
 
 
-def _scratch_dtype(call, interpreted: bool) -> torch.dtype:
+def _scratch_dtype(interpreted: bool) -> torch.dtype:
     return torch.float32 if interpreted else torch.float16
 
 
@@ -226,7 +218,7 @@ def scratch_bytes(call, interpreted: bool = False) -> int:
     ``interpreted``), and an fp16 copy of a bf16 query."""
     k = call.k
     rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
-    size = _scratch_dtype(call, interpreted).itemsize
+    size = _scratch_dtype(interpreted).itemsize
     q_copy = 0 if interpreted or call.q.dtype == torch.float16 else call.q.numel() * 2
     return 2 * rows * call.head_size * size + q_copy
 
@@ -242,7 +234,7 @@ def dequantized_call(call):
     per_seq = _blocks_per_seq(call)
     num_seqs = call.num_seqs
     interpreted = interpreting(call.q)
-    dtype = _scratch_dtype(call, interpreted)
+    dtype = _scratch_dtype(interpreted)
     shape = (num_seqs * per_seq, block_size, num_kv_heads, call.head_size)
     k_out = torch.empty(shape, dtype=dtype, device=k.device)
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
