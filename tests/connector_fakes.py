@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import zmq
 
+from kvconnector import DecodeEndpoint
 from kvconnector.blocks import gather_blocks
 from kvconnector.protocol import Header, MsgType, decode_header, encode_header, encode_message
-from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
+from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutDescriptor
 
 
 def make_desc(mode=KVQuantMode.INT4_PER_TOKEN_HEAD, head_size=32, num_kv_heads=2, block_size=4,
@@ -27,6 +29,23 @@ def filled_caches(desc, seed):
         c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
         out.append(c)
     return out
+
+
+def refused_pull(desc, script, match):
+    """Pull blocks 2 and 3 from a :class:`FakePrefill` playing ``script`` into seeded caches; the
+    pull must fail with a CorruptFrameError matching ``match``. Returns (that error, the
+    destination caches, a copy of them taken before the pull)."""
+    fake = FakePrefill(desc, filled_caches(desc, 0), script)
+    dst = filled_caches(desc, 1)
+    before = [c.clone() for c in dst]
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            with pytest.raises(CorruptFrameError, match=match) as exc:
+                dec.pull("t", [2, 3], deadline_s=5).result(timeout=5)
+    finally:
+        fake.close()
+    return exc.value, dst, before
 
 
 class FakePrefill:

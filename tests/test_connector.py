@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from connector_fakes import FakePrefill, filled_caches, make_desc
+from connector_fakes import FakePrefill, filled_caches, make_desc, refused_pull
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.protocol import PROTOCOL_VERSION, Header, MsgType, decode_header, encode_header, encode_message
 from layouts import (CorruptFrameError, KVQuantMode, LayoutMismatchError, PeerError, ProtocolVersionError,
@@ -264,18 +264,9 @@ def test_multi_layer_message_overlapping_a_received_layer_fails():
     def script(send, h, fake):
         send(fake.blocks(h.tid, 1, 0, 2))                # layer 1, both positions
         send(fake.multi_blocks(h.tid, 0, 2, 0, 2))       # layers 0..1: layer 1 again
-    fake = FakePrefill(desc, filled_caches(desc, 0), script)
-    dst = filled_caches(desc, 1)
-    before = [c.clone() for c in dst]
-    try:
-        with DecodeEndpoint(dst, desc) as dec:
-            dec.connect(fake.endpoint, timeout_s=5)
-            with pytest.raises(CorruptFrameError, match="overlap") as exc:
-                dec.pull("t", [2, 3], deadline_s=5).result(timeout=5)
-            assert exc.value.failed_block_ids == [2, 3]        # layer 0 never landed
-            assert torch.equal(_bytes(dst[0]), _bytes(before[0]))
-    finally:
-        fake.close()
+    err, dst, before = refused_pull(desc, script, "overlap")
+    assert err.failed_block_ids == [2, 3]        # layer 0 never landed
+    assert torch.equal(_bytes(dst[0]), _bytes(before[0]))
 
 
 def test_duplicate_reordered_and_late_frames_are_ignored():
