@@ -2,10 +2,11 @@
 
 For each head size and token count: the default INT4 path checked against the oracle with an
 offset (rows differing, max |Δ dequantized| in scales: the tensor-core path's tie rows only),
-then ``rounds`` rounds that time the plain write and the offset write alternately (the order
-flips every round, so drift of clocks or temperature falls on both), each the median of CUDA-
-graph replays over input sets that leave the L2 cold. Prints the median of the rounds for each
-and the difference. Run: ``python -m bench.write --key-offset [--tokens ...] [--head-sizes ...]``.
+then ``rounds`` rounds that time the plain write, the offset write (default: on the GPU the
+int4-mma kernel loads each lane's offsets once inside its tensor-core asm) and the offset write
+loading each row's offsets as a tile (``MmaTuning(lane_offsets=False)``, GPU only) in a rotating
+order (drift of clocks or temperature falls on all), each the median of CUDA-graph replays over
+input sets that leave the L2 cold. Prints the median of the rounds for each and the differences. Run: ``python -m bench.write --key-offset [--tokens ...] [--head-sizes ...]``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import torch
 
 from kernels.reference import reference_reshape_and_cache
-from kernels.write import reshape_and_cache_int4
+from kernels.write import MmaTuning, reshape_and_cache_int4
 from bench import write as bw
 
 
@@ -25,9 +26,9 @@ def _offset(head_size, device, seed=0):
     return (torch.randn(bw.NUM_KV_HEADS, head_size, generator=g) * 2).to(device)  # [H, d] float32
 
 
-def _int4(key, value, slots, views, key_offset=None):
+def _int4(key, value, slots, views, key_offset=None, tuning=None):
     reshape_and_cache_int4(key, value, views.key_cache, views.value_cache, slots, views.k_scale_cache,
-                           views.v_scale_cache, check_slots=False, key_offset=key_offset)
+                           views.v_scale_cache, check_slots=False, key_offset=key_offset, tuning=tuning)
 
 
 def check_offset(head_size, num_tokens, device):
@@ -53,25 +54,32 @@ def run_key_offset(args, device, rounds: int = 6) -> list:
     print(f"\n## INT4 write, key offset vs none, on {name}\n\ncommand: `{' '.join(sys.argv)}`; "
           f"{bw.NUM_KV_HEADS} kv heads, block_size {bw.BLOCK_SIZE}, bf16 inputs, slots: {args.slots}; "
           f"{rounds} interleaved rounds, median of each\n")
+    tiles = device.type == "cuda"  # the row-tile variant differs from the default on the GPU only
     print("| tokens | head_size | path | rows ≠ oracle (offset) | max Δ (scales) | µs none | µs offset | Δ | "
-          "GB/s none | GB/s offset |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          + ("µs offset, row tiles | Δ | " if tiles else "") + "GB/s none | GB/s offset |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if tiles else "") + "---:|---:|")
     results = []
     for head_size in args.head_sizes:
         path = bw._plan("int4", head_size, device.type == "cuda").path
         rows, err = check_offset(head_size, args.tokens[0], device)
         m = _offset(head_size, device)
+        row_tiles = MmaTuning(lane_offsets=False) if path == "int4-mma" else None
         for num_tokens in args.tokens:
             nbytes, sets = bw.timing_sets("int4", num_tokens, head_size, device, args.slots)
             fns = {None: bw._each(sets, lambda k, v, s, c, views: _int4(k, v, s, views)),
                    "offset": bw._each(sets, lambda k, v, s, c, views: _int4(k, v, s, views, m))}
-            times = {None: [], "offset": []}
+            if tiles:
+                fns["tiles"] = bw._each(sets, lambda k, v, s, c, views: _int4(k, v, s, views, m, row_tiles))
+            names = list(fns)
+            times = {name: [] for name in names}
             for r in range(rounds):
-                for which in ((None, "offset") if r % 2 == 0 else ("offset", None)):
+                for which in names[r % len(names):] + names[:r % len(names)]:
                     times[which].append(bw._time_us(fns[which], device, len(sets)))
-            plain, smooth = statistics.median(times[None]), statistics.median(times["offset"])
-            results.append((num_tokens, head_size, plain, smooth))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            plain, smooth = med[None], med["offset"]
+            results.append((num_tokens, head_size, plain, smooth, med.get("tiles")))
+            extra = (f"{med['tiles']:.2f} | {100 * (med['tiles'] / plain - 1):+.1f}% | " if tiles else "")
             print(f"| {num_tokens} | {head_size} | {path} | {rows} | {err:.2f} | {plain:.2f} | {smooth:.2f} | "
-                  f"{100 * (smooth / plain - 1):+.1f}% | {nbytes / plain / 1e3:.0f} | {nbytes / smooth / 1e3:.0f} |",
+                  f"{100 * (smooth / plain - 1):+.1f}% | {extra}{nbytes / plain / 1e3:.0f} | {nbytes / smooth / 1e3:.0f} |",
                   flush=True)
     return results

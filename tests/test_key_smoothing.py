@@ -11,6 +11,8 @@ at a realistic size, with the tensor-core path's tie rows bounded.
 Run: ``python -m pytest tests/test_key_smoothing.py -q``
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -197,6 +199,68 @@ def test_cuda_offsets_match_oracle(path, d, dtype):
     _assert_ties(geo, ref, got, bound=0 if path == "lanes" else 2 * 4096 * H * 1e-3)
 
 
+def _wide_keys(num_tokens, heads, d, dtype, seed):
+    """(key, m) on the GPU that stress the subtraction ``RN(k - m)``: magnitudes spread over 2**-40 ..
+    2**40 (exponent gaps that make the fp32 difference inexact), equal pairs (``k == m``: +0),
+    signed zeros, and one row each with +Inf, a NaN and an fp16-overflowing difference."""
+    g = torch.Generator().manual_seed(seed)
+    lim = 14 if dtype == torch.float16 else 40
+
+    def wide(*shape):
+        mag = torch.exp2(torch.randint(-lim, lim + 1, shape, generator=g).float()) * (1 + torch.rand(shape, generator=g))
+        return torch.where(torch.rand(shape, generator=g) < 0.5, -mag, mag)
+    m = wide(heads, d).to(dtype)
+    key = wide(num_tokens, heads, d).to(dtype)
+    same = torch.rand(num_tokens, heads, d, generator=g) < 0.05
+    key = torch.where(same, m.expand_as(key), key)
+    key[0, 0, :8] = -0.0
+    m[0, 8:16] = -0.0
+    key[1, 0, 3] = float("inf")
+    key[2, 0, 5] = float("nan")
+    big = torch.finfo(dtype).max
+    key[3, 0, :] = big
+    m[0, 0] = -big if dtype == torch.float16 else m[0, 0]
+    return key.cuda(), m.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["h64", "h128", "h256"])
+@pytest.mark.parametrize("heads", [1, 2, 8, 16], ids=["H1", "H2", "H8", "H16"])
+def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
+    """On the GPU: the int4-mma kernel with lane offsets (one 16-byte load per lane and part,
+    ``fma.rn(m, -1, k)`` on packed pairs inside the tensor-core asm), its programs looping over
+    tiles or not, writes the same bytes as the same kernel loading each row's offsets and
+    subtracting in fp32 (the oracle's ``smooth_keys``), on keys and offsets built to break a wrong
+    subtraction; all feed identical rows to the same rotation, so any difference is the
+    subtraction's (or a lane reading another head's offsets)."""
+    from kernels.write.plan import write_plan
+    n = 8192
+    key, m = _wide_keys(n, heads, d, dtype, seed=heads * d)
+    value = torch.randn(n, heads, d, device="cuda").to(dtype)
+    slots = torch.randperm(n + BS, device="cuda")[:n]
+    slots[::97] = -1
+    geo = CacheGeometry(M.INT4_PER_TOKEN_HEAD, d, heads, BS, dtype)
+    base = MmaTuning(*MMA_TILING[d])
+    variants = {"loop": dataclasses.replace(base, offset_programs_per_sm=1),
+                "one tile each": dataclasses.replace(base, offset_programs_per_sm=0),
+                "row tiles": dataclasses.replace(base, lane_offsets=False)}
+    out = {}
+    for name, tuning in variants.items():
+        c = geo.new_cache(n // BS + 1, "cuda")
+        c.view(torch.uint8).fill_(POISON)
+        v = split_kv_cache(c, M.INT4_PER_TOKEN_HEAD, d)
+        plan = write_plan(key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, slots,
+                          M.INT4_PER_TOKEN_HEAD, tuning=tuning, key_offset=m)
+        assert plan.lane_offsets is (name != "row tiles")
+        assert (plan.grid[0] < n * heads // base.rows) is (name == "loop")
+        reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
+                               key_offset=m, tuning=tuning)
+        out[name] = c.view(torch.uint8)
+    assert not torch.equal(out["row tiles"], torch.full_like(out["row tiles"], POISON))
+    assert torch.equal(out["loop"], out["row tiles"]) and torch.equal(out["one tile each"], out["row tiles"])
+
+
 def test_bench_key_offset_smoke(capsys):
     """``python -m bench.write --key-offset --quick`` runs on CPU: the offset write equals the
     oracle's (0 rows differing) and both variants are timed."""
@@ -206,15 +270,17 @@ def test_bench_key_offset_smoke(capsys):
     assert len(row) == 1 and row[0].split("|")[4].strip() == "0", row
 
 
-def _sm90_ttgir(kernel, mma, offset, d=128):
+def _sm90_ttgir(kernel, mma, offset, d=128, lane=False, loop=False):
     """TTGIR of a lanes / mma write kernel compiled for sm_90 on this machine (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.compiler.errors import CompilationError
     fn = kernel.compiled
     names = fn.arg_names
     consts = dict(ROWS=64, D=d, PARTS=d // 32 if mma else 4, INTERPRET=False, CACHE_ALIGN=4, NUM_KV_HEADS=8,
-                  BLOCK_SIZE=16, CONTIG=True, FAST_RCP=True, OFFSET=offset, WARPS=4, PACKED=True)
+                  BLOCK_SIZE=16, CONTIG=True, FAST_RCP=True, OFFSET=offset, WARPS=4, PACKED=True, LANE_M=lane,
+                  LOOP=loop)
     consts["LOG2_N"] = (d // consts["PARTS"]).bit_length() - 1
     ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_offset_ptr": "*bf16", "key_cache_ptr": "*u8",
             "value_cache_ptr": "*u8", "k_scale_ptr": "*i32", "v_scale_ptr": "*i32", "slot_mapping_ptr": "*i64",
@@ -226,6 +292,8 @@ def _sm90_ttgir(kernel, mma, offset, d=128):
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=4, enable_fp_fusion=False))
+    except CompilationError:  # the kernel's own source: a failure, not a missing toolchain
+        raise
     except Exception as e:  # no CUDA toolchain (ptxas) in this environment
         pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}")
     return compiled.asm["ttgir"]
@@ -245,3 +313,48 @@ def test_offset_loads_share_the_rows_layout(mma):
     assert len(loads[1]) == len(loads[0]) + 4 and len(set(loads[1])) == 1, loads  # 4 parts of 32: 4 offset loads
     assert smooth.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
     assert smooth.count("scf.if") == plain.count("scf.if")  # predicated loads, no branch per part
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["tile", "loop"])
+def test_lane_offsets_load_once_per_lane_in_the_mma_asm(loop):
+    """With lane offsets (8 KV heads divide the layout's row period) the int4-mma kernel loads no
+    offset tile: one asm per part loads its lane's 8 offsets (one predicated 16-byte
+    ``ld.global.nc``), the tensor-core asm subtracts them on packed pairs before the sign flip;
+    the rows' loads and layouts are those of the kernel without offsets, no layout conversion is
+    added, and with ``LOOP`` the offset loads stay outside the loop over tiles."""
+    import re
+    from kernels.write.int4_lanes import _reshape_and_cache_int4_mma_kernel as kernel
+    plain, lane = _sm90_ttgir(kernel, True, False), _sm90_ttgir(kernel, True, True, lane=True, loop=loop)
+    pattern = r"tt\.load %[^:]* : tensor<64x32x!tt\.ptr<bf16>, (#\w+)>"
+    assert set(re.findall(pattern, lane)) == set(re.findall(pattern, plain))
+    extra = len(re.findall(pattern, lane)) - len(re.findall(pattern, plain))
+    assert extra == (4 if loop else 0)  # the parts' sign bits again, before the loop (else one load serves both)
+    assert lane.count("ld.global.nc.v4.b32") == 4 and plain.count("ld.global.nc") == 0  # 4 parts of 32
+    assert lane.count("fma.rn.bf16x2") == 4 * 8 and lane.count("and.b32 o, o, 7;") == 4
+    assert lane.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
+    if loop:
+        body = lane[lane.index("scf.for"):]
+        assert "ld.global.nc" not in body and "fma.rn.bf16x2" in body
+
+
+@pytest.mark.parametrize("heads, rows, warps, want", [
+    (8, 32, 2, True), (16, 32, 2, True), (4, 32, 2, True), (1, 32, 2, True), (2, 64, 4, True),
+    (3, 32, 2, False), (32, 32, 2, False), (16, 32, 1, False), (16, 8, 2, False)])
+def test_lane_offsets_rule(heads, rows, warps, want):
+    """The per-lane offset load applies exactly when every row of a lane has one head
+    (``num_kv_heads`` divides 8·warps and the tile's rows); otherwise the kernel loads each row's
+    offsets (3 KV heads, as SmolLM2-135M, is one such model). The plan says which, and loops its
+    programs over tiles only then."""
+    from kernels.write.checks import WriteShape
+    from kernels.write.plan import _plan, lane_offsets_fit
+    assert lane_offsets_fit(heads, rows, warps) is want
+    shape = WriteShape(65536, heads, 128, 65536 * heads // BS, BS)
+    tuning = MmaTuning(rows=rows, num_warps=warps) if rows % (16 * warps) == 0 else None
+    if tuning is None:
+        return
+    plans = {smooth: _plan(M.INT4_PER_TOKEN_HEAD, 128, 65536 * heads, True, 132, True, (1.0,), tuning, shape, smooth)
+             for smooth in (False, True)}
+    assert plans[True].lane_offsets is want and plans[False].lane_offsets is False
+    tiles = 65536 * heads // rows
+    assert plans[False].grid == (tiles, 2)
+    assert plans[True].grid == ((min(tiles, 132 * plans[True].tuning.offset_programs_per_sm) if want else tiles), 2)

@@ -43,11 +43,12 @@ import triton.language as tl
 from layouts import rht_signs
 from layouts.rotation import rht_sign_seed
 
-from .._jit import dual_jit
+from .._jit import cdiv, dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
                           pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal, to_model_dtype)
-from .int4_mma import PACKED_CODES_BF16, PACKED_CODES_F16, mma_b_operands, mma_part, mma_table, packed_range
+from .int4_mma import (MMA_N, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offsets_part, mma_b_operands, mma_part,
+                       mma_part_sub, mma_table, packed_range)
 from .plan import WriteArgs, WritePlan, launch
 from .tuning import MMA_COLS
 
@@ -132,7 +133,7 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
                   INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
-                  m_row, smooth, OFFSET: tl.constexpr):
+                  m_row, smooth, OFFSET: tl.constexpr, LANE_M: tl.constexpr):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
     ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``b0``/``b1`` its B words).
@@ -140,36 +141,44 @@ def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, L
     dtype) are subtracted first, in fp32, rounded back to the model dtype (the oracle's
     ``smooth_keys``), so the rotation below takes the same model-dtype rows either way. The
     offsets are loaded with the same shape, element size and contiguity as ``x``, hence in its
-    layout: the rotation's inline asm receives the same lane arrangement."""
+    layout: the rotation's inline asm receives the same lane arrangement.
+    ``LANE_M`` (MMA on the GPU, every row of a lane of one head): ``m_row`` is this part's lane
+    offsets, loaded once per program (``int4_mma.lane_offsets_part``), subtracted inside the
+    tensor-core asm on packed pairs."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
-    if OFFSET:  # predicated, not branched: V programs load nothing and subtract 0 (exact)
-        m = tl.load(m_row + cols[None, :], mask=tl.full([ROWS, N], 1, tl.int1) & smooth, other=0.0)  # [ROWS, N]
-        x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
-    if INTERPRET:
-        r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
-    elif MMA:  # the signs come with the B table
-        r = mma_part(x, tab_ptr, first, b0, b1)
+    if LANE_M and MMA and not INTERPRET:
+        r = mma_part_sub(x, m_row, tab_ptr, first, b0, b1)
     else:
-        sgn = tl.load(sign_ptr + cols)[None, :]
-        r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
-                                      [x, sgn.to(tl.int32, bitcast=True)], dtype=tl.float32, is_pure=True, pack=8)
+        if OFFSET:  # predicated, not branched: V programs load nothing and subtract 0 (exact)
+            m = tl.load(m_row + cols[None, :], mask=tl.full([ROWS, N], 1, tl.int1) & smooth, other=0.0)  # [ROWS, N]
+            x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
+        if INTERPRET:
+            r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
+        elif MMA:  # the signs come with the B table
+            r = mma_part(x, tab_ptr, first, b0, b1)
+        else:
+            sgn = tl.load(sign_ptr + cols)[None, :]
+            r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
+                                          [x, sgn.to(tl.int32, bitcast=True)], dtype=tl.float32, is_pure=True,
+                                          pack=8)
     return r
 
 
 @triton.jit
 def _rotated_quad(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
                   INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
-                  m_row, smooth, OFFSET: tl.constexpr):
-    """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them."""
+                  ma, mb, mc, md, smooth, OFFSET: tl.constexpr, LANE_M: tl.constexpr):
+    """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them
+    (``ma .. md``: the parts' offsets, see ``_rotated_part``'s ``m_row``)."""
     r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
-                       m_row, smooth, OFFSET)
+                       ma, smooth, OFFSET, LANE_M)
     r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
-                       m_row, smooth, OFFSET)
+                       mb, smooth, OFFSET, LANE_M)
     r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1, m_row, smooth, OFFSET)
+                       b0, b1, mc, smooth, OFFSET, LANE_M)
     r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1, m_row, smooth, OFFSET)
+                       b0, b1, md, smooth, OFFSET, LANE_M)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
@@ -245,35 +254,114 @@ def _int4_rows(
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
     MMA: tl.constexpr, WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
+    LANE_M: tl.constexpr, LOOP: tl.constexpr,
 ):
     """The body of both kernels below (their arguments; ``MMA`` picks the rotation of a part).
     Program ``(t, 0)`` quantizes rows ``t·ROWS ..`` of K, ``(t, 1)`` the same rows of V (small
-    per-program state: many programs hide latency).
+    per-program state: many programs hide latency); with ``LOOP`` program ``(p, kv)`` does tiles
+    ``p, p + P, ..`` (``P`` programs along axis 0), so what it loads once serves many tiles.
+
+    ``LANE_M`` (int4-mma on the GPU, every row a lane holds of one head, see
+    ``int4_mma.lane_offsets_part``): each program loads its lanes' key offsets once, 16 bytes
+    per lane and part, before its tiles (K programs; V programs load nothing and subtract +0).
+    """
+    kv = tl.program_id(1) == 0
+    b0 = 0
+    b1 = 0
+    if MMA and not INTERPRET:  # once per program: every part uses the same B words
+        b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
+    m0 = 0
+    m1 = 0
+    m2 = 0
+    m3 = 0
+    m4 = 0
+    m5 = 0
+    m6 = 0
+    m7 = 0
+    if LANE_M and MMA and not INTERPRET:
+        base = tl.where(kv, key_offset_ptr.to(tl.int64), 0)  # 0: nothing loaded, +0 subtracted
+        m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, NUM_KV_HEADS, D, WARPS)
+        m1 = m0
+        m2 = m0
+        m3 = m0
+        if PARTS >= 2:
+            m1 = lane_offsets_part(base, tab_ptr, MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+        if PARTS >= 4:
+            m2 = lane_offsets_part(base, tab_ptr, 2 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+            m3 = lane_offsets_part(base, tab_ptr, 3 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+        m4 = m0
+        m5 = m0
+        m6 = m0
+        m7 = m0
+        if PARTS == 8:
+            m4 = lane_offsets_part(base, tab_ptr, 4 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+            m5 = lane_offsets_part(base, tab_ptr, 5 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+            m6 = lane_offsets_part(base, tab_ptr, 6 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+            m7 = lane_offsets_part(base, tab_ptr, 7 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+    if LOOP:
+        for tile in range(tl.program_id(0), tl.cdiv(num_rows, ROWS), tl.num_programs(0)):
+            _int4_tile(tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
+                       key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+                       slot_mapping_ptr, sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
+                       stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                       stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot,
+                       stride_vc_head, stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block,
+                       stride_vs_slot, stride_vs_head, ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN,
+                       NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
+    else:
+        _int4_tile(tl.program_id(0), kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
+                   key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+                   slot_mapping_ptr, sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
+                   stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                   stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot,
+                   stride_vc_head, stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block,
+                   stride_vs_slot, stride_vs_head, ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN,
+                   NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
+
+
+@triton.jit
+def _int4_tile(
+    tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
+    tab_ptr, key_offset_ptr, num_rows, num_slots,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
+    CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
+    MMA: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr, LANE_M: tl.constexpr,
+):
+    """Rows ``tile·ROWS ..`` of K (``kv``) or V: load, rotate, range, codes, scale.
 
     PARTS (1, 2, 4 or 8): the row is loaded as PARTS column ranges of ``N = D/PARTS``; the same
     lanes hold element ``i`` of every part, each part is transformed by the lanes (or one
     tensor-core product, MMA), and the oracle's last ``log2(PARTS)`` stages (pairs ``N``, ``2N``,
     ``4N`` apart) are in-lane adds and subtracts: fewer shuffle stages, and the per-row work is
     shared by fewer lanes. ``OFFSET``: K programs subtract each row's key offset right after
-    its load (``_rotated_part``), V programs skip it (one uniform branch per program).
+    its load (``_rotated_part``; ``m0 .. m7`` the parts' lane offsets with ``LANE_M``, else each
+    row's offsets are loaded there), V programs subtract nothing.
     """
     N: tl.constexpr = D // PARTS
-    kv = tl.program_id(1) == 0
     x_ptr = tl.where(kv, key_ptr, value_ptr)
     cache_ptr = tl.where(kv, key_cache_ptr, value_cache_ptr)
     scale_ptr = tl.where(kv, k_scale_ptr, v_scale_ptr)
     dtype = x_ptr.dtype.element_ty
-    b0 = 0
-    b1 = 0
-    if MMA and not INTERPRET:  # once per program: every part uses the same B words
-        b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # the launcher keeps rows < 2**31
+    rows = tile * ROWS + tl.arange(0, ROWS)  # the launcher keeps rows < 2**31
     valid = rows < num_rows
     rows = tl.minimum(rows, num_rows - 1)  # a partial tile reads the last row again: no masked loads
     token = rows // NUM_KV_HEADS
     head = rows - token * NUM_KV_HEADS
-    m_row = key_offset_ptr + (head * D)[:, None]  # OFFSET: each row's head offset, [NUM_KV_HEADS, D]
     smooth = kv  # only keys are smoothed
+    if not LANE_M:  # OFFSET: each row's head offsets, [NUM_KV_HEADS, D]
+        m_row = key_offset_ptr + (head * D)[:, None]
+        m0 = m_row
+        m1 = m_row
+        m2 = m_row
+        m3 = m_row
+        m4 = m_row
+        m5 = m_row
+        m6 = m_row
+        m7 = m_row
     if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
         x_row = x_ptr + (rows.to(tl.int64) * D)[:, None]
     else:
@@ -281,24 +369,24 @@ def _int4_rows(
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
         r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                           b0, b1, m_row, smooth, OFFSET)  # [ROWS, N] fp32
+                           b0, b1, m0, smooth, OFFSET, LANE_M)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
             r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
-                               m_row, smooth, OFFSET)
+                               m1, smooth, OFFSET, LANE_M)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
         r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, m_row, smooth, OFFSET)
+                                       tab_ptr, b0, b1, m0, m1, m2, m3, smooth, OFFSET, LANE_M)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
         r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, m_row, smooth, OFFSET)
+                                       tab_ptr, b0, b1, m4, m5, m6, m7, smooth, OFFSET, LANE_M)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6
@@ -362,7 +450,7 @@ def _reshape_and_cache_int4_lanes_kernel(
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               False, 1, False, FAST_RCP, OFFSET)
+               False, 1, False, FAST_RCP, OFFSET, False, False)
 
 
 @dual_jit
@@ -379,17 +467,20 @@ def _reshape_and_cache_int4_mma_kernel(
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
     WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
+    LANE_M: tl.constexpr, LOOP: tl.constexpr,
 ):
     """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
     (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``WARPS`` is ``num_warps``
-    (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs."""
+    (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs, ``LANE_M`` (where
+    :func:`lane_offsets` holds) loads each lane's key offsets once per program and subtracts them
+    in the tensor-core asm, ``LOOP``: each program does every ``P``-th tile (the plan's grid)."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               True, WARPS, PACKED, FAST_RCP, OFFSET)
+               True, WARPS, PACKED, FAST_RCP, OFFSET, LANE_M, LOOP)
 
 
 def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
@@ -414,7 +505,11 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         OFFSET=t.key_offset is not None,
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
+        lane = plan.lane_offsets and t.key_offset is not None
+        if lane and t.key_offset.data_ptr() % 16:  # api.model_dtype_offset makes it so
+            raise ValueError("key_offset: the lane offsets' 16-byte loads need a 16-byte aligned tensor")
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,
-               dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range)))
+               dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range), LANE_M=lane,
+                    LOOP=lane and plan.grid[0] < cdiv(args["num_rows"], tuning.rows)))
     else:
         launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, args)

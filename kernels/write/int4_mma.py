@@ -73,13 +73,20 @@ def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) ->
 
 
 @triton.constexpr_function
-def mma_text(f16):
+def mma_text(f16, sub=False):
     """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23),
     the sign bits $24..$31 and B words $32..$47 in; ``H_32 · (s ⊙ x)`` out in $0..$15 (row g's
-    columns 8t..8t+7, then row g+8's), fp32."""
+    columns 8t..8t+7, then row g+8's), fp32. ``sub``: key offsets in $48..$55 (the same
+    arrangement as x) are subtracted first, ``x - m`` rounded once to the model dtype
+    (:func:`lane_offsets_text` says why that is the oracle's value)."""
     ty = "f16" if f16 else "bf16"
-    lines = ["{", ".reg .b32 a<8>;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
-    lines += [f"xor.b32 a{w}, ${16 + w}, ${24 + w};" for w in range(8)]  # a0..3 row g, a4..7 row g+8
+    lines = ["{", ".reg .b32 a<8>, n1;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
+    if sub:  # fma.rn(m, -1, x) = RN(x - m) on packed pairs, then the sign flip
+        lines.append(f"mov.b32 n1, {'0xBC00BC00' if f16 else '0xBF80BF80'};")
+        lines += [f"fma.rn.{ty}x2 a{w}, ${48 + w}, n1, ${16 + w};" for w in range(8)]
+        lines += [f"xor.b32 a{w}, a{w}, ${24 + w};" for w in range(8)]
+    else:
+        lines += [f"xor.b32 a{w}, ${16 + w}, ${24 + w};" for w in range(8)]  # a0..3 row g, a4..7 row g+8
     for nn in range(4):
         d = f"${2 * nn}, ${2 * nn + 1}, ${8 + 2 * nn}, ${9 + 2 * nn}"
         for ks in range(2):
@@ -89,6 +96,37 @@ def mma_text(f16):
             lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};")
     lines.append("}")
     return "\n".join(lines)
+
+
+@triton.constexpr_function
+def lane_offsets_text(heads, d, warps, first):
+    """PTX that loads one lane's key offsets for a part (columns ``first ..``): out $0..$7 (16
+    model-dtype values as packed pairs, rows g and g+8 as the part's loads hold them), in: the
+    byte address of head 0's column 0 in $16 (16 "l" operands, all equal), or 0 for none.
+
+    Every row a lane holds has one head: rows ``8·warp + g + 8·warps·k`` of a tile that starts at
+    a multiple of ``heads``, head = row mod ``heads``, with ``heads`` dividing ``8·warps`` (the
+    launcher checks both, ``int4_lanes.lane_offsets``). So one 16-byte load at ``2·(head·d +
+    first + 8t)`` gives the lane's 8 offsets, copied to both rows' words; address 0 loads nothing
+    and leaves +0 (``x - +0`` is ``x``, exactly).
+
+    The subtraction in :func:`mma_text` rounds the exact ``x - m`` once; the oracle rounds
+    ``float32(x) - float32(m)`` to the model dtype, the same value: the fp32 difference of two
+    bf16/fp16 values is exact unless their exponents are more than 15 apart, and then the exact
+    difference lies within far less than half a model-dtype ulp of the larger operand, which is
+    on the model-dtype grid, so no rounding tie can differ. Signed zeros agree (``x - x`` is +0,
+    ``-0 - +0`` is -0); NaN and Inf propagate."""
+    return "\n".join([
+        "{", ".reg .pred p;", ".reg .b32 o, l;", ".reg .b64 ad;",
+        "mov.b32 $0, 0;", "mov.b32 $1, 0;", "mov.b32 $2, 0;", "mov.b32 $3, 0;",
+        "setp.ne.u64 p, $16, 0;",
+        "mov.u32 o, %tid.x;", "shr.u32 o, o, 5;", "shl.b32 o, o, 3;",  # 8 * warp
+        "mov.u32 l, %laneid;", "shr.u32 l, l, 2;", "add.u32 o, o, l;",  # + g
+        f"and.b32 o, o, {heads - 1};", f"mul.lo.u32 o, o, {d};",  # head * d
+        "mov.u32 l, %laneid;", "and.b32 l, l, 3;", "shl.b32 l, l, 3;", "add.u32 o, o, l;",  # + 8t
+        f"add.u32 o, o, {first};", "mul.wide.u32 ad, o, 2;", "add.u64 ad, ad, $16;",
+        "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [ad];",
+        "mov.b32 $4, $0;", "mov.b32 $5, $1;", "mov.b32 $6, $2;", "mov.b32 $7, $3;", "}"])
 
 
 @triton.jit
@@ -109,6 +147,31 @@ def mma_part(x, tab_ptr, first, b0, b1):
     m = tl.load(tab_ptr + B_HALVES + cols)  # loaded in the parts' 2D layout (a 1D load would be converted)
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
                                      [x, m, b0, b1], dtype=tl.float32, is_pure=True, pack=16)
+
+
+@triton.jit
+def mma_part_sub(x, m, tab_ptr, first, b0, b1):
+    """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' key offsets
+    ``m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
+    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, x.shape[0])[:, None]
+    sg = tl.load(tab_ptr + B_HALVES + cols)
+    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 39 + "r",
+                                     [x, sg, b0, b1, m], dtype=tl.float32, is_pure=True, pack=16)
+
+
+@triton.jit
+def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
+                      D: tl.constexpr, WARPS: tl.constexpr):
+    """``[ROWS, 32]`` (the model dtype: the table's) key offsets of part ``first ..`` as each lane needs
+    them (:func:`lane_offsets_text`: one 16-byte load per lane), in the parts' layout: the asm
+    takes the sign bits' ``[ROWS, 32]`` 16-bit load as a second operand only so that its result
+    has that load's layout, the layout of every part. ``base``: int64 address of the offsets,
+    or 0 for none (all +0)."""
+    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
+    sg = tl.load(tab_ptr + B_HALVES + cols)
+    at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
+    return tl.inline_asm_elementwise(lane_offsets_text(HEADS, D, WARPS, first), "=r," * 7 + "=r," + "r," * 8
+                                     + "l," * 15 + "l", [sg, at], dtype=sg.dtype, is_pure=True, pack=16)
 
 
 # --- the row range on rounded pairs (MmaTuning.packed_range) ---

@@ -62,6 +62,7 @@ class WriteCall(NamedTuple):
     num_sms: int = 132       # GPU multiprocessors (int4-fused's persistent grid)
     lane_layout: bool = True  # K/V rows loadable in 16-byte vectors (checks.lane_layout_ok)
     num_shrink: int = 1      # INT4 range factors tried per row (> 1: the MSE encoder)
+    smooth: bool = False     # INT4: a key offset is subtracted (key smoothing)
 
 
 class WritePlan(NamedTuple):
@@ -77,6 +78,7 @@ class WritePlan(NamedTuple):
     interpret: bool
     shrink: tuple = (1.0,)
     shape: Optional[WriteShape] = None
+    lane_offsets: bool = False  # int4-mma with a key offset: each lane's offsets loaded once per program
 
 
 def _int4_misfit(path: str, call: WriteCall) -> Optional[str]:
@@ -152,15 +154,30 @@ def plan_for(call: WriteCall, tuning=None, shrink: Sequence[float] = (1.0,),
     cannot write the call (e.g. ``MmaTuning`` at head_size 16), the next one in the order runs
     with its own defaults, and ``why`` says so."""
     return _plan(call.mode, call.head_size, call.num_rows, call.on_gpu, call.num_sms, call.lane_layout,
-                 tuple(shrink), tuning, shape)
+                 tuple(shrink), tuning, shape, call.smooth)
+
+
+def lane_offsets_fit(num_kv_heads: int, rows: int, warps: int) -> bool:
+    """Whether every row a lane of the ``int4-mma`` kernel holds has one head, so the lane can load
+    its key offsets once for all of them (``int4_mma.lane_offsets_text``): the lane's rows are
+    ``8·warp + g + 8·warps·k`` of a tile, so ``num_kv_heads`` must divide ``8 * warps`` (the
+    layout's row period) and ``rows`` (tiles start on a head-0 row)."""
+    return (8 * warps) % num_kv_heads == 0 and rows % num_kv_heads == 0
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(mode, head_size, num_rows, on_gpu, num_sms, lane_layout, shrink, tuning, shape) -> WritePlan:
+def _plan(mode, head_size, num_rows, on_gpu, num_sms, lane_layout, shrink, tuning, shape, smooth=False) -> WritePlan:
     """The plan of these facts (all hashable), made once: a model writes every layer, and a decode
     loop every step, with the same shapes."""
     path, why, t = _decide(mode, head_size, on_gpu, lane_layout, len(shrink), tuning)
     tiles = cdiv(num_rows, t.rows)
+    lane = (path == "int4-mma" and smooth and on_gpu and shape is not None and bool(t.lane_offsets)
+            and lane_offsets_fit(shape.num_kv_heads, t.rows, t.num_warps))
+    if lane:  # programs that loop over tiles load their lanes' offsets once
+        per_sm = t.offset_programs_per_sm
+        grid = (min(tiles, max(1, num_sms * per_sm)) if per_sm else tiles, 2)
+        return WritePlan(path, KERNELS[path], t, grid, why + "; key offsets loaded once per lane and program",
+                         mode, False, shrink, shape, True)
     if path in ("int4-lanes", "int4-mma"):
         grid = (tiles, 2)  # axis 1: K or V
     elif path == "int4-fused" and on_gpu and t.programs_per_sm:
@@ -197,7 +214,8 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
         is the vLLM-compatible encoder; the first factor must be 1.0
     tuning : a ``kernels.write.tuning`` instance (benchmarks, tests): names the path tried first
     key_offset : INT4 only: [num_kv_heads, head_size] float32 (or the model dtype) key offsets,
-        or None; every INT4 path subtracts them in its one pass, so the choice does not depend on it
+        or None; every INT4 path subtracts them in its one pass, so the path does not depend on
+        it; int4-mma's grid does (``WritePlan.lane_offsets``: programs loop over tiles)
 
     Returns
     -------
@@ -226,7 +244,7 @@ def write_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
     int4_gpu = on_gpu and mode == KVQuantMode.INT4_PER_TOKEN_HEAD
     return _plan(mode, shape.head_size, shape.num_tokens * shape.num_kv_heads, on_gpu,
                  _sm_count(key.device) if int4_gpu else 0, int4_gpu and lane_layout_ok(key, value), shrink,
-                 tuning, shape)
+                 tuning, shape, key_offset is not None)
 
 
 class Launch(NamedTuple):

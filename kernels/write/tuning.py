@@ -26,6 +26,11 @@ LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1),
 # (rows, warps, packed_range, fast_rcp) of the int4-mma kernel on the GPU, its default head sizes
 MMA_TILING = {64: (32, 2, True, True), 128: (32, 2, True, True), 256: (32, 2, False, True)}
 ROTATIONS = ("butterfly", "dot")
+# int4-mma with key offsets, where each lane loads its offsets (plan.lane_offsets_fit): programs per SM
+# that loop over tiles, loading them once (0: one program per tile, each loading them). A loop keeps the
+# offsets and B words live through the code stores (head 128: 128 registers instead of 96, 16 resident
+# warps instead of 20), per-tile loads cost more than that at 128 and 256, less at 64 (docs/BENCHMARKS.md).
+OFFSET_PROGRAMS_PER_SM = {64: 0, 128: 8, 256: 8}
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,19 @@ class LanesTuning:
 @dataclass(frozen=True)
 class MmaTuning:
     """Path ``int4-mma``: ``rows``, ``num_warps``, ``packed_range`` (the row range taken on
-    rounded bf16x2 / f16x2 pairs), ``fast_rcp`` (as :class:`LanesTuning`). The parts are always
-    ``head_size / 32`` columns wide (one tensor-core product each)."""
+    rounded bf16x2 / f16x2 pairs), ``fast_rcp`` (as :class:`LanesTuning`), ``lane_offsets`` (key
+    smoothing: each lane loads its offsets once inside the tensor-core asm where every row it
+    holds has one head, ``int4_lanes.lane_offsets``; False: each row's offsets are loaded as a
+    tile; default True), ``offset_programs_per_sm`` (with lane offsets: programs per SM, each
+    looping over tiles so its offsets load serves many; 0: one program per tile). The parts are
+    always ``head_size / 32`` columns wide (one tensor-core product each)."""
 
     rows: Optional[int] = None
     num_warps: Optional[int] = None
     packed_range: Optional[bool] = None
     fast_rcp: Optional[bool] = None
+    lane_offsets: Optional[bool] = None
+    offset_programs_per_sm: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,8 @@ def resolve_tuning(path: str, tuning, head_size: int, on_gpu: bool):
         return t
     if path == "int4-mma":
         rows, warps, packed, fast = MMA_TILING.get(d, (32, 2, False, False)) if on_gpu else (64, 4, False, False)
-        t = _filled(tuning, rows=rows, num_warps=warps, packed_range=packed, fast_rcp=fast)
+        t = _filled(tuning, rows=rows, num_warps=warps, packed_range=packed, fast_rcp=fast, lane_offsets=True,
+                    offset_programs_per_sm=OFFSET_PROGRAMS_PER_SM.get(d, 8))
         parts = d // MMA_COLS
     else:
         parts, rows, warps = LANES_TILING.get(d, (8, 16, 2)) if on_gpu else (1, 64, 4)
