@@ -245,6 +245,26 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
 
 
 @triton.jit
+def _lane_offsets(base, tab_ptr, ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, HEADS: tl.constexpr,
+                  WARPS: tl.constexpr):
+    """The lanes' key offsets of parts 0 .. PARTS-1 (``int4_mma.lane_offsets_part``; parts past
+    PARTS alias part 0, unread). ``base``: int64 address of the offsets, 0 in V programs (+0)."""
+    m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, HEADS, D, WARPS)
+    m1, m2, m3, m4, m5, m6, m7 = m0, m0, m0, m0, m0, m0, m0
+    if PARTS >= 2:
+        m1 = lane_offsets_part(base, tab_ptr, MMA_N, ROWS, HEADS, D, WARPS)
+    if PARTS >= 4:
+        m2 = lane_offsets_part(base, tab_ptr, 2 * MMA_N, ROWS, HEADS, D, WARPS)
+        m3 = lane_offsets_part(base, tab_ptr, 3 * MMA_N, ROWS, HEADS, D, WARPS)
+    if PARTS == 8:
+        m4 = lane_offsets_part(base, tab_ptr, 4 * MMA_N, ROWS, HEADS, D, WARPS)
+        m5 = lane_offsets_part(base, tab_ptr, 5 * MMA_N, ROWS, HEADS, D, WARPS)
+        m6 = lane_offsets_part(base, tab_ptr, 6 * MMA_N, ROWS, HEADS, D, WARPS)
+        m7 = lane_offsets_part(base, tab_ptr, 7 * MMA_N, ROWS, HEADS, D, WARPS)
+    return m0, m1, m2, m3, m4, m5, m6, m7
+
+
+@triton.jit
 def _int4_rows(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
     tab_ptr, key_offset_ptr, num_rows, num_slots,
@@ -270,34 +290,10 @@ def _int4_rows(
     b1 = 0
     if MMA and not INTERPRET:  # once per program: every part uses the same B words
         b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
-    m0 = 0
-    m1 = 0
-    m2 = 0
-    m3 = 0
-    m4 = 0
-    m5 = 0
-    m6 = 0
-    m7 = 0
+    m0, m1, m2, m3, m4, m5, m6, m7 = 0, 0, 0, 0, 0, 0, 0, 0
     if LANE_M and MMA and not INTERPRET:
-        base = tl.where(kv, key_offset_ptr.to(tl.int64), 0)  # 0: nothing loaded, +0 subtracted
-        m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, NUM_KV_HEADS, D, WARPS)
-        m1 = m0
-        m2 = m0
-        m3 = m0
-        if PARTS >= 2:
-            m1 = lane_offsets_part(base, tab_ptr, MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-        if PARTS >= 4:
-            m2 = lane_offsets_part(base, tab_ptr, 2 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-            m3 = lane_offsets_part(base, tab_ptr, 3 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-        m4 = m0
-        m5 = m0
-        m6 = m0
-        m7 = m0
-        if PARTS == 8:
-            m4 = lane_offsets_part(base, tab_ptr, 4 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-            m5 = lane_offsets_part(base, tab_ptr, 5 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-            m6 = lane_offsets_part(base, tab_ptr, 6 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
-            m7 = lane_offsets_part(base, tab_ptr, 7 * MMA_N, ROWS, NUM_KV_HEADS, D, WARPS)
+        m0, m1, m2, m3, m4, m5, m6, m7 = _lane_offsets(tl.where(kv, key_offset_ptr.to(tl.int64), 0), tab_ptr,
+                                                       ROWS, D, PARTS, NUM_KV_HEADS, WARPS)
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(num_rows, ROWS), tl.num_programs(0)):
             _int4_tile(tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
@@ -352,16 +348,9 @@ def _int4_tile(
     token = rows // NUM_KV_HEADS
     head = rows - token * NUM_KV_HEADS
     smooth = kv  # only keys are smoothed
-    if not LANE_M:  # OFFSET: each row's head offsets, [NUM_KV_HEADS, D]
+    if not LANE_M:  # OFFSET: each row's head offsets, [NUM_KV_HEADS, D], for every part
         m_row = key_offset_ptr + (head * D)[:, None]
-        m0 = m_row
-        m1 = m_row
-        m2 = m_row
-        m3 = m_row
-        m4 = m_row
-        m5 = m_row
-        m6 = m_row
-        m7 = m_row
+        m0, m1, m2, m3, m4, m5, m6, m7 = m_row, m_row, m_row, m_row, m_row, m_row, m_row, m_row
     if CONTIG:  # [num_tokens, num_kv_heads, D] contiguous: the tile is one stretch of memory
         x_row = x_ptr + (rows.to(tl.int64) * D)[:, None]
     else:
