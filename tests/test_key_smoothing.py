@@ -5,8 +5,11 @@ the ``key_offset`` argument of every INT4 write path (int4-fused with both rotat
 encoder, int4-lanes, int4-mma's part split) through Triton's interpreter on CPU: codes and scale
 bits identical to the oracle's on random keys with a large per-channel offset, on real keys
 (``tests/test_key_smoothing_model.py``), values untouched, the attention invariance (softmax of
-``q·(k - m)`` equals that of ``q·k``), and the argument's errors. CUDA-only: the same comparison
-at a realistic size, with the tensor-core path's tie rows bounded.
+``q·(k - m)`` equals that of ``q·k``), and the argument's errors; compiled for sm_90 without a GPU,
+where the offsets are loaded (per row, or per lane inside the tensor-core asm) and the plan's rule
+for the latter. CUDA-only: the same comparison at a realistic size, with the tensor-core path's
+tie rows bounded, and the per-lane offsets (looping programs or not) against the per-row ones
+byte for byte on keys built to break a wrong subtraction.
 
 Run: ``python -m pytest tests/test_key_smoothing.py -q``
 """
