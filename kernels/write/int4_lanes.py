@@ -294,35 +294,23 @@ def _int4_rows(
     if LANE_M and MMA and not INTERPRET:
         m0, m1, m2, m3, m4, m5, m6, m7 = _lane_offsets(tl.where(kv, key_offset_ptr.to(tl.int64), 0), tab_ptr,
                                                        ROWS, D, PARTS, NUM_KV_HEADS, WARPS)
+    a = (key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
+         tab_ptr, key_offset_ptr, num_rows, num_slots,
+         stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+         stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+         stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head)
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(num_rows, ROWS), tl.num_programs(0)):
-            _int4_tile(tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
-                       key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-                       slot_mapping_ptr, sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
-                       stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                       stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot,
-                       stride_vc_head, stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block,
-                       stride_vs_slot, stride_vs_head, ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN,
-                       NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
+            _int4_tile(tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N, INTERPRET,
+                       CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
     else:
-        _int4_tile(tl.program_id(0), kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
-                   key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
-                   slot_mapping_ptr, sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
-                   stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-                   stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot,
-                   stride_vc_head, stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block,
-                   stride_vs_slot, stride_vs_head, ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN,
-                   NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
+        _int4_tile(tl.program_id(0), kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N,
+                   INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
 
 
 @triton.jit
 def _int4_tile(
-    tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7,
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
-    tab_ptr, key_offset_ptr, num_rows, num_slots,
-    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
+    tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
     MMA: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr, LANE_M: tl.constexpr,
@@ -335,8 +323,14 @@ def _int4_tile(
     ``4N`` apart) are in-lane adds and subtracts: fewer shuffle stages, and the per-row work is
     shared by fewer lanes. ``OFFSET``: K programs subtract each row's key offset right after
     its load (``_rotated_part``; ``m0 .. m7`` the parts' lane offsets with ``LANE_M``, else each
-    row's offsets are loaded there), V programs subtract nothing.
+    row's offsets are loaded there), V programs subtract nothing. ``a``: ``_int4_rows``'s
+    pointers, row counts and strides, in its order.
     """
+    (key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
+     tab_ptr, key_offset_ptr, num_rows, num_slots,
+     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head) = a
     N: tl.constexpr = D // PARTS
     x_ptr = tl.where(kv, key_ptr, value_ptr)
     cache_ptr = tl.where(kv, key_cache_ptr, value_cache_ptr)
