@@ -6,7 +6,8 @@ then ``rounds`` rounds that time the plain write, the offset write (default: on 
 int4-mma kernel loads each lane's offsets once inside its tensor-core asm) and the offset write
 loading each row's offsets as a tile (``MmaTuning(lane_offsets=False)``, GPU only) in a rotating
 order (drift of clocks or temperature falls on all), each the median of CUDA-graph replays over
-input sets that leave the L2 cold. Prints the median of the rounds for each and the differences. Run: ``python -m bench.write --key-offset [--tokens ...] [--head-sizes ...]``.
+input sets that leave the L2 cold. Prints the median of the rounds for each and the differences.
+Run: ``python -m bench.write --key-offset [--tokens ...] [--head-sizes ...]``.
 """
 
 from __future__ import annotations

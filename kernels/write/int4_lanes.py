@@ -455,7 +455,7 @@ def _reshape_and_cache_int4_mma_kernel(
     """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
     (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``WARPS`` is ``num_warps``
     (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs, ``LANE_M`` (where
-    :func:`lane_offsets` holds) loads each lane's key offsets once per program and subtracts them
+    ``plan.lane_offsets_fit`` holds) loads each lane's key offsets once per program and subtracts them
     in the tensor-core asm, ``LOOP``: each program does every ``P``-th tile (the plan's grid)."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
@@ -488,7 +488,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         OFFSET=t.key_offset is not None,
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
-        lane = plan.lane_offsets and t.key_offset is not None
+        lane = plan.lane_offsets   # the plan saw the key offset (write_plan)
         if lane and t.key_offset.data_ptr() % 16:  # api.model_dtype_offset makes it so
             raise ValueError("key_offset: the lane offsets' 16-byte loads need a 16-byte aligned tensor")
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,

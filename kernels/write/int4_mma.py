@@ -106,7 +106,7 @@ def lane_offsets_text(heads, d, warps, first):
 
     Every row a lane holds has one head: rows ``8·warp + g + 8·warps·k`` of a tile that starts at
     a multiple of ``heads``, head = row mod ``heads``, with ``heads`` dividing ``8·warps`` (the
-    launcher checks both, ``int4_lanes.lane_offsets``). So one 16-byte load at ``2·(head·d +
+    plan checks both, ``plan.lane_offsets_fit``). So one 16-byte load at ``2·(head·d +
     first + 8t)`` gives the lane's 8 offsets, copied to both rows' words; address 0 loads nothing
     and leaves +0 (``x - +0`` is ``x``, exactly).
 
@@ -141,22 +141,28 @@ def mma_b_operands(tab_ptr, ROWS: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
+def sign_bits(tab_ptr, first, ROWS: tl.constexpr):
+    """``[ROWS, 32]`` 16-bit: the sign bits of columns ``first ..`` (every row the same), loaded in
+    the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
+    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
+    return tl.load(tab_ptr + B_HALVES + cols)
+
+
+@triton.jit
 def mma_part(x, tab_ptr, first, b0, b1):
     """``H_32 · (s ⊙ x)`` of a loaded part ``x: [ROWS, 32]`` (columns ``first ..``), fp32."""
-    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, x.shape[0])[:, None]
-    m = tl.load(tab_ptr + B_HALVES + cols)  # loaded in the parts' 2D layout (a 1D load would be converted)
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
-                                     [x, m, b0, b1], dtype=tl.float32, is_pure=True, pack=16)
+                                     [x, sign_bits(tab_ptr, first, x.shape[0]), b0, b1], dtype=tl.float32,
+                                     is_pure=True, pack=16)
 
 
 @triton.jit
 def mma_part_sub(x, m, tab_ptr, first, b0, b1):
     """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' key offsets
     ``m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
-    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, x.shape[0])[:, None]
-    sg = tl.load(tab_ptr + B_HALVES + cols)
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 39 + "r",
-                                     [x, sg, b0, b1, m], dtype=tl.float32, is_pure=True, pack=16)
+                                     [x, sign_bits(tab_ptr, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
+                                     is_pure=True, pack=16)
 
 
 @triton.jit
@@ -167,8 +173,7 @@ def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HE
     takes the sign bits' ``[ROWS, 32]`` 16-bit load as a second operand only so that its result
     has that load's layout, the layout of every part. ``base``: int64 address of the offsets,
     or 0 for none (all +0)."""
-    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
-    sg = tl.load(tab_ptr + B_HALVES + cols)
+    sg = sign_bits(tab_ptr, first, ROWS)
     at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
     return tl.inline_asm_elementwise(lane_offsets_text(HEADS, D, WARPS, first), "=r," * 7 + "=r," + "r," * 8
                                      + "l," * 15 + "l", [sg, at], dtype=sg.dtype, is_pure=True, pack=16)

@@ -62,7 +62,7 @@ class MmaTuning:
     """Path ``int4-mma``: ``rows``, ``num_warps``, ``packed_range`` (the row range taken on
     rounded bf16x2 / f16x2 pairs), ``fast_rcp`` (as :class:`LanesTuning`), ``lane_offsets`` (key
     smoothing: each lane loads its offsets once inside the tensor-core asm where every row it
-    holds has one head, ``int4_lanes.lane_offsets``; False: each row's offsets are loaded as a
+    holds has one head, ``plan.lane_offsets_fit``; False: each row's offsets are loaded as a
     tile; default True), ``offset_programs_per_sm`` (with lane offsets: programs per SM, each
     looping over tiles so its offsets load serves many; 0: one program per tile). The parts are
     always ``head_size / 32`` columns wide (one tensor-core product each)."""
