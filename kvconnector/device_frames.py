@@ -10,9 +10,10 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
   buffer that is sent with zero copy, the checksum follows it in an 8-byte copy. Both are queued
   on the endpoint's copy stream, so message k+1 is gathered and copied while k is on the wire.
 - decode (:func:`land_message`, run by the endpoint's landing thread, :mod:`kvconnector.landing`):
-  the payload frames are copied piece by piece into one pinned buffer, each piece's
-  host-to-device copy queued right behind it (or, received straight into pinned memory already,
-  copied to the device at once); then one kernel pass verifies every frame against the header
+  the payload frames are copied piece by piece into one pinned buffer (:class:`HostFill`, on the
+  copy workers; the landing thread starts the next message's copies before it lands this one),
+  each piece's host-to-device copy queued right behind it (or, received straight into pinned
+  memory already, copied to the device at once); then one kernel pass verifies every frame against the header
   and a scatter kernel writes the blocks only if all matched (it reads the mismatch count on the
   device). The host reads the count once the copy stream passes that point
   (:meth:`DeviceWrite.error`) and fails the pull with a :class:`CorruptFrameError`; the
@@ -150,7 +151,7 @@ class DeviceWrite:
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
                  timings: dict | None = None, aux: torch.Tensor | None = None, executor=None,
-                 ready=None) -> DeviceWrite:
+                 ready=None, fill: HostFill | None = None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -158,8 +159,8 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     h : Header
         The BLOCKS header (frame byte counts already checked against the frames received).
     host : [sum(h.nbytes)] uint8, CPU (pinned for CUDA caches)
-        The payload back to back: received into it already (``frames`` None), or filled here from
-        ``frames``; must stay untouched until the device has read it (:class:`DeviceWrite` event).
+        The payload back to back: received into it already (``frames`` and ``fill`` None), or
+        filled from ``frames``; must stay untouched until the device has read it (:class:`DeviceWrite` event).
     caches : list of packed per-layer caches ``h.layer .. h.layer + h.nlay - 1`` (written only on a match)
     block_ids : [h.nblk] int64 on the caches' device, destination blocks of positions ``h.first ..``
     heads : range of local heads the message carries
@@ -169,8 +170,11 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
         ``piece_bytes`` (by the threads of ``executor`` when given, else by this one): each
         piece's host-to-device copy is queued as soon as its host copy is done, so the DMA of one
         piece overlaps the host copy of the next.
+    fill : HostFill, optional
+        Those copies already started (the landing thread starts the next message's before it
+        lands this one); ``frames``, ``piece_bytes`` and ``executor`` are then unused.
     timings : dict, optional
-        ``timings["copy"]`` gains the seconds spent in host copies.
+        ``timings["copy"]`` gains the seconds spent waiting for (or running) host copies.
     aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
         Where the header's checksums go to the device from and the verdict comes back to, in one
         copy each way (allocated here when None or too small); like ``host``, untouched until the
@@ -182,10 +186,12 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     """
     nf = len(h.nbytes)
     hd = (heads.start, heads.stop)
+    copies = fill is not None or frames is not None   # started here, where they are run: a failure
+    #                                                   before this point leaves no worker writing into host
     if copy_stream is None:
         expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
-        if frames is not None:
-            _fill(host, frames, h.nbytes, timings, piece_bytes=piece_bytes, executor=executor)
+        if copies:
+            (fill or HostFill(host, frames, h.nbytes, piece_bytes, executor)).run(None, timings)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
         ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
                            frame_nbytes=h.nbytes)
@@ -203,11 +209,11 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
         dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
         dev_aux[:nf].copy_(aux[:nf], non_blocking=True)
-        if frames is None:
+        if not copies:
             staging = host.to(device, non_blocking=True)
         else:
             staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-            _fill(host, frames, h.nbytes, timings, staging, piece_bytes, executor)
+            (fill or HostFill(host, frames, h.nbytes, piece_bytes, executor)).run(staging, timings)
         ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
                            checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
         aux[nf:].copy_(dev_aux[nf:], non_blocking=True)
@@ -224,31 +230,58 @@ def _ok_view(aux: torch.Tensor, nf: int) -> torch.Tensor:
     return aux[2 * nf:].view(torch.int32)[:nf + 1]
 
 
-def _fill(host: torch.Tensor, frames, nbytes: list, timings: dict | None, staging: torch.Tensor | None = None,
-          piece_bytes: int = 2 << 20, executor=None) -> None:
-    """Copy ``frames`` back to back into ``host`` in pieces of ``piece_bytes``; with ``staging`` (a
-    device buffer, on the current stream) queue each piece's device copy as soon as its host copy
-    is done. ``executor``: the pieces are copied by its threads, all submitted at once and waited
-    for in order (NumPy copies: they release the GIL and use one core each, where a ``torch``
-    copy would wake, and keep spinning, every intra-op thread); None: by this thread."""
-    t0 = time.perf_counter()
-    dst, pieces, off = host.numpy(), [], 0
-    for f, n in zip(frames, nbytes):   # sizes checked: positive, as the header says
-        src = np.frombuffer(getattr(f, "buffer", f), dtype=np.uint8)
-        pieces += [(off + a, off + min(n, a + piece_bytes), src[a:a + piece_bytes]) for a in range(0, n, piece_bytes)]
-        off += n
-    jobs = [None] * len(pieces) if executor is None else \
-        [executor.submit(np.copyto, dst[a:b], piece) for a, b, piece in pieces]
-    try:
-        for (a, b, piece), job in zip(pieces, jobs):
-            if job is None:
-                np.copyto(dst[a:b], piece)
-            else:
-                job.result()
-            if staging is not None:
-                staging[a:b].copy_(host[a:b], non_blocking=True)
-    finally:
-        if executor is not None:   # on a failure: no worker may still write into host once it is handed back
-            futures_wait([j for j in jobs if j is not None])
-    if timings is not None:
-        timings["copy"] = timings.get("copy", 0.0) + time.perf_counter() - t0
+class HostFill:
+    """The host copies of one message's payload frames back to back into its pinned buffer, cut in
+    pieces of ``piece_bytes``: submitted to ``executor``'s threads at construction (all at once,
+    so they run while the caller does other work), or, without one, run by :meth:`run`'s thread.
+
+    Parameters
+    ----------
+    host : [sum(nbytes)] uint8, CPU (pinned for CUDA caches), written by the copies
+    frames : list of ZeroMQ frames or buffers, sizes ``nbytes`` (checked: as the header says)
+    executor : ThreadPoolExecutor, optional
+        NumPy copies on its threads: they release the GIL and use one core each, where a
+        ``torch`` copy would wake, and keep spinning, every intra-op thread.
+    """
+
+    def __init__(self, host: torch.Tensor, frames, nbytes: list, piece_bytes: int = 2 << 20, executor=None) -> None:
+        dst, self.pieces, off = host.numpy(), [], 0
+        for f, n in zip(frames, nbytes):
+            src = np.frombuffer(getattr(f, "buffer", f), dtype=np.uint8)
+            self.pieces += [(off + a, off + min(n, a + piece_bytes), src[a:a + piece_bytes])
+                            for a in range(0, n, piece_bytes)]
+            off += n
+        self.host, self._dst = host, dst
+        self.jobs = [None] * len(self.pieces)
+        if executor is not None:
+            try:
+                for i, (a, b, piece) in enumerate(self.pieces):
+                    self.jobs[i] = executor.submit(np.copyto, dst[a:b], piece)
+            except BaseException:   # e.g. the executor shut down: none of the pieces submitted may still run
+                self.wait()
+                raise
+
+    def run(self, staging: torch.Tensor | None = None, timings: dict | None = None) -> None:
+        """Wait for (or run) the pieces in order; with ``staging`` (a device buffer, on the current
+        stream) queue each piece's device copy as soon as it is in host memory, so the DMA of one
+        piece overlaps the host copy of the next. ``timings["copy"]`` gains the seconds spent here
+        waiting for or running the host copies (the device copies' queuing excluded)."""
+        t_copy = 0.0
+        try:
+            for (a, b, piece), job in zip(self.pieces, self.jobs):
+                t0 = time.perf_counter()
+                if job is None:
+                    np.copyto(self._dst[a:b], piece)
+                else:
+                    job.result()
+                t_copy += time.perf_counter() - t0
+                if staging is not None:
+                    staging[a:b].copy_(self.host[a:b], non_blocking=True)
+        finally:
+            self.wait()   # on a failure: no worker may still write into host once it is handed back
+            if timings is not None:
+                timings["copy"] = timings.get("copy", 0.0) + t_copy
+
+    def wait(self) -> None:
+        """Return once no worker writes into ``host`` any more (copies ended, or never started)."""
+        futures_wait([j for j in self.jobs if j is not None])

@@ -3,18 +3,26 @@
 The I/O thread receives a ``mix64`` BLOCKS message (zero copy: ZeroMQ's own frames), checks
 its header against the pull and hands it to the endpoint's :class:`Lander`, then goes straight
 back to the socket for the next message. The lander's launcher thread (first in first out, so
-the device work of messages stays in arrival order on the copy stream), per message:
+the device work of messages stays in arrival order on the copy stream) works on each message in
+two phases, and starts the next message before it finishes this one, so the copy workers copy
+message k+1 while the launcher queues message k's device work:
 
-1. takes a pinned buffer from the pool; while ``max_inflight`` messages are still being read by
-   the device it first waits for the oldest to end (its buffer is back in the pool then), so a
-   buffer is never refilled before the device copy that reads it ended;
-2. copies the frames into the buffer in pieces of ``piece_bytes`` (NumPy copies, which release
-   the GIL; spread over the endpoint's copy workers where it has them, one piece each), queuing
-   each piece's host-to-device copy on the copy stream as soon as it is in, so the DMA of one
-   piece overlaps the host copy of the next (a payload already in pinned memory, received into
-   the pool or written by NIXL, is only copied to the device);
-3. queues verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes
-   nothing unless every frame matched) and records a blocking event.
+1. start: takes a pinned buffer from the pool and submits the copies of the frames into it, in
+   pieces of ``piece_bytes``, to the endpoint's copy workers (NumPy copies, which release the
+   GIL; one piece each). Before that, while ``max_inflight`` messages hold pinned buffers
+   (started, or landed and still read by the device), it finishes the started ones and then
+   waits for the device to end the oldest (its buffer is back in the pool then), so a buffer is
+   never refilled before the device copy that reads it ended, and never more than
+   ``max_inflight`` are held;
+2. finish (once ``lookahead`` later messages are started, or none is waiting): waits for the
+   pieces in order, queuing each piece's host-to-device copy on the copy stream as soon as it is
+   in, so the DMA of one piece overlaps the host copy of the next (a payload already in pinned
+   memory, received into the pool or written by NIXL, is only copied to the device); then queues
+   verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes nothing
+   unless every frame matched) and records a blocking event.
+
+Without copy workers the launcher copies the pieces itself in the finish phase, right after the
+start: there is nothing to overlap.
 
 Its watcher thread sleeps on the oldest queued message's event (the thread sleeps, it does not
 spin) and, once the device has ended it, completes it and every later message already ended:
@@ -23,10 +31,12 @@ which marks the blocks landed, or fails the pull with the :class:`CorruptFrameEr
 first mismatching frame. So the last message of a pull is reported as soon as the device has
 written it, and the launcher never waits on an event unless it needs a buffer back.
 
-A message of a pull that is no longer pending (failed, aborted) is dropped before its copy.
-Every message carries a future in its pull's ``jobs``, set once the lander is done with it
-(written, failed or dropped), which :meth:`DecodeEndpoint._fail` waits for (bounded) before it
-reports blocks.
+A message of a pull that is no longer pending (failed, aborted) is dropped before its copy, or,
+once started, before its device work (its buffer goes back once the workers' copies into it
+ended). A message whose landing fails fails its pull with that error, nothing of it written.
+:meth:`Lander.close` lands what is queued and started first. Every message carries a future in
+its pull's ``jobs``, set once the lander is done with it (written, failed or dropped), which
+:meth:`DecodeEndpoint._fail` waits for (bounded) before it reports blocks.
 
 On CPU caches there is no stream: the kernels run in the call, and no event is recorded
 (``_record`` is the seam tests replace with fake events to drive the in-flight logic on CPU).
@@ -43,12 +53,14 @@ from typing import Callable
 
 import torch
 
-from .device_frames import aux_words, land_message
+from .device_frames import HostFill, aux_words, land_message
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
 MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
-MAX_INFLIGHT = 4          # messages the device may still be reading (pinned buffers held) before the lander waits
+MAX_INFLIGHT = 4          # messages holding pinned buffers (copies started, or the device may still be reading
+#                           them) before the lander waits
+LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher lands an earlier one
 AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
 
 
@@ -71,13 +83,13 @@ class LandJob:
     """
 
     __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux",
-                 "ready")
+                 "ready", "fill")
 
     def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
         self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
         self.caches, self.ids, self.heads = caches, ids, heads
         self.future: Future = Future()
-        self.write = self.event = self.aux = None
+        self.write = self.event = self.aux = self.fill = None
         self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
 
 
@@ -99,7 +111,11 @@ class Lander:
         Threads that copy the pieces of a message into its pinned buffer in parallel (the
         endpoint's copy workers, ``workers`` of them: a message is cut in as many pieces, at most
         ``piece_bytes`` and at least ``MIN_PIECE_BYTES`` each, so all of them copy at once); None:
-        the launcher copies them.
+        the launcher copies them (and ``lookahead`` is 0).
+    max_inflight : int
+        Messages that may hold pinned buffers at once: started, or landed and not yet ended.
+    lookahead : int
+        Messages started (buffers taken, copies submitted) beyond the one being landed.
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame did not match, nothing written; other: the landing failed).
@@ -108,13 +124,17 @@ class Lander:
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
-                 piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0,
+                 piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0, lookahead: int = LOOKAHEAD,
                  name: str = "kvc-decode-land") -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
-        self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}   # read by bench.transfer
+        self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
+        # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
+        # messages, "copy" the part of it spent waiting for (or running) host copies
+        self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._started: deque = deque()     # host copies submitted, device work not queued yet (launcher only)
         self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
         self._cv = threading.Condition()   # popped by the watcher only
         self._closing = False
@@ -139,53 +159,86 @@ class Lander:
 
     # ---- launcher thread -------------------------------------------------------------
     def _launcher(self) -> None:
+        started = self._started
         while True:
-            try:
-                job = self._q.get(timeout=1.0)
+            try:   # with messages started, land the oldest rather than wait for a new one
+                job = self._q.get_nowait() if started else self._q.get(timeout=1.0)
             except queue.Empty:
+                if started:
+                    self._finish(started.popleft())
                 continue
             if job is None:
+                while started:
+                    self._finish(started.popleft())
                 return
             try:
                 if not self.alive(job):
                     self._drop(job)
                     continue
-                t0 = time.perf_counter()
-                with self._cv:   # every buffer may still be read by the device: wait for the oldest to end
-                    while len(self._inflight) >= self.max_inflight:
-                        self._cv.wait(1.0)
-                self.stage_s["wait"] += time.perf_counter() - t0
-                self._launch(job)
+                self._make_room()
+                self._start(job)
             except Exception as e:
-                self._drop(job)
-                self._send([(job, e)])   # the pull fails with it (write_error)
+                self._fail(job, e)
+                continue
+            started.append(job)
+            while len(started) > self.lookahead:
+                self._finish(started.popleft())
 
-    def _launch(self, job: LandJob) -> None:
-        total = sum(job.h.nbytes)
-        if job.host is None:
-            job.host, job.owned = self.pool.acquire(total), True
-        if self.stream is not None and len(job.h.nbytes) <= AUX_FRAMES:
-            try:
-                job.aux = self._aux_free.pop()
-            except IndexError:
-                job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
-        piece = self.piece_bytes
-        if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
-            piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
+    def _make_room(self) -> None:
+        """Return once fewer than ``max_inflight`` messages hold pinned buffers: land started
+        messages (their buffers are then the device's only), then wait for the device to end the
+        oldest landed one."""
+        while self._started and len(self._inflight) + len(self._started) >= self.max_inflight:
+            self._finish(self._started.popleft())
+        t0 = time.perf_counter()
+        with self._cv:   # only the watcher shrinks _inflight: the bound holds once this wait is over
+            while len(self._inflight) >= self.max_inflight:
+                self._cv.wait(1.0)
+        self.stage_s["wait"] += time.perf_counter() - t0
+
+    def _start(self, job: LandJob) -> None:
+        """Take the message's pinned buffers and submit its host copies to the copy workers."""
         t0 = time.perf_counter()
         try:
-            job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
-                                     frames=job.frames, piece_bytes=piece, timings=self.stage_s,
-                                     aux=job.aux, executor=self.executor, ready=job.ready)
-            job.event = _record(self.stream)
-        except BaseException:
-            if self.stream is not None:
-                self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
-            raise
+            total = sum(job.h.nbytes)
+            if job.host is None:
+                job.host, job.owned = self.pool.acquire(total), True
+            if self.stream is not None and len(job.h.nbytes) <= AUX_FRAMES:
+                try:
+                    job.aux = self._aux_free.pop()
+                except IndexError:
+                    job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
+            if job.frames is not None:
+                piece = self.piece_bytes
+                if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
+                    piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
+                job.fill = HostFill(job.host, job.frames, job.h.nbytes, piece, self.executor)
         finally:
             self.stage_s["launch"] += time.perf_counter() - t0
-            self.stage_s["messages"] += 1
-        job.frames = None               # ZeroMQ's buffers go back now
+
+    def _finish(self, job: LandJob) -> None:
+        """Wait for the message's host copies, queue its device copies, verify + scatter and event;
+        hand it to the watcher (or drop it: its pull died meanwhile; or fail it)."""
+        try:
+            if not self.alive(job):
+                self._drop(job)
+                return
+            t0 = time.perf_counter()
+            try:
+                job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
+                                         fill=job.fill, timings=self.stage_s, aux=job.aux, ready=job.ready)
+                job.event = _record(self.stream)
+            except BaseException:
+                if self.stream is not None:
+                    self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
+                raise
+            finally:
+                self.stage_s["launch"] += time.perf_counter() - t0
+                self.stage_s["messages"] += 1
+        except Exception as e:
+            self._fail(job, e)
+            return
+        job.frames = job.fill = None    # ZeroMQ's buffers go back now
         with self._cv:
             self._inflight.append(job)
             self._cv.notify_all()
@@ -232,8 +285,12 @@ class Lander:
 
     # ---- either thread ---------------------------------------------------------------
     def _drop(self, job: LandJob) -> Exception | None:
-        """The device no longer reads this message's buffers: hand them back, settle its future.
-        Returns what handing the buffer back raised, if anything (the message then fails its pull)."""
+        """The device no longer reads this message's buffers: once no copy worker writes them
+        either, hand them back and settle its future. Returns what handing the buffer back raised,
+        if anything (the message then fails its pull)."""
+        if job.fill is not None:
+            fill, job.fill = job.fill, None
+            fill.wait()
         job.frames = None
         err = None
         if job.aux is not None:
@@ -248,6 +305,10 @@ class Lander:
         if not job.future.done():
             job.future.set_result(None)
         return err
+
+    def _fail(self, job: LandJob, e: Exception) -> None:
+        self._drop(job)
+        self._send([(job, e)])   # the pull fails with it (write_error)
 
     def _send(self, done: list) -> None:
         if done:

@@ -1,0 +1,307 @@
+"""The decode side's landing threads (``kvconnector.landing.Lander``) driven directly, on CPU:
+the launcher starts message k+1 (pinned buffer taken, host copies submitted to the copy workers)
+before it queues message k's verify + scatter; the pinned buffers held stay within
+``max_inflight`` and none is reused while a (fake) event says the device still reads it, without
+deadlock when the bound is reached; a started message whose pull died is dropped before its
+device work and its buffer goes back only once its copies ended; a corrupted frame in a
+pipelined message fails it with CorruptFrameError and writes nothing of it, while the messages
+around it land byte-exact; ``close`` lands what is queued.
+
+The copy workers are a thread pool wrapped to log (and, where a test needs it, hold back) each
+piece's copy; the device kernels are their plain-PyTorch twin (``torch_frame_ops``, checked
+against the kernels in test_transfer_device_path.py); device events are faked through the
+``_record`` seam.
+
+Run: python -m pytest tests/test_landing.py -q
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import kvconnector.landing as landing_mod
+from connector_fakes import filled_caches, make_desc
+from kvconnector.landing import Lander, LandJob
+from kvconnector.protocol import MIX64, Header, MsgType
+from kvconnector.staging import PinnedPool
+from layouts import CorruptFrameError, KVQuantMode
+from torch_frame_ops import TORCH_FRAME_OPS
+
+pytestmark = pytest.mark.timeout(60)
+DESC = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=2, num_blocks=16)
+
+
+def _b(c):
+    return c.view(torch.uint8)
+
+
+class _Msg:
+    """One BLOCKS message of blocks ``src_ids`` of layer ``layer`` for destination blocks ``dst_ids``,
+    its payload in two frames (mix64 sums in the header); ``corrupt``: one payload byte flipped after
+    the sums were taken."""
+
+    def __init__(self, src, layer, src_ids, dst_ids, corrupt=False):
+        total = len(src_ids) * DESC.block_bytes
+        nbytes = [total // 3, total - total // 3]
+        payload, sums = torch.empty(total, dtype=torch.uint8), torch.empty(2, dtype=torch.int64)
+        TORCH_FRAME_OPS.gather([src[layer]], torch.tensor(src_ids), out=payload, checksums=sums,
+                               frame_nbytes=nbytes)
+        if corrupt:
+            payload[nbytes[0] + 7] ^= 0x20
+        raw = payload.numpy().tobytes()
+        self.frames = [raw[:nbytes[0]], raw[nbytes[0]:]]
+        self.h = Header(MsgType.BLOCKS, tid="t", layer=layer, nblk=len(src_ids), heads=(0, 2), sum=MIX64)
+        self.h.nbytes, self.h.checksums = nbytes, [int(v) & ((1 << 64) - 1) for v in sums]
+        self.layer, self.src_ids, self.dst_ids = layer, src_ids, dst_ids
+
+    def owns(self, piece) -> bool:
+        return any(np.shares_memory(piece, np.frombuffer(f, dtype=np.uint8)) for f in self.frames)
+
+    def job(self, dst, pull) -> LandJob:
+        return LandJob(pull, self.h, list(self.frames), None, False, [dst[self.layer]],
+                       torch.tensor(self.dst_ids), range(2))
+
+
+def _messages(src, n, corrupt_idx=None):
+    """``n`` messages, message i: source blocks (i, i + 8) of layer i % 2 to destination (2i, 2i + 1)."""
+    return [_Msg(src, i % 2, [i, i + 8], [2 * i, 2 * i + 1], corrupt=i == corrupt_idx) for i in range(n)]
+
+
+class _Workers:
+    """Copy workers that log each submitted piece as ("copy", message index) and run it on a real
+    thread pool once the message's gate (``gates[i]``, open unless a test closes it) is set."""
+
+    def __init__(self, msgs, log):
+        self.msgs, self.log = msgs, log
+        self.gates = [threading.Event() for _ in msgs]
+        for g in self.gates:
+            g.set()
+        self.copied = [0] * len(msgs)          # pieces of each message copied so far
+        self._pool = ThreadPoolExecutor(2)
+
+    def submit(self, fn, dst, piece):
+        i = next(i for i, m in enumerate(self.msgs) if m.owns(piece))
+        self.log.append(("copy", i))
+
+        def copy():
+            assert self.gates[i].wait(20), "gate never opened"
+            fn(dst, piece)
+            self.copied[i] += 1
+        return self._pool.submit(copy)
+
+    def shutdown(self):
+        for g in self.gates:
+            g.set()
+        self._pool.shutdown(wait=True)
+
+
+class _Landing:
+    """A Lander on CPU caches with logging workers and ops: ``log`` gets ("copy", i) per piece
+    submitted and ("verify", i) per verify + scatter call; ``results[i]`` the reported error (or None)."""
+
+    def __init__(self, msgs, dst, *, pool=None, max_inflight=4, lookahead=1, alive=None):
+        self.msgs, self.log, self.results = msgs, [], {}
+        self.all_reported = threading.Event()
+        self.workers = _Workers(msgs, self.log)
+        self.pool = pool or PinnedPool()
+        self.hold = threading.Event()       # the launcher waits in its first alive() call until set
+        ops = SimpleNamespace(verify_scatter=self._verify)
+        self.lander = Lander(ops, None, self.pool, self._report, self._alive, max_inflight=max_inflight,
+                             piece_bytes=300, executor=self.workers, workers=2, lookahead=lookahead)
+        self._alive_fn = alive or (lambda job: True)
+        self.jobs = [m.job(dst, SimpleNamespace(idx=i)) for i, m in enumerate(msgs)]
+
+    def _alive(self, job):
+        assert self.hold.wait(20)
+        return self._alive_fn(job)
+
+    def _verify(self, staging, expected, caches, block_ids, **kw):
+        i = next(i for i, m in enumerate(self.msgs) if block_ids.tolist() == m.dst_ids)
+        self.log.append(("verify", i))
+        TORCH_FRAME_OPS.verify_scatter(staging, expected, caches, block_ids, **kw)
+
+    def _report(self, done):
+        for job, err in done:
+            self.results[job.p.idx] = err
+        if len(self.results) == len(self.msgs):
+            self.all_reported.set()
+
+    def submit_all(self):
+        for job in self.jobs:
+            self.lander.submit(job)
+        self.hold.set()      # every message is queued before the launcher takes the first
+
+    def close(self):
+        self.lander.close()
+        self.workers.shutdown()
+
+
+def _assert_landed(msgs, src, dst, before, bad=()):
+    for i, m in enumerate(msgs):
+        want = before[m.layer] if i in bad else src[m.layer]
+        ids = m.dst_ids if i in bad else m.src_ids
+        assert torch.equal(_b(dst[m.layer])[m.dst_ids], _b(want)[ids]), f"message {i}"
+
+
+@pytest.mark.parametrize("lookahead", [1, 2], ids=["lookahead1", "lookahead2"])
+def test_next_message_is_copied_while_this_one_launches(lookahead):
+    """With messages queued, the launcher submits message k+1's (and with lookahead 2, k+2's)
+    host copies before it calls message k's verify + scatter; ``close`` lands every queued
+    message, byte-exact, in arrival order."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    msgs = _messages(src, 6)
+    t = _Landing(msgs, dst, lookahead=lookahead, max_inflight=8)   # buffers to spare: only lookahead decides
+    t.submit_all()
+    t.close()
+    log = t.log
+    assert [i for kind, i in log if kind == "verify"] == list(range(6))
+    for k in range(6):
+        ahead = min(k + lookahead, 5)
+        assert log.index(("copy", ahead)) < log.index(("verify", k)), (k, log)
+    assert t.results == {i: None for i in range(6)}
+    _assert_landed(msgs, src, dst, None)
+
+
+class _GatedEvent:
+    """A CUDA event on CPU: the device has ended the message once ``gate`` is set."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def query(self):
+        return self.gate.is_set()
+
+    def synchronize(self):
+        assert self.gate.wait(20), "fake event never released"
+
+
+class _BoundedPool(PinnedPool):
+    """A pinned pool that checks, per buffer, that the messages hold at most ``bound`` buffers and
+    that none comes back before the event of the message that used it (messages take buffers and
+    record events in the same order, nothing failing here) has passed."""
+
+    def __init__(self, events, bound):
+        super().__init__()
+        self.events, self.bound = events, bound
+        self.held, self.acquired, self.early, self.over = {}, [], [], []
+
+    def acquire(self, nbytes):
+        buf = super().acquire(nbytes)
+        base = buf._base if buf._base is not None else buf
+        self.held[base.data_ptr()] = len(self.acquired)
+        self.acquired.append(base.data_ptr())
+        if len(self.held) > self.bound:
+            self.over.append(len(self.held))
+        return buf
+
+    def release(self, buf):
+        base = buf._base if buf._base is not None else buf
+        idx = self.held.pop(base.data_ptr())
+        if idx >= len(self.events) or not self.events[idx].query():
+            self.early.append(idx)
+        super().release(buf)
+
+
+def _until(cond, what):
+    deadline = time.monotonic() + 20
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cond(), what
+
+
+def test_pool_bound_holds_without_deadlock(monkeypatch):
+    """With ``max_inflight`` 2, lookahead 1 and every device event held: the launcher lands two
+    messages and then waits (the third is neither started nor launched: two buffers are the
+    device's); releasing the first event lets the third start, in the first one's buffer. At no
+    point do messages hold more than two buffers, and no buffer goes back before its event passed."""
+    events = []
+
+    def record(stream):
+        events.append(_GatedEvent())
+        return events[-1]
+    monkeypatch.setattr(landing_mod, "_record", record)
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    msgs = _messages(src, 6)
+    pool = _BoundedPool(events, bound=2)
+    t = _Landing(msgs, dst, pool=pool, max_inflight=2)
+    try:
+        t.submit_all()
+        _until(lambda: len(events) == 2, "two messages landed")
+        time.sleep(0.2)
+        assert len(events) == 2 and len(pool.acquired) == 2 and ("copy", 2) not in t.log
+        events[0].gate.set()
+        _until(lambda: len(pool.acquired) == 3, "the third started once the first ended")
+        assert pool.acquired[2] == pool.acquired[0]
+        while not t.all_reported.is_set():
+            for ev in list(events):
+                ev.gate.set()
+            time.sleep(0.01)
+    finally:
+        for ev in events:
+            ev.gate.set()
+        t.close()
+    assert t.results == {i: None for i in range(6)}
+    assert not pool.early and not pool.over and not pool.held
+    _assert_landed(msgs, src, dst, None)
+
+
+def test_started_message_of_a_dead_pull_waits_for_its_copies():
+    """Message 1's pull dies after the launcher started it (its copies submitted, held back):
+    it is dropped before its verify + scatter, its buffer goes back only once its copies have
+    ended, its future is set then, nothing is reported for it and its destination is untouched;
+    message 0 lands."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    before = [c.clone() for c in dst]
+    msgs = _messages(src, 2)
+    calls = {0: 0, 1: 0}
+
+    def alive(job):    # message 1's pull is pending when it starts, gone when it would land
+        calls[job.p.idx] += 1
+        return job.p.idx == 0 or calls[1] == 1
+
+    released = []
+
+    class Pool(PinnedPool):
+        def release(self, buf):
+            released.append(list(t.workers.copied))
+            super().release(buf)
+    t = _Landing(msgs, dst, pool=Pool(), alive=alive)
+    t.workers.gates[1].clear()
+    try:
+        t.submit_all()
+        _until(lambda: 0 in t.results and calls[1] == 2, "message 0 landed, message 1 found dead")
+        time.sleep(0.2)
+        assert ("copy", 1) in t.log and not t.jobs[1].future.done()
+        assert len(released) == 1            # message 0's buffer only
+        t.workers.gates[1].set()
+        t.jobs[1].future.result(timeout=20)
+    finally:
+        t.close()
+    n1 = sum(1 for e in t.log if e == ("copy", 1))
+    assert released[1][1] == n1 > 1          # handed back after all of message 1's pieces were copied
+    assert ("verify", 1) not in t.log and t.results == {0: None}
+    _assert_landed(msgs[:1], src, dst, None)
+    assert torch.equal(_b(dst[1])[msgs[1].dst_ids], _b(before[1])[msgs[1].dst_ids])
+
+
+@pytest.mark.parametrize("lookahead", [1, 2], ids=["lookahead1", "lookahead2"])
+def test_corrupt_pipelined_message_fails_alone(lookahead):
+    """Message 2 of 5 has a flipped byte in its second frame: it is reported with a
+    CorruptFrameError naming that frame, its destination blocks are untouched, and messages 0, 1,
+    3, 4, started and copied around it, land byte-exact."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    before = [c.clone() for c in dst]
+    msgs = _messages(src, 5, corrupt_idx=2)
+    t = _Landing(msgs, dst, lookahead=lookahead, max_inflight=8)
+    t.submit_all()
+    t.close()
+    assert t.log.index(("copy", 3)) < t.log.index(("verify", 2))     # pipelined
+    assert isinstance(t.results[2], CorruptFrameError)
+    assert "payload frame 1 checksum (mix64" in str(t.results[2])
+    assert {i: e for i, e in t.results.items() if i != 2} == {i: None for i in (0, 1, 3, 4)}
+    _assert_landed(msgs, src, dst, before, bad={2})
