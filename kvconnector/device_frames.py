@@ -12,10 +12,10 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
 - decode (:func:`land_message`, run by the endpoint's landing thread, :mod:`kvconnector.landing`):
   the payload frames are copied piece by piece into one pinned buffer (:class:`HostFill`, on the
   copy workers; the landing thread starts the next message's copies before it lands this one),
-  each piece's host-to-device copy queued right behind it (or, received straight into pinned
-  memory already, copied to the device at once); then one kernel pass verifies every frame against the header
-  and a scatter kernel writes the blocks only if all matched (it reads the mismatch count on the
-  device). The host reads the count once the copy stream passes that point
+  the host-to-device copy of the pieces copied so far queued right behind them (or, received
+  straight into pinned memory already, copied to the device at once); then one kernel pass
+  verifies every frame against the header and a scatter kernel writes the blocks only if all
+  matched (it reads the mismatch count on the device). The host reads the count once the copy stream passes that point
   (:meth:`DeviceWrite.error`) and fails the pull with a :class:`CorruptFrameError`; the
   destination blocks of that message were not written.
 
@@ -167,9 +167,8 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
     frames : list of ZeroMQ frames or buffers, optional
         The payload frames (sizes ``h.nbytes``) to copy into ``host`` first, in pieces of
-        ``piece_bytes`` (by the threads of ``executor`` when given, else by this one): each
-        piece's host-to-device copy is queued as soon as its host copy is done, so the DMA of one
-        piece overlaps the host copy of the next.
+        ``piece_bytes`` (by the threads of ``executor`` when given, else by this one), the
+        host-to-device copy of what is in queued as soon as it is in (:meth:`HostFill.run`).
     fill : HostFill, optional
         Those copies already started (the landing thread starts the next message's before it
         lands this one); ``frames``, ``piece_bytes`` and ``executor`` are then unused.
@@ -263,18 +262,26 @@ class HostFill:
 
     def run(self, staging: torch.Tensor | None = None, timings: dict | None = None) -> None:
         """Wait for (or run) the pieces in order; with ``staging`` (a device buffer, on the current
-        stream) queue each piece's device copy as soon as it is in host memory, so the DMA of one
-        piece overlaps the host copy of the next. ``timings["copy"]`` gains the seconds spent here
-        waiting for or running the host copies (the device copies' queuing excluded)."""
-        t_copy = 0.0
+        stream) queue a device copy as soon as a piece is in host memory, covering it and every
+        later piece the workers have already copied too: the DMA of one piece overlaps the host
+        copy of the next, and a message whose pieces were all copied ahead goes in one copy (one
+        call, instead of one per piece). ``timings["copy"]`` gains the seconds spent here waiting
+        for or running the host copies (the device copies' queuing excluded)."""
+        t_copy, n, i = 0.0, len(self.pieces), 0
         try:
-            for (a, b, piece), job in zip(self.pieces, self.jobs):
+            while i < n:
                 t0 = time.perf_counter()
-                if job is None:
+                a, b, piece = self.pieces[i]
+                if self.jobs[i] is None:
                     np.copyto(self._dst[a:b], piece)
                 else:
-                    job.result()
+                    self.jobs[i].result()
                 t_copy += time.perf_counter() - t0
+                i += 1
+                while i < n and self.jobs[i] is not None and self.jobs[i].done():
+                    b = self.pieces[i][1]      # pieces are back to back
+                    self.jobs[i].result()
+                    i += 1
                 if staging is not None:
                     staging[a:b].copy_(self.host[a:b], non_blocking=True)
         finally:

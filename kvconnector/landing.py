@@ -15,8 +15,9 @@ message k+1 while the launcher queues message k's device work:
    never refilled before the device copy that reads it ended, and never more than
    ``max_inflight`` are held;
 2. finish (once ``lookahead`` later messages are started, or none is waiting): waits for the
-   pieces in order, queuing each piece's host-to-device copy on the copy stream as soon as it is
-   in, so the DMA of one piece overlaps the host copy of the next (a payload already in pinned
+   pieces in order, queuing the host-to-device copy of the pieces in on the copy stream as soon
+   as they are in, so the DMA of one piece overlaps the host copy of the next, and the pieces
+   copied while an earlier message was landed go in one copy (a payload already in pinned
    memory, received into the pool or written by NIXL, is only copied to the device); then queues
    verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes nothing
    unless every frame matched) and records a blocking event.

@@ -26,6 +26,7 @@ import torch
 
 import kvconnector.landing as landing_mod
 from connector_fakes import filled_caches, make_desc
+from kvconnector.device_frames import HostFill
 from kvconnector.landing import Lander, LandJob
 from kvconnector.protocol import MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
@@ -305,3 +306,28 @@ def test_corrupt_pipelined_message_fails_alone(lookahead):
     assert "payload frame 1 checksum (mix64" in str(t.results[2])
     assert {i: e for i, e in t.results.items() if i != 2} == {i: None for i in (0, 1, 3, 4)}
     _assert_landed(msgs, src, dst, before, bad={2})
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["copied-ahead", "copied-in-run"])
+def test_host_fill_device_copies(monkeypatch, ahead):
+    """``HostFill.run`` puts the payload, byte-exact, into the staging buffer (a CPU stand-in for
+    the device one): the pieces the workers copied before it ran go in one copy; pieces the run
+    copies itself go one copy each, right behind each piece (their DMA overlaps the next copy)."""
+    msg = _Msg(filled_caches(DESC, 0), 0, [1, 5, 9], [0, 1, 2])
+    total = sum(msg.h.nbytes)
+    host, staging = torch.zeros(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+    pool = ThreadPoolExecutor(2)
+    fill = HostFill(host, msg.frames, msg.h.nbytes, 256, pool if ahead else None)
+    fill.wait()
+    copies, copy_ = [], torch.Tensor.copy_
+
+    def logged(dst, src, *a, **k):
+        if dst.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr():
+            copies.append(dst.numel())
+        return copy_(dst, src, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "copy_", logged)
+    fill.run(staging)
+    pool.shutdown()
+    assert len(fill.pieces) > 2
+    assert copies == ([total] if ahead else [b - a for a, b, _ in fill.pieces])
+    assert staging.numpy().tobytes() == b"".join(msg.frames) == host.numpy().tobytes()
