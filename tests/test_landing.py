@@ -5,7 +5,8 @@ before it queues message k's verify + scatter; the pinned buffers held stay with
 deadlock when the bound is reached; a started message whose pull died is dropped before its
 device work and its buffer goes back only once its copies ended; a corrupted frame in a
 pipelined message fails it with CorruptFrameError and writes nothing of it, while the messages
-around it land byte-exact; ``close`` lands what is queued.
+around it land byte-exact; ``close`` lands what is queued. ``HostFill.run`` queues one device
+copy for the pieces the workers copied ahead, one per piece for those it copies itself.
 
 The copy workers are a thread pool wrapped to log (and, where a test needs it, hold back) each
 piece's copy; the device kernels are their plain-PyTorch twin (``torch_frame_ops``, checked
