@@ -168,13 +168,14 @@ def launched(monkeypatch):
 def expected_launches(plan, mode) -> list:
     """The kernels ``plan`` names, in launch order: the query rotation, the path's kernel, the
     reduction; a mixed plan's parts one after the other; a dequantized 2D plan (``dequant_first``
-    over a quantized cache): the dequantizing pass, then the unquantized 2D kernel."""
+    over a quantized cache): the dequantizing pass, then the unquantized 2D kernel, once per group of
+    KV heads (``Tiling.dequant_groups``)."""
     if plan.path == Path.EMPTY:
         return []
     if plan.path == Path.MIXED:
         return expected_launches(plan.parts[0], mode) + expected_launches(plan.parts[1], mode)
     if plan.path == P2D and plan.tiling.dequant_first and mode != KVQuantMode.NONE:
-        return [DEQUANT[1], PATH_KERNELS[P2D][1]]
+        return [DEQUANT[1], PATH_KERNELS[P2D][1]] * plan.tiling.dequant_groups
     names = [ROTATE_KERNELS[plan.rotate][1]] if plan.rotate in ROTATE_KERNELS else []
     main = INT4_2D if plan.path == P2D and mode == KVQuantMode.INT4_PER_TOKEN_HEAD else PATH_KERNELS[plan.path]
     names.append(main[1])

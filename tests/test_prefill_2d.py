@@ -227,8 +227,14 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
         # 2 sequences x 256 blocks x 16 slots x 8 KV heads x 128 dims, K and V, fp16 (fp32 interpreted)
         need = 2 * 256 * 16 * 8 * 128 * 2 * (2 if facts is H200 else 4) + (2 * tokens * 32 * 128 * 2 if facts is H200 else 0)
         fits = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need))
-        capped = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need - 1))
-        assert fits.tiling.dequant_first and not capped.tiling.dequant_first
+        halves = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need - 1))
+        eighths = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need // 8))
+        capped = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need // 8 - 1))
+        assert fits.tiling.dequant_first and fits.tiling.dequant_groups == 1
+        assert halves.tiling.dequant_first and halves.tiling.dequant_groups == 2, halves  # 8 KV heads: 2 x 4
+        assert "2 groups of 4 KV heads" in halves.why, halves.why
+        assert eighths.tiling.dequant_first and eighths.tiling.dequant_groups == 8, eighths
+        assert not capped.tiling.dequant_first and capped.tiling.dequant_groups == 1
         assert "Tuning.dequant_max_bytes" in capped.why and capped.tiling.mask_edges_only, capped.why
         off = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=0))
         assert not off.tiling.dequant_first
@@ -300,6 +306,41 @@ def test_default_dequant_first_matches_oracle(mode, launched):
     launched.clear()
     run_and_check(m, num_decode_seqs=2)
     assert launched[-2:] == ["_dequant_blocks_kernel", "_attn_kernel"], launched
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launched):
+    """A scratch above ``Tuning.dequant_max_bytes`` is made for groups of KV heads in turn: with
+    the cap at half the scratch of a 2-KV-head call the plan takes 2 groups, launches the pass
+    and the 2D kernel once per group, and writes exactly what the one-group run writes (each KV
+    head's programs compute the same), which matches the oracle, as the chunk half of a mixed
+    batch too; with the cap below one head's scratch: the fused kernel."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import scratch_bytes
+
+    c = make_case(mode, torch.bfloat16, [64], [64 + 37], num_q_heads=8, num_kv_heads=2, head_size=64)
+    v = c["views"]
+    args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"], c["max_q"],
+            c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0)
+    kw = dict(kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
+    need = scratch_bytes(make_call(*args, mode, v.k_scale_cache, v.v_scale_cache), interpreted=True)
+    whole, halves = Tuning(dequant_max_bytes=need), Tuning(dequant_max_bytes=need // 2)
+    plan = attention_plan(*args, **kw, tuning=halves)
+    assert plan.tiling.dequant_first and plan.tiling.dequant_groups == 2 and "2 groups of 1 KV heads" in plan.why
+    one = run_and_check(c, tuning=whole)
+    assert launched == expected_launches(attention_plan(*args, **kw, tuning=whole), mode) == \
+        ["_dequant_blocks_kernel", "_attn_kernel"]
+    launched.clear()
+    two = run_and_check(c, tuning=halves)
+    assert launched == expected_launches(plan, mode) == ["_dequant_blocks_kernel", "_attn_kernel"] * 2
+    assert torch.equal(one, two)
+    fused = attention_plan(*args, **kw, tuning=Tuning(dequant_max_bytes=need // 2 - 1))
+    assert not fused.tiling.dequant_first and "one KV head at a time" in fused.why, fused.why
+    m = make_case(mode, torch.bfloat16, [1, 1, 64], [30, 90, 64 + 21], num_q_heads=8, num_kv_heads=2, head_size=64,
+                  seed=1)
+    launched.clear()
+    run_and_check(m, num_decode_seqs=2, tuning=Tuning(dequant_max_bytes=need // 2))
+    assert launched[-4:] == ["_dequant_blocks_kernel", "_attn_kernel"] * 2, launched
 
 
 @pytest.mark.parametrize("mode", MODES[1:])

@@ -176,6 +176,16 @@ def split_mixed(call: AttnCall, d: int) -> tuple:
     return decode, chunk
 
 
+def head_group(call: AttnCall, h0: int, h1: int) -> AttnCall:
+    """KV heads ``[h0, h1)`` of ``call`` and their query heads: views of q / out / the caches
+    (nothing copied; the kernels take the strides), as a call of its own. For calls without
+    segment buffers (one segment)."""
+    g = call.group
+    return dataclasses.replace(call, q=call.q[:, h0 * g:h1 * g], out=call.out[:, h0 * g:h1 * g],
+                               k=call.k[:, :, h0:h1], v=call.v[:, :, h0:h1],
+                               ks=call.ks[:, :, h0:h1], vs=call.vs[:, :, h0:h1])
+
+
 def with_segment_buffers(call: AttnCall, segs: int) -> AttnCall:
     """``call`` with the split path's scratch for ``segs`` segments: the caller's buffers,
     checked (contiguous float32 ``[>= num_tokens, num_q_heads, segs(, head_pad)]`` on q's

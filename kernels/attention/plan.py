@@ -107,6 +107,7 @@ class Tiling:
     code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
     code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
     dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the unquantized kernel
+    dequant_groups: int = 1     # dequant_first: KV-head groups dequantized and attended in turn (one group's scratch at a time)
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
 
 
@@ -332,7 +333,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
     query tiles per sequence) and its scratch fits ``tuning.dequant_max_bytes``; ``why`` says which."""
     block_m = max(PREFILL_BLOCK_M, next_pow2(call.group))
     rows = (call.q.shape[0] - call.first_token) * call.group / call.num_seqs  # query rows per sequence
-    dequant = False
+    dequant, groups = False, 1
     if call.mode != KVQuantMode.NONE:
         tiles = rows / block_m
         need = D.scratch_bytes(call, interpreted=facts.type == "cpu")
@@ -341,19 +342,34 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
             why.append(f"fused kernel: {tiles:.1f} query tiles per sequence < {DEQUANT_MIN_Q_TILES}")
         elif not D.reads(call):
             why.append(f"fused kernel: no dequantizing pass for {call.mode.name} at head_size {call.head_size}")
-        elif need > cap:
-            why.append(f"fused kernel: dequantizing first would need {need / 2**20:.1f} MiB of scratch > "
-                       f"Tuning.dequant_max_bytes {cap / 2**20:.1f} MiB")
         else:
-            dequant = True
-            why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
-                       f"{DEQUANT_MIN_Q_TILES}; {need / 2**20:.1f} MiB of scratch)")
+            groups = dequant_groups(need, cap, call.num_kv_heads)
+            if groups is None:
+                why.append(f"fused kernel: dequantizing first would need {need / 2**20:.1f} MiB of scratch "
+                           f"(one KV head at a time: {need / call.num_kv_heads / 2**20:.1f} MiB) > "
+                           f"Tuning.dequant_max_bytes {cap / 2**20:.1f} MiB")
+            else:
+                dequant = True
+                why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
+                           f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch"
+                           + (f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn)" if groups > 1 else ")"))
     if (facts.type == "cuda" and (call.mode == KVQuantMode.NONE or dequant) and call.head_size <= 128
             and rows >= BIG_PREFILL[0] and block_m <= BIG_PREFILL[0]):
         why.append(f"{BIG_PREFILL[0]} x {BIG_PREFILL[1]} tiles over 16-bit rows ({rows:.0f} query rows per sequence)")
         bm, tile, warps, stages = BIG_PREFILL
-        return Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True, dequant_first=dequant)
-    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant)
+        return Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True, dequant_first=dequant,
+                      dequant_groups=groups if dequant else 1)
+    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant,
+                  dequant_groups=groups if dequant else 1)
+
+
+def dequant_groups(need: int, cap: int, num_kv_heads: int) -> Optional[int]:
+    """The fewest KV-head groups (a divisor of ``num_kv_heads``) whose dequantized scratch, ``need``
+    bytes for all heads (it grows with the heads), fits ``cap``; None where one head does not fit."""
+    for groups in range(1, num_kv_heads + 1):
+        if num_kv_heads % groups == 0 and need <= cap * groups:
+            return groups
+    return None
 
 
 def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given: Optional[int]) -> Tiling:

@@ -19,7 +19,9 @@ fp32 (its 16-bit rounding is not the GPU's).
 
 Memory: :func:`scratch_bytes` (K and V rows of ``num_seqs * blocks_per_seq`` blocks, plus the
 fp16 query); allocated per call from torch's caching allocator; the planner caps it
-(``Tuning.dequant_max_bytes``) and runs the fused kernel above the cap.
+(``Tuning.dequant_max_bytes``): above the cap the call is dequantized and attended for groups of
+KV heads in turn (``Tiling.dequant_groups``, one group's scratch at a time), and only where one
+KV head's scratch exceeds it does the fused kernel run.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNC
 rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``); a mixed plan
 runs its two parts on the two halves of the call (``call.split_mixed``); a 2D plan with
 ``Tiling.dequant_first`` over a quantized cache dequantizes the context first
-(``prefill_dequant.dequantized_call``) and runs the 2D kernel on the scratch cache.
+(``prefill_dequant.dequantized_call``) and runs the 2D kernel on the scratch cache, for
+``Tiling.dequant_groups`` groups of KV heads in turn (``call.head_group``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from triton.runtime.errors import OutOfResources
 from layouts import KVQuantMode
 
 from . import decode_staged
-from .call import AttnCall, split_mixed, with_segment_buffers
+from .call import AttnCall, head_group, split_mixed, with_segment_buffers
 from .decode_block_tiles import launch_block_tiles
 from .decode_code_units import launch_code_units
 from .decode_split import launch_split
@@ -58,12 +59,19 @@ def run_plan(call: AttnCall, plan: Plan):
     if plan.tiling.num_segments > 1:
         call = with_segment_buffers(call, plan.tiling.num_segments)
     elif plan.tiling.dequant_first and plan.path == Path.PREFILL_2D and call.mode != KVQuantMode.NONE:
-        call = dequantized_call(call)  # the same call over a 16-bit scratch cache, mode NONE
+        per = call.num_kv_heads // plan.tiling.dequant_groups
+        for h in range(0, call.num_kv_heads, per):  # each group over its 16-bit scratch (mode NONE), freed
+            _launch(dequantized_call(head_group(call, h, h + per)), plan)  # before the next one is made
+        return call.out
+    _launch(call, plan)
+    if plan.tiling.num_segments > 1:
+        reduce_segments(call, plan)
+    return call.out
+
+
+def _launch(call: AttnCall, plan: Plan) -> None:
     try:
         LAUNCHERS[plan.path](call, plan)
     except OutOfResources as e:  # a caller's tiling too large for this GPU: say which, before any output
         raise ValueError(f"{plan.path.value} with {plan.tiling} does not fit this GPU ({e}); use fewer keys per "
                          "tile, KV heads per program or stages") from e
-    if plan.tiling.num_segments > 1:
-        reduce_segments(call, plan)
-    return call.out
