@@ -211,8 +211,10 @@ def launch_2d(call, plan) -> None:
         dot = DOT_FP16.value  # int8 / e4m3 codes convert exactly and cheaply to fp16
     elif call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and call.head_size < 128:
         # 32-wide nibble halves: the 16-bit dots of the INT4 kernel compile wrong on sm_90 (wrong
-        # scores, out-of-bounds reads; tests/test_attention_kernels.py's CUDA cases show it);
-        # tf32 dots are exact on codes and correct here
+        # scores, out-of-bounds reads; tests/test_attention_kernels.py's CUDA cases show it), so
+        # its dots take fp32 operands, as 3 tf32 products each (F32_PREC): one tf32 product
+        # truncates the rotated query and the probabilities to 10 mantissa bits, and over 8k keys
+        # that measured 1.9e-2 relative L2 on the H200 (tf32x3: 1.6e-3)
         dot = DOT_FP32.value
     else:
         dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
@@ -250,7 +252,8 @@ def launch_2d(call, plan) -> None:
             common.update(q_ptr=qr, stride_q_t=qr.stride(0), stride_q_h=qr.stride(1), stride_q_d=qr.stride(2))
         # above head_size 128 the fp32 Hadamard operands of the in-kernel rotations would need
         # 256 KiB of shared memory at once (more than an H200 has): chunks of 64 dims instead
-        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp,
+        prec = "tf32x3" if dot == DOT_FP32.value and not interpreting(q) else None
+        _attn_int4_kernel[grid](signs_ptr=call.signs, Q_ROTATED=rotated, CODE_ZP=tiling.code_zp, F32_PREC=prec,
                                 ASM=tiling.code_asm and not interpreting(q) and dot != DOT_FP32.value,  # 16-bit only
                                 ROT_CHUNK=0 if call.head_size <= INT4_ROT_WHOLE else 64, **common)
     else:

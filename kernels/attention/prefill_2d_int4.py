@@ -121,6 +121,7 @@ def _attn_int4_kernel(
     ASM: tl.constexpr = False,      # CUDA: codes converted by nibbles_asm (PTX), 4 bytes per instruction group
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
     ROT_CHUNK: tl.constexpr = 0,    # > 0: the in-kernel rotations in chunks of this many dims (large heads)
+    F32_PREC: tl.constexpr = None,  # input_precision of the dots on fp32 operands (None: Triton's default)
 ):
     HALF: tl.constexpr = HEAD // 2
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
@@ -147,8 +148,9 @@ def _attn_int4_kernel(
             q = q * tl.load(signs_ptr + offs_d)[None, :]  # q: [BLOCK_M, HEAD]
             h_even = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :])  # [HEAD, HALF]
             h_odd = hadamard_sign(offs_d[:, None], 2 * offs_h[None, :] + 1)
-            q_even = to_dot(tl.dot(q, h_even), DOT)  # [BLOCK_M, HALF], rounded to the dot dtype
-            q_odd = to_dot(tl.dot(q, h_odd), DOT)
+            # [BLOCK_M, HALF], rounded to the dot dtype
+            q_even = to_dot(tl.dot(q, h_even, input_precision=F32_PREC), DOT)
+            q_odd = to_dot(tl.dot(q, h_odd, input_precision=F32_PREC), DOT)
         else:  # k in chunks of ROT_CHUNK: the Hadamard operands [ROT_CHUNK, HALF] fit shared memory
             offs_c = tl.arange(0, ROT_CHUNK)
             q_even_f = tl.zeros([BLOCK_M, HALF], tl.float32)
@@ -158,8 +160,10 @@ def _attn_int4_kernel(
                 qc = tl.load(q_ptr + tok[:, None] * stride_q_t + head[:, None] * stride_q_h
                              + k_dims[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
                 qc = qc * tl.load(signs_ptr + k_dims)[None, :]  # [BLOCK_M, ROT_CHUNK]
-                q_even_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :]), q_even_f)
-                q_odd_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :] + 1), q_odd_f)
+                q_even_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :]), q_even_f,
+                                  input_precision=F32_PREC)
+                q_odd_f = tl.dot(qc, hadamard_sign(k_dims[:, None], 2 * offs_h[None, :] + 1), q_odd_f,
+                                 input_precision=F32_PREC)
             q_even = to_dot(q_even_f, DOT)
             q_odd = to_dot(q_odd_f, DOT)
         q_scale = softmax_scale
@@ -205,14 +209,15 @@ def _attn_int4_kernel(
                 kc_lo, kc_hi = nibbles_asm(kb, tl.broadcast_to((kbits & 0xF).to(tl.uint8)[None, :], kb.shape), DOT)
             else:
                 kc_lo, kc_hi = nibbles_asm(kb, tl.zeros(kb.shape, tl.uint8), DOT)
-            s = tl.dot(q_even, kc_lo)
-            s = tl.dot(q_odd, kc_hi, s)
+            s = tl.dot(q_even, kc_lo, input_precision=F32_PREC)
+            s = tl.dot(q_odd, kc_hi, s, input_precision=F32_PREC)
         elif CODE_ZP:
-            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT))
-            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s)
+            s = tl.dot(q_even, nibble_minus_zp(kb & 0xF, (kbits & 0xF)[None, :], DOT), input_precision=F32_PREC)
+            s = tl.dot(q_odd, nibble_minus_zp(kb >> 4, (kbits & 0xF)[None, :], DOT), s, input_precision=F32_PREC)
         else:
-            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT))
-            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s)  # [BLOCK_M, TILE] = q_rot . codes
+            s = tl.dot(q_even, nibble_to_dot(kb & 0xF, DOT), input_precision=F32_PREC)
+            # [BLOCK_M, TILE] = q_rot . codes
+            s = tl.dot(q_odd, nibble_to_dot(kb >> 4, DOT), s, input_precision=F32_PREC)
         if CODE_ZP:  # s = q_rot . (codes - zp)
             s = s * (k_sc * qk_scale)[None, :]
         else:
@@ -233,19 +238,21 @@ def _attn_int4_kernel(
             else:
                 v_lo = nibble_minus_zp(vb & 0xF, (vbits & 0xF)[:, None], DOT)
                 v_hi = nibble_minus_zp(vb >> 4, (vbits & 0xF)[:, None], DOT)
-            acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_lo) * vs_max
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_hi) * vs_max
+            acc_even = acc_even * alpha[:, None] + tl.dot(pv, v_lo, input_precision=F32_PREC) * vs_max
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(pv, v_hi, input_precision=F32_PREC) * vs_max
         else:
             zp_term = tl.sum(pv.to(tl.float32) * v_zp[None, :], 1)  # [BLOCK_M], of the rounded tile
             if ASM:
                 v_lo, v_hi = nibbles_asm(vb, tl.zeros(vb.shape, tl.uint8), DOT)
-                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, v_lo) - zp_term[:, None]) * vs_max
-                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, v_hi) - zp_term[:, None]) * vs_max
+                acc_even = acc_even * alpha[:, None] + (
+                    tl.dot(pv, v_lo, input_precision=F32_PREC) - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (
+                    tl.dot(pv, v_hi, input_precision=F32_PREC) - zp_term[:, None]) * vs_max
             else:
-                acc_even = acc_even * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb & 0xF, DOT))
-                                                        - zp_term[:, None]) * vs_max
-                acc_odd = acc_odd * alpha[:, None] + (tl.dot(pv, nibble_to_dot(vb >> 4, DOT))
-                                                      - zp_term[:, None]) * vs_max
+                acc_even = acc_even * alpha[:, None] + (
+                    tl.dot(pv, nibble_to_dot(vb & 0xF, DOT), input_precision=F32_PREC) - zp_term[:, None]) * vs_max
+                acc_odd = acc_odd * alpha[:, None] + (
+                    tl.dot(pv, nibble_to_dot(vb >> 4, DOT), input_precision=F32_PREC) - zp_term[:, None]) * vs_max
         m_i = m_new
 
     if SPLIT:
@@ -263,8 +270,8 @@ def _attn_int4_kernel(
             signs = tl.load(signs_ptr + offs_d) / HEAD
             g_even = hadamard_sign(2 * offs_h[:, None], offs_d[None, :]) * signs[None, :]  # [HALF, HEAD]
             g_odd = hadamard_sign(2 * offs_h[:, None] + 1, offs_d[None, :]) * signs[None, :]
-            o = tl.dot(acc_even * inv_l[:, None], g_even)
-            o = tl.dot(acc_odd * inv_l[:, None], g_odd, o)  # [BLOCK_M, HEAD]
+            o = tl.dot(acc_even * inv_l[:, None], g_even, input_precision=F32_PREC)
+            o = tl.dot(acc_odd * inv_l[:, None], g_odd, o, input_precision=F32_PREC)  # [BLOCK_M, HEAD]
             tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:  # output dims in chunks of ROT_CHUNK (operands [HALF, ROT_CHUNK])
@@ -274,7 +281,9 @@ def _attn_int4_kernel(
             for c in tl.static_range(HEAD // ROT_CHUNK):
                 o_dims = c * ROT_CHUNK + offs_c
                 signs = tl.load(signs_ptr + o_dims) / HEAD
-                o = tl.dot(a_even, hadamard_sign(2 * offs_h[:, None], o_dims[None, :]) * signs[None, :])
-                o = tl.dot(a_odd, hadamard_sign(2 * offs_h[:, None] + 1, o_dims[None, :]) * signs[None, :], o)
+                o = tl.dot(a_even, hadamard_sign(2 * offs_h[:, None], o_dims[None, :]) * signs[None, :],
+                           input_precision=F32_PREC)
+                o = tl.dot(a_odd, hadamard_sign(2 * offs_h[:, None] + 1, o_dims[None, :]) * signs[None, :], o,
+                           input_precision=F32_PREC)
                 tl.store(out_ptr + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
                          + o_dims[None, :] * stride_o_d, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
