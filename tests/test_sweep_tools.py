@@ -1,5 +1,6 @@
 """The GPU benchmark helpers' CPU-side logic: the attention benchmark's tunings (sweep, compare,
-paths), the profiling driver's ``--tiling``, and the read probes' addressing (the timing itself needs a GPU).
+paths), the profiling driver's ``--tiling``, the timeline's specs and trace reading, and the read
+probes' addressing (the timing itself needs a GPU).
 
 Run: python -m pytest tests/test_sweep_tools.py -q
 """
@@ -49,6 +50,38 @@ def test_profile_decode_tiling_and_no_gpu_exit(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         P.main(["--path", "v4"])
+
+
+def test_attention_timeline_specs_and_trace_split(tmp_path, monkeypatch, capsys):
+    """bench/attention_timeline.py: a spec names the plan's default or a path with its tiling (the
+    2D kernel's with edges-only masking); a bad spec is a one-line error; a profiler trace splits
+    into calls at each flush kernel, the kernels before the first flush dropped; without a GPU it
+    says so."""
+    import json
+
+    from bench import attention_timeline as T
+    assert T.parse_spec("int4:1:32768") == ("int4", 1, 32768, Tuning())
+    mode, batch, ctx, t = T.parse_spec("int4:2:4096:decode_staged_int4:132:16:8:4")
+    assert (mode, batch, ctx, t.path) == ("int4", 2, 4096, Path.DECODE_STAGED_INT4)
+    assert (t.tiling.num_segments, t.tiling.tile, t.tiling.num_warps, t.tiling.num_stages) == (132, 16, 8, 4)
+    assert not t.tiling.mask_edges_only
+    assert T.parse_spec("bf16:1:4096:prefill_2d:33:64:4:3")[3].tiling.mask_edges_only
+    assert T.parse_spec("int4:1:64:decode_block_tiles:8:32:1:2:2")[3].tiling.heads_per_program == 2
+    for bad in ("int5:1:64", "int4:1", "int4:1:64:decode_block_tiles:8"):
+        with pytest.raises(ValueError, match="mode:batch:context"):
+            T.parse_spec(bad)
+    assert T.main(["int4:1"]) == 2 and "error: spec" in capsys.readouterr().err
+    flush = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>>"
+    events = [dict(cat="kernel", name="early", ts=0, dur=1), dict(cat="cpu_op", name="x", ts=1, dur=1),
+              dict(cat="kernel", name=flush, ts=10, dur=80), dict(cat="kernel", name="decode", ts=95, dur=20),
+              dict(cat="kernel", name="reduce", ts=116, dur=3), dict(cat="kernel", name=flush, ts=200, dur=80),
+              dict(cat="kernel", name="decode", ts=281, dur=21)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events[::-1]}))
+    calls = T.split_calls(T.kernel_events(str(path)))
+    assert [(end, [k["name"] for k in ks]) for end, ks in calls] == [(90, ["decode", "reduce"]), (280, ["decode"])]
+    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: False)
+    assert T.main(["int4:1:32768"]) == 1 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_probe_reads_quick():
