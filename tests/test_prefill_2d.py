@@ -23,6 +23,8 @@ measured near 3e-3.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton.language as tl
@@ -314,7 +316,8 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
     the cap at half the scratch of a 2-KV-head call the plan takes 2 groups, launches the pass
     and the 2D kernel once per group, and writes exactly what the one-group run writes (each KV
     head's programs compute the same), which matches the oracle, as the chunk half of a mixed
-    batch too; with the cap below one head's scratch: the fused kernel."""
+    batch too; a tiling asking for more groups than KV heads runs one head each; with the cap
+    below one head's scratch: the fused kernel."""
     from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import scratch_bytes
 
@@ -334,6 +337,8 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
     two = run_and_check(c, tuning=halves)
     assert launched == expected_launches(plan, mode) == ["_dequant_blocks_kernel", "_attn_kernel"] * 2
     assert torch.equal(one, two)
+    given = run_and_check(c, tuning=Tuning(tiling=dataclasses.replace(plan.tiling, dequant_groups=3)))
+    assert torch.equal(one, given)  # more groups than KV heads: one head each
     fused = attention_plan(*args, **kw, tuning=Tuning(dequant_max_bytes=need // 2 - 1))
     assert not fused.tiling.dequant_first and "one KV head at a time" in fused.why, fused.why
     m = make_case(mode, torch.bfloat16, [1, 1, 64], [30, 90, 64 + 21], num_q_heads=8, num_kv_heads=2, head_size=64,

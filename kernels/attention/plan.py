@@ -107,7 +107,7 @@ class Tiling:
     code_zp: bool = False       # 2D INT4 kernel: zero points subtracted from the codes as they convert
     code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
     dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the unquantized kernel
-    dequant_groups: int = 1     # dequant_first: KV-head groups dequantized and attended in turn (one group's scratch at a time)
+    dequant_groups: int = 1     # dequant_first: KV-head groups dequantized and attended in turn (one scratch at a time)
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
 
 
@@ -350,9 +350,9 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
                            f"Tuning.dequant_max_bytes {cap / 2**20:.1f} MiB")
             else:
                 dequant = True
+                turns = f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn" if groups > 1 else ""
                 why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
-                           f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch"
-                           + (f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn)" if groups > 1 else ")"))
+                           f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch{turns})")
     if (facts.type == "cuda" and (call.mode == KVQuantMode.NONE or dequant) and call.head_size <= 128
             and rows >= BIG_PREFILL[0] and block_m <= BIG_PREFILL[0]):
         why.append(f"{BIG_PREFILL[0]} x {BIG_PREFILL[1]} tiles over 16-bit rows ({rows:.0f} query rows per sequence)")

@@ -59,9 +59,10 @@ def run_plan(call: AttnCall, plan: Plan):
     if plan.tiling.num_segments > 1:
         call = with_segment_buffers(call, plan.tiling.num_segments)
     elif plan.tiling.dequant_first and plan.path == Path.PREFILL_2D and call.mode != KVQuantMode.NONE:
-        per = call.num_kv_heads // plan.tiling.dequant_groups
-        for h in range(0, call.num_kv_heads, per):  # each group over its 16-bit scratch (mode NONE), freed
-            _launch(dequantized_call(head_group(call, h, h + per)), plan)  # before the next one is made
+        heads = call.num_kv_heads
+        per = -(-heads // max(1, plan.tiling.dequant_groups))
+        for h in range(0, heads, per):  # each group over its 16-bit scratch (mode NONE), freed before the next
+            _launch(dequantized_call(head_group(call, h, min(h + per, heads))), plan)
         return call.out
     _launch(call, plan)
     if plan.tiling.num_segments > 1:
