@@ -14,6 +14,20 @@ from kvconnector.protocol import Header, MsgType, decode_header, encode_header, 
 from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutDescriptor
 
 
+class GatedEvent:
+    """Stands in for a CUDA event on CPU (the landing thread's ``_record`` seam): the device has
+    ended the message once ``gate`` is set."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def query(self):
+        return self.gate.is_set()
+
+    def synchronize(self):
+        assert self.gate.wait(20), "fake event never released"
+
+
 def make_desc(mode=KVQuantMode.INT4_PER_TOKEN_HEAD, head_size=32, num_kv_heads=2, block_size=4,
               num_layers=2, num_blocks=8, **kw):
     geo = CacheGeometry(mode, head_size, num_kv_heads, block_size)

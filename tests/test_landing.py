@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kvconnector.landing as landing_mod
-from connector_fakes import filled_caches, make_desc
+from connector_fakes import GatedEvent, filled_caches, make_desc
 from kvconnector.device_frames import HostFill
 from kvconnector.landing import Lander, LandJob
 from kvconnector.protocol import MIX64, Header, MsgType
@@ -169,19 +169,6 @@ def test_next_message_is_copied_while_this_one_launches(lookahead):
     _assert_landed(msgs, src, dst, None)
 
 
-class _GatedEvent:
-    """A CUDA event on CPU: the device has ended the message once ``gate`` is set."""
-
-    def __init__(self):
-        self.gate = threading.Event()
-
-    def query(self):
-        return self.gate.is_set()
-
-    def synchronize(self):
-        assert self.gate.wait(20), "fake event never released"
-
-
 class _BoundedPool(PinnedPool):
     """A pinned pool that checks, per buffer, that the messages hold at most ``bound`` buffers and
     that none comes back before the event of the message that used it (messages take buffers and
@@ -224,7 +211,7 @@ def test_pool_bound_holds_without_deadlock(monkeypatch):
     events = []
 
     def record(stream):
-        events.append(_GatedEvent())
+        events.append(GatedEvent())
         return events[-1]
     monkeypatch.setattr(landing_mod, "_record", record)
     src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)

@@ -17,7 +17,6 @@ only after the device copy that read it ended (fake gated events on CPU).
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 import kvconnector.landing as landing_mod
-from connector_fakes import FakePrefill, filled_caches, make_desc
+from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_INTO
@@ -308,19 +307,6 @@ def test_failure_completing_a_device_write_fails_the_pull_now(device):
         assert time.monotonic() - t0 < 10
 
 
-class _GatedEvent:
-    """Stands in for a CUDA event on CPU: done once its own ``gate`` is set."""
-
-    def __init__(self):
-        self.gate = threading.Event()
-
-    def query(self):
-        return self.gate.is_set()
-
-    def synchronize(self):
-        assert self.gate.wait(20), "fake event never released"
-
-
 class _WatchedPool(PinnedPool):
     """A pinned pool that records, per buffer, when it is handed out and back."""
 
@@ -353,7 +339,7 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
     events = []
 
     def record(stream):
-        events.append(_GatedEvent())
+        events.append(GatedEvent())
         return events[-1]
     monkeypatch.setattr(landing_mod, "_record", record)
     calls = []
