@@ -238,8 +238,9 @@ def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
 
 def describe(plan: Plan) -> str:
     t = plan.tiling
+    groups = f"x{t.dequant_groups}" if t.dequant_groups > 1 else ""   # dequantized for KV-head groups in turn
     extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
-        (" dequant-first" + (f"x{t.dequant_groups}" if t.dequant_groups > 1 else "") if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
+        (f" dequant-first{groups}" if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 

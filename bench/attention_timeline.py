@@ -97,7 +97,8 @@ def timeline(mode: str, batch: int, ctx: int, tuning: Tuning, calls: int = 20) -
         os.unlink(path)
     count = statistics.mode(len(k) for _, k in found)
     found = [c for c in found if len(c[1]) == count]
-    lines = [f"{mode} b{batch} ctx{ctx} {B.describe(plan)}{' (given)' if tuning.path else ''} rotate={plan.rotate.value} "
+    given = " (given)" if tuning.path else ""
+    lines = [f"{mode} b{batch} ctx{ctx} {B.describe(plan)}{given} rotate={plan.rotate.value} "
              f"reduce={plan.reduce.value} pdl={plan.pdl} rel. L2 {err:.1e}, {len(found)} calls"]
     for i in range(count):
         first = found[0][1][i]
