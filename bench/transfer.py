@@ -29,7 +29,8 @@ goes, per stage (``PrefillEndpoint.stage_times`` / ``DecodeEndpoint.stage_times`
 prefill I/O thread staging (gather + device-to-host copies queued), waiting for a message's
 bytes in host memory, handing it to ZeroMQ; decode I/O thread receiving and checking messages,
 and on its landing thread the host copy into pinned memory, queuing the device copies and
-kernels, and waiting for the device.
+kernels, the CPU time that thread used in both (the rest of their wall time it was blocked: on
+the copies, the GIL, the driver), and waiting for the device.
 
 ``--layerwise-tokens N``: the exposed time of a layer-wise pull of an N-token request (INT4,
 the same layer set): the decode side pulls while the prefill announces one layer every

@@ -231,13 +231,15 @@ class DecodeEndpoint:
         """Seconds spent so far per stage of receiving (``bench.transfer --threads``): ``receive``
         (I/O thread: receive and check messages, hand them off), and for ``mix64`` messages on the
         landing thread ``host_copy`` (frames into pinned memory), ``launch`` (queue the device
-        copies and kernels, host copy excluded), ``device_wait`` (waiting for the device to end the
-        oldest of ``max_inflight`` messages, to reuse its pinned buffer); ``landed`` counts them."""
+        copies and kernels, host copy excluded), ``launch_cpu`` (the landing thread's CPU seconds
+        in all of its work on messages: less than ``host_copy + launch`` by the time it was
+        blocked), ``device_wait`` (waiting for the device to end the oldest of ``max_inflight``
+        messages, to reuse its pinned buffer); ``landed`` counts them."""
         out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
         if self._lander is not None:
             st = self._lander.stage_s
             out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
-                       device_wait=st["wait"], landed=st["messages"])
+                       launch_cpu=st.get("launch_cpu", 0.0), device_wait=st["wait"], landed=st["messages"])
         return out
 
     def close(self) -> None:

@@ -132,8 +132,10 @@ class Lander:
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
         # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
-        # messages, "copy" the part of it spent waiting for (or running) host copies
-        self.stage_s = {"copy": 0.0, "launch": 0.0, "wait": 0.0, "messages": 0}
+        # messages (wall time; "launch_cpu" the CPU time this thread used in it, so the difference is
+        # time spent blocked: on host copies, the GIL, driver locks), "copy" the part of "launch"
+        # spent waiting for (or running) host copies
+        self.stage_s = {"copy": 0.0, "launch": 0.0, "launch_cpu": 0.0, "wait": 0.0, "messages": 0}
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._started: deque = deque()     # host copies submitted, device work not queued yet (launcher only)
         self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
@@ -199,7 +201,7 @@ class Lander:
 
     def _start(self, job: LandJob) -> None:
         """Take the message's pinned buffers and submit its host copies to the copy workers."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             total = sum(job.h.nbytes)
             if job.host is None:
@@ -216,6 +218,7 @@ class Lander:
                 job.fill = HostFill(job.host, job.frames, job.h.nbytes, piece, self.executor)
         finally:
             self.stage_s["launch"] += time.perf_counter() - t0
+            self.stage_s["launch_cpu"] += time.thread_time() - c0
 
     def _finish(self, job: LandJob) -> None:
         """Wait for the message's host copies, queue its device copies, verify + scatter and event;
@@ -224,7 +227,7 @@ class Lander:
             if not self.alive(job):
                 self._drop(job)
                 return
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
                                          fill=job.fill, timings=self.stage_s, aux=job.aux, ready=job.ready)
@@ -235,6 +238,7 @@ class Lander:
                 raise
             finally:
                 self.stage_s["launch"] += time.perf_counter() - t0
+                self.stage_s["launch_cpu"] += time.thread_time() - c0
                 self.stage_s["messages"] += 1
         except Exception as e:
             self._fail(job, e)

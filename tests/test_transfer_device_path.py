@@ -17,6 +17,7 @@ only after the device copy that read it ended (fake gated events on CPU).
 Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -192,6 +193,9 @@ def test_bench_transfer_kernels_quick_runs():
     stages = [ln for ln in out.stdout.splitlines() if "ms per pull by stage" in ln]
     assert stages and all("decode: receive" in ln and "host_copy" in ln and "landed 1" in ln
                           and "prefill: stage" in ln and "sent 1" in ln for ln in stages), stages
+    for ln in stages:   # the landing thread's CPU time in its work on messages is at most its wall time
+        ms = {k: float(v) for k, v in re.findall(r"(host_copy|launch|launch_cpu) ([0-9.]+)", ln.split("; prefill")[0])}
+        assert 0 < ms["launch_cpu"] <= ms["host_copy"] + ms["launch"] + 0.05, ln
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
 
 
