@@ -239,7 +239,7 @@ class DecodeEndpoint:
         if self._lander is not None:
             st = self._lander.stage_s
             out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
-                       launch_cpu=st.get("launch_cpu", 0.0), device_wait=st["wait"], landed=st["messages"])
+                       launch_cpu=st["launch_cpu"], device_wait=st["wait"], landed=st["messages"])
         return out
 
     def close(self) -> None:

@@ -149,9 +149,8 @@ class DeviceWrite:
 
 
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
-                 heads: range, copy_stream, *, frames=None, piece_bytes: int = 2 << 20,
-                 timings: dict | None = None, aux: torch.Tensor | None = None, executor=None,
-                 ready=None, fill: HostFill | None = None) -> DeviceWrite:
+                 heads: range, copy_stream, *, fill: HostFill | None = None, timings: dict | None = None,
+                 aux: torch.Tensor | None = None, ready=None) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -159,19 +158,17 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     h : Header
         The BLOCKS header (frame byte counts already checked against the frames received).
     host : [sum(h.nbytes)] uint8, CPU (pinned for CUDA caches)
-        The payload back to back: received into it already (``frames`` and ``fill`` None), or
-        filled from ``frames``; must stay untouched until the device has read it (:class:`DeviceWrite` event).
+        The payload back to back: received into it already (``fill`` None), or filled by ``fill``;
+        must stay untouched until the device has read it (:class:`DeviceWrite` event).
     caches : list of packed per-layer caches ``h.layer .. h.layer + h.nlay - 1`` (written only on a match)
     block_ids : [h.nblk] int64 on the caches' device, destination blocks of positions ``h.first ..``
     heads : range of local heads the message carries
     copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
-    frames : list of ZeroMQ frames or buffers, optional
-        The payload frames (sizes ``h.nbytes``) to copy into ``host`` first, in pieces of
-        ``piece_bytes`` (by the threads of ``executor`` when given, else by this one), the
-        host-to-device copy of what is in queued as soon as it is in (:meth:`HostFill.run`).
     fill : HostFill, optional
-        Those copies already started (the landing thread starts the next message's before it
-        lands this one); ``frames``, ``piece_bytes`` and ``executor`` are then unused.
+        The copies of the payload frames into ``host`` (submitted to the copy workers when it was
+        made: the landing thread starts the next message's before it lands this one; without
+        workers run here), the host-to-device copy of what is in queued as soon as it is in
+        (:meth:`HostFill.run`).
     timings : dict, optional
         ``timings["copy"]`` gains the seconds spent waiting for (or running) host copies.
     aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
@@ -185,12 +182,10 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     """
     nf = len(h.nbytes)
     hd = (heads.start, heads.stop)
-    copies = fill is not None or frames is not None   # started here, where they are run: a failure
-    #                                                   before this point leaves no worker writing into host
     if copy_stream is None:
         expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
-        if copies:
-            (fill or HostFill(host, frames, h.nbytes, piece_bytes, executor)).run(None, timings)
+        if fill is not None:
+            fill.run(None, timings)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
         ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
                            frame_nbytes=h.nbytes)
@@ -208,11 +203,11 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
         dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
         dev_aux[:nf].copy_(aux[:nf], non_blocking=True)
-        if not copies:
+        if fill is None:
             staging = host.to(device, non_blocking=True)
         else:
             staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-            (fill or HostFill(host, frames, h.nbytes, piece_bytes, executor)).run(staging, timings)
+            fill.run(staging, timings)
         ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
                            checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
         aux[nf:].copy_(dev_aux[nf:], non_blocking=True)

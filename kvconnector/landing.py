@@ -45,6 +45,7 @@ On CPU caches there is no stream: the kernels run in the call, and no event is r
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -199,10 +200,19 @@ class Lander:
                 self._cv.wait(1.0)
         self.stage_s["wait"] += time.perf_counter() - t0
 
-    def _start(self, job: LandJob) -> None:
-        """Take the message's pinned buffers and submit its host copies to the copy workers."""
+    @contextlib.contextmanager
+    def _launch_time(self):
+        """Add the wall and CPU seconds of the block to ``stage_s`` "launch" and "launch_cpu"."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
+            yield
+        finally:
+            self.stage_s["launch"] += time.perf_counter() - t0
+            self.stage_s["launch_cpu"] += time.thread_time() - c0
+
+    def _start(self, job: LandJob) -> None:
+        """Take the message's pinned buffers and submit its host copies to the copy workers."""
+        with self._launch_time():
             total = sum(job.h.nbytes)
             if job.host is None:
                 job.host, job.owned = self.pool.acquire(total), True
@@ -216,9 +226,6 @@ class Lander:
                 if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
                     piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
                 job.fill = HostFill(job.host, job.frames, job.h.nbytes, piece, self.executor)
-        finally:
-            self.stage_s["launch"] += time.perf_counter() - t0
-            self.stage_s["launch_cpu"] += time.thread_time() - c0
 
     def _finish(self, job: LandJob) -> None:
         """Wait for the message's host copies, queue its device copies, verify + scatter and event;
@@ -227,19 +234,18 @@ class Lander:
             if not self.alive(job):
                 self._drop(job)
                 return
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads, self.stream,
-                                         fill=job.fill, timings=self.stage_s, aux=job.aux, ready=job.ready)
-                job.event = _record(self.stream)
-            except BaseException:
-                if self.stream is not None:
-                    self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
-                raise
-            finally:
-                self.stage_s["launch"] += time.perf_counter() - t0
-                self.stage_s["launch_cpu"] += time.thread_time() - c0
-                self.stage_s["messages"] += 1
+            with self._launch_time():
+                try:
+                    job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads,
+                                             self.stream, fill=job.fill, timings=self.stage_s, aux=job.aux,
+                                             ready=job.ready)
+                    job.event = _record(self.stream)
+                except BaseException:
+                    if self.stream is not None:
+                        self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
+                    raise
+                finally:
+                    self.stage_s["messages"] += 1
         except Exception as e:
             self._fail(job, e)
             return
