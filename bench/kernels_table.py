@@ -102,7 +102,8 @@ def cell(p: Plan) -> str:
     if p.reduce.value != "none":
         extra.append(f"red {p.reduce.value}")
     if p.tiling.dequant_first:
-        extra.append("dequant first" + (f" in {p.tiling.dequant_groups} head groups" if p.tiling.dequant_groups > 1 else ""))
+        groups = p.tiling.dequant_groups
+        extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else ""))
     return f"`{p.path.value}`" + (f" ({', '.join(extra)})" if extra else "")
 
 

@@ -343,13 +343,13 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         elif not D.reads(call):
             why.append(f"fused kernel: no dequantizing pass for {call.mode.name} at head_size {call.head_size}")
         else:
-            groups = dequant_groups(need, cap, call.num_kv_heads)
-            if groups is None:
+            found = dequant_groups(need, cap, call.num_kv_heads)
+            if found is None:
                 why.append(f"fused kernel: dequantizing first would need {need / 2**20:.1f} MiB of scratch "
                            f"(one KV head at a time: {need / call.num_kv_heads / 2**20:.1f} MiB) > "
                            f"Tuning.dequant_max_bytes {cap / 2**20:.1f} MiB")
             else:
-                dequant = True
+                dequant, groups = True, found
                 turns = f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn" if groups > 1 else ""
                 why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
                            f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch{turns})")
@@ -358,9 +358,8 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         why.append(f"{BIG_PREFILL[0]} x {BIG_PREFILL[1]} tiles over 16-bit rows ({rows:.0f} query rows per sequence)")
         bm, tile, warps, stages = BIG_PREFILL
         return Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True, dequant_first=dequant,
-                      dequant_groups=groups if dequant else 1)
-    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant,
-                  dequant_groups=groups if dequant else 1)
+                      dequant_groups=groups)
+    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant, dequant_groups=groups)
 
 
 def dequant_groups(need: int, cap: int, num_kv_heads: int) -> Optional[int]:
