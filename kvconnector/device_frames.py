@@ -25,9 +25,10 @@ is tested without a GPU); nothing is queued, every step completes in the call.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import wait as futures_wait
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -150,7 +151,7 @@ class DeviceWrite:
 
 def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, fill: HostFill | None = None, timings: dict | None = None,
-                 aux: torch.Tensor | None = None, ready=None) -> DeviceWrite:
+                 aux: AuxBuffers | None = None, ready=None, current: bool = False) -> DeviceWrite:
     """Queue the copy of one received message to the device and its verify + scatter.
 
     Parameters
@@ -171,14 +172,18 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
         (:meth:`HostFill.run`).
     timings : dict, optional
         ``timings["copy"]`` gains the seconds spent waiting for (or running) host copies.
-    aux : [>= aux_words(len(h.nbytes))] int64, pinned, optional (CUDA caches)
+    aux : AuxBuffers, optional (CUDA caches)
         Where the header's checksums go to the device from and the verdict comes back to, in one
-        copy each way (allocated here when None or too small); like ``host``, untouched until the
-        device work ended and :meth:`DeviceWrite.error` was read.
+        copy each way (made here when None or holding fewer frames); like ``host``, untouched
+        until the device work ended and :meth:`DeviceWrite.error` was read.
     ready : torch.cuda.Event, optional
         What the device work waits for (the pull's: work queued before it started, e.g. reads of
         the destination blocks' old contents, and the copy of ``block_ids``); None: the work
-        queued so far on the current stream.
+        queued so far on the current stream (nothing, when ``current``).
+    current : bool
+        ``copy_stream`` is already the calling thread's current stream and ``caches``' device its
+        current device (the landing thread sets both once): every torch call releases and retakes
+        the GIL, so the per-message stream switch is left out.
     """
     nf = len(h.nbytes)
     hd = (heads.start, heads.stop)
@@ -191,27 +196,62 @@ def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, blo
                            frame_nbytes=h.nbytes)
         return DeviceWrite(False, h, ok, sums)
     device = caches[0].device
-    n_aux = aux_words(nf)      # [expected (nf) | computed sums (nf) | ok flags + bad count (nf + 1 int32)]
-    if aux is None or aux.numel() < n_aux:
-        aux = torch.empty(n_aux, dtype=torch.int64, pin_memory=True)
-    aux = aux[:n_aux]
-    aux.numpy()[:nf] = [_signed(v) for v in h.checksums]
+    if aux is None or aux.max_frames < nf:
+        aux = AuxBuffers(nf, device)
+    v = aux.views(nf)
+    aux.host_np[:nf] = [_signed(c) for c in h.checksums]
     if ready is not None:
         copy_stream.wait_event(ready)
-    else:
+    elif not current:
         copy_stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these reads
-        dev_aux = torch.empty(n_aux, dtype=torch.int64, device=device)
-        dev_aux[:nf].copy_(aux[:nf], non_blocking=True)
+    with contextlib.nullcontext() if current else torch.cuda.stream(copy_stream):
+        # allocated on the copy stream: reuse is ordered after these reads
+        v.dev_expected.copy_(v.host_expected, non_blocking=True)
         if fill is None:
             staging = host.to(device, non_blocking=True)
         else:
             staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
             fill.run(staging, timings)
-        ops.verify_scatter(staging, dev_aux[:nf], caches, block_ids, ok=_ok_view(dev_aux, nf),
-                           checksums=dev_aux[nf:2 * nf], heads=hd, frame_nbytes=h.nbytes)
-        aux[nf:].copy_(dev_aux[nf:], non_blocking=True)
-    return DeviceWrite(True, h, _ok_view(aux, nf), aux[nf:2 * nf])
+        ops.verify_scatter(staging, v.dev_expected, caches, block_ids, ok=v.dev_ok, checksums=v.dev_sums,
+                           heads=hd, frame_nbytes=h.nbytes)
+        v.host_back.copy_(v.dev_back, non_blocking=True)
+    return DeviceWrite(True, h, v.host_ok, v.host_sums)
+
+
+class _AuxViews(NamedTuple):
+    host_expected: torch.Tensor   # [nf] int64, pinned
+    dev_expected: torch.Tensor    # [nf] int64
+    dev_ok: torch.Tensor          # [nf + 1] int32
+    dev_sums: torch.Tensor        # [nf] int64
+    dev_back: torch.Tensor        # computed sums + verdict, device side
+    host_back: torch.Tensor       # the same words, pinned
+    host_ok: torch.Tensor         # [nf + 1] int32, pinned
+    host_sums: torch.Tensor       # [nf] int64, pinned
+
+
+class AuxBuffers:
+    """The checksum words of a message on both sides of the bus, reused message after message
+    (the landing thread pools them): pinned ``host`` and device ``dev``, each
+    ``[aux_words(max_frames)]`` int64 laid out as [expected (nf) | computed (nf) | ok flags + bad
+    count (nf + 1 int32)], and their views for each frame count, made once (each view is a
+    call into torch, which releases and retakes the GIL)."""
+
+    def __init__(self, max_frames: int, device) -> None:
+        n = aux_words(max_frames)
+        self.max_frames = max_frames
+        self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        self.dev = torch.empty(n, dtype=torch.int64, device=device)
+        self.host_np = self.host.numpy()
+        self._views: dict = {}
+
+    def views(self, nf: int) -> _AuxViews:
+        """The views of a message of ``nf`` frames (``nf <= max_frames``)."""
+        v = self._views.get(nf)
+        if v is None:
+            n, host, dev = aux_words(nf), self.host, self.dev
+            v = self._views[nf] = _AuxViews(host[:nf], dev[:nf], _ok_view(dev, nf), dev[nf:2 * nf], dev[nf:n],
+                                            host[nf:n], _ok_view(host, nf), host[nf:2 * nf])
+        return v
 
 
 def aux_words(num_frames: int) -> int:

@@ -25,6 +25,12 @@ message k+1 while the launcher queues message k's device work:
 Without copy workers the launcher copies the pieces itself in the finish phase, right after the
 start: there is nothing to overlap.
 
+Every torch call releases and retakes the GIL, a hand-off that waits on the process's other
+Python threads (the I/O thread, the watcher, copy workers), so the launcher makes few per
+message: it makes the copy stream its current stream and the caches' device its current device
+once, reuses pooled checksum buffers whose views were made once (:class:`AuxBuffers`), and makes
+the copy stream wait for a pull's start event once, not once per message.
+
 Its watcher thread sleeps on the oldest queued message's event (the thread sleeps, it does not
 spin) and, once the device has ended it, completes it and every later message already ended:
 their pinned buffers go back to the pool, then one ``report`` hands them to the I/O thread,
@@ -55,7 +61,7 @@ from typing import Callable
 
 import torch
 
-from .device_frames import HostFill, aux_words, land_message
+from .device_frames import AuxBuffers, HostFill, land_message
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
@@ -142,7 +148,8 @@ class Lander:
         self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
         self._cv = threading.Condition()   # popped by the watcher only
         self._closing = False
-        self._aux_free: list = []          # pinned [aux_words(AUX_FRAMES)] int64 buffers (CUDA caches)
+        self._aux_free: list = []          # AuxBuffers of AUX_FRAMES frames (CUDA caches)
+        self._waited = None                # the last pull event the copy stream was made to wait for
         self._threads = [threading.Thread(target=self._launcher, name=name, daemon=True),
                          threading.Thread(target=self._watcher, name=f"{name}-wait", daemon=True)]
         for t in self._threads:
@@ -163,6 +170,9 @@ class Lander:
 
     # ---- launcher thread -------------------------------------------------------------
     def _launcher(self) -> None:
+        if self.stream is not None:   # once for this thread: no stream switch per message (land_message current)
+            torch.cuda.set_device(self.stream.device)
+            torch.cuda.set_stream(self.stream)
         started = self._started
         while True:
             try:   # with messages started, land the oldest rather than wait for a new one
@@ -220,7 +230,7 @@ class Lander:
                 try:
                     job.aux = self._aux_free.pop()
                 except IndexError:
-                    job.aux = torch.empty(aux_words(AUX_FRAMES), dtype=torch.int64, pin_memory=True)
+                    job.aux = AuxBuffers(AUX_FRAMES, self.stream.device)
             if job.frames is not None:
                 piece = self.piece_bytes
                 if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
@@ -236,9 +246,11 @@ class Lander:
                 return
             with self._launch_time():
                 try:
+                    ready = job.ready if job.ready is not self._waited else None   # the stream waited already
                     job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads,
                                              self.stream, fill=job.fill, timings=self.stage_s, aux=job.aux,
-                                             ready=job.ready)
+                                             ready=ready, current=True)
+                    self._waited = job.ready
                     job.event = _record(self.stream)
                 except BaseException:
                     if self.stream is not None:
