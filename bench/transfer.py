@@ -87,9 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "INT4 pull of this many tokens (0: off; --cuda: 32768)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
                    "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
-    p.add_argument("--recv-into", action="store_true", help="--kernels: the decode side's I/O thread receives "
-                   "payload frames straight into pinned memory with Socket.recv_into (default: zero copy, copied into "
-                   "pinned memory on the landing thread)")
+    p.add_argument("--recv-into", action=argparse.BooleanOptionalAction, default=None,
+                   help="--kernels: the decode side's I/O thread receives payload frames straight into pinned memory "
+                   "with Socket.recv_into (--no-recv-into: zero copy, copied into pinned memory by the copy workers; "
+                   "default: the endpoint's, recv_into for CUDA caches)")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
@@ -383,6 +384,15 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
             "nbytes": layers * nblocks * geo.block_bytes, "checksum": algorithm}
 
 
+def _receive_note(recv_into: bool | None, device: str) -> str:
+    """How the decode side receives payloads (DecodeEndpoint's ``recv_into``), for the header line."""
+    from kvconnector.decode import RECV_INTO
+    if recv_into is None:
+        recv_into = RECV_INTO and device == "cuda"
+    return (", frames received into pinned memory on the I/O thread (recv_into)" if recv_into else
+            ", frames received zero copy, copied into pinned memory by the copy workers")
+
+
 def run(args) -> int:
     if args.cuda:
         args.device, args.kernels, args.modes, args.layers = "cuda", True, "int8_per_token_head,int4_per_token_head", 32
@@ -409,7 +419,7 @@ def run(args) -> int:
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
-          f"{', frames received into pinned memory on the I/O thread (recv_into)' if args.recv_into else ''}"
+          f"{_receive_note(args.recv_into, device) if args.kernels else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
@@ -422,7 +432,7 @@ def run(args) -> int:
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane, args.threads, True if args.recv_into else None)
+                              args.kernels, args.data_plane, args.threads, args.recv_into)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20

@@ -54,9 +54,10 @@ from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
-# pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into=True``: mix64 frames straight
-# into a pooled pinned buffer, one memcpy on the I/O thread); by default they arrive as zero-copy
-# zmq Frames and the landing thread copies them into that buffer.
+# pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into``: mix64 frames straight into a
+# pooled pinned buffer, one memcpy inside libzmq with the GIL released, on the I/O thread); without it
+# they arrive as zero-copy zmq Frames and the landing thread has the copy workers copy them into that
+# buffer, which costs the Python threads of the process GIL hand-offs per piece (docs/DESIGN_NOTES.md).
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
 
 
@@ -98,9 +99,11 @@ class DecodeEndpoint:
         payloads there (:mod:`kvconnector.dataplane`), else frames arrive as usual.
     recv_into : bool, optional
         ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
-        pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False (default)
-        receives them zero copy and the landing thread copies them into that buffer (with the copy
-        workers where there are some, overlapped with the device copies and with the next receive).
+        pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False receives
+        them zero copy and the landing thread copies them into that buffer (with the copy workers
+        where there are some). Default: True for CUDA caches where pyzmq has ``recv_into`` (it
+        moved CUDA pulls of 256 blocks 20-28% faster on an H200 host, docs/BENCHMARKS.md),
+        else False.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -116,6 +119,8 @@ class DecodeEndpoint:
             warm(frame_ops, caches[0].device)
         if recv_into and not RECV_INTO:
             raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
+        if recv_into is None:
+            recv_into = RECV_INTO and caches[0].device.type == "cuda"
         self.recv_into = bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)

@@ -1,8 +1,9 @@
 """Decode side, device path: lands received ``mix64`` messages on the caches off the I/O thread.
 
-The I/O thread receives a ``mix64`` BLOCKS message (zero copy: ZeroMQ's own frames), checks
-its header against the pull and hands it to the endpoint's :class:`Lander`, then goes straight
-back to the socket for the next message. The lander's launcher thread (first in first out, so
+The I/O thread receives a ``mix64`` BLOCKS message (into a pooled pinned buffer with
+``recv_into``, the default for CUDA caches; or zero copy: ZeroMQ's own frames), checks its header
+against the pull and hands it to the endpoint's :class:`Lander`, then goes straight back to the
+socket for the next message. The lander's launcher thread (first in first out, so
 the device work of messages stays in arrival order on the copy stream) works on each message in
 two phases, and starts the next message before it finishes this one, so the copy workers copy
 message k+1 while the launcher queues message k's device work:

@@ -71,8 +71,8 @@ def test_device_path_byte_exact(device, mode, chunk):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
             rest = sorted(set(range(10)) - set(dst_ids))
             assert torch.equal(_b(d)[rest], _b(b)[rest])
-        # by default received zero copy; the landing thread copies the payload into pooled buffers
-        assert dec.metrics.c["frames_received_into"] == 0
+        # by default CUDA caches receive into pooled pinned buffers (recv_into), CPU caches zero copy
+        assert (dec.metrics.c["frames_received_into"] > 0) == (RECV_INTO and device == "cuda")
         assert not pre.errors and not dec.errors
 
 
@@ -219,6 +219,29 @@ def test_multi_frame_multi_layer_mix64_message(device):
             for s, d in zip(src, dst):
                 assert torch.equal(_b(d)[[3, 1]].cpu(), _b(s)[[0, 1]])
             assert dec.metrics.c["frames_received_into"] == (2 if RECV_INTO else 0)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_receive_mode_follows_the_cache_device(device):
+    """Left to its default, a decode endpoint receives mix64 payloads into pinned buffers with
+    ``recv_into`` for CUDA caches (where pyzmq has it) and zero copy for CPU caches; both land
+    the message byte-exact."""
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src = filled_caches(desc, 0)
+    fake = FakePrefill(desc, src, lambda send, h, fake: send(fake.multi_blocks(h.tid, 0, 2, 0, 2, cut=1, sum=MIX64)))
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    want = RECV_INTO and device == "cuda"
+    try:
+        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+            assert dec.recv_into is want
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [2, 0], deadline_s=30).result(timeout=30)
+            _sync(device)
+            for s, d in zip(src, dst):
+                assert torch.equal(_b(d)[[2, 0]].cpu(), _b(s)[[0, 1]])
+            assert dec.metrics.c["frames_received_into"] == (2 if want else 0)
     finally:
         fake.close()
 
