@@ -101,9 +101,9 @@ class DecodeEndpoint:
         ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
         pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False receives
         them zero copy and the landing thread copies them into that buffer (with the copy workers
-        where there are some). Default: True for CUDA caches where pyzmq has ``recv_into`` (it
-        moved CUDA pulls of 256 blocks 20-28% faster on an H200 host, docs/BENCHMARKS.md),
-        else False.
+        where there are some). Default: True for CUDA caches where pyzmq has ``recv_into`` (the
+        faster of the two there, docs/BENCHMARKS.md "CUDA caches with the device passes"), else
+        False.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
