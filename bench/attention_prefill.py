@@ -284,7 +284,7 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
                     + (f" dequant={dq_us:.1f} ({row['dq_gbps']:.0f} GB/s, {100 * row['dq_gbps'] / copy:.0f}% of copy)"
                        if dq_us == dq_us else ""))
                 rows.append(row)
-            del pb
+            pb = None   # this mode's caches freed before the next mode's are made
             if device != "cpu":
                 torch.cuda.empty_cache()
     return rows, copy, tflops
