@@ -200,9 +200,12 @@ def test_bench_transfer_kernels_quick_runs():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_multi_frame_multi_layer_mix64_message(device):
+@pytest.mark.parametrize("recv_into", [RECV_INTO, None], ids=["recv_into-if-pyzmq-has-it", "default"])
+def test_multi_frame_multi_layer_mix64_message(device, recv_into):
     """A peer may split a message into frames anywhere on block boundaries, across layers: one
-    3-layer message in 2 frames (the second starting inside layer 1) lands byte-exact."""
+    3-layer message in 2 frames (the second starting inside layer 1) lands byte-exact. Left to
+    its default, the endpoint receives into pinned buffers (``recv_into``) for CUDA caches where
+    pyzmq can, and zero copy for CPU caches."""
     desc = make_desc(num_layers=3, num_blocks=4)
     src = filled_caches(desc, 0)
 
@@ -211,36 +214,15 @@ def test_multi_frame_multi_layer_mix64_message(device):
 
     fake = FakePrefill(desc, src, script)
     dst = [c.to(device) for c in filled_caches(desc, 1)]
+    want = RECV_INTO if recv_into is not None else RECV_INTO and device == "cuda"
     try:
-        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS, recv_into=RECV_INTO) as dec:
+        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS, recv_into=recv_into) as dec:
+            assert dec.recv_into is want
             dec.connect(fake.endpoint, timeout_s=5)
             dec.pull("t", [3, 1], deadline_s=30).result(timeout=30)
             _sync(device)
             for s, d in zip(src, dst):
                 assert torch.equal(_b(d)[[3, 1]].cpu(), _b(s)[[0, 1]])
-            assert dec.metrics.c["frames_received_into"] == (2 if RECV_INTO else 0)
-    finally:
-        fake.close()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_default_receive_mode_follows_the_cache_device(device):
-    """Left to its default, a decode endpoint receives mix64 payloads into pinned buffers with
-    ``recv_into`` for CUDA caches (where pyzmq has it) and zero copy for CPU caches; both land
-    the message byte-exact."""
-    desc = make_desc(num_layers=2, num_blocks=4)
-    src = filled_caches(desc, 0)
-    fake = FakePrefill(desc, src, lambda send, h, fake: send(fake.multi_blocks(h.tid, 0, 2, 0, 2, cut=1, sum=MIX64)))
-    dst = [c.to(device) for c in filled_caches(desc, 1)]
-    want = RECV_INTO and device == "cuda"
-    try:
-        with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
-            assert dec.recv_into is want
-            dec.connect(fake.endpoint, timeout_s=5)
-            dec.pull("t", [2, 0], deadline_s=30).result(timeout=30)
-            _sync(device)
-            for s, d in zip(src, dst):
-                assert torch.equal(_b(d)[[2, 0]].cpu(), _b(s)[[0, 1]])
             assert dec.metrics.c["frames_received_into"] == (2 if want else 0)
     finally:
         fake.close()
