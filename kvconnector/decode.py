@@ -54,6 +54,9 @@ from .staging import PinnedPool, stage_verified
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
+RECV_BUFFERS = 8           # recv_into: pooled pinned buffers held at once (received or landing, not yet landed);
+#                            while as many are held, messages arrive zero copy (ZeroMQ's own memory), so a backlog
+#                            behind a slow device never makes the I/O thread allocate pinned memory message by message
 # pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into``: mix64 frames straight into a
 # pooled pinned buffer, one memcpy inside libzmq with the GIL released, on the I/O thread); without it
 # they arrive as zero-copy zmq Frames and the landing thread has the copy workers copy them into that
@@ -282,13 +285,17 @@ class DecodeEndpoint:
 
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
-        buffer that receives its payload frames back to back (views, one per frame); else None."""
+        buffer that receives its payload frames back to back (views, one per frame); else None
+        (received zero copy), also while ``RECV_BUFFERS`` pooled buffers are held."""
         try:
             h = decode_header(frame.buffer)
         except Exception:
             return None     # _on_message decodes it again and reports the problem
         total = sum(h.nbytes) if h.type == MsgType.BLOCKS else 0
         if h.algorithm != MIX64 or h.tid not in self._pending or not 0 < total <= self.max_frame_bytes:
+            return None
+        if self._pinned.outstanding >= RECV_BUFFERS:
+            self.metrics.add("frames_received_zero_copy_backlog", len(h.nbytes))
             return None
         buf = self._pinned.acquire(total)
         views = frame_views(buf, h.nbytes)

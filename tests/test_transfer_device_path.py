@@ -18,6 +18,7 @@ Run: python -m pytest tests/test_transfer_device_path.py -q
 """
 
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -28,7 +29,7 @@ import kvconnector.landing as landing_mod
 from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
-from kvconnector.decode import RECV_INTO
+from kvconnector.decode import RECV_BUFFERS, RECV_INTO
 from kvconnector.device_frames import DeviceWrite, _ok_view, aux_words
 from kvconnector.protocol import CHECKSUM, MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
@@ -290,9 +291,49 @@ def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
         _sync(device)
         assert res.nbytes == 8 * 40 * desc.block_bytes
         assert dec.metrics.c["blocks_messages"] == 16 > dec._pinned.max_buffers
-        assert dec.metrics.c["frames_received_into"] == (16 if recv_into else 0)
+        into, backlog = dec.metrics.c["frames_received_into"], dec.metrics.c["frames_received_zero_copy_backlog"]
+        if recv_into:   # into pinned buffers while fewer than RECV_BUFFERS were held, zero copy beyond
+            assert into >= RECV_BUFFERS and into + backlog == 16
+        else:
+            assert into == backlog == 0
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
+        assert not pre.errors and not dec.errors
+
+
+@pytest.mark.skipif(not RECV_INTO, reason="pyzmq without Socket.recv_into")
+def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
+    """With ``recv_into``, while the landing thread is held (a slow device, say) the I/O thread
+    receives into at most RECV_BUFFERS pooled pinned buffers and takes later messages zero copy,
+    so a backlog never makes it allocate pinned memory message by message; once the landing
+    thread goes on, every message lands byte-exact, the pool holds nothing and keeps its bound."""
+    gate = threading.Event()
+    real = landing_mod.land_message
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(landing_mod, "land_message", held)
+    n = RECV_BUFFERS + 4
+    desc = make_desc(num_layers=n, num_blocks=4)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, recv_into=True) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", [2, 0])
+        handle = dec.pull("t", [1, 3], deadline_s=30)   # one message per layer and block: 2n messages
+        c, t0 = dec.metrics.c, time.monotonic()
+        while c["frames_received_into"] + c["frames_received_zero_copy_backlog"] < 2 * n and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        assert dec.metrics.c["frames_received_into"] == RECV_BUFFERS
+        assert dec.metrics.c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS
+        assert dec._pinned.outstanding == RECV_BUFFERS
+        gate.set()
+        res = handle.result(timeout=30)
+        assert res.nbytes == n * 2 * desc.block_bytes
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[[1, 3]], _b(s)[[2, 0]])
+        assert dec._pinned.outstanding == 0 and len(dec._pinned._free) <= dec._pinned.max_buffers
         assert not pre.errors and not dec.errors
 
 
