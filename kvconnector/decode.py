@@ -87,9 +87,10 @@ class DecodeEndpoint:
     copy_threads : int, optional
         Threads that verify and write BLOCKS messages in parallel with the I/O thread (each
         message is still verified before any of its bytes is written); for CUDA caches they
-        also stage, launch the device copies and wait for them; for ``mix64`` messages they copy
-        the pieces of a payload into pinned memory for the landing thread. 0 does it all on the
-        I/O thread (``mix64``: on the landing thread). Default :func:`default_copy_threads`.
+        also stage, launch the device copies and wait for them; for ``mix64`` messages received
+        zero copy (``recv_into`` off, or a receive backlog) they copy the pieces of a payload into
+        pinned memory for the landing thread. 0 does it all on the I/O thread (``mix64``: on the
+        landing thread). Default :func:`default_copy_threads`.
     frame_ops : FrameOps, optional
         Device kernels (``kernels.transfer.FRAME_OPS``): this side then offers ``mix64`` and
         verifies + scatters such messages on the device (module doc).
