@@ -4,8 +4,9 @@ Each spec ``mode:batch:context[:path:segments:tile:warps:stages[:heads]]`` build
 problem of ``bench.attention`` (32 query / 8 KV heads, head_size 128, block 16, random codes,
 shuffled block table), checks it against the oracle, captures ``calls`` of it in one CUDA
 graph, each after a 256 MiB write that flushes the L2, and replays the graph under the PyTorch
-profiler. Printed per kernel of the call (rotation, decode, reduction): its grid, registers,
-the median duration over the calls and the median gap after the previous kernel (negative:
+profiler. Printed per kernel of the call (rotation, decode, reduction): its grid, block,
+registers per thread, shared memory per block, the profiler's estimate of achieved occupancy
+(what says whether a grid fills the SMs in whole waves), the median duration over the calls and the median gap after the previous kernel (negative:
 it started before that one ended, programmatic dependent launch); then the median time from
 the end of the flush to the end of the call's last kernel. A spec with a path times that path
 with the tiling given (``Tiling(16, tile, segments, warps, stages)``, edges-only masking for
@@ -104,12 +105,19 @@ def timeline(mode: str, batch: int, ctx: int, tuning: Tuning, calls: int = 20) -
         first = found[0][1][i]
         durs = [k[i]["dur"] for _, k in found]
         gaps = [k[i]["ts"] - (k[i - 1]["ts"] + k[i - 1]["dur"] if i else end) for end, k in found]
-        args = first.get("args", {})
-        lines.append(f"  {first['name'][:48]:48s} grid {args.get('grid')} regs {args.get('registers per thread')} "
-                     f"{statistics.median(durs):8.2f} us, gap {statistics.median(gaps):6.2f} us")
+        lines.append(kernel_line(first, statistics.median(durs), statistics.median(gaps)))
     total = [k[-1]["ts"] + k[-1]["dur"] - end for end, k in found]
     lines.append(f"  flush end -> last kernel end: {statistics.median(total):.2f} us")
     return lines
+
+
+def kernel_line(event: dict, dur_us: float, gap_us: float) -> str:
+    """One kernel of a call: name, grid, block, registers per thread, shared memory per block and
+    the profiler's estimate of achieved occupancy (from the trace event's args), time and gap."""
+    a = event.get("args", {})
+    return (f"  {event['name'][:48]:48s} grid {a.get('grid')} block {a.get('block')} "
+            f"regs {a.get('registers per thread')} smem {a.get('shared memory')} "
+            f"occ {a.get('est. achieved occupancy %')}% {dur_us:8.2f} us, gap {gap_us:6.2f} us")
 
 
 def main(argv=None) -> int:

@@ -80,6 +80,11 @@ def test_attention_timeline_specs_and_trace_split(tmp_path, monkeypatch, capsys)
     path.write_text(json.dumps({"traceEvents": events[::-1]}))
     calls = T.split_calls(T.kernel_events(str(path)))
     assert [(end, [k["name"] for k in ks]) for end, ks in calls] == [(90, ["decode", "reduce"]), (280, ["decode"])]
+    args = {"grid": [1, 8, 128], "block": [128, 1, 1], "registers per thread": 156, "shared memory": 98304,
+            "est. achieved occupancy %": 19}
+    line = T.kernel_line(dict(name="_attn_kernel", args=args), 46.43, 0.26)
+    assert line.split() == ["_attn_kernel", "grid", "[1,", "8,", "128]", "block", "[128,", "1,", "1]", "regs", "156",
+                            "smem", "98304", "occ", "19%", "46.43", "us,", "gap", "0.26", "us"]
     monkeypatch.setattr(T.torch.cuda, "is_available", lambda: False)
     assert T.main(["int4:1:32768"]) == 1 and "needs a CUDA GPU" in capsys.readouterr().err
 
