@@ -323,12 +323,15 @@ def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
         pre.publish("t", [2, 0])
         handle = dec.pull("t", [1, 3], deadline_s=30)   # one message per layer and block: 2n messages
         c, t0 = dec.metrics.c, time.monotonic()
-        while c["frames_received_into"] + c["frames_received_zero_copy_backlog"] < 2 * n and time.monotonic() - t0 < 20:
-            time.sleep(0.01)
-        assert dec.metrics.c["frames_received_into"] == RECV_BUFFERS
-        assert dec.metrics.c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS
-        assert dec._pinned.outstanding == RECV_BUFFERS
-        gate.set()
+        try:
+            while c["frames_received_into"] + c["frames_received_zero_copy_backlog"] < 2 * n \
+                    and time.monotonic() - t0 < 20:
+                time.sleep(0.01)
+            assert c["frames_received_into"] == RECV_BUFFERS
+            assert c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS
+            assert dec._pinned.outstanding == RECV_BUFFERS
+        finally:
+            gate.set()   # the landing thread goes on (also when an assertion failed: the endpoints close)
         res = handle.result(timeout=30)
         assert res.nbytes == n * 2 * desc.block_bytes
         for s, d in zip(src, dst):
