@@ -386,9 +386,9 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
 
 def _receive_note(recv_into: bool | None, device: str) -> str:
     """How the decode side receives payloads (DecodeEndpoint's ``recv_into``), for the header line."""
-    from kvconnector.decode import RECV_INTO
+    from kvconnector.decode import default_recv_into
     if recv_into is None:
-        recv_into = RECV_INTO and device == "cuda"
+        recv_into = default_recv_into(device)
     return (", frames received into pinned memory on the I/O thread (recv_into)" if recv_into else
             ", frames received zero copy, copied into pinned memory by the copy workers")
 

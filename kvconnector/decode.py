@@ -64,6 +64,12 @@ RECV_BUFFERS = 8           # recv_into: pooled pinned buffers held at once (rece
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
 
 
+def default_recv_into(device) -> bool:
+    """``DecodeEndpoint``'s ``recv_into`` when none is given: True for caches on a CUDA ``device``
+    where pyzmq has ``Socket.recv_into`` (the faster receive there, docs/BENCHMARKS.md), else False."""
+    return RECV_INTO and torch.device(device).type == "cuda"
+
+
 def default_copy_threads() -> int:
     """Copy workers per endpoint: none on small hosts (the I/O thread writes; a hand-off
     only adds work when every core is busy), else one per four cores, at most four."""
@@ -105,9 +111,9 @@ class DecodeEndpoint:
         ``mix64`` payloads: True receives them with ``Socket.recv_into`` straight into a pooled
         pinned buffer (one memcpy inside libzmq, on the I/O thread; pyzmq 26.4+); False receives
         them zero copy and the landing thread copies them into that buffer (with the copy workers
-        where there are some). Default: True for CUDA caches where pyzmq has ``recv_into`` (the
-        faster of the two there, docs/BENCHMARKS.md "CUDA caches with the device passes"), else
-        False.
+        where there are some). Default: :func:`default_recv_into` (True for CUDA caches where
+        pyzmq has ``recv_into``, the faster of the two there, docs/BENCHMARKS.md "CUDA caches with
+        the device passes"; else False).
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -124,7 +130,7 @@ class DecodeEndpoint:
         if recv_into and not RECV_INTO:
             raise ValueError(f"recv_into=True: pyzmq {zmq.__version__} has no Socket.recv_into (26.4+ has)")
         if recv_into is None:
-            recv_into = RECV_INTO and caches[0].device.type == "cuda"
+            recv_into = default_recv_into(caches[0].device)
         self.recv_into = bool(recv_into)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
         self.checksum = CHECKSUM      # what the prefill said it uses (HELLO_ACK ``sum``)
