@@ -83,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "verify + scatter on the device, the decode side's landing thread)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
                    "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
-    p.add_argument("--layerwise-tokens", type=int, default=0, help="also measure the exposed time of a layer-wise "
-                   "INT4 pull of this many tokens (0: off; --cuda: 32768)")
+    p.add_argument("--layerwise-tokens", type=int, default=None, help="also measure the exposed time of a layer-wise "
+                   "INT4 pull of this many tokens (0: off, the default; --cuda: 32768 unless given)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
                    "layer-wise measurement (about one layer of a 32k-token Llama-8B prefill on one H200)")
     p.add_argument("--recv-into", action=argparse.BooleanOptionalAction, default=None,
@@ -397,7 +397,7 @@ def run(args) -> int:
     if args.cuda:
         args.device, args.kernels, args.modes, args.layers = "cuda", True, "int8_per_token_head,int4_per_token_head", 32
         args.kv_heads, args.head_size, args.block_size = 8, 128, 16
-        args.layerwise_tokens = args.layerwise_tokens or 32768
+        args.layerwise_tokens = 32768 if args.layerwise_tokens is None else args.layerwise_tokens
     if args.quick:
         args.modes, args.blocks, args.layers, args.repeats = "auto,int4_per_token_head", "4,16", 2, 2
         args.kv_heads, args.head_size = 2, 64
