@@ -149,3 +149,13 @@ def test_arguments_are_checked():
     with pytest.raises(LayoutError, match=r"caches\[1\]"):
         gather_frames([src[0], src[1][:4]], ids, out=torch.empty(n, dtype=torch.uint8),
                       checksums=torch.empty(1, dtype=torch.int64))
+    # the caches' checks are kept per list of tensor objects: other objects at the same addresses are checked again
+    out, sums = torch.empty(n, dtype=torch.uint8), torch.empty(1, dtype=torch.int64)
+    gather_frames(src[:2], ids, out=out, checksums=sums)
+    gather_frames(list(src[:2]), ids, out=out, checksums=sums)
+    t = src[1].transpose(2, 3)
+    assert t.data_ptr() == src[1].data_ptr()
+    with pytest.raises(LayoutError, match=r"caches\[1\]"):
+        gather_frames([src[0], t], ids, out=out, checksums=sums)
+    with pytest.raises(LayoutError, match="caches: expected packed"):
+        gather_frames([src[0].transpose(2, 3), t], ids, out=out, checksums=sums)
