@@ -51,6 +51,7 @@ from .host_writes import HostWrites
 from .landing import Lander, LandJob
 from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header
 from .staging import PinnedPool, stage_verified
+from .trace import Trace
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
@@ -140,6 +141,7 @@ class DecodeEndpoint:
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.max_frame_bytes, self.curve = max_frame_bytes, curve
         self.metrics = Metrics("decode")
+        self.trace = Trace()                 # per-message spans while trace.enabled (kvconnector.trace)
         self.errors: list[Exception] = []
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
@@ -159,7 +161,8 @@ class DecodeEndpoint:
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None
         self._lander = None if frame_ops is None else Lander(
             frame_ops, self._copy_stream, self._pinned, report=lambda done: self._loop.call_soon(self._landed_jobs, done),
-            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers, workers=n)
+            alive=lambda job: self._pending.get(job.p.transfer_id) is job.p, executor=self._workers, workers=n,
+            trace=self.trace)
 
     # ---- application API --------------------------------------------------------------
     def connect(self, endpoint: str, timeout_s: float = 5.0) -> range:
@@ -187,7 +190,8 @@ class DecodeEndpoint:
         self.peer_endpoint = endpoint
         self._loop = IOLoop(ctx, sock, name="kvc-decode", on_message=self._on_message,
                             on_tick=self._on_tick, on_error=self._on_error,
-                            on_header=self._receive_into if self.frame_ops is not None and self.recv_into else None)
+                            on_header=self._receive_into if self.frame_ops is not None and self.recv_into else None,
+                            trace=self.trace)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
         if not self._hs_done.wait(timeout_s):
@@ -579,6 +583,9 @@ class DecodeEndpoint:
             self._send(Header(MsgType.ACK, tid=p.transfer_id, ok=True))
             r = p.finish()
             self.metrics.completed(r.nbytes, r.elapsed_s, len(r.dst_block_ids) * p.num_layers)
+            if self.trace.enabled:
+                t1 = time.perf_counter()
+                self.trace.span("pull", t1 - r.elapsed_s, t1, tid=p.transfer_id, bytes=r.nbytes)
 
     def _on_tick(self, now: float) -> float:
         while self._gpu_writes and self._gpu_writes[0][0].query():

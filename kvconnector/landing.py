@@ -63,6 +63,7 @@ from typing import Callable
 import torch
 
 from .device_frames import AuxBuffers, HostFill, land_message
+from .trace import Trace
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
@@ -92,13 +93,14 @@ class LandJob:
     """
 
     __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux",
-                 "ready", "fill")
+                 "ready", "fill", "queued_at")
 
     def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
         self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
         self.caches, self.ids, self.heads = caches, ids, heads
         self.future: Future = Future()
         self.write = self.event = self.aux = self.fill = None
+        self.queued_at = 0.0     # perf_counter when its device work was queued (the trace's "device" span)
         self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
 
 
@@ -130,12 +132,16 @@ class Lander:
         frame did not match, nothing written; other: the landing failed).
     alive : callable(LandJob) -> bool
         False when the message's pull is no longer pending (the message is dropped unwritten).
+    trace : Trace, optional
+        The endpoint's :class:`~kvconnector.trace.Trace`: ``land_start``, ``land`` and ``device``
+        spans per message while it is enabled (:mod:`kvconnector.trace`).
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
                  piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0, lookahead: int = LOOKAHEAD,
-                 name: str = "kvc-decode-land") -> None:
+                 name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
+        self.trace = trace
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
@@ -212,18 +218,23 @@ class Lander:
         self.stage_s["wait"] += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def _launch_time(self):
-        """Add the wall and CPU seconds of the block to ``stage_s`` "launch" and "launch_cpu"."""
+    def _launch_time(self, step: str, job: LandJob):
+        """Add the wall and CPU seconds of the block to ``stage_s`` "launch" and "launch_cpu"; a
+        ``step`` span of ``job`` in the trace."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self.stage_s["launch"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stage_s["launch"] += t1 - t0
             self.stage_s["launch_cpu"] += time.thread_time() - c0
+            job.queued_at = t1
+            if self.trace is not None and self.trace.enabled:
+                self.trace.span(step, t0, t1, tid=job.h.tid, seq=job.h.seq)
 
     def _start(self, job: LandJob) -> None:
         """Take the message's pinned buffers and submit its host copies to the copy workers."""
-        with self._launch_time():
+        with self._launch_time("land_start", job):
             total = sum(job.h.nbytes)
             if job.host is None:
                 job.host, job.owned = self.pool.acquire(total), True
@@ -245,7 +256,7 @@ class Lander:
             if not self.alive(job):
                 self._drop(job)
                 return
-            with self._launch_time():
+            with self._launch_time("land", job):
                 try:
                     ready = job.ready if job.ready is not self._waited else None   # the stream waited already
                     job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads,
@@ -292,6 +303,10 @@ class Lander:
                         break
                     done.append(job)
             out = []
+            if self.trace is not None and self.trace.enabled:
+                now = time.perf_counter()
+                for job in done:
+                    self.trace.span("device", job.queued_at, now, tid=job.h.tid, seq=job.h.seq)
             for job in done:
                 e = err if job is oldest else None
                 if e is None:

@@ -45,6 +45,7 @@ from .metrics import Metrics
 from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
 from .security import start_authenticator
 from .sender import BufferPool, Stream
+from .trace import Trace
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
@@ -123,6 +124,7 @@ class PrefillEndpoint:
         self._blocked_until = 0.0
         self._pool = BufferPool()
         self._stage_s = {"stage": 0.0, "copy_wait": 0.0, "send": 0.0, "sent": 0}   # see stage_times
+        self.trace = Trace()                     # per-message spans while trace.enabled (kvconnector.trace)
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         ctx = zmq.Context()
@@ -130,7 +132,7 @@ class PrefillEndpoint:
         sock = make_socket(ctx, zmq.ROUTER, max_frame_bytes=max_frame_bytes, curve=curve, server=True)
         self.endpoint, self.port = bind(sock, host, port)
         self._loop = IOLoop(ctx, sock, name=f"kvc-prefill-{self.port}", on_message=self._on_message,
-                            on_tick=self._on_tick, on_error=self._on_error)
+                            on_tick=self._on_tick, on_error=self._on_error, trace=self.trace)
         self._loop.start()
 
     # ---- application API (any thread) -------------------------------------------------
@@ -436,7 +438,7 @@ class PrefillEndpoint:
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
                             fault_hook=self._fault_hook, algorithm=algorithm,
                             frame_ops=self.frame_ops if algorithm == MIX64 else None,
-                            at_base=h.at if peer.get("nixl") else None, timings=self._stage_s,
+                            at_base=h.at if peer.get("nixl") else None, timings=self._stage_s, trace=self.trace,
                             layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
@@ -512,8 +514,11 @@ class PrefillEndpoint:
                     else:
                         t0 = time.perf_counter()
                         s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
-                        self._stage_s["send"] += time.perf_counter() - t0
+                        t1 = time.perf_counter()
+                        self._stage_s["send"] += t1 - t0
                         self._stage_s["sent"] += 1
+                        if self.trace.enabled:
+                            self.trace.span("send", t0, t1, tid=s.tid, seq=s.last_seq)
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue

@@ -49,6 +49,7 @@ from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
 from .device_frames import gather_message
 from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header
+from .trace import Trace
 
 
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
@@ -171,6 +172,8 @@ class Stream:
     timings : dict, optional
         Seconds spent staging (``"stage"``) and waiting for staged bytes (``"copy_wait"``) are
         added to it (the endpoint's :meth:`~PrefillEndpoint.stage_times`).
+    trace : Trace, optional
+        The endpoint's :class:`~kvconnector.trace.Trace`: the same two steps as spans, per message.
     at_base : int, optional
         ``nixl`` data plane (:mod:`kvconnector.dataplane`): the pull's area in the peer's region;
         each header then carries ``at`` = where its payload goes (transfer layout, layer-major).
@@ -185,7 +188,7 @@ class Stream:
                  local_heads: range, global_heads: tuple, chunk_bytes: int, copy_stream=None,
                  pool: BufferPool | None = None, ids_dev: tuple | None = None, fault_hook=None,
                  algorithm: str = CHECKSUM, frame_ops=None, at_base: int | None = None,
-                 layers_ready=None, timings: dict | None = None) -> None:
+                 layers_ready=None, timings: dict | None = None, trace: Trace | None = None) -> None:
         self.ident, self.tid, self.block_ids, self.caches, self.geo = ident, tid, block_ids, caches, geo
         self.local_heads, self.global_heads = local_heads, tuple(global_heads)
         per_block = slice_bytes(geo, 1, local_heads)
@@ -219,6 +222,7 @@ class Stream:
                            for first in range(0, n, self.chunk_blocks))
         self._total = len(self._plan)
         self._seq = 0
+        self.last_seq = -1
         self._staged: deque = deque()    # (layer, nlay, first, count, job, pooled buffer, job args)
         self._executor = _stage_executor()
         # chunks staged ahead: one per staging thread (a CUDA chunk's device copies are queued by the
@@ -234,6 +238,7 @@ class Stream:
         self.last_reads_cache = False    # the last frames are views of the cache (zero copy)
         self._hook = fault_hook or (lambda stage: None)
         self._timings = timings if timings is not None else {}
+        self._trace = trace
         self._running: list = []         # staging jobs still running after cancel()
 
     def push_back(self, frames: list) -> None:
@@ -410,8 +415,13 @@ class Stream:
         if work is None:
             self._hook("checksum")
         payload, sums = job.result() if job is not None else self._prepare(*work)
-        self._timings["copy_wait"] = self._timings.get("copy_wait", 0.0) + time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self._timings["copy_wait"] = self._timings.get("copy_wait", 0.0) + t2 - t1
+        if self._trace is not None and self._trace.enabled:
+            self._trace.span("stage", t0, t1, tid=self.tid, seq=self._seq)
+            self._trace.span("copy_wait", t1, t2, tid=self.tid, seq=self._seq, bytes=sum(p.nbytes for p in payload))
         self._seq += 1
+        self.last_seq = self._seq - 1   # of the frames returned (kept when they come back as a retry)
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,
                    sum="" if self.algorithm == CHECKSUM else self.algorithm,

@@ -28,6 +28,8 @@ import zmq
 
 from layouts import TransferError
 
+from .trace import Trace
+
 DEFAULT_HOST = "127.0.0.1"
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 2000     # cap of the exponential back-off between reconnects
@@ -104,12 +106,16 @@ class IOLoop:
         than its buffer is passed as a zero-filled stand-in of the frame's length (its
         bytes were cut off), so the receiver's size check names it oversized; frames beyond
         the buffers are received as usual. None: the message is received as usual.
+    trace : Trace, optional
+        The endpoint's :class:`~kvconnector.trace.Trace`: a ``receive`` span (the message off
+        the socket) and a ``handle`` span (``on_message``) per message while it is enabled.
     """
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, *, name: str,
                  on_message: Callable, on_tick: Callable, on_error: Callable,
-                 on_header: Callable | None = None) -> None:
+                 on_header: Callable | None = None, trace: Trace | None = None) -> None:
         self.ctx, self.sock = ctx, sock
+        self._trace = trace
         self._on_message, self._on_tick, self._on_error = on_message, on_tick, on_error
         self._on_header = on_header
         addr = f"inproc://kvc-wake-{next(_loop_ids)}"
@@ -166,8 +172,14 @@ class IOLoop:
                         frames = self._recv()
                     except zmq.Again:
                         break
+                    t1 = time.perf_counter()
                     self._guard(self._on_message, frames)
-                    self.handled_s += time.perf_counter() - t0
+                    t2 = time.perf_counter()
+                    self.handled_s += t2 - t0
+                    if self._trace is not None and self._trace.enabled:
+                        n = sum(len(f) if isinstance(f, zmq.Frame) else f.nbytes for f in frames[1:])
+                        self._trace.span("receive", t0, t1, frames=len(frames), bytes=n)
+                        self._trace.span("handle", t1, t2)
                 timeout_s = self._guard(self._on_tick, time.monotonic())
                 timeout_s = 0.05 if timeout_s is None else min(timeout_s, 0.25)
             except zmq.ZMQError as e:
