@@ -14,8 +14,9 @@ received ``copy=False``; timed from the "go" signal to the last byte received.
 
 ``--kernels``: both endpoints get the device kernels (``kernels.transfer.FRAME_OPS``) and
 negotiate ``mix64``: the prefill gathers and checksums on the device, the decode side receives
-zero copy, its landing thread copies each message into pinned memory behind the device copies,
-and the device verifies + scatters (on CPU caches the kernels run in
+each payload into pinned memory (``recv_into``, the default for CUDA caches; ``--no-recv-into``:
+zero copy, then copied into pinned memory by the landing thread or the copy workers), and the
+device verifies + scatters (on CPU caches the kernels run in
 Triton's interpreter: only a functional check). ``--cuda`` is the CUDA-cache preset: INT8 and
 INT4, 16 / 64 / 256 blocks x a Llama-8B-shaped layer set (32 layers, 8 KV heads, head size 128,
 block size 16), caches on the GPU, ``--kernels``. CPU columns are the host CPU time of both
@@ -39,6 +40,10 @@ forward writing each layer); exposed = from the last layer announced to the last
 For comparison the same pull with every layer announced at once (no layer-wise overlap).
 ``--cuda`` measures it for 32k tokens.
 
+``--trace DIR``: the last timed pull of each row as a Chrome trace (``chrome://tracing``,
+Perfetto) of both processes' per-message spans on one clock (:mod:`kvconnector.trace`):
+where each message waited, on which thread.
+
 Run: ``python -m bench.transfer [--device cuda] [--contiguous] [--kernels] [--cuda] [--threads]``
 (also ``kvconnector bench-transfer``); ``--quick`` is the smoke test CI runs (also with
 ``--kernels --threads``). The floor any connector could reach on the same host (the mandatory
@@ -58,6 +63,7 @@ import time
 import torch
 import zmq
 
+from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
@@ -93,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default: the endpoint's, recv_into for CUDA caches)")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
+    p.add_argument("--trace", metavar="DIR", help="write the last timed pull of each row as a Chrome trace of both "
+                   "processes' per-message spans (kvconnector.trace) to DIR/<mode>-<blocks>.json")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
 
 
@@ -201,6 +209,12 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
                 conn.send(thread_cpu())
             elif cmd == "stages":
                 conn.send(pre.stage_times())
+            elif cmd == "trace_on":
+                pre.trace.enabled = True
+                conn.send(True)
+            elif cmd == "trace_take":
+                pre.trace.enabled = False
+                conn.send(pre.trace.take())
             else:                                    # "done"
                 break
     push.close(0)
@@ -248,11 +262,13 @@ class Sender:
 
 # ---- the receiving side (this process) ----------------------------------------------------
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
-              kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None) -> dict:
+              kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None,
+              trace: str | None = None) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte.
     ``threads``: also sum each thread group's CPU time over the timed connector pulls
-    (``out["threads"]``: (decode side, prefill side) dicts of seconds)."""
+    (``out["threads"]``: (decode side, prefill side) dicts of seconds). ``trace``: write the
+    last pull's spans of both processes to this Chrome trace file (``out["spans"]``: how many)."""
     from kvconnector import DecodeEndpoint
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
@@ -281,6 +297,10 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                 dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                 th0 = sender.threads() if threads and r else None      # read outside the timed window
                 st0 = (dec.stage_times(), sender.stages()) if th0 is not None else None
+                traced = trace is not None and r == repeats
+                if traced:
+                    sender.ask("trace_on")
+                    dec.trace.enabled = True
                 c0 = sender.cpu_s()
                 t0 = time.perf_counter()
                 res = dec.pull(f"t{r}", dst_ids, deadline_s=120).result()
@@ -295,6 +315,9 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                     for acc, after, before in zip(stages, (dec.stage_times(), sender.stages()), st0):
                         for k, v in after.items():   # seconds (float) or counts (int)
                             acc[k] = acc.get(k, 0 * v) + v - before.get(k, 0 * v)
+                if traced:
+                    dec.trace.enabled = False
+                    spans = write_chrome(trace, [("prefill", sender.ask("trace_take")), ("decode", dec.trace.take())])
                 if res.nbytes != total:
                     raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
                 sender.conn.send("go")
@@ -323,7 +346,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
             raise RuntimeError("transferred blocks differ from the source")
     out = {k: statistics.median(v) for k, v in t.items()}
     out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm, threads=per_thread,
-               stages=stages)
+               stages=stages, spans=spans if trace is not None else 0)
     return out
 
 
@@ -408,6 +431,8 @@ def run(args) -> int:
         print("--device cuda: no CUDA device")
         return 2
     gen = torch.Generator().manual_seed(0)
+    if args.trace is not None:
+        os.makedirs(args.trace, exist_ok=True)
     chunk = int(args.chunk_mb * (1 << 20))
     order = "contiguous" if args.contiguous else "scattered"
     from kvconnector.decode import default_copy_threads
@@ -431,8 +456,9 @@ def run(args) -> int:
         for mode_str in args.modes.split(","):
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
             for nblocks in (int(b) for b in args.blocks.split(",")):
+                trace = None if args.trace is None else os.path.join(args.trace, f"{mode_str}-{nblocks}.json")
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane, args.threads, args.recv_into)
+                              args.kernels, args.data_plane, args.threads, args.recv_into, trace)
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20
@@ -440,6 +466,8 @@ def run(args) -> int:
                       f"| {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3 / mib:.2f} "
                       f"| {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3 / mib:.2f} "
                       f"| {ratios[-1]:.2f} |", flush=True)
+                if trace is not None:
+                    threads_out.append(f"# {mode_str} {nblocks} blocks, last pull traced: {trace} ({r['spans']} spans)")
                 if args.threads:   # summed over the timed pulls, per MiB moved
                     moved = mib * args.repeats
                     threads_out.append(f"# {mode_str} {nblocks} blocks, connector CPU ms/MiB by thread; "

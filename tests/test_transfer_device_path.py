@@ -180,13 +180,14 @@ def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device, recv_in
         fake.close()
 
 
-def test_bench_transfer_kernels_quick_runs():
+def test_bench_transfer_kernels_quick_runs(tmp_path):
     """``bench.transfer --kernels`` with the layer-wise measurement (the ``--cuda`` preset's paths) runs
-    end to end and checks its bytes."""
+    end to end and checks its bytes; ``--trace`` writes each row's last pull with both sides' spans."""
+    import json
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
-                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads"],
+                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads", "--trace", str(tmp_path)],
                          capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
@@ -198,6 +199,13 @@ def test_bench_transfer_kernels_quick_runs():
         ms = {k: float(v) for k, v in re.findall(r"(host_copy|launch|launch_cpu) ([0-9.]+)", ln.split("; prefill")[0])}
         assert 0 < ms["launch_cpu"] <= ms["host_copy"] + ms["launch"] + 0.05, ln
     assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
+    traced = re.findall(r"last pull traced: (\S+) \((\d+) spans\)", out.stdout)
+    assert len(traced) == len(stages) and sorted(p for p, _ in traced) == sorted(map(str, tmp_path.iterdir()))
+    for path, n in traced:
+        events = [e for e in json.loads(open(path).read())["traceEvents"] if e["ph"] == "X"]
+        assert len(events) == int(n) > 0
+        names = {(e["pid"], e["name"]) for e in events}
+        assert {(1, "stage"), (1, "send"), (2, "receive"), (2, "land"), (2, "device"), (2, "pull")} <= names
 
 
 @pytest.mark.parametrize("device", DEVICES)
