@@ -6,8 +6,9 @@ shuffled block table), checks it against the oracle, captures ``calls`` of it in
 graph, each after a 256 MiB write that flushes the L2, and replays the graph under the PyTorch
 profiler. Printed per kernel of the call (rotation, decode, reduction): its grid, block,
 registers per thread, shared memory per block, the profiler's estimate of achieved occupancy
-(what says whether a grid fills the SMs in whole waves), the median duration over the calls and the median gap after the previous kernel (negative:
-it started before that one ended, programmatic dependent launch); then the median time from
+(what says whether a grid fills the SMs in whole waves), the median duration over the calls
+and the median gap after the previous kernel (negative: it started before that one ended,
+programmatic dependent launch); then the median time from
 the end of the flush to the end of the call's last kernel. A spec with a path times that path
 with the tiling given (``Tiling(16, tile, segments, warps, stages)``, edges-only masking for
 the 2D kernel) instead of the plan's.

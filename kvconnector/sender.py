@@ -222,7 +222,6 @@ class Stream:
                            for first in range(0, n, self.chunk_blocks))
         self._total = len(self._plan)
         self._seq = 0
-        self.last_seq = -1
         self._staged: deque = deque()    # (layer, nlay, first, count, job, pooled buffer, job args)
         self._executor = _stage_executor()
         # chunks staged ahead: one per staging thread (a CUDA chunk's device copies are queued by the
@@ -240,6 +239,11 @@ class Stream:
         self._timings = timings if timings is not None else {}
         self._trace = trace
         self._running: list = []         # staging jobs still running after cancel()
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the frames last returned by :meth:`next_frames` (a retry returns those again)."""
+        return self._seq - 1
 
     def push_back(self, frames: list) -> None:
         """Keep frames the socket refused; they go first next time."""
@@ -421,7 +425,6 @@ class Stream:
             self._trace.span("stage", t0, t1, tid=self.tid, seq=self._seq)
             self._trace.span("copy_wait", t1, t2, tid=self.tid, seq=self._seq, bytes=sum(p.nbytes for p in payload))
         self._seq += 1
-        self.last_seq = self._seq - 1   # of the frames returned (kept when they come back as a retry)
         h = Header(MsgType.BLOCKS, seq=self._seq - 1, tid=self.tid, layer=layer, nlay=nlay, first=first,
                    nblk=count, heads=self.global_heads, last=self._seq == self._total,
                    sum="" if self.algorithm == CHECKSUM else self.algorithm,
