@@ -44,7 +44,8 @@ class PullHandle:
         self.jobs: set = set()        # copy-worker futures writing this pull's blocks
         self.landed = [bytearray(n) for _ in range(num_layers)]     # written into the cache
         self._layer_left = [n] * num_layers
-        self._layer_events = [threading.Event() for _ in range(num_layers)]
+        self._layers_done = bytearray(num_layers)   # 1: the layer has fully landed
+        self._cv = threading.Condition()             # notified as a layer lands and as the pull ends
         self._done = threading.Event()
         self.t0 = time.monotonic()
         self.nbytes = 0
@@ -60,8 +61,10 @@ class PullHandle:
         new = count - sum(marks[first:first + count])
         marks[first:first + count] = b"\x01" * count
         self._layer_left[layer] -= new
-        if self._layer_left[layer] == 0 and not self._layer_events[layer].is_set():
-            self._layer_events[layer].set()
+        if self._layer_left[layer] == 0 and not self._layers_done[layer]:
+            with self._cv:
+                self._layers_done[layer] = 1
+                self._cv.notify_all()
             if self.on_layer is not None:
                 try:
                     self.on_layer(self.transfer_id, layer)
@@ -71,7 +74,7 @@ class PullHandle:
 
     def finish(self) -> PullResult:
         self._result = PullResult(self.transfer_id, self.dst_block_ids, self.nbytes, time.monotonic() - self.t0)
-        self._done.set()
+        self._end()
         return self._result
 
     def fail(self, error: Exception) -> None:
@@ -81,7 +84,12 @@ class PullHandle:
                                  if not all(marks[i] for marks in self.landed)]
         error.failed_block_ids = self.failed_block_ids
         self.error = error
+        self._end()
+
+    def _end(self) -> None:
         self._done.set()
+        with self._cv:   # wake wait_layer callers: the pull is over
+            self._cv.notify_all()
 
     # ---- any thread ---------------------------------------------------------------
     def done(self) -> bool:
@@ -105,16 +113,10 @@ class PullHandle:
         return self._result
 
     def layer_done(self, layer: int) -> bool:
-        return self._layer_events[layer].is_set()
+        return bool(self._layers_done[layer])
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Wait until ``layer`` has landed (True) or the pull ended / timeout passed (False)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self._layer_events[layer].is_set():
-            if self._done.is_set():
-                return self._layer_events[layer].is_set()
-            left = 0.05 if end is None else min(0.05, end - time.monotonic())
-            if left <= 0:
-                return False
-            self._layer_events[layer].wait(left)
-        return True
+        with self._cv:
+            self._cv.wait_for(lambda: self._layers_done[layer] or self._done.is_set(), timeout)
+            return bool(self._layers_done[layer])
