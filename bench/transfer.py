@@ -40,6 +40,11 @@ forward writing each layer); exposed = from the last layer announced to the last
 For comparison the same pull with every layer announced at once (no layer-wise overlap).
 ``--cuda`` measures it for 32k tokens.
 
+``--prestage-mb``: a row publishes all of its transfers before its first pull, as a serving
+engine publishes a prompt's blocks before the decode worker's pull arrives; with ``--kernels``
+the prefill endpoint then stages each transfer's first message at publish (up to this many MiB
+of them; 0: staged at the pull).
+
 ``--trace DIR``: the last timed pull of each row as a Chrome trace (``chrome://tracing``,
 Perfetto) of both processes' per-message spans on one clock (:mod:`kvconnector.trace`):
 where each message waited, on which thread.
@@ -63,6 +68,7 @@ import time
 import torch
 import zmq
 
+from kvconnector.prefill import PRESTAGE_BYTES
 from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 
@@ -97,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--kernels: the decode side's I/O thread receives payload frames straight into pinned memory "
                    "with Socket.recv_into (--no-recv-into: zero copy, copied into pinned memory by the copy workers; "
                    "default: the endpoint's, recv_into for CUDA caches)")
+    p.add_argument("--prestage-mb", type=float, default=None, help="--kernels: MiB of first messages the prefill "
+                   "endpoint stages at publish, before their pulls (0: off; default: the endpoint's, "
+                   "PRESTAGE_BYTES); the row's transfers are all published before its first pull")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--trace", metavar="DIR", help="write the last timed pull of each row as a Chrome trace of both "
@@ -182,7 +191,7 @@ def _frame_ops(kernels: bool):
 
 
 def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes, kernels=False,
-               plane="zmq") -> None:
+               plane="zmq", prestage_bytes=None) -> None:
     """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket; then answer
     "cpu" with this process's CPU seconds and "go" with one burst of ``sizes`` messages."""
     from kvconnector import PrefillEndpoint
@@ -194,7 +203,8 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     push.connect(push_endpoint)
     buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
-                         frame_ops=_frame_ops(kernels), data_plane=plane) as pre:
+                         frame_ops=_frame_ops(kernels), data_plane=plane,
+                         **({} if prestage_bytes is None else {"prestage_bytes": prestage_bytes})) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -263,7 +273,7 @@ class Sender:
 # ---- the receiving side (this process) ----------------------------------------------------
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
               kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None,
-              trace: str | None = None) -> dict:
+              trace: str | None = None, prestage_bytes: int | None = None) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte.
     ``threads``: also sum each thread group's CPU time over the timed connector pulls
@@ -284,7 +294,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     endpoint = sender.ask(("row", desc.to_dict(), seed, device, chunk_bytes,
                            [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes,
-                           kernels, plane))
+                           kernels, plane, prestage_bytes))
     dst = synthetic_caches(desc, seed + 1, device)
     t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": []}
     per_thread, stages = ({}, {}), ({}, {})   # (decode, prefill): summed over the timed pulls
@@ -407,6 +417,11 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
             "nbytes": layers * nblocks * geo.block_bytes, "checksum": algorithm}
 
 
+def _prestage_note(mb: float | None) -> str:
+    mb = PRESTAGE_BYTES / 2**20 if mb is None else mb
+    return f", first messages staged at publish (up to {mb:g} MiB)" if mb > 0 else ", staged at the pull only"
+
+
 def _receive_note(recv_into: bool | None, device: str) -> str:
     """How the decode side receives payloads (DecodeEndpoint's ``recv_into``), for the header line."""
     from kvconnector.decode import default_recv_into
@@ -445,6 +460,7 @@ def run(args) -> int:
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
           f"{_receive_note(args.recv_into, device) if args.kernels else ''}"
+          f"{_prestage_note(args.prestage_mb) if args.kernels else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
@@ -458,7 +474,8 @@ def run(args) -> int:
             for nblocks in (int(b) for b in args.blocks.split(",")):
                 trace = None if args.trace is None else os.path.join(args.trace, f"{mode_str}-{nblocks}.json")
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
-                              args.kernels, args.data_plane, args.threads, args.recv_into, trace)
+                              args.kernels, args.data_plane, args.threads, args.recv_into, trace,
+                              None if args.prestage_mb is None else int(args.prestage_mb * 2**20))
                 ratios.append(r["zmq"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20

@@ -335,6 +335,9 @@ class DecodeEndpoint:
         area = getattr(h, "area", None)
         self._send(Header(MsgType.PULL, tid=h.transfer_id, nblk=len(h.dst_block_ids), heads=h.heads,
                           at=None if area is None else area[0]))
+        if self.trace.enabled:   # from pull() to the PULL handed to ZeroMQ
+            t1 = time.perf_counter()
+            self.trace.span("request", t1 - (time.monotonic() - h.t0), t1, tid=h.transfer_id)
 
     def _release_area(self, h: PullHandle, failed: bool) -> None:
         """Give a pull's area of the NIXL region back; after a failure, only once the prefill can

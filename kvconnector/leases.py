@@ -29,6 +29,7 @@ class Lease:
     peers: dict = field(default_factory=dict)     # idents that pulled it (an ordered set)
     reason: str = ""                              # why it ended, once it has
     layers_ready: int | None = None               # layers written so far (layer-wise publish); None: all
+    prestaged: object = None   # a Stream whose first message was staged at publish, until a pull takes it
     released: threading.Event = field(default_factory=threading.Event)   # on_release has run
 
 

@@ -50,6 +50,7 @@ from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
 PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
+PRESTAGE_BYTES = 64 << 20   # pinned bytes of first messages staged at publish and not yet pulled (see publish)
 
 
 def _typed(e: Exception, what: str) -> KVCacheError:
@@ -92,6 +93,11 @@ class PrefillEndpoint:
         ``"zmq"`` (payload frames in the BLOCKS messages), or ``"nixl"``: peers that offer a NIXL
         receive region get their payloads written there (:mod:`kvconnector.dataplane`); other
         peers still get ZeroMQ frames.
+    prestage_bytes : int
+        With ``frame_ops`` and ``mix64`` offered first: :meth:`publish` stages each transfer's
+        first message (gather + checksum on the device, copy to pinned memory) right away, while
+        fewer than this many bytes of such messages wait for their pull; a pull of every head in
+        ``mix64`` then sends it as soon as it arrives. 0: stage at the pull only.
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -102,10 +108,12 @@ class PrefillEndpoint:
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
                  curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
-                 data_plane: str = ZMQ) -> None:
+                 data_plane: str = ZMQ, prestage_bytes: int = PRESTAGE_BYTES) -> None:
         check_caches(caches, descriptor)
         self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
         self.frame_ops = frame_ops
+        self.prestage_bytes = int(prestage_bytes)
+        self._prestaged = 0      # bytes of first messages staged at publish and not yet pulled or dropped
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
         self.checksums = tuple(checksums or ((MIX64, CHECKSUM) if frame_ops is not None else (CHECKSUM,)))
@@ -140,6 +148,10 @@ class PrefillEndpoint:
                 layers_ready: int | None = None) -> None:
         """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``.
 
+        With ``frame_ops``, the first message is staged now (``prestage_bytes``): a serving engine
+        publishes when the prompt's forward has written the blocks, some time before the decode
+        worker's pull arrives, and that time hides the first message's gather and copy.
+
         ``layers_ready``: publish layer by layer: only layers ``0 .. layers_ready - 1`` hold
         their K/V yet; the rest are announced with :meth:`publish_layers` as the forward writes
         them, and a pull already streaming sends each layer as soon as it is announced. None
@@ -156,9 +168,12 @@ class PrefillEndpoint:
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
         ready = None if layers_ready is None else max(0, min(int(layers_ready), self.descriptor.num_layers))
-        self._leases.add(Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev,
-                               layers_ready=ready))
-        self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
+        lease = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev, layers_ready=ready)
+        self._leases.add(lease)
+        if ready is None and self.frame_ops is not None and self.checksums[0] == MIX64 and self.prestage_bytes > 0:
+            self._loop.call_soon(self._prestage, lease)
+        else:
+            self._loop.call_soon(lambda: None)  # wake the loop so the new expiry is scheduled
 
     def publish_layers(self, transfer_id: str, layers_ready: int) -> None:
         """Layers ``0 .. layers_ready - 1`` of a layer-wise :meth:`publish` now hold their K/V (CUDA
@@ -212,6 +227,7 @@ class PrefillEndpoint:
         s = self.metrics.snapshot()
         s["leases"] = len(self.held())
         s["streams"] = len(self._streams)
+        s["prestaged_bytes"] = self._prestaged   # first messages staged at publish, not yet pulled
         return s
 
     def stage_times(self) -> dict:
@@ -292,6 +308,10 @@ class PrefillEndpoint:
             return False
         if reason != "acked":
             self._started.pop(tid, None)
+        if lease.prestaged is not None:   # staged at publish and never pulled
+            self._prestaged -= lease.prestaged.prestaged
+            lease.prestaged.cancel()
+            lease.prestaged = None
         for s in [s for s in self._streams if s.tid == tid]:
             self._streams.remove(s)
             s.cancel()
@@ -431,10 +451,11 @@ class PrefillEndpoint:
             s.cancel()
         local = range(h.heads[0] - d.head_start, h.heads[1] - d.head_start)
         lease.peers[ident] = None
+        algorithm = peer.get("sum", CHECKSUM)
+        stream = self._take_prestaged(lease, ident, local, algorithm, peer)
         try:
             self._hook("stream")
-            algorithm = peer.get("sum", CHECKSUM)
-            stream = Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
+            stream = stream or Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
                             self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
                             fault_hook=self._fault_hook, algorithm=algorithm,
                             frame_ops=self.frame_ops if algorithm == MIX64 else None,
@@ -442,11 +463,48 @@ class PrefillEndpoint:
                             layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e)
-        lease.streams.append(stream)
+        if stream not in lease.streams:
+            lease.streams.append(stream)
         self._streams.append(stream)
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
         self._started[h.tid] = (time.monotonic(), nbytes, len(lease.block_ids) * len(self.caches))
+
+    def _prestage(self, lease: Lease) -> None:
+        """I/O thread, after :meth:`publish`: stage the first message of every head in ``mix64``
+        (:meth:`Stream.prestage`) while the bytes so staged stay within ``prestage_bytes``. A
+        failure here only costs the head start: the pull stages again and reports its own."""
+        if (self._leases.get(lease.transfer_id) is not lease or lease.streams
+                or self._prestaged >= self.prestage_bytes):
+            return   # ended, or already pulled, or the budget is spent
+        g, d = self.geometry, self.descriptor
+        try:
+            s = Stream(b"", lease.transfer_id, lease.block_ids, self.caches, g, range(g.num_kv_heads),
+                       (d.head_start, d.head_start + g.num_kv_heads), self.chunk_bytes, self._copy_stream,
+                       self._pool, lease.ids_dev, fault_hook=self._fault_hook, algorithm=MIX64,
+                       frame_ops=self.frame_ops, timings=self._stage_s, trace=self.trace)
+            s.prestage()
+        except Exception as e:
+            self.metrics.ignore(f"prestage_failed:{type(e).__name__}")
+            return
+        lease.streams.append(s)   # read the blocks: the lease drains only once it no longer does
+        lease.prestaged = s
+        self._prestaged += s.prestaged
+
+    def _take_prestaged(self, lease: Lease, ident: bytes, local: range, algorithm: str, peer: dict) -> Stream | None:
+        """The lease's prestaged stream when this pull asks for what it holds (every head, ``mix64``,
+        ZeroMQ frames), else None; either way the lease holds none afterwards (one not taken is
+        cancelled, and drains as any stream)."""
+        s, lease.prestaged = lease.prestaged, None
+        if s is None:
+            return None
+        self._prestaged -= s.prestaged
+        if (algorithm == MIX64 and not peer.get("nixl") and local == s.local_heads
+                and lease.layers_ready is None):
+            s.serve(ident, self._fault_hook)
+            return s
+        s.cancel()
+        return None
 
     def _on_tick(self, now: float) -> float:
         expired, next_exp = self._leases.expired(now)

@@ -239,6 +239,7 @@ class Stream:
         self._timings = timings if timings is not None else {}
         self._trace = trace
         self._running: list = []         # staging jobs still running after cancel()
+        self.prestaged = 0               # bytes staged by prestage() (its pooled buffer)
 
     @property
     def last_seq(self) -> int:
@@ -396,6 +397,26 @@ class Stream:
         ex = self._executor if self._staged else None   # the next chunk to send: the I/O thread
         job = ex.submit(self._prepare, frames, gather, device) if ex else None   # would only wait for a worker
         self._staged.append((layer, nlay, first, k, job, buf, (frames, gather, device)))
+
+    def prestage(self) -> int:
+        """Queue the staging of the first message now, before any pull asks for it (the
+        prefill endpoint calls it at publish, see :meth:`~kvconnector.PrefillEndpoint.publish`),
+        so that a pull's first message leaves as soon as the pull arrives. Returns the bytes of
+        its pooled buffer (0 when nothing was staged: already staged, or nothing to send), also
+        kept as :attr:`prestaged`."""
+        if self._staged or self._seq or not self._plan or not self._layer_ready():
+            return 0
+        t0 = time.perf_counter()
+        self._stage()
+        if self._trace is not None and self._trace.enabled:
+            self._trace.span("prestage", t0, time.perf_counter(), tid=self.tid, seq=0)
+        buf = self._staged[0][5]
+        self.prestaged = 0 if buf is None else buf.numel() * buf.element_size()
+        return self.prestaged
+
+    def serve(self, ident: bytes, fault_hook=None) -> None:
+        """Send to peer ``ident`` from now on (a stream prestaged before any pull asked for it)."""
+        self.ident, self._hook = ident, fault_hook or (lambda stage: None)
 
     def next_frames(self) -> list | None:
         """Frames of the next message; ``[]`` when it must wait (see :meth:`_may_stage`);

@@ -3,9 +3,11 @@
 Each endpoint has a :class:`Trace` (``endpoint.trace``), off by default. Switched on, the
 threads that handle a transfer record one span per message and step:
 
-- prefill: ``stage`` (queuing the next messages' gather / copies), ``copy_wait`` (waiting for a
+- prefill: ``prestage`` (at publish: queuing the first message's gather / copy before any pull),
+  ``stage`` (queuing the next messages' gather / copies), ``copy_wait`` (waiting for a
   message's bytes to be in host memory), ``send`` (handing the message to ZeroMQ);
-- decode: ``receive`` (taking a whole message off the socket, the copy into pinned memory
+- decode: ``request`` (from :meth:`~kvconnector.DecodeEndpoint.pull` to its PULL handed to
+  ZeroMQ), ``receive`` (taking a whole message off the socket, the copy into pinned memory
   included with ``recv_into``), ``handle`` (checks, hand-off to the landing thread or the host
   write), ``land_start`` / ``land`` (the landing thread: host copies submitted; device copy,
   verify and scatter queued), ``device`` (from queued to seen done by the watcher thread),
