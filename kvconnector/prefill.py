@@ -455,14 +455,14 @@ class PrefillEndpoint:
         stream = self._take_prestaged(lease, ident, local, algorithm, peer)
         try:
             self._hook("stream")
-            stream = stream or Stream(ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads,
-                            self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev,
-                            fault_hook=self._fault_hook, algorithm=algorithm,
-                            frame_ops=self.frame_ops if algorithm == MIX64 else None,
-                            at_base=h.at if peer.get("nixl") else None, timings=self._stage_s, trace=self.trace,
-                            layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
+            stream = stream or Stream(
+                ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads, self.chunk_bytes,
+                self._copy_stream, self._pool, lease.ids_dev, fault_hook=self._fault_hook, algorithm=algorithm,
+                frame_ops=self.frame_ops if algorithm == MIX64 else None, at_base=h.at if peer.get("nixl") else None,
+                timings=self._stage_s, trace=self.trace,
+                layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
         except Exception as e:
-            return self._serve_failed(ident, h.tid, e)
+            return self._serve_failed(ident, h.tid, e, stream)   # a prestaged stream is cancelled
         if stream not in lease.streams:
             lease.streams.append(stream)
         self._streams.append(stream)

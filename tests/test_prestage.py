@@ -106,7 +106,7 @@ def test_prestage_budget(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("end", ["release", "expire", "other-heads", "xxh3-peer"])
+@pytest.mark.parametrize("end", ["release", "expire", "other-heads", "xxh3-peer", "serve-fails"])
 def test_prestaged_message_not_taken_is_dropped(device, end):
     desc, src, dst, pre, hook, released = _rig(device, 1 << 20)
     with pre:
@@ -116,6 +116,17 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
             assert pre.release("t") is True
         elif end == "expire":
             assert _until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
+        elif end == "serve-fails":   # the pull takes the prestaged stream, then serving it fails
+            def fail_at_stream(stage):
+                if stage == "stream":
+                    raise RuntimeError("injected at stream")
+            pre._fault_hook = fail_at_stream
+            with DecodeEndpoint(dst, desc, frame_ops=FRAME_OPS) as dec:
+                dec.connect(pre.endpoint, timeout_s=5)
+                err = dec.pull("t", DST, deadline_s=60).exception(timeout=60)
+                assert err is not None and "injected at stream" in str(err)
+            assert _until(lambda: not pre.held() and released, 10)
+            assert len(pre._pool._free) == 1      # its pinned buffer went back to the pool
         else:
             if end == "other-heads":
                 half = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=1, block_size=4, num_layers=3,
@@ -134,5 +145,6 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
                     assert torch.equal(d.view(torch.uint8)[DST], want[:, :, :, 1:2] if end == "other-heads" else want)
             assert _until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
         assert pre.held() == [] and pre.stats()["prestaged_bytes"] == 0
-        assert released == [("t", {"release": "released", "expire": "expired"}.get(end, "acked"))]
-        assert not pre.errors
+        reason = {"release": "released", "expire": "expired", "serve-fails": "failed"}.get(end, "acked")
+        assert released == [("t", reason)]
+        assert len(pre.errors) == (end == "serve-fails")
