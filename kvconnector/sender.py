@@ -27,9 +27,10 @@ Staging (gather or device-to-host copy, then the checksum of every frame) runs a
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
 the first message of a pull leaves as soon as its own copy has landed, with nothing staged
 behind it, since the socket is idle until then; later staging stops once the oldest chunk has
-landed in host memory, so a message leaves after one or two launches, not ``ahead``). When a
-layer takes several messages, their runs of positions are of nearly equal size (no small tail
-message that pays a message's fixed work for a few blocks). On hosts with spare cores (see
+landed in host memory, so a message leaves after one or two launches, not ``ahead``; the
+prefill endpoint may have staged the first message at publish already, :meth:`Stream.prestage`).
+When a layer takes several messages, their runs of positions are of nearly equal size (no small
+tail message that pays a message's fixed work for a few blocks). On hosts with spare cores (see
 :func:`stage_threads`) the staging runs on a small shared thread pool (numpy copies and xxh3
 release the GIL), so gather and hash overlap the I/O thread.
 """
