@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "default: the endpoint's, recv_into for CUDA caches)")
     p.add_argument("--prestage-mb", type=float, default=None, help="--kernels: MiB of first messages the prefill "
                    "endpoint stages at publish, before their pulls (0: off; default: the endpoint's, "
-                   "PRESTAGE_BYTES); the row's transfers are all published before its first pull")
+                   "PRESTAGE_BYTES for CUDA caches, 0 for CPU caches); the row's transfers are all published "
+                   "before its first pull")
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--trace", metavar="DIR", help="write the last timed pull of each row as a Chrome trace of both "
@@ -417,8 +418,9 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
             "nbytes": layers * nblocks * geo.block_bytes, "checksum": algorithm}
 
 
-def _prestage_note(mb: float | None) -> str:
-    mb = PRESTAGE_BYTES / 2**20 if mb is None else mb
+def _prestage_note(mb: float | None, device: str) -> str:
+    if mb is None:   # the endpoint's default
+        mb = PRESTAGE_BYTES / 2**20 if device == "cuda" else 0
     return f", first messages staged at publish (up to {mb:g} MiB)" if mb > 0 else ", staged at the pull only"
 
 
@@ -460,7 +462,7 @@ def run(args) -> int:
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
           f"{_receive_note(args.recv_into, device) if args.kernels else ''}"
-          f"{_prestage_note(args.prestage_mb) if args.kernels else ''}"
+          f"{_prestage_note(args.prestage_mb, device) if args.kernels else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
     print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "

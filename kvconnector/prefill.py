@@ -50,7 +50,7 @@ from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
 PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
-PRESTAGE_BYTES = 64 << 20   # pinned bytes of first messages staged at publish and not yet pulled (see publish)
+PRESTAGE_BYTES = 64 << 20   # CUDA caches: pinned bytes of first messages staged at publish, not yet pulled
 
 
 def _typed(e: Exception, what: str) -> KVCacheError:
@@ -93,11 +93,14 @@ class PrefillEndpoint:
         ``"zmq"`` (payload frames in the BLOCKS messages), or ``"nixl"``: peers that offer a NIXL
         receive region get their payloads written there (:mod:`kvconnector.dataplane`); other
         peers still get ZeroMQ frames.
-    prestage_bytes : int
+    prestage_bytes : int, optional
         With ``frame_ops`` and ``mix64`` offered first: :meth:`publish` stages each transfer's
         first message (gather + checksum on the device, copy to pinned memory) right away, while
         fewer than this many bytes of such messages wait for their pull; a pull of every head in
-        ``mix64`` then sends it as soon as it arrives. 0: stage at the pull only.
+        ``mix64`` then sends it as soon as it arrives. 0: stage at the pull only. Default
+        ``PRESTAGE_BYTES`` (64 MiB) for CUDA caches, where staging only queues device work, and 0
+        for CPU caches, where the kernels run on the I/O thread and would hold it up (a peer's
+        handshake included) for as long as they take.
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -108,10 +111,12 @@ class PrefillEndpoint:
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
                  curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
-                 data_plane: str = ZMQ, prestage_bytes: int = PRESTAGE_BYTES) -> None:
+                 data_plane: str = ZMQ, prestage_bytes: int | None = None) -> None:
         check_caches(caches, descriptor)
         self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
         self.frame_ops = frame_ops
+        if prestage_bytes is None:
+            prestage_bytes = PRESTAGE_BYTES if caches[0].is_cuda else 0
         self.prestage_bytes = int(prestage_bytes)
         self._prestaged = 0      # bytes of first messages staged at publish and not yet pulled or dropped
         if frame_ops is not None:

@@ -4,7 +4,9 @@ memory) before any pull asks for it, within ``prestage_bytes``; a pull of every 
 sends that message and stages the rest as usual, byte-exact, with no message staged twice. A
 prestaged message that no pull takes (another head range, xxh3_64 peer, lease released or
 expired) is dropped and its bytes counted back; the lease still ends only once nothing reads its
-blocks. Runs on CPU caches (kernels through Triton's interpreter) and on CUDA caches.
+blocks. The default is on for CUDA caches and off for CPU caches, whose kernels would run on
+the I/O thread at publish. Runs on CPU caches (kernels through Triton's interpreter, staging at
+publish switched on) and on CUDA caches.
 
 Run: python -m pytest tests/test_prestage.py -q
 """
@@ -17,6 +19,7 @@ import torch
 from connector_fakes import filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
+from kvconnector.prefill import PRESTAGE_BYTES
 from layouts import KVQuantMode
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +40,8 @@ class Gathers:
 
 
 def _rig(device, chunk_bytes, **pre_kw):
+    """Endpoints on ``device``; staging at publish on (CPU caches default to off) unless ``pre_kw`` says."""
+    pre_kw.setdefault("prestage_bytes", PRESTAGE_BYTES)
     desc = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=8)
     src = [c.to(device) for c in filled_caches(desc, 0)]
     dst = [c.to(device) for c in filled_caches(desc, 1)]
@@ -103,6 +108,18 @@ def test_prestage_budget(device):
         dec.pull("t", DST, deadline_s=60).result(timeout=60)
         _exact(src, dst, device)
         assert hook.n == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prestage_default_follows_the_caches(device):
+    """On by default for CUDA caches (staging queues device work), off for CPU caches (the kernels
+    would run on the I/O thread at publish, holding up handshakes and other pulls meanwhile)."""
+    desc = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=8)
+    with PrefillEndpoint([c.to(device) for c in filled_caches(desc, 0)], desc, frame_ops=FRAME_OPS) as pre:
+        assert pre.prestage_bytes == (PRESTAGE_BYTES if device == "cuda" else 0)
+        hook = pre._fault_hook = Gathers()
+        pre.publish("t", SRC)
+        assert _until(lambda: hook.n > 0, 1.0) == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
