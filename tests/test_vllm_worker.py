@@ -75,14 +75,16 @@ def prefill_request(w, n, req_id, block_ids, num_tokens, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pull_lands_in_engine_order_and_releases_prefill_blocks(device):
+@pytest.mark.parametrize("ops", [None, "kernels.transfer.FRAME_OPS"], ids=["host-checksums", "device-kernels"])
+def test_pull_lands_in_engine_order_and_releases_prefill_blocks(device, ops):
     n = 32
-    pre, dec = make_worker(device, n, True), make_worker(device, n, False)
+    pre, dec = make_worker(device, n, True, frame_ops=ops), make_worker(device, n, False, frame_ops=ops)
     try:
         params = prefill_request(pre, n, "r1", [3, 9, 4], 70, seed=1)
         dec.start_load(ConnectorMeta(loads=[LoadSpec("d1", params, [5, 6, 7, 8], 0)]))
         recving, failed = wait_results(dec)
         assert recving == {"d1"} and not failed
+        assert dec._decoders[pre.prefill.endpoint].checksum == ("mix64" if ops else "xxh3_64")
         for src, dst in zip(pre.caches, dec.caches):        # whole blocks, in the engine's own order
             assert torch.equal(dst[[5, 6, 7]], src[[3, 9, 4]])
             assert not dst[8].any() and not dst[[0, 1, 2, 3, 4]].any()
@@ -143,3 +145,13 @@ def test_failures_are_reported_per_request_within_deadlines():
         pre.close()
         dec.close()
         other.close()
+
+
+def test_frame_ops_config_names_what_cannot_load():
+    from kernels.transfer import FRAME_OPS
+    from kvconnector.integrations.vllm.worker import frame_ops_from_config
+    assert frame_ops_from_config(None) is None and frame_ops_from_config("") is None
+    assert frame_ops_from_config("kernels.transfer.FRAME_OPS") is FRAME_OPS
+    for bad in ("kernels.transfer.NO_SUCH_OPS", "no_such_module.FRAME_OPS", "FRAME_OPS"):
+        with pytest.raises(ValueError, match="kv_connector_extra_config 'frame_ops': cannot load"):
+            frame_ops_from_config(bad)

@@ -19,10 +19,15 @@ is reported in ``finished_recving`` when that is done, and also in ``failed_recv
 pull failed (layout mismatch, dead or silent peer, deadline, corrupt frame): vLLM's
 ``kv_load_failure_policy`` then recomputes the prompt or fails the request. Nothing waits
 without a deadline, and a failed load never leaves partial bytes that vLLM would trust.
+
+With ``frame_ops`` in the config (``"kernels.transfer.FRAME_OPS"``) both endpoints get the
+device kernels: blocks are gathered and checksummed (``mix64``) and verified + scattered on the
+caches' device instead of hashed and copied on the host (docs/PROTOCOL.md, "Checksums").
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -58,6 +63,21 @@ def rank_endpoint(endpoint: str, tp_rank: int) -> str:
     return f"{host}:{int(port) + tp_rank}"
 
 
+def frame_ops_from_config(name) -> object | None:
+    """The device frame kernels named by ``kv_connector_extra_config["frame_ops"]``: a dotted
+    ``module.attribute`` (``"kernels.transfer.FRAME_OPS"``), or None when not set. The
+    connector never imports kernels by itself; this is how a vLLM deployment passes them.
+    Raises ValueError naming the key when the name cannot be loaded."""
+    if not name:
+        return None
+    module, _, attr = str(name).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"kv_connector_extra_config 'frame_ops': cannot load {name!r} "
+                         f"({type(e).__name__}: {e})") from e
+
+
 class Stats:
     """Counters and per-request timings; also appended as JSON lines to ``path`` when given
     (tests and operators read them: ``{"event": ..., "req": ..., "t": wall time, ...}``)."""
@@ -83,7 +103,9 @@ class WorkerSide:
         rank 0; rank r binds ``port + r``), ``lease_s`` (30), ``pull_deadline_s`` (10),
         ``handshake_s`` (3), ``peer_timeout_s`` (3), ``stats_path`` (optional JSON lines file),
         ``curve`` (optional ZeroMQ CURVE keys, see :func:`kvconnector.security.keys_from_config`:
-        prefill ``{"secret_file", "authorized"}``, decode ``{"secret_file", "server_key"}``).
+        prefill ``{"secret_file", "authorized"}``, decode ``{"secret_file", "server_key"}``),
+        ``frame_ops`` (optional: the dotted name of the device frame kernels, see
+        :func:`frame_ops_from_config`).
     is_producer, is_consumer : bool
     """
 
@@ -92,6 +114,7 @@ class WorkerSide:
         self.config, self.is_producer, self.is_consumer = config, is_producer, is_consumer
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.stats = Stats(config.get("stats_path"))
+        self.frame_ops = frame_ops_from_config(config.get("frame_ops"))
         self.prefill: PrefillEndpoint | None = None
         self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
         self._decoders_lock = threading.Lock()
@@ -127,7 +150,8 @@ class WorkerSide:
                                            port=int(self.config.get("port", 0)) + (self.tp_rank if self.config.get("port") else 0),
                                            on_release=self._on_release, lease_s=float(self.config.get("lease_s", 30.0)),
                                            peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                           curve=keys_from_config(self.config.get("curve"), "server"))
+                                           curve=keys_from_config(self.config.get("curve"), "server"),
+                                           frame_ops=self.frame_ops)
             log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
                      self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
 
@@ -204,8 +228,9 @@ class WorkerSide:
             ep = self._decoders.get(endpoint)
             if ep is not None:
                 return ep
-            ep = DecodeEndpoint(self.staging, self.descriptor, peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                curve=keys_from_config(self.config.get("curve"), "client"))
+            ep = DecodeEndpoint(self.staging, self.descriptor,
+                                peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
+                                curve=keys_from_config(self.config.get("curve"), "client"), frame_ops=self.frame_ops)
             try:
                 ep.connect(endpoint, timeout_s=float(self.config.get("handshake_s", 3.0)))
             except BaseException:
@@ -242,6 +267,7 @@ class WorkerSide:
             if self.caches[0].is_cuda:    # done before vLLM is told the blocks are there
                 torch.cuda.current_stream(self.caches[0].device).synchronize()
         return {"bytes": result.nbytes, "blocks": len(keep), "t_start": t0, "t_ready": time.time(),
+                "checksum": ep.checksum,
                 "tokens": min(int(p["remote_num_tokens"]), len(dst) * self.bmap.block_size)
                 - spec.num_local_blocks * self.bmap.block_size}
 
