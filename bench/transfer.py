@@ -68,7 +68,6 @@ import time
 import torch
 import zmq
 
-from kvconnector.prefill import PRESTAGE_BYTES
 from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 
@@ -204,8 +203,7 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     push.connect(push_endpoint)
     buf = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
-                         frame_ops=_frame_ops(kernels), data_plane=plane,
-                         **({} if prestage_bytes is None else {"prestage_bytes": prestage_bytes})) as pre:
+                         frame_ops=_frame_ops(kernels), data_plane=plane, prestage_bytes=prestage_bytes) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -419,8 +417,9 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
 
 
 def _prestage_note(mb: float | None, device: str) -> str:
-    if mb is None:   # the endpoint's default
-        mb = PRESTAGE_BYTES / 2**20 if device == "cuda" else 0
+    """Whether the prefill endpoint stages first messages at publish (``prestage_bytes``), for the header line."""
+    from kvconnector.prefill import default_prestage_bytes
+    mb = default_prestage_bytes(device) / 2**20 if mb is None else mb
     return f", first messages staged at publish (up to {mb:g} MiB)" if mb > 0 else ", staged at the pull only"
 
 

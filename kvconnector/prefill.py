@@ -53,6 +53,13 @@ PUMP_S = 0.01   # longest send burst before the loop serves incoming messages an
 PRESTAGE_BYTES = 64 << 20   # CUDA caches: pinned bytes of first messages staged at publish, not yet pulled
 
 
+def default_prestage_bytes(device) -> int:
+    """``PrefillEndpoint``'s ``prestage_bytes`` when none is given: ``PRESTAGE_BYTES`` for caches
+    on a CUDA ``device`` (staging only queues device work), else 0 (the kernels would run on the
+    I/O thread at publish)."""
+    return PRESTAGE_BYTES if torch.device(device).type == "cuda" else 0
+
+
 def _typed(e: Exception, what: str) -> KVCacheError:
     """``e`` itself when typed, else a TransferError naming ``what`` failed and why (from ``e``)."""
     if isinstance(e, KVCacheError):
@@ -98,9 +105,9 @@ class PrefillEndpoint:
         first message (gather + checksum on the device, copy to pinned memory) right away, while
         fewer than this many bytes of such messages wait for their pull; a pull of every head in
         ``mix64`` then sends it as soon as it arrives. 0: stage at the pull only. Default
-        ``PRESTAGE_BYTES`` (64 MiB) for CUDA caches, where staging only queues device work, and 0
-        for CPU caches, where the kernels run on the I/O thread and would hold it up (a peer's
-        handshake included) for as long as they take.
+        (:func:`default_prestage_bytes`): ``PRESTAGE_BYTES`` (64 MiB) for CUDA caches, where
+        staging only queues device work, and 0 for CPU caches, where the kernels run on the I/O
+        thread and would hold it up (a peer's handshake included) for as long as they take.
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -115,9 +122,8 @@ class PrefillEndpoint:
         check_caches(caches, descriptor)
         self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
         self.frame_ops = frame_ops
-        if prestage_bytes is None:
-            prestage_bytes = PRESTAGE_BYTES if caches[0].is_cuda else 0
-        self.prestage_bytes = int(prestage_bytes)
+        self.prestage_bytes = int(default_prestage_bytes(caches[0].device) if prestage_bytes is None
+                                  else prestage_bytes)
         self._prestaged = 0      # bytes of first messages staged at publish and not yet pulled or dropped
         if frame_ops is not None:
             warm(frame_ops, caches[0].device)
@@ -460,12 +466,8 @@ class PrefillEndpoint:
         stream = self._take_prestaged(lease, ident, local, algorithm, peer)
         try:
             self._hook("stream")
-            stream = stream or Stream(
-                ident, h.tid, lease.block_ids, self.caches, self.geometry, local, h.heads, self.chunk_bytes,
-                self._copy_stream, self._pool, lease.ids_dev, fault_hook=self._fault_hook, algorithm=algorithm,
-                frame_ops=self.frame_ops if algorithm == MIX64 else None, at_base=h.at if peer.get("nixl") else None,
-                timings=self._stage_s, trace=self.trace,
-                layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
+            stream = stream or self._stream(ident, lease, local, h.heads, algorithm,
+                                            at_base=h.at if peer.get("nixl") else None)
         except Exception as e:
             return self._serve_failed(ident, h.tid, e, stream)   # a prestaged stream is cancelled
         if stream not in lease.streams:
@@ -482,12 +484,9 @@ class PrefillEndpoint:
         if (self._leases.get(lease.transfer_id) is not lease or lease.streams
                 or self._prestaged >= self.prestage_bytes):
             return   # ended, or already pulled, or the budget is spent
-        g, d = self.geometry, self.descriptor
+        n, start = self.geometry.num_kv_heads, self.descriptor.head_start
         try:
-            s = Stream(b"", lease.transfer_id, lease.block_ids, self.caches, g, range(g.num_kv_heads),
-                       (d.head_start, d.head_start + g.num_kv_heads), self.chunk_bytes, self._copy_stream,
-                       self._pool, lease.ids_dev, fault_hook=self._fault_hook, algorithm=MIX64,
-                       frame_ops=self.frame_ops, timings=self._stage_s, trace=self.trace)
+            s = self._stream(b"", lease, range(n), (start, start + n), MIX64)
             s.prestage()
         except Exception as e:
             self.metrics.ignore(f"prestage_failed:{type(e).__name__}")
@@ -495,6 +494,17 @@ class PrefillEndpoint:
         lease.streams.append(s)   # read the blocks: the lease drains only once it no longer does
         lease.prestaged = s
         self._prestaged += s.prestaged
+
+    def _stream(self, ident: bytes, lease: Lease, local: range, heads: tuple, algorithm: str,
+                at_base: int | None = None) -> Stream:
+        """A stream of ``lease``'s blocks to peer ``ident``: ``local`` heads of this endpoint's
+        caches (global ``heads``), checksummed with ``algorithm`` (by the device kernels for
+        ``mix64``), payloads into the peer's NIXL region at ``at_base`` when given."""
+        return Stream(ident, lease.transfer_id, lease.block_ids, self.caches, self.geometry, local, heads,
+                      self.chunk_bytes, self._copy_stream, self._pool, lease.ids_dev, fault_hook=self._fault_hook,
+                      algorithm=algorithm, frame_ops=self.frame_ops if algorithm == MIX64 else None,
+                      at_base=at_base, timings=self._stage_s, trace=self.trace,
+                      layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
 
     def _take_prestaged(self, lease: Lease, ident: bytes, local: range, algorithm: str, peer: dict) -> Stream | None:
         """The lease's prestaged stream when this pull asks for what it holds (every head, ``mix64``,
