@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +13,14 @@ from kvconnector import DecodeEndpoint
 from kvconnector.blocks import gather_blocks
 from kvconnector.protocol import Header, MsgType, decode_header, encode_header, encode_message
 from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutDescriptor
+
+
+def until(cond, timeout_s: float = 20.0) -> bool:
+    """Poll ``cond()`` every 10 ms until it is true or ``timeout_s`` passed; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
 
 
 class GatedEvent:

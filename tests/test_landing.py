@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kvconnector.landing as landing_mod
-from connector_fakes import GatedEvent, filled_caches, make_desc
+from connector_fakes import GatedEvent, filled_caches, make_desc, until
 from kvconnector.device_frames import HostFill
 from kvconnector.landing import Lander, LandJob
 from kvconnector.protocol import MIX64, Header, MsgType
@@ -196,13 +196,6 @@ class _BoundedPool(PinnedPool):
         super().release(buf)
 
 
-def _until(cond, what):
-    deadline = time.monotonic() + 20
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cond(), what
-
-
 def test_pool_bound_holds_without_deadlock(monkeypatch):
     """With ``max_inflight`` 2, lookahead 1 and every device event held: the launcher lands two
     messages and then waits (the third is neither started nor launched: two buffers are the
@@ -220,11 +213,11 @@ def test_pool_bound_holds_without_deadlock(monkeypatch):
     t = _Landing(msgs, dst, pool=pool, max_inflight=2)
     try:
         t.submit_all()
-        _until(lambda: len(events) == 2, "two messages landed")
+        assert until(lambda: len(events) == 2), "two messages landed"
         time.sleep(0.2)
         assert len(events) == 2 and len(pool.acquired) == 2 and ("copy", 2) not in t.log
         events[0].gate.set()
-        _until(lambda: len(pool.acquired) == 3, "the third started once the first ended")
+        assert until(lambda: len(pool.acquired) == 3), "the third started once the first ended"
         assert pool.acquired[2] == pool.acquired[0]
         while not t.all_reported.is_set():
             for ev in list(events):
@@ -263,7 +256,7 @@ def test_started_message_of_a_dead_pull_waits_for_its_copies():
     t.workers.gates[1].clear()
     try:
         t.submit_all()
-        _until(lambda: 0 in t.results and calls[1] == 2, "message 0 landed, message 1 found dead")
+        assert until(lambda: 0 in t.results and calls[1] == 2), "message 0 landed, message 1 found dead"
         time.sleep(0.2)
         assert ("copy", 1) in t.log and not t.jobs[1].future.done()
         assert len(released) == 1            # message 0's buffer only

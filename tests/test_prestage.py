@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from connector_fakes import filled_caches, make_desc
+from connector_fakes import filled_caches, make_desc, until
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.prefill import PRESTAGE_BYTES
@@ -52,13 +52,6 @@ def _rig(device, chunk_bytes, **pre_kw):
     return desc, src, dst, pre, hook, released
 
 
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
-
-
 def _exact(src, dst, device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -74,7 +67,7 @@ def test_first_message_staged_at_publish(device, chunk):
         dec.connect(pre.endpoint, timeout_s=5)
         pre.trace.enabled = True
         pre.publish("t", SRC)
-        assert _until(lambda: pre.stats()["prestaged_bytes"] > 0)   # staged before any pull
+        assert until(lambda: pre.stats()["prestaged_bytes"] > 0, 30)   # staged before any pull
         time.sleep(0.05)
         assert hook.n == 1                              # the first message only
         dec.pull("t", DST, deadline_s=60).result(timeout=60)
@@ -96,7 +89,7 @@ def test_prestage_budget(device):
     with pre:
         pre.publish("a", SRC)
         pre.publish("b", SRC)
-        assert _until(lambda: pre.stats()["prestaged_bytes"] > 0)
+        assert until(lambda: pre.stats()["prestaged_bytes"] > 0, 30)
         time.sleep(0.1)
         assert hook.n == 1                              # "b" waits for its pull
     desc, src, dst, pre, hook, _ = _rig(device, 1 << 20, prestage_bytes=0)   # off
@@ -119,7 +112,7 @@ def test_prestage_default_follows_the_caches(device):
         assert pre.prestage_bytes == (PRESTAGE_BYTES if device == "cuda" else 0)
         hook = pre._fault_hook = Gathers()
         pre.publish("t", SRC)
-        assert _until(lambda: hook.n > 0, 1.0) == (device == "cuda")
+        assert until(lambda: hook.n > 0, 1.0) == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,11 +121,11 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
     desc, src, dst, pre, hook, released = _rig(device, 1 << 20)
     with pre:
         pre.publish("t", SRC, lease_s=0.5 if end == "expire" else 30)
-        assert _until(lambda: pre.stats()["prestaged_bytes"] > 0) and hook.n == 1
+        assert until(lambda: pre.stats()["prestaged_bytes"] > 0, 30) and hook.n == 1
         if end == "release":
             assert pre.release("t") is True
         elif end == "expire":
-            assert _until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
+            assert until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
         elif end == "serve-fails":   # the pull takes the prestaged stream, then serving it fails
             def fail_at_stream(stage):
                 if stage == "stream":
@@ -142,7 +135,7 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
                 dec.connect(pre.endpoint, timeout_s=5)
                 err = dec.pull("t", DST, deadline_s=60).exception(timeout=60)
                 assert err is not None and "injected at stream" in str(err)
-            assert _until(lambda: not pre.held() and released, 10)
+            assert until(lambda: not pre.held() and released, 10)
             assert len(pre._pool._free) == 1      # its pinned buffer went back to the pool
         else:
             if end == "other-heads":
@@ -160,7 +153,7 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
                 for s, d in zip(src, dst):
                     want = s.view(torch.uint8)[SRC]
                     assert torch.equal(d.view(torch.uint8)[DST], want[:, :, :, 1:2] if end == "other-heads" else want)
-            assert _until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
+            assert until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
         assert pre.held() == [] and pre.stats()["prestaged_bytes"] == 0
         reason = {"release": "released", "expire": "expired", "serve-fails": "failed"}.get(end, "acked")
         assert released == [("t", reason)]

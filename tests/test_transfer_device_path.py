@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kvconnector.landing as landing_mod
-from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc
+from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc, until
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.decode import RECV_BUFFERS, RECV_INTO
@@ -172,10 +172,7 @@ def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device, recv_in
                 assert torch.equal(_b(dst[0])[[2, 3]], _b(src[0])[[0, 1]].to(device))
             else:
                 assert torch.equal(_b(dst[0]), _b(before[0]))
-            deadline = time.monotonic() + 3
-            while MsgType.ABORT not in fake.received and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert MsgType.ABORT in fake.received
+            assert until(lambda: MsgType.ABORT in fake.received, 3)
     finally:
         fake.close()
 
@@ -417,18 +414,15 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
         pre.publish("t", list(range(40)))
         handle = dec.pull("t", list(range(40, 80)), deadline_s=30)
 
-        def until(cond, what):
-            deadline = time.monotonic() + 20
-            while not cond() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert cond(), (what, len(calls), handle.done(), handle.error, dec.errors, pre.errors,
-                            len(dec._lander._inflight), [e.query() for e in events])
-        until(lambda: dec.metrics.c["blocks_messages"] == 16, "the I/O thread received every message")
-        until(lambda: len(calls) == 2, "two messages launched")
+        def state(what):
+            return (what, len(calls), handle.done(), handle.error, dec.errors, pre.errors,
+                    len(dec._lander._inflight), [e.query() for e in events])
+        assert until(lambda: dec.metrics.c["blocks_messages"] == 16), state("the I/O thread received every message")
+        assert until(lambda: len(calls) == 2), state("two messages launched")
         time.sleep(0.2)
         assert len(calls) == 2 and not handle.done()        # the third waits for a buffer's device copy
         events[0].gate.set()
-        until(lambda: len(calls) == 3, "the third launched once the first ended")
+        assert until(lambda: len(calls) == 3), state("the third launched once the first ended")
         assert pool.acquired[2] == pool.acquired[0]          # into the buffer the first one used
         while not handle.done():
             for ev in list(events):
