@@ -7,8 +7,9 @@ the connector's integrity rules require of every transfer of scattered CPU-cache
 no protocol, leases, handshake or endpoint objects, timed in the same process pair and the same
 rounds as the plain burst. Three kinds, interleaved:
 
-* ``plain``:  the sender pushes ``messages`` x ``chunk`` bytes from one pre-filled buffer
-  (``copy=False``); the receiver takes them (``copy=False``). The benchmark's baseline.
+* ``plain``:  the sender pushes ``messages`` x ``chunk`` bytes, consecutive slices of one
+  pre-filled buffer of them all (distinct bytes, ``copy=False``); the receiver takes them
+  (``copy=False``). The benchmark's baseline.
 * ``copies``: the sender gathers each message's blocks from a source cache (random block ids,
   ``np.take`` into a pre-faulted buffer) and sends it; the receiver scatters each message into a
   destination cache (random ids, one fancy-index row assignment). No checksums: what the gather
@@ -105,7 +106,7 @@ def sender(conn, args, endpoint: str) -> None:
     src = caches(1, args.layers, 2 * args.blocks, args.block_kib << 10)
     msgs = messages(args)
     bufs = [None if args.contiguous else np.ones(k * (args.block_kib << 10), np.uint8) for *_, k in msgs]
-    plain = np.ones(max(k for *_, k in msgs) * (args.block_kib << 10), np.uint8)
+    plain = np.ones(sum(k for *_, k in msgs) * (args.block_kib << 10), np.uint8)
     ex = pool(threads())
     conn.send("ready")
     while True:
@@ -114,8 +115,11 @@ def sender(conn, args, endpoint: str) -> None:
             break
         kind, rnd = cmd
         if kind == "plain":
+            off = 0
             for *_, k in msgs:
-                push.send(plain[:k * (args.block_kib << 10)], copy=False)
+                n = k * (args.block_kib << 10)
+                push.send(plain[off:off + n], copy=False)
+                off += n
             continue
         src_ids, _ = plan(args, rnd)
         hashed = kind == "floor"
