@@ -5,8 +5,9 @@ application's release (``"released"``) or a failure while serving it (``"failed"
 lease first *drains*: it stays listed by :meth:`LeaseTable.held` until none of its streams
 may still read the blocks (a staging job running, a zero-copy frame still queued in ZeroMQ;
 see :meth:`kvconnector.sender.Stream.busy`). Only then is it *released*: the endpoint calls
-``on_release`` and sets :attr:`Lease.released`. docs/PROTOCOL.md ("Leases") states the rule
-for peers.
+``on_release``, then drops it from ``held()`` and sets :attr:`Lease.released`, so a transfer id
+gone from ``held()`` has had its callback run. docs/PROTOCOL.md ("Leases") states the rule for
+peers.
 """
 
 from __future__ import annotations
@@ -80,12 +81,15 @@ class LeaseTable:
             return lease
 
     def drained(self) -> list[Lease]:
-        """Remove and return the draining leases none of whose streams still reads the blocks."""
-        done = [lease for lease in self._draining if not any(s.busy() for s in lease.streams)]
-        if done:
-            with self._lock:
-                self._draining = [lease for lease in self._draining if lease not in done]
-        return done
+        """The draining leases none of whose streams still reads the blocks. They stay in
+        :meth:`held` until :meth:`forget` (after their ``on_release``), so a lease that left
+        ``held()`` has had its callback run."""
+        return [lease for lease in self._draining if not any(s.busy() for s in lease.streams)]
+
+    def forget(self, lease: Lease) -> None:
+        """Drop a drained lease (its ``on_release`` has run)."""
+        with self._lock:
+            self._draining = [d for d in self._draining if d is not lease]
 
     def expired(self, now: float) -> tuple[list[str], float | None]:
         """Transfer ids of live leases whose deadline is ``<= now`` (still live: the caller ends

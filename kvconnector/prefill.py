@@ -350,6 +350,7 @@ class PrefillEndpoint:
             except Exception as e:  # the application's callback: recorded, the lease is ended anyway
                 self.callback_errors.append((lease.transfer_id, e))
                 self.metrics.ignore("callback_error")
+            self._leases.forget(lease)
             lease.released.set()
 
     def _on_error(self, e: Exception) -> None:

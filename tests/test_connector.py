@@ -317,6 +317,30 @@ def test_lease_expiry_abort_duplicate_ack_and_unknown_transfer():
         assert pre.stats()["ignored"].get("duplicate_acked") == 1
 
 
+def test_a_lease_leaves_held_only_after_its_on_release_ran():
+    """A caller polling ``held()`` may reuse the blocks once the id is gone: by then ``on_release``
+    has returned (it runs on the I/O thread; here it takes 0.3 s)."""
+    desc = make_desc()
+    ran = []
+
+    def on_release(tid, block_ids, reason):
+        time.sleep(0.3)
+        ran.append((tid, reason))
+
+    with PrefillEndpoint(filled_caches(desc, 0), desc, on_release=on_release) as pre, \
+            DecodeEndpoint(filled_caches(desc, 1), desc) as dec:
+        dec.connect(pre.endpoint)
+        for tid, end in (("acked", lambda: dec.pull("acked", [3], deadline_s=5).result()),
+                         ("aborted", lambda: dec.abort("aborted"))):
+            pre.publish(tid, [1])
+            end()
+            deadline = time.monotonic() + 5
+            while tid in pre.held() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert tid not in pre.held()
+            assert ran[-1:] == [(tid, tid)]
+
+
 def test_lease_expiry_ignores_ended_and_replaced_leases():
     # the expiry heap keeps an entry per publish; an ended lease's entry must never expire
     # a later lease published under the same id, and ended entries must not pile up

@@ -95,7 +95,7 @@ class Rig:
 
     def wait_released(self, timeout_s=5.0, n_released=1):
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:  # on_release runs just after the lease leaves held()
+        while time.monotonic() < end:  # the lease leaves held() once on_release has run
             ps, ds = self.pre.stats(), self.dec.stats()
             if ps["leases"] == 0 and ps["streams"] == 0 and ds["pending"] == 0 \
                     and len(self.released) >= n_released:

@@ -125,7 +125,7 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
         if end == "release":
             assert pre.release("t") is True
         elif end == "expire":
-            assert until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
+            assert until(lambda: not pre.held() and released, 10)
         elif end == "serve-fails":   # the pull takes the prestaged stream, then serving it fails
             def fail_at_stream(stage):
                 if stage == "stream":
@@ -153,7 +153,7 @@ def test_prestaged_message_not_taken_is_dropped(device, end):
                 for s, d in zip(src, dst):
                     want = s.view(torch.uint8)[SRC]
                     assert torch.equal(d.view(torch.uint8)[DST], want[:, :, :, 1:2] if end == "other-heads" else want)
-            assert until(lambda: not pre.held() and released, 10)   # on_release runs after held() drops it
+            assert until(lambda: not pre.held() and released, 10)
         assert pre.held() == [] and pre.stats()["prestaged_bytes"] == 0
         reason = {"release": "released", "expire": "expired", "serve-fails": "failed"}.get(end, "acked")
         assert released == [("t", reason)]
