@@ -29,6 +29,7 @@ import torch
 from kernels.reference import dequantize_rows, reference_reshape_and_cache, unpack_int4_nibbles
 from kernels.write import (FusedTuning, LanesTuning, TileTuning, WriteCall, plan_for, reshape_and_cache_flash,
                            triton_reshape_and_cache_flash_per_token_head_quant)
+from kernels.write.checks import WriteShape
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 from bench.timing import graph_us
 
@@ -315,11 +316,12 @@ PLAN_MODES = {"bf16": (M.NONE, 1), "int8": (M.INT8_PER_TOKEN_HEAD, 1), "fp8": (M
               "int4": (M.INT4_PER_TOKEN_HEAD, 1), "int4-mse": (M.INT4_PER_TOKEN_HEAD, len(MSE_SHRINK))}
 
 
-def _plan(mode_name, head_size, on_gpu, aligned=True, num_tokens=65536):
+def _plan(mode_name, head_size, on_gpu, aligned=True, num_tokens=65536, smooth=False):
     mode, num_shrink = PLAN_MODES[mode_name]
     call = WriteCall(mode, head_size, num_tokens * NUM_KV_HEADS, on_gpu, num_sms=132 if on_gpu else 0,
-                     lane_layout=aligned, num_shrink=num_shrink)
-    return plan_for(call, shrink=MSE_SHRINK[:num_shrink])
+                     lane_layout=aligned, num_shrink=num_shrink, smooth=smooth)
+    shape = WriteShape(num_tokens, NUM_KV_HEADS, head_size, num_tokens // BLOCK_SIZE, BLOCK_SIZE) if smooth else None
+    return plan_for(call, shrink=MSE_SHRINK[:num_shrink], shape=shape)
 
 
 def plan_table() -> str:
@@ -329,9 +331,11 @@ def plan_table() -> str:
     lines = ["| mode | head_size | CPU path | H200 path | H200 tuning | why (H200) |", "|---|---|---|---|---|---|"]
     cases = [(m, d, True) for m in ("bf16", "int8", "fp8") for d in (64, 128, 256)]
     cases += [(m, d, True) for m in ("int4", "int4-mse") for d in (16, 32, 64, 128, 256, 512)]
-    cases += [("int4", 128, False)]
+    cases += [("int4", 128, False)] + [("int4 + key offset", d, True) for d in (64, 128, 256)]
     for m, d, aligned in cases:
-        cpu, gpu = _plan(m, d, False, aligned), _plan(m, d, True, aligned)
+        smooth = m.endswith("key offset")
+        mode = m.split()[0]
+        cpu, gpu = _plan(mode, d, False, aligned, smooth=smooth), _plan(mode, d, True, aligned, smooth=smooth)
         tuning = ", ".join(f"{k}={v}" for k, v in vars(gpu.tuning).items())
         note = "" if aligned else " (K/V rows not 16-byte loadable)"
         lines.append(f"| {m} | {d}{note} | {cpu.path} | {gpu.path} | {tuning} | {gpu.why} |")

@@ -69,6 +69,7 @@ class DualKernel:
             if _device_of(args, kwargs).type != "cpu":
                 return self.compiled[grid](*args, **kwargs)
             kwargs.pop("launch_pdl", None)  # a CUDA launch attribute
+            kwargs.pop("maxnreg", None)     # a ptxas option
             with _interpreter_scope():
                 return self.interpreted[grid](*args, **kwargs)
         return launch

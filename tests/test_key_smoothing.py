@@ -23,7 +23,7 @@ from kernels.reference import quantize_int4_rows, reference_reshape_and_cache, s
 from kernels.reference import dequantize_int4_rows
 from kernels.write import (FusedTuning, LanesTuning, MmaTuning, reshape_and_cache_int4,
                            triton_reshape_and_cache_flash_per_token_head_quant)
-from kernels.write.tuning import MMA_TILING
+from kernels.write.tuning import MMA_TILING, OFFSET_TILING
 from layouts import CacheGeometry, KVQuantMode, LayoutError, split_kv_cache
 
 M = KVQuantMode
@@ -231,8 +231,10 @@ def _wide_keys(num_tokens, heads, d, dtype, seed):
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["h64", "h128", "h256"])
 @pytest.mark.parametrize("heads", [1, 2, 8, 16], ids=["H1", "H2", "H8", "H16"])
 def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
-    """On the GPU: the int4-mma kernel with lane offsets (one 16-byte load per lane and part,
-    ``fma.rn(m, -1, k)`` on packed pairs inside the tensor-core asm), its programs looping over
+    """On the GPU: the int4-mma kernel with lane offsets (one 16-byte load of ``-s ⊙ m`` per lane
+    and part, ``fma.rn(k, s, -s·m)`` on packed pairs inside the tensor-core asm: subtraction and
+    sign flip in one rounding), with the default tiling (``tuning.OFFSET_TILING``: one-warp
+    programs, one tile each, a register cap at head 128) and with two-warp programs looping over
     tiles or not, writes the same bytes as the same kernel loading each row's offsets and
     subtracting in fp32 (the oracle's ``smooth_keys``), on keys and offsets built to break a wrong
     subtraction; all feed identical rows to the same rotation, so any difference is the
@@ -245,7 +247,7 @@ def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
     slots[::97] = -1
     geo = CacheGeometry(M.INT4_PER_TOKEN_HEAD, d, heads, BS, dtype)
     base = MmaTuning(*MMA_TILING[d])
-    variants = {"loop": dataclasses.replace(base, offset_programs_per_sm=1),
+    variants = {"default": None, "loop": dataclasses.replace(base, offset_programs_per_sm=1),
                 "one tile each": dataclasses.replace(base, offset_programs_per_sm=0),
                 "row tiles": dataclasses.replace(base, lane_offsets=False)}
     out = {}
@@ -256,12 +258,41 @@ def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
         plan = write_plan(key, value, v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, slots,
                           M.INT4_PER_TOKEN_HEAD, tuning=tuning, key_offset=m)
         assert plan.lane_offsets is (name != "row tiles")
-        assert (plan.grid[0] < n * heads // base.rows) is (name == "loop")
+        if name == "default" and d in OFFSET_TILING and 8 % heads == 0:   # heads 16 keep the two-warp loop
+            assert (plan.tuning.rows, plan.tuning.num_warps, plan.tuning.maxnreg) == OFFSET_TILING[d]
+        elif name != "default":
+            assert (plan.grid[0] < n * heads // base.rows) is (name == "loop")
         reshape_and_cache_int4(key, value, v.key_cache, v.value_cache, slots, v.k_scale_cache, v.v_scale_cache,
                                key_offset=m, tuning=tuning)
         out[name] = c.view(torch.uint8)
     assert not torch.equal(out["row tiles"], torch.full_like(out["row tiles"], POISON))
-    assert torch.equal(out["loop"], out["row tiles"]) and torch.equal(out["one tile each"], out["row tiles"])
+    for name in ("default", "loop", "one tile each"):
+        assert torch.equal(out[name], out["row tiles"]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_lane_offset_table_is_the_signed_negated_offsets(dtype):
+    """What the lanes load (``int4_mma.lane_offset_table``): ``-s ⊙ m`` in the model dtype, exact
+    (a sign flip), made once per tensor and in-place version; and the table's ``±1`` halves (the
+    fma's multiplier) and ``-0`` halves (a V program's offsets: ``fma(x, s, -0) = s·x``, signed
+    zeros included)."""
+    from kernels.write.int4_mma import NZ_HALF, NZ_HALVES, PM_HALF, lane_offset_table, mma_table
+    from layouts import rht_signs
+    d = 128
+    m = (torch.randn(8, d) * 3).to(dtype)
+    t = lane_offset_table(m)
+    s = rht_signs(d)
+    assert t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+    assert torch.equal(t.float(), -(s * m.float())) and torch.equal(t.view(torch.int16) ^ m.view(torch.int16),
+                                                                     torch.where(s > 0, -32768, 0).to(torch.int16)
+                                                                     .expand(8, d))
+    assert lane_offset_table(m) is t
+    m.add_(1)   # a new in-place version: made again
+    assert torch.equal(lane_offset_table(m).float(), -(s * m.float()))
+    tab = mma_table(d, dtype, "cpu").view(torch.int16)
+    one = torch.tensor([1.0], dtype=dtype).view(torch.int16).item()
+    assert torch.equal(tab[PM_HALF:PM_HALF + d].float(), torch.where(s > 0, one, one - 32768).float())
+    assert torch.equal(tab[NZ_HALF:NZ_HALF + NZ_HALVES], torch.full((NZ_HALVES,), -32768, dtype=torch.int16))
 
 
 def test_bench_key_offset_smoke(capsys):
@@ -321,8 +352,9 @@ def test_offset_loads_share_the_rows_layout(mma):
 @pytest.mark.parametrize("loop", [False, True], ids=["tile", "loop"])
 def test_lane_offsets_load_once_per_lane_in_the_mma_asm(loop):
     """With lane offsets (8 KV heads divide the layout's row period) the int4-mma kernel loads no
-    offset tile: one asm per part loads its lane's 8 offsets (one predicated 16-byte
-    ``ld.global.nc``), the tensor-core asm subtracts them on packed pairs before the sign flip;
+    offset tile: one asm per part loads its lane's 8 signed, negated offsets (one 16-byte
+    ``ld.global.nc``), the tensor-core asm subtracts them and flips the signs in one
+    ``fma.rn(k, s, -s·m)`` per packed pair, where the kernel without offsets has one ``xor``;
     the rows' loads and layouts are those of the kernel without offsets, no layout conversion is
     added, and with ``LOOP`` the offset loads stay outside the loop over tiles."""
     import re
@@ -334,6 +366,7 @@ def test_lane_offsets_load_once_per_lane_in_the_mma_asm(loop):
     assert extra == (4 if loop else 0)  # the parts' sign bits again, before the loop (else one load serves both)
     assert lane.count("ld.global.nc.v4.b32") == 4 and plain.count("ld.global.nc") == 0  # 4 parts of 32
     assert lane.count("fma.rn.bf16x2") == 4 * 8 and lane.count("and.b32 o, o, 7;") == 4
+    assert plain.count("xor.b32 a") == 4 * 8 and lane.count("xor.b32 a") == 0   # the sign flips
     assert lane.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
     if loop:
         body = lane[lane.index("scf.for"):]

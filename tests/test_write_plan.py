@@ -16,6 +16,7 @@ import torch
 from kernels.write import (FusedTuning, LanesTuning, MmaTuning, TileTuning, WriteCall, plan_for, record_launches,
                            reshape_and_cache_flash, reshape_and_cache_int4, write_plan,
                            triton_reshape_and_cache_flash_per_token_head_quant)
+from kernels.write.tuning import MMA_TILING, OFFSET_TILING
 from layouts import CacheGeometry, KVQuantMode, LayoutError, split_kv_cache
 
 M = KVQuantMode
@@ -182,12 +183,15 @@ def test_bench_plan_table_matches_the_decision_and_the_docs():
     table = bench_write.plan_table()
     assert table in (Path(__file__).resolve().parents[1] / "docs" / "KERNELS.md").read_text()
     rows = [r.split("|")[1:-1] for r in table.splitlines()[2:]]
-    assert len(rows) == 9 + 12 + 1
-    for mode_name, d, cpu, gpu, *_ in rows:
-        mode, num_shrink = bench_write.PLAN_MODES[mode_name.strip()]
+    assert len(rows) == 9 + 12 + 1 + 3
+    for mode_name, d, cpu, gpu, tuning, _ in rows:
+        mode, num_shrink = bench_write.PLAN_MODES[mode_name.split()[0]]
         head, aligned = int(d.split()[0]), "not 16-byte" not in d
         assert cpu.strip() == expected_path(mode, head, False, aligned, num_shrink)
         assert gpu.strip() == expected_path(mode, head, True, aligned, num_shrink)
+        if mode_name.strip().endswith("key offset"):   # the offset write's own tiling (tuning.OFFSET_TILING)
+            rows_, warps, cap = OFFSET_TILING.get(head, MMA_TILING[head][:2] + (0,))
+            assert f"rows={rows_}, num_warps={warps}," in tuning and tuning.endswith(f"maxnreg={cap} ")
 
 
 CUDA_GRID = [(m, d, dt) for m in MODES for d in (16, 32, 64, 128, 256, 512) for dt in (torch.bfloat16, torch.float16)

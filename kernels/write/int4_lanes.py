@@ -47,8 +47,8 @@ from .._jit import cdiv, dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
                           pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal, to_model_dtype)
-from .int4_mma import (MMA_N, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offsets_part, mma_b_operands, mma_part,
-                       mma_part_sub, mma_table, packed_range)
+from .int4_mma import (MMA_N, NZ_AT, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offset_table, lane_offsets_part,
+                       mma_b_operands, mma_part, mma_part_sub, mma_table, packed_range)
 from .plan import WriteArgs, WritePlan, launch
 from .tuning import MMA_COLS
 
@@ -248,7 +248,8 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
 def _lane_offsets(base, tab_ptr, ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, HEADS: tl.constexpr,
                   WARPS: tl.constexpr):
     """The lanes' key offsets of parts 0 .. PARTS-1 (``int4_mma.lane_offsets_part``; parts past
-    PARTS alias part 0, unread). ``base``: int64 address of the offsets, 0 in V programs (+0)."""
+    PARTS alias part 0, unread). ``base``: int64 address of ``int4_mma.lane_offset_table``'s tensor,
+    of the table's -0 halves in V programs."""
     m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, HEADS, D, WARPS)
     m1, m2, m3, m4, m5, m6, m7 = m0, m0, m0, m0, m0, m0, m0
     if PARTS >= 2:
@@ -283,7 +284,7 @@ def _int4_rows(
 
     ``LANE_M`` (int4-mma on the GPU, every row a lane holds of one head, see
     ``int4_mma.lane_offsets_part``): each program loads its lanes' key offsets once, 16 bytes
-    per lane and part, before its tiles (K programs; V programs load nothing and subtract +0).
+    per lane and part, before its tiles (K programs; V programs load -0, which changes nothing).
     """
     kv = tl.program_id(1) == 0
     b0 = 0
@@ -292,7 +293,8 @@ def _int4_rows(
         b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
     m0, m1, m2, m3, m4, m5, m6, m7 = 0, 0, 0, 0, 0, 0, 0, 0
     if LANE_M and MMA and not INTERPRET:
-        m0, m1, m2, m3, m4, m5, m6, m7 = _lane_offsets(tl.where(kv, key_offset_ptr.to(tl.int64), 0), tab_ptr,
+        none = (tab_ptr + NZ_AT).to(tl.int64)   # -0 halves: V programs' rows come out as without offsets
+        m0, m1, m2, m3, m4, m5, m6, m7 = _lane_offsets(tl.where(kv, key_offset_ptr.to(tl.int64), none), tab_ptr,
                                                        ROWS, D, PARTS, NUM_KV_HEADS, WARPS)
     a = (key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
          tab_ptr, key_offset_ptr, num_rows, num_slots,
@@ -489,10 +491,11 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
         lane = plan.lane_offsets   # the plan saw the key offset (write_plan)
-        if lane and t.key_offset.data_ptr() % 16:  # api.model_dtype_offset makes it so
-            raise ValueError("key_offset: the lane offsets' 16-byte loads need a 16-byte aligned tensor")
+        if lane:   # the lanes load -s ⊙ m (int4_mma.lane_offset_table), 16 bytes at a time
+            args["key_offset_ptr"] = lane_offset_table(t.key_offset, rht_sign_seed())
+        extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg else {}
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,
                dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range), LANE_M=lane,
-                    LOOP=lane and plan.grid[0] < cdiv(args["num_rows"], tuning.rows)))
+                    LOOP=lane and plan.grid[0] < cdiv(args["num_rows"], tuning.rows), **extra))
     else:
         launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, args)

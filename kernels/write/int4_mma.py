@@ -44,6 +44,11 @@ from .tuning import MMA_COLS
 
 MMA_N = tl.constexpr(MMA_COLS)
 B_HALVES = tl.constexpr(32 * 32)  # the B table: 32 lanes × 16 words × 2 halves
+PM_HALF = 32 * 32 + 256  # the table's ±1 halves start here (after the sign bits of up to 256 columns)
+NZ_HALF = PM_HALF + 256   # then -0 halves for 16 heads x 256 columns: what V programs load as offsets
+NZ_HALVES = 16 * 256
+PM_AT = tl.constexpr(PM_HALF)
+NZ_AT = tl.constexpr(NZ_HALF)
 _ONE = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # bits of 1.0
 
 
@@ -62,29 +67,53 @@ def b_word(lane: int, q: int, one: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
-    """``[B_HALVES + head_size]`` 16-bit table in ``dtype``: lane ``l``'s B words at ``l·32 ..``
-    (half ``2q + e`` of word ``q``), then the sign bits (``0x8000`` where ``s = -1``) per column.
+    """``[NZ_AT + NZ_HALVES]`` 16-bit table in ``dtype``: lane ``l``'s B words at ``l·32 ..``
+    (half ``2q + e`` of word ``q``), then the sign bits (``0x8000`` where ``s = -1``) per column,
+    then from ``PM_AT`` the signs as model-dtype values ``±1`` per column, then from ``NZ_AT``
+    ``NZ_HALVES`` halves of -0 (what V programs load as their lane offsets).
     Made once per (head_size, dtype, device, sign seed: ``layouts.rotation.rht_sign_seed()``, part of
     the cache key only); bit patterns, not values."""
     one = _ONE[dtype]
     halves = [(b_word(lane, q, one) >> (16 * e)) & 0xFFFF for lane in range(32) for q in range(16) for e in (0, 1)]
-    halves += [0x8000 if s < 0 else 0 for s in rht_signs(head_size).tolist()]
+    signs = rht_signs(head_size).tolist()
+    halves += [0x8000 if s < 0 else 0 for s in signs] + [0] * (PM_HALF - 32 * 32 - head_size)
+    halves += [one | 0x8000 if s < 0 else one for s in signs] + [0] * (NZ_HALF - PM_HALF - head_size)
+    halves += [0x8000] * NZ_HALVES
     return torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).to(device)
+
+
+_SIGNED: dict = {}  # (id, version, dtype, seed) -> (the model-dtype offsets, their -s ⊙ m)
+_MAX_SIGNED = 64
+
+
+def lane_offset_table(key_offset: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``-s ⊙ m``: the model-dtype key offsets ``[num_kv_heads, head_size]`` (``api.model_dtype_offset``)
+    with each column's rotation sign applied and negated (exact), contiguous and 16-byte aligned,
+    as the lane offsets load them (:func:`lane_offsets_text`). Made once per (tensor, in-place
+    version, sign seed) and kept, like ``api.model_dtype_offset``'s conversion."""
+    k = (id(key_offset), key_offset._version, key_offset.dtype, seed)
+    hit = _SIGNED.get(k)
+    if hit is None or hit[0] is not key_offset:
+        if len(_SIGNED) >= _MAX_SIGNED:
+            _SIGNED.pop(next(iter(_SIGNED)))
+        neg = -rht_signs(key_offset.shape[-1]).to(key_offset.device, key_offset.dtype)
+        hit = _SIGNED[k] = (key_offset, (key_offset * neg).contiguous())
+    return hit[1]
 
 
 @triton.constexpr_function
 def mma_text(f16, sub=False):
     """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23),
     the sign bits $24..$31 and B words $32..$47 in; ``H_32 · (s ⊙ x)`` out in $0..$15 (row g's
-    columns 8t..8t+7, then row g+8's), fp32. ``sub``: key offsets in $48..$55 (the same
-    arrangement as x) are subtracted first, ``x - m`` rounded once to the model dtype
-    (:func:`lane_offsets_text` says why that is the oracle's value)."""
+    columns 8t..8t+7, then row g+8's), fp32. ``sub``: $24..$31 hold the signs as ``±1`` pairs
+    instead of sign bits and $48..$55 the lane's signed, negated key offsets ``-s ⊙ m`` (the same
+    arrangement as x): one ``fma(x, s, -s·m) = RN(s·(x - m)) = s·RN(x - m)`` per pair does the
+    subtraction and the sign flip, ``x - m`` rounded once to the model dtype as the oracle rounds
+    it (:func:`lane_offsets_text`)."""
     ty = "f16" if f16 else "bf16"
-    lines = ["{", ".reg .b32 a<8>, n1;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
-    if sub:  # fma.rn(m, -1, x) = RN(x - m) on packed pairs, then the sign flip
-        lines.append(f"mov.b32 n1, {'0xBC00BC00' if f16 else '0xBF80BF80'};")
-        lines += [f"fma.rn.{ty}x2 a{w}, ${48 + w}, n1, ${16 + w};" for w in range(8)]
-        lines += [f"xor.b32 a{w}, a{w}, ${24 + w};" for w in range(8)]
+    lines = ["{", ".reg .b32 a<8>;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
+    if sub:  # fma.rn(x, ±1, -s·m) on packed pairs: the products are exact, one rounding
+        lines += [f"fma.rn.{ty}x2 a{w}, ${16 + w}, ${24 + w}, ${48 + w};" for w in range(8)]
     else:
         lines += [f"xor.b32 a{w}, ${16 + w}, ${24 + w};" for w in range(8)]  # a0..3 row g, a4..7 row g+8
     for nn in range(4):
@@ -100,32 +129,33 @@ def mma_text(f16, sub=False):
 
 @triton.constexpr_function
 def lane_offsets_text(heads, d, warps, first):
-    """PTX that loads one lane's key offsets for a part (columns ``first ..``): out $0..$7 (16
-    model-dtype values as packed pairs, rows g and g+8 as the part's loads hold them), in: the
-    byte address of head 0's column 0 in $16 (16 "l" operands, all equal), or 0 for none.
+    """PTX that loads one lane's signed, negated key offsets ``-s ⊙ m`` for a part (columns
+    ``first ..``): out $0..$7 (16 model-dtype values as packed pairs, rows g and g+8 as the part's
+    loads hold them), in: the byte address of head 0's column 0 in $16 (16 "l" operands, all
+    equal): of :func:`lane_offset_table`'s tensor, or of the table's -0 halves (``NZ_AT``).
 
     Every row a lane holds has one head: rows ``8·warp + g + 8·warps·k`` of a tile that starts at
     a multiple of ``heads``, head = row mod ``heads``, with ``heads`` dividing ``8·warps`` (the
     plan checks both, ``plan.lane_offsets_fit``). So one 16-byte load at ``2·(head·d +
-    first + 8t)`` gives the lane's 8 offsets, copied to both rows' words; address 0 loads nothing
-    and leaves +0 (``x - +0`` is ``x``, exactly).
+    first + 8t)`` gives the lane's 8 offsets, copied to both rows' words. V programs load -0
+    (``fma(x, s, -0)`` is ``s·x`` exactly, signed zeros included: their rows come out as without
+    offsets).
 
     The subtraction in :func:`mma_text` rounds the exact ``x - m`` once; the oracle rounds
     ``float32(x) - float32(m)`` to the model dtype, the same value: the fp32 difference of two
     bf16/fp16 values is exact unless their exponents are more than 15 apart, and then the exact
     difference lies within far less than half a model-dtype ulp of the larger operand, which is
-    on the model-dtype grid, so no rounding tie can differ. Signed zeros agree (``x - x`` is +0,
-    ``-0 - +0`` is -0); NaN and Inf propagate."""
+    on the model-dtype grid, so no rounding tie can differ. NaN and Inf propagate. Only the sign
+    of an exact zero can differ (``x = m`` with ``s = -1``: +0 here, -0 in the oracle's
+    ``s·(x - m)``), which no code or scale depends on."""
     return "\n".join([
-        "{", ".reg .pred p;", ".reg .b32 o, l;", ".reg .b64 ad;",
-        "mov.b32 $0, 0;", "mov.b32 $1, 0;", "mov.b32 $2, 0;", "mov.b32 $3, 0;",
-        "setp.ne.u64 p, $16, 0;",
+        "{", ".reg .b32 o, l;", ".reg .b64 ad;",
         "mov.u32 o, %tid.x;", "shr.u32 o, o, 5;", "shl.b32 o, o, 3;",  # 8 * warp
         "mov.u32 l, %laneid;", "shr.u32 l, l, 2;", "add.u32 o, o, l;",  # + g
         f"and.b32 o, o, {heads - 1};", f"mul.lo.u32 o, o, {d};",  # head * d
         "mov.u32 l, %laneid;", "and.b32 l, l, 3;", "shl.b32 l, l, 3;", "add.u32 o, o, l;",  # + 8t
         f"add.u32 o, o, {first};", "mul.wide.u32 ad, o, 2;", "add.u64 ad, ad, $16;",
-        "@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [ad];",
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [ad];",
         "mov.b32 $4, $0;", "mov.b32 $5, $1;", "mov.b32 $6, $2;", "mov.b32 $7, $3;", "}"])
 
 
@@ -149,6 +179,14 @@ def sign_bits(tab_ptr, first, ROWS: tl.constexpr):
 
 
 @triton.jit
+def sign_pm(tab_ptr, first, ROWS: tl.constexpr):
+    """``[ROWS, 32]`` model dtype: the signs ``±1`` of columns ``first ..`` in the parts' layout
+    (:func:`sign_bits`' load from the table's ``PM_AT`` on)."""
+    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
+    return tl.load(tab_ptr + PM_AT + cols)
+
+
+@triton.jit
 def mma_part(x, tab_ptr, first, b0, b1):
     """``H_32 · (s ⊙ x)`` of a loaded part ``x: [ROWS, 32]`` (columns ``first ..``), fp32."""
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
@@ -158,10 +196,10 @@ def mma_part(x, tab_ptr, first, b0, b1):
 
 @triton.jit
 def mma_part_sub(x, m, tab_ptr, first, b0, b1):
-    """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' key offsets
-    ``m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
+    """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' signed, negated
+    key offsets ``-s ⊙ m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 39 + "r",
-                                     [x, sign_bits(tab_ptr, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
+                                     [x, sign_pm(tab_ptr, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
                                      is_pure=True, pack=16)
 
 
@@ -170,10 +208,11 @@ def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HE
                       D: tl.constexpr, WARPS: tl.constexpr):
     """``[ROWS, 32]`` (the model dtype: the table's) key offsets of part ``first ..`` as each lane needs
     them (:func:`lane_offsets_text`: one 16-byte load per lane), in the parts' layout: the asm
-    takes the sign bits' ``[ROWS, 32]`` 16-bit load as a second operand only so that its result
-    has that load's layout, the layout of every part. ``base``: int64 address of the offsets,
-    or 0 for none (all +0)."""
-    sg = sign_bits(tab_ptr, first, ROWS)
+    takes the signs' ``[ROWS, 32]`` load (:func:`sign_pm`, which the part's rotation loads too)
+    as a second operand only so that its result has that load's layout, the layout of every
+    part. ``base``: int64 address of :func:`lane_offset_table`'s tensor, or of the table's -0
+    halves (``NZ_AT``) for none."""
+    sg = sign_pm(tab_ptr, first, ROWS)
     at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
     return tl.inline_asm_elementwise(lane_offsets_text(HEADS, D, WARPS, first), "=r," * 7 + "=r," + "r," * 8
                                      + "l," * 15 + "l", [sg, at], dtype=sg.dtype, is_pure=True, pack=16)

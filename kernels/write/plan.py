@@ -28,7 +28,8 @@ from layouts import KVQuantMode
 
 from .._jit import cdiv
 from .checks import WriteShape, check_key_offset, check_write_args, lane_layout_ok
-from .tuning import LANES_TILING, MMA_COLS, MMA_TILING, TUNING_OF_PATH, TileTuning, resolve_tuning
+from .tuning import (LANES_TILING, MMA_COLS, MMA_TILING, TUNING_OF_PATH, MmaTuning, TileTuning,
+                     resolve_offset_tuning, resolve_tuning)
 
 # the Triton kernel each path launches (the names ``record_launches`` sees)
 KERNELS = {"unquantized": "_reshape_and_cache_flash_kernel", "symmetric": "_reshape_and_cache_symmetric_kernel",
@@ -173,8 +174,11 @@ def _plan(mode, head_size, num_rows, on_gpu, num_sms, lane_layout, shrink, tunin
     tiles = cdiv(num_rows, t.rows)
     lane = (path == "int4-mma" and smooth and on_gpu and shape is not None and bool(t.lane_offsets)
             and lane_offsets_fit(shape.num_kv_heads, t.rows, t.num_warps))
-    if lane:  # programs that loop over tiles load their lanes' offsets once
-        per_sm = t.offset_programs_per_sm
+    if lane:  # the offset write's own tiling where its lanes' offsets fit it (tuning.OFFSET_TILING)
+        t_off = resolve_offset_tuning(tuning if type(tuning) is MmaTuning else None, head_size)
+        if lane_offsets_fit(shape.num_kv_heads, t_off.rows, t_off.num_warps):
+            t, tiles = t_off, cdiv(num_rows, t_off.rows)
+        per_sm = t.offset_programs_per_sm   # programs that loop over tiles load their lanes' offsets once
         grid = (min(tiles, max(1, num_sms * per_sm)) if per_sm else tiles, 2)
         return WritePlan(path, KERNELS[path], t, grid, why + "; key offsets loaded once per lane and program",
                          mode, False, shrink, shape, True)

@@ -26,11 +26,18 @@ LANES_TILING = {16: (1, 64, 4), 32: (2, 64, 4), 64: (4, 16, 1), 128: (8, 16, 1),
 # (rows, warps, packed_range, fast_rcp) of the int4-mma kernel on the GPU, its default head sizes
 MMA_TILING = {64: (32, 2, True, True), 128: (32, 2, True, True), 256: (32, 2, False, True)}
 ROTATIONS = ("butterfly", "dot")
-# int4-mma with key offsets, where each lane loads its offsets (plan.lane_offsets_fit): programs per SM
-# that loop over tiles, loading them once (0: one program per tile, each loading them). A loop keeps the
-# offsets and B words live through the code stores (head 128: 128 registers instead of 96, 16 resident
-# warps instead of 20), per-tile loads cost more than that at 128 and 256, less at 64 (docs/BENCHMARKS.md).
+# int4-mma with key offsets, where each lane loads its offsets (plan.lane_offsets_fit), on the plain
+# kernel's tiling (head 64; a caller's rows or warps; 16 KV heads): programs per SM that loop over tiles,
+# loading them once (0: one program per tile, each loading them). A loop keeps the offsets and B words
+# live through the code stores (head 128: 128 registers instead of 96, 16 resident warps instead of 20).
 OFFSET_PROGRAMS_PER_SM = {64: 0, 128: 8, 256: 8}
+# int4-mma with lane key offsets at these head sizes: (rows, warps, maxnreg) of one-warp programs, one
+# tile each. Each lane's offsets are one 16-byte load per part, and one fma per packed pair subtracts them
+# and flips the signs, where the plain kernel has one xor. At head 128 capped at the plain kernel's 96
+# registers (ptxas fits it without spilling; uncapped 110, 18 resident warps instead of 21). H200: +1.9 to
+# +3.3% over the plain write at head 128 (looping: +3.3 to +6.7%), +3.6 to +4.6% at 256 (looping: +21%),
+# docs/BENCHMARKS.md.
+OFFSET_TILING = {128: (16, 1, 96), 256: (16, 1, 0)}
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,9 @@ class MmaTuning:
     smoothing: each lane loads its offsets once inside the tensor-core asm where every row it
     holds has one head, ``plan.lane_offsets_fit``; False: each row's offsets are loaded as a
     tile; default True), ``offset_programs_per_sm`` (with lane offsets: programs per SM, each
-    looping over tiles so its offsets load serves many; 0: one program per tile). The parts are
-    always ``head_size / 32`` columns wide (one tensor-core product each)."""
+    looping over tiles so its offsets load serves many; 0: one program per tile), ``maxnreg``
+    (ptxas' register cap per thread, 0: none; GPU only). The parts are always
+    ``head_size / 32`` columns wide (one tensor-core product each)."""
 
     rows: Optional[int] = None
     num_warps: Optional[int] = None
@@ -73,6 +81,7 @@ class MmaTuning:
     fast_rcp: Optional[bool] = None
     lane_offsets: Optional[bool] = None
     offset_programs_per_sm: Optional[int] = None
+    maxnreg: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,18 @@ TUNING_OF_PATH = {"unquantized": TileTuning, "symmetric": TileTuning, "int4-lane
 def _filled(tuning, **defaults):
     """``tuning`` with every ``None`` field replaced by its entry in ``defaults``."""
     return dataclasses.replace(tuning, **{k: v for k, v in defaults.items() if getattr(tuning, k) is None})
+
+
+def resolve_offset_tuning(tuning, head_size: int) -> "MmaTuning":
+    """The complete ``int4-mma`` tuning of a GPU write with lane key offsets: ``tuning``'s fields
+    where set; where it sets neither ``rows`` nor ``num_warps`` and :data:`OFFSET_TILING` has the
+    head size, that tiling, one program per tile and its register cap (unless set); the rest
+    :func:`resolve_tuning`'s defaults."""
+    t = MmaTuning() if tuning is None else tuning
+    if head_size in OFFSET_TILING and t.rows is None and t.num_warps is None:
+        rows, warps, cap = OFFSET_TILING[head_size]
+        t = _filled(t, rows=rows, num_warps=warps, maxnreg=cap, offset_programs_per_sm=0)
+    return resolve_tuning("int4-mma", t, head_size, True)
 
 
 def resolve_tuning(path: str, tuning, head_size: int, on_gpu: bool):
@@ -123,7 +144,7 @@ def resolve_tuning(path: str, tuning, head_size: int, on_gpu: bool):
     if path == "int4-mma":
         rows, warps, packed, fast = MMA_TILING.get(d, (32, 2, False, False)) if on_gpu else (64, 4, False, False)
         t = _filled(tuning, rows=rows, num_warps=warps, packed_range=packed, fast_rcp=fast, lane_offsets=True,
-                    offset_programs_per_sm=OFFSET_PROGRAMS_PER_SM.get(d, 8))
+                    offset_programs_per_sm=OFFSET_PROGRAMS_PER_SM.get(d, 8), maxnreg=0)
         parts = d // MMA_COLS
     else:
         parts, rows, warps = LANES_TILING.get(d, (8, 16, 2)) if on_gpu else (1, 64, 4)
