@@ -13,7 +13,7 @@ in messages of the connector's chunk size, sent ``copy=False`` as consecutive sl
 pre-filled buffer of the whole payload (distinct bytes, as the connector sends), received
 ``copy=False``; timed from the "go" signal to the last byte received. A second burst re-sends
 the first message's bytes every time (one buffer that stays in the CPU caches): the socket's
-best case, reported beside it.
+best case, reported beside it; the two bursts alternate which goes first.
 
 ``--kernels``: both endpoints get the device kernels (``kernels.transfer.FRAME_OPS``) and
 negotiate ``mix64``: the prefill gathers and checksums on the device, the decode side receives
@@ -354,10 +354,13 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                     spans = write_chrome(trace, [("prefill", sender.ask("trace_take")), ("decode", dec.trace.take())])
                 if res.nbytes != total:
                     raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
-                cz = sender.cpu_s()        # the burst is timed from its own request (_burst)
-                zmq_s = _burst(sender, pull, sizes, total, "go")
-                c2 = sender.cpu_s()
-                hot_s = _burst(sender, pull, sizes, total, "go_hot")
+                for cmd in ("go", "go_hot") if r % 2 else ("go_hot", "go"):   # each timed from its own request
+                    if cmd == "go":
+                        cz = sender.cpu_s()
+                        zmq_s = _burst(sender, pull, sizes, total, cmd)
+                        c2 = sender.cpu_s()
+                    else:
+                        hot_s = _burst(sender, pull, sizes, total, cmd)
                 if r:
                     t["conn"].append(t1 - t0)
                     t["conn_cpu"].append(c1 - c0)
