@@ -272,11 +272,12 @@ def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_lane_offset_table_is_the_signed_negated_offsets(dtype):
-    """What the lanes load (``int4_mma.lane_offset_table``): ``-s ⊙ m`` in the model dtype, exact
+    """What the lanes load (``offsets.lane_offset_table``): ``-s ⊙ m`` in the model dtype, exact
     (a sign flip), made once per tensor and in-place version; and the table's ``±1`` halves (the
     fma's multiplier) and ``-0`` halves (a V program's offsets: ``fma(x, s, -0) = s·x``, signed
     zeros included)."""
-    from kernels.write.int4_mma import NZ_HALF, NZ_HALVES, PM_HALF, lane_offset_table, mma_table
+    from kernels.write.int4_mma import NZ_HALF, NZ_HALVES, PM_HALF, mma_table
+    from kernels.write.offsets import lane_offset_table
     from layouts import rht_signs
     d = 128
     m = (torch.randn(8, d) * 3).to(dtype)

@@ -11,36 +11,13 @@ from layouts import KVQuantMode, LayoutError
 
 from .int4_fused import launch_int4_fused
 from .int4_lanes import launch_int4_lanes
+from .offsets import model_dtype_offset
 from .plan import WriteArgs, WritePlan, write_plan
 from .symmetric import launch_symmetric
 from .unquantized import launch_unquantized
 
 LAUNCHERS = {"unquantized": launch_unquantized, "symmetric": launch_symmetric, "int4-mma": launch_int4_lanes,
              "int4-lanes": launch_int4_lanes, "int4-fused": launch_int4_fused}
-
-
-_OFFSETS: dict = {}  # (id, version, dtype) -> (the caller's tensor, its model-dtype contiguous copy)
-_MAX_OFFSETS = 64
-
-
-def model_dtype_offset(key_offset: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``key_offset`` rounded to the model ``dtype`` (RNE), contiguous and 16-byte aligned, as the
-    kernels read it (the register paths load it like the K rows, in 16-byte vectors).
-
-    A float32 offset is converted once per (tensor, in-place version, dtype) and kept: a model
-    writes every layer every step with the same offsets, and a conversion per call would add a
-    launch to every write. The entry holds the caller's tensor, so its address cannot be reused
-    by another tensor while the entry lives."""
-    if key_offset is None or (key_offset.dtype == dtype and key_offset.is_contiguous()
-                              and key_offset.data_ptr() % 16 == 0):
-        return key_offset
-    k = (id(key_offset), key_offset._version, dtype)
-    hit = _OFFSETS.get(k)
-    if hit is None or hit[0] is not key_offset:
-        if len(_OFFSETS) >= _MAX_OFFSETS:
-            _OFFSETS.pop(next(iter(_OFFSETS)))
-        hit = _OFFSETS[k] = (key_offset, key_offset.to(dtype, copy=True, memory_format=torch.contiguous_format))
-    return hit[1]
 
 
 def run_plan(plan: WritePlan, args: WriteArgs) -> None:

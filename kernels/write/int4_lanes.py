@@ -47,8 +47,9 @@ from .._jit import cdiv, dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
                           pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal, to_model_dtype)
-from .int4_mma import (MMA_N, NZ_AT, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offset_table, lane_offsets_part,
-                       mma_b_operands, mma_part, mma_part_sub, mma_table, packed_range)
+from .int4_mma import (MMA_N, NZ_AT, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offsets_part, mma_b_operands,
+                       mma_part, mma_part_sub, mma_table, packed_range)
+from .offsets import lane_offset_table
 from .plan import WriteArgs, WritePlan, launch
 from .tuning import MMA_COLS
 
@@ -248,7 +249,7 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
 def _lane_offsets(base, tab_ptr, ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, HEADS: tl.constexpr,
                   WARPS: tl.constexpr):
     """The lanes' key offsets of parts 0 .. PARTS-1 (``int4_mma.lane_offsets_part``; parts past
-    PARTS alias part 0, unread). ``base``: int64 address of ``int4_mma.lane_offset_table``'s tensor,
+    PARTS alias part 0, unread). ``base``: int64 address of ``offsets.lane_offset_table``'s tensor,
     of the table's -0 halves in V programs."""
     m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, HEADS, D, WARPS)
     m1, m2, m3, m4, m5, m6, m7 = m0, m0, m0, m0, m0, m0, m0
@@ -491,7 +492,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
         lane = plan.lane_offsets   # the plan saw the key offset (write_plan)
-        if lane:   # the lanes load -s ⊙ m (int4_mma.lane_offset_table), 16 bytes at a time
+        if lane:   # the lanes load -s ⊙ m (offsets.lane_offset_table), 16 bytes at a time
             args["key_offset_ptr"] = lane_offset_table(t.key_offset, rht_sign_seed())
         extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg else {}
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,

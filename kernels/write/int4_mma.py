@@ -82,25 +82,6 @@ def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) ->
     return torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).to(device)
 
 
-_SIGNED: dict = {}  # (id, version, dtype, seed) -> (the model-dtype offsets, their -s ⊙ m)
-_MAX_SIGNED = 64
-
-
-def lane_offset_table(key_offset: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """``-s ⊙ m``: the model-dtype key offsets ``[num_kv_heads, head_size]`` (``api.model_dtype_offset``)
-    with each column's rotation sign applied and negated (exact), contiguous and 16-byte aligned,
-    as the lane offsets load them (:func:`lane_offsets_text`). Made once per (tensor, in-place
-    version, sign seed) and kept, like ``api.model_dtype_offset``'s conversion."""
-    k = (id(key_offset), key_offset._version, key_offset.dtype, seed)
-    hit = _SIGNED.get(k)
-    if hit is None or hit[0] is not key_offset:
-        if len(_SIGNED) >= _MAX_SIGNED:
-            _SIGNED.pop(next(iter(_SIGNED)))
-        neg = -rht_signs(key_offset.shape[-1]).to(key_offset.device, key_offset.dtype)
-        hit = _SIGNED[k] = (key_offset, (key_offset * neg).contiguous())
-    return hit[1]
-
-
 @triton.constexpr_function
 def mma_text(f16, sub=False):
     """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23),
@@ -132,7 +113,7 @@ def lane_offsets_text(heads, d, warps, first):
     """PTX that loads one lane's signed, negated key offsets ``-s ⊙ m`` for a part (columns
     ``first ..``): out $0..$7 (16 model-dtype values as packed pairs, rows g and g+8 as the part's
     loads hold them), in: the byte address of head 0's column 0 in $16 (16 "l" operands, all
-    equal): of :func:`lane_offset_table`'s tensor, or of the table's -0 halves (``NZ_AT``).
+    equal): of ``offsets.lane_offset_table``'s tensor, or of the table's -0 halves (``NZ_AT``).
 
     Every row a lane holds has one head: rows ``8·warp + g + 8·warps·k`` of a tile that starts at
     a multiple of ``heads``, head = row mod ``heads``, with ``heads`` dividing ``8·warps`` (the
@@ -210,7 +191,7 @@ def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HE
     them (:func:`lane_offsets_text`: one 16-byte load per lane), in the parts' layout: the asm
     takes the signs' ``[ROWS, 32]`` load (:func:`sign_pm`, which the part's rotation loads too)
     as a second operand only so that its result has that load's layout, the layout of every
-    part. ``base``: int64 address of :func:`lane_offset_table`'s tensor, or of the table's -0
+    part. ``base``: int64 address of ``offsets.lane_offset_table``'s tensor, or of the table's -0
     halves (``NZ_AT``) for none."""
     sg = sign_pm(tab_ptr, first, ROWS)
     at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
