@@ -75,9 +75,9 @@ def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) ->
     the cache key only); bit patterns, not values."""
     one = _ONE[dtype]
     halves = [(b_word(lane, q, one) >> (16 * e)) & 0xFFFF for lane in range(32) for q in range(16) for e in (0, 1)]
-    signs = rht_signs(head_size).tolist()
-    halves += [0x8000 if s < 0 else 0 for s in signs] + [0] * (PM_HALF - 32 * 32 - head_size)
-    halves += [one | 0x8000 if s < 0 else one for s in signs] + [0] * (NZ_HALF - PM_HALF - head_size)
+    col_signs = rht_signs(head_size).tolist()
+    halves += [0x8000 if s < 0 else 0 for s in col_signs] + [0] * (PM_HALF - 32 * 32 - head_size)
+    halves += [one | 0x8000 if s < 0 else one for s in col_signs] + [0] * (NZ_HALF - PM_HALF - head_size)
     halves += [0x8000] * NZ_HALVES
     return torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).to(device)
 
@@ -152,26 +152,19 @@ def mma_b_operands(tab_ptr, ROWS: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
-def sign_bits(tab_ptr, first, ROWS: tl.constexpr):
-    """``[ROWS, 32]`` 16-bit: the sign bits of columns ``first ..`` (every row the same), loaded in
-    the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
+def signs(tab_ptr, AT: tl.constexpr, first, ROWS: tl.constexpr):
+    """``[ROWS, 32]`` 16-bit: the signs of columns ``first ..`` (every row the same) from the
+    table's region at ``AT``: ``B_HALVES`` their sign bits, ``PM_AT`` their model-dtype ``±1``;
+    loaded in the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
     cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
-    return tl.load(tab_ptr + B_HALVES + cols)
-
-
-@triton.jit
-def sign_pm(tab_ptr, first, ROWS: tl.constexpr):
-    """``[ROWS, 32]`` model dtype: the signs ``±1`` of columns ``first ..`` in the parts' layout
-    (:func:`sign_bits`' load from the table's ``PM_AT`` on)."""
-    cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
-    return tl.load(tab_ptr + PM_AT + cols)
+    return tl.load(tab_ptr + AT + cols)
 
 
 @triton.jit
 def mma_part(x, tab_ptr, first, b0, b1):
     """``H_32 · (s ⊙ x)`` of a loaded part ``x: [ROWS, 32]`` (columns ``first ..``), fp32."""
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
-                                     [x, sign_bits(tab_ptr, first, x.shape[0]), b0, b1], dtype=tl.float32,
+                                     [x, signs(tab_ptr, B_HALVES, first, x.shape[0]), b0, b1], dtype=tl.float32,
                                      is_pure=True, pack=16)
 
 
@@ -180,7 +173,7 @@ def mma_part_sub(x, m, tab_ptr, first, b0, b1):
     """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' signed, negated
     key offsets ``-s ⊙ m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
     return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 39 + "r",
-                                     [x, sign_pm(tab_ptr, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
+                                     [x, signs(tab_ptr, PM_AT, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
                                      is_pure=True, pack=16)
 
 
@@ -189,11 +182,11 @@ def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HE
                       D: tl.constexpr, WARPS: tl.constexpr):
     """``[ROWS, 32]`` (the model dtype: the table's) key offsets of part ``first ..`` as each lane needs
     them (:func:`lane_offsets_text`: one 16-byte load per lane), in the parts' layout: the asm
-    takes the signs' ``[ROWS, 32]`` load (:func:`sign_pm`, which the part's rotation loads too)
+    takes the ``±1`` signs' ``[ROWS, 32]`` load (:func:`signs`, which the part's rotation loads too)
     as a second operand only so that its result has that load's layout, the layout of every
     part. ``base``: int64 address of ``offsets.lane_offset_table``'s tensor, or of the table's -0
     halves (``NZ_AT``) for none."""
-    sg = sign_pm(tab_ptr, first, ROWS)
+    sg = signs(tab_ptr, PM_AT, first, ROWS)
     at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
     return tl.inline_asm_elementwise(lane_offsets_text(HEADS, D, WARPS, first), "=r," * 7 + "=r," + "r," * 8
                                      + "l," * 15 + "l", [sg, at], dtype=sg.dtype, is_pure=True, pack=16)
