@@ -319,10 +319,9 @@ class PrefillEndpoint:
             return False
         if reason != "acked":
             self._started.pop(tid, None)
-        if lease.prestaged is not None:   # staged at publish and never pulled
-            self._prestaged -= lease.prestaged.prestaged
-            lease.prestaged.cancel()
-            lease.prestaged = None
+        unpulled = self._detach_prestaged(lease)   # staged at publish and never pulled
+        if unpulled is not None:
+            unpulled.cancel()
         for s in [s for s in self._streams if s.tid == tid]:
             self._streams.remove(s)
             s.cancel()
@@ -507,14 +506,21 @@ class PrefillEndpoint:
                       at_base=at_base, timings=self._stage_s, trace=self.trace,
                       layers_ready=(lambda: lease.layers_ready) if lease.layers_ready is not None else None)
 
+    def _detach_prestaged(self, lease: Lease) -> Stream | None:
+        """The lease's stream staged at publish, now held by neither the lease nor the budget
+        (``prestage_bytes``); None when it has none."""
+        s, lease.prestaged = lease.prestaged, None
+        if s is not None:
+            self._prestaged -= s.prestaged
+        return s
+
     def _take_prestaged(self, lease: Lease, ident: bytes, local: range, algorithm: str, peer: dict) -> Stream | None:
         """The lease's prestaged stream when this pull asks for what it holds (every head, ``mix64``,
         ZeroMQ frames), else None; either way the lease holds none afterwards (one not taken is
         cancelled, and drains as any stream)."""
-        s, lease.prestaged = lease.prestaged, None
+        s = self._detach_prestaged(lease)
         if s is None:
             return None
-        self._prestaged -= s.prestaged
         if (algorithm == MIX64 and not peer.get("nixl") and local == s.local_heads
                 and lease.layers_ready is None):
             s.serve(ident, self._fault_hook)
