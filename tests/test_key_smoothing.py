@@ -271,29 +271,30 @@ def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_lane_offset_table_is_the_signed_negated_offsets(dtype):
-    """What the lanes load (``offsets.lane_offset_table``): ``-s ⊙ m`` in the model dtype, exact
-    (a sign flip), made once per tensor and in-place version; and the table's ``±1`` halves (the
-    fma's multiplier) and ``-0`` halves (a V program's offsets: ``fma(x, s, -0) = s·x``, signed
-    zeros included)."""
-    from kernels.write.int4_mma import NZ_HALF, NZ_HALVES, PM_HALF, mma_table
+@pytest.mark.parametrize("heads, d", [(8, 128), (1, 64), (2, 256)])
+def test_lane_offset_table_holds_each_lanes_signs_and_offsets(dtype, heads, d):
+    """What the lanes load (``offsets.lane_offset_table``): entry ``[kv, p, h, t]`` is the ``±1``
+    signs of columns ``32p + 8t .. + 8`` (the fma's multiplier), then ``-s ⊙ m[h]`` of them for K,
+    exact (a sign flip: the bits differ from ``m``'s in bit 15 exactly where ``s = +1``), -0 for V
+    (``fma(x, s, -0) = s·x``, signed zeros included); made once per tensor and in-place version."""
     from kernels.write.offsets import lane_offset_table
     from layouts import rht_signs
-    d = 128
-    m = (torch.randn(8, d) * 3).to(dtype)
+    m = (torch.randn(heads, d) * 3).to(dtype)
     t = lane_offset_table(m)
     s = rht_signs(d)
-    assert t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-    assert torch.equal(t.float(), -(s * m.float())) and torch.equal(t.view(torch.int16) ^ m.view(torch.int16),
-                                                                     torch.where(s > 0, -32768, 0).to(torch.int16)
-                                                                     .expand(8, d))
+    assert t.shape == (2, d // 32, heads, 4, 16) and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+    cols = (32 * torch.arange(d // 32)[:, None, None, None] + 8 * torch.arange(4)[None, None, :, None]
+            + torch.arange(8)).expand(d // 32, heads, 4, 8)   # [p, h, t, 8]
+    h = torch.arange(heads)[None, :, None, None].expand_as(cols)
+    for kv in (0, 1):
+        assert torch.equal(t[kv, ..., :8].float(), s[cols])
+    assert torch.equal(t[0, ..., 8:].float(), -(s[cols] * m[h, cols].float()))
+    assert torch.equal(t[0, ..., 8:].view(torch.int16) ^ m[h, cols].view(torch.int16),
+                       torch.where(s[cols] > 0, -32768, 0).to(torch.int16))
+    assert torch.equal(t[1, ..., 8:].view(torch.int16), torch.full_like(cols, -32768, dtype=torch.int16))
     assert lane_offset_table(m) is t
     m.add_(1)   # a new in-place version: made again
-    assert torch.equal(lane_offset_table(m).float(), -(s * m.float()))
-    tab = mma_table(d, dtype, "cpu").view(torch.int16)
-    one = torch.tensor([1.0], dtype=dtype).view(torch.int16).item()
-    assert torch.equal(tab[PM_HALF:PM_HALF + d].float(), torch.where(s > 0, one, one - 32768).float())
-    assert torch.equal(tab[NZ_HALF:NZ_HALF + NZ_HALVES], torch.full((NZ_HALVES,), -32768, dtype=torch.int16))
+    assert torch.equal(lane_offset_table(m)[0, ..., 8:].float(), -(s[cols] * m[h, cols].float()))
 
 
 def test_bench_key_offset_smoke(capsys):
@@ -353,20 +354,21 @@ def test_offset_loads_share_the_rows_layout(mma):
 @pytest.mark.parametrize("loop", [False, True], ids=["tile", "loop"])
 def test_lane_offsets_load_once_per_lane_in_the_mma_asm(loop):
     """With lane offsets (8 KV heads divide the layout's row period) the int4-mma kernel loads no
-    offset tile: one asm per part loads its lane's 8 signed, negated offsets (one 16-byte
-    ``ld.global.nc``), the tensor-core asm subtracts them and flips the signs in one
-    ``fma.rn(k, s, -s·m)`` per packed pair, where the kernel without offsets has one ``xor``;
-    the rows' loads and layouts are those of the kernel without offsets, no layout conversion is
-    added, and with ``LOOP`` the offset loads stay outside the loop over tiles."""
+    offset tile and no sign tile: one asm per part loads its lane's entry of the lane table (its
+    8 columns' ``±1`` signs and ``-s ⊙ m``: two 16-byte ``ld.global.nc``, addressed by ``tid mod
+    4·heads``), the tensor-core asm subtracts and flips the signs in one ``fma.rn(k, s, -s·m)``
+    per packed pair, where the kernel without offsets has one ``xor`` and loads the sign bits as
+    a tile; the rows' loads and layouts are those of the kernel without offsets, no layout
+    conversion is added, and with ``LOOP`` the lane loads stay outside the loop over tiles."""
     import re
     from kernels.write.int4_lanes import _reshape_and_cache_int4_mma_kernel as kernel
     plain, lane = _sm90_ttgir(kernel, True, False), _sm90_ttgir(kernel, True, True, lane=True, loop=loop)
     pattern = r"tt\.load %[^:]* : tensor<64x32x!tt\.ptr<bf16>, (#\w+)>"
     assert set(re.findall(pattern, lane)) == set(re.findall(pattern, plain))
     extra = len(re.findall(pattern, lane)) - len(re.findall(pattern, plain))
-    assert extra == (4 if loop else 0)  # the parts' sign bits again, before the loop (else one load serves both)
-    assert lane.count("ld.global.nc.v4.b32") == 4 and plain.count("ld.global.nc") == 0  # 4 parts of 32
-    assert lane.count("fma.rn.bf16x2") == 4 * 8 and lane.count("and.b32 o, o, 7;") == 4
+    assert extra == 1 - 4  # no sign-bit tile per part: part 0's once, the lane loads' layout carrier
+    assert lane.count("ld.global.nc.v4.b32") == 8 and plain.count("ld.global.nc") == 0  # 4 parts of 32
+    assert lane.count("fma.rn.bf16x2") == 4 * 8 and lane.count("and.b32 e, e, 31;") == 4
     assert plain.count("xor.b32 a") == 4 * 8 and lane.count("xor.b32 a") == 0   # the sign flips
     assert lane.count("ttg.convert_layout") == plain.count("ttg.convert_layout")
     if loop:

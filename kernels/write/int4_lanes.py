@@ -47,8 +47,8 @@ from .._jit import cdiv, dual_jit
 from .checks import cache_alignment, packed_rows, stride_args
 from .device_math import (NAN_SCALE, _max_nan, _min_nan, codes_ptx, fneg, fwht_rows, int4_codes, int4_scale_zp,
                           pack_nibbles, round_to_model_f32, row_min_max, split_reciprocal, to_model_dtype)
-from .int4_mma import (MMA_N, NZ_AT, PACKED_CODES_BF16, PACKED_CODES_F16, lane_offsets_part, mma_b_operands,
-                       mma_part, mma_part_sub, mma_table, packed_range)
+from .int4_mma import (PACKED_CODES_BF16, PACKED_CODES_F16, lane_part, mma_part, mma_part_sub, packed_range,
+                       sign_bits, sign_table)
 from .offsets import lane_offset_table
 from .plan import WriteArgs, WritePlan, launch
 from .tuning import MMA_COLS
@@ -133,31 +133,31 @@ def _codes_store(r, scale, zph, rcp, c_row, mask, DTYPE: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr,
                   m_row, smooth, OFFSET: tl.constexpr, LANE_M: tl.constexpr):
     """Columns ``first .. first+N`` of each row, sign-flipped and Walsh–Hadamard transformed (fp32).
 
-    ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``b0``/``b1`` its B words).
+    ``MMA`` (N = 32): the transform on tensor cores (``int4_mma``; ``tab_ptr`` its sign table).
     ``OFFSET`` and ``smooth`` (this program writes K): the rows' key offsets at ``m_row`` (model
     dtype) are subtracted first, in fp32, rounded back to the model dtype (the oracle's
     ``smooth_keys``), so the rotation below takes the same model-dtype rows either way. The
     offsets are loaded with the same shape, element size and contiguity as ``x``, hence in its
     layout: the rotation's inline asm receives the same lane arrangement.
-    ``LANE_M`` (MMA on the GPU, every row of a lane of one head): ``m_row`` is this part's lane
-    offsets, loaded once per program (``int4_mma.lane_offsets_part``), subtracted inside the
-    tensor-core asm on packed pairs."""
+    ``LANE_M`` (MMA on the GPU, every row of a lane of one head): ``m_row`` is this part's entries
+    of the lane table (signs and ``-s ⊙ m``), loaded once per program (``int4_mma.lane_part``),
+    subtracted inside the tensor-core asm on packed pairs."""
     cols = first + tl.arange(0, N)
     x = tl.load(x_row + cols[None, :])  # [ROWS, N] model dtype; every row's address in bounds (clamped)
     if LANE_M and MMA and not INTERPRET:
-        r = mma_part_sub(x, m_row, tab_ptr, first, b0, b1)
+        r = mma_part_sub(x, m_row)
     else:
         if OFFSET:  # predicated, not branched: V programs load nothing and subtract 0 (exact)
             m = tl.load(m_row + cols[None, :], mask=tl.full([ROWS, N], 1, tl.int1) & smooth, other=0.0)  # [ROWS, N]
             x = to_model_dtype(x.to(tl.float32) - m.to(tl.float32), x.dtype, INTERPRET)
         if INTERPRET:
             r = fwht_rows(x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :], ROWS, N, LOG2_N)
-        elif MMA:  # the signs come with the B table
-            r = mma_part(x, tab_ptr, first, b0, b1)
+        elif MMA:  # the sign bits from the sign table
+            r = mma_part(x, tab_ptr, first)
         else:
             sgn = tl.load(sign_ptr + cols)[None, :]
             r = tl.inline_asm_elementwise(fwht_text(LOG2_N, x.dtype == tl.float16), "=f," * 8 + "r," * 11 + "r",
@@ -168,18 +168,18 @@ def _rotated_part(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, L
 
 @triton.jit
 def _rotated_quad(x_row, sign_ptr, first, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr,
-                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr, b0, b1,
+                  INTERPRET: tl.constexpr, MMA: tl.constexpr, tab_ptr,
                   ma, mb, mc, md, smooth, OFFSET: tl.constexpr, LANE_M: tl.constexpr):
     """Parts ``first + k·N`` (k = 0..3) rotated, then the oracle's stages N and 2N across them
     (``ma .. md``: the parts' offsets, see ``_rotated_part``'s ``m_row``)."""
-    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+    r0 = _rotated_part(x_row, sign_ptr, first, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                        ma, smooth, OFFSET, LANE_M)
-    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+    r1 = _rotated_part(x_row, sign_ptr, first + N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                        mb, smooth, OFFSET, LANE_M)
     r2 = _rotated_part(x_row, sign_ptr, first + 2 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1, mc, smooth, OFFSET, LANE_M)
+                       mc, smooth, OFFSET, LANE_M)
     r3 = _rotated_part(x_row, sign_ptr, first + 3 * N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                       b0, b1, md, smooth, OFFSET, LANE_M)
+                       md, smooth, OFFSET, LANE_M)
     r0, r1 = r0 + r1, r0 - r1  # stage N: parts 0 and 1, 2 and 3
     r2, r3 = r2 + r3, r2 - r3
     r0, r2 = r0 + r2, r0 - r2  # stage 2N: parts 0 and 2, 1 and 3
@@ -246,23 +246,21 @@ def _parts_range(r0, r1, r2, r3, r4, r5, r6, r7, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _lane_offsets(base, tab_ptr, ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, HEADS: tl.constexpr,
-                  WARPS: tl.constexpr):
-    """The lanes' key offsets of parts 0 .. PARTS-1 (``int4_mma.lane_offsets_part``; parts past
-    PARTS alias part 0, unread). ``base``: int64 address of ``offsets.lane_offset_table``'s tensor,
-    of the table's -0 halves in V programs."""
-    m0 = lane_offsets_part(base, tab_ptr, 0, ROWS, HEADS, D, WARPS)
+def _lane_entries(base, like, PARTS: tl.constexpr, HEADS: tl.constexpr):
+    """The lanes' entries of the lane table for parts 0 .. PARTS-1 (``int4_mma.lane_part``; parts
+    past PARTS alias part 0, unread). ``base``: int64 address of the table's K half, or V half."""
+    m0 = lane_part(base, like, 0, HEADS)
     m1, m2, m3, m4, m5, m6, m7 = m0, m0, m0, m0, m0, m0, m0
     if PARTS >= 2:
-        m1 = lane_offsets_part(base, tab_ptr, MMA_N, ROWS, HEADS, D, WARPS)
+        m1 = lane_part(base, like, 1, HEADS)
     if PARTS >= 4:
-        m2 = lane_offsets_part(base, tab_ptr, 2 * MMA_N, ROWS, HEADS, D, WARPS)
-        m3 = lane_offsets_part(base, tab_ptr, 3 * MMA_N, ROWS, HEADS, D, WARPS)
+        m2 = lane_part(base, like, 2, HEADS)
+        m3 = lane_part(base, like, 3, HEADS)
     if PARTS == 8:
-        m4 = lane_offsets_part(base, tab_ptr, 4 * MMA_N, ROWS, HEADS, D, WARPS)
-        m5 = lane_offsets_part(base, tab_ptr, 5 * MMA_N, ROWS, HEADS, D, WARPS)
-        m6 = lane_offsets_part(base, tab_ptr, 6 * MMA_N, ROWS, HEADS, D, WARPS)
-        m7 = lane_offsets_part(base, tab_ptr, 7 * MMA_N, ROWS, HEADS, D, WARPS)
+        m4 = lane_part(base, like, 4, HEADS)
+        m5 = lane_part(base, like, 5, HEADS)
+        m6 = lane_part(base, like, 6, HEADS)
+        m7 = lane_part(base, like, 7, HEADS)
     return m0, m1, m2, m3, m4, m5, m6, m7
 
 
@@ -275,7 +273,7 @@ def _int4_rows(
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
-    MMA: tl.constexpr, WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
+    MMA: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
     LANE_M: tl.constexpr, LOOP: tl.constexpr,
 ):
     """The body of both kernels below (their arguments; ``MMA`` picks the rotation of a part).
@@ -284,19 +282,15 @@ def _int4_rows(
     ``p, p + P, ..`` (``P`` programs along axis 0), so what it loads once serves many tiles.
 
     ``LANE_M`` (int4-mma on the GPU, every row a lane holds of one head, see
-    ``int4_mma.lane_offsets_part``): each program loads its lanes' key offsets once, 16 bytes
-    per lane and part, before its tiles (K programs; V programs load -0, which changes nothing).
+    ``int4_mma.lane_text``): each program loads its lanes' entries of the lane table once, 32
+    bytes per lane and part (the signs and ``-s ⊙ m``; V programs the table's V half, whose
+    offsets are -0 and change nothing), before its tiles.
     """
     kv = tl.program_id(1) == 0
-    b0 = 0
-    b1 = 0
-    if MMA and not INTERPRET:  # once per program: every part uses the same B words
-        b0, b1 = mma_b_operands(tab_ptr, ROWS, WARPS)
     m0, m1, m2, m3, m4, m5, m6, m7 = 0, 0, 0, 0, 0, 0, 0, 0
-    if LANE_M and MMA and not INTERPRET:
-        none = (tab_ptr + NZ_AT).to(tl.int64)   # -0 halves: V programs' rows come out as without offsets
-        m0, m1, m2, m3, m4, m5, m6, m7 = _lane_offsets(tl.where(kv, key_offset_ptr.to(tl.int64), none), tab_ptr,
-                                                       ROWS, D, PARTS, NUM_KV_HEADS, WARPS)
+    if LANE_M and MMA and not INTERPRET:  # the V half follows the K half: PARTS x heads x 4 entries of 16 halves
+        base = tl.where(kv, key_offset_ptr, key_offset_ptr + PARTS * NUM_KV_HEADS * 64).to(tl.int64)
+        m0, m1, m2, m3, m4, m5, m6, m7 = _lane_entries(base, sign_bits(tab_ptr, 0, ROWS), PARTS, NUM_KV_HEADS)
     a = (key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr, sign_ptr,
          tab_ptr, key_offset_ptr, num_rows, num_slots,
          stride_key_token, stride_key_head, stride_value_token, stride_value_head,
@@ -304,16 +298,16 @@ def _int4_rows(
          stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head)
     if LOOP:
         for tile in range(tl.program_id(0), tl.cdiv(num_rows, ROWS), tl.num_programs(0)):
-            _int4_tile(tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N, INTERPRET,
+            _int4_tile(tile, kv, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N, INTERPRET,
                        CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
     else:
-        _int4_tile(tl.program_id(0), kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N,
+        _int4_tile(tl.program_id(0), kv, m0, m1, m2, m3, m4, m5, m6, m7, a, ROWS, D, PARTS, LOG2_N,
                    INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG, MMA, PACKED, FAST_RCP, OFFSET, LANE_M)
 
 
 @triton.jit
 def _int4_tile(
-    tile, kv, b0, b1, m0, m1, m2, m3, m4, m5, m6, m7, a,
+    tile, kv, m0, m1, m2, m3, m4, m5, m6, m7, a,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
     MMA: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr, LANE_M: tl.constexpr,
@@ -355,24 +349,24 @@ def _int4_tile(
                          + head * tl.where(kv, stride_key_head, stride_value_head))[:, None]
     if PARTS <= 2:
         r0 = _rotated_part(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
-                           b0, b1, m0, smooth, OFFSET, LANE_M)  # [ROWS, N] fp32
+                           m0, smooth, OFFSET, LANE_M)  # [ROWS, N] fp32
         r1 = r0
         if PARTS == 2:
-            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr, b0, b1,
+            r1 = _rotated_part(x_row, sign_ptr, N, ROWS, N, LOG2_N, INTERPRET, MMA, tab_ptr,
                                m1, smooth, OFFSET, LANE_M)
             r0, r1 = r0 + r1, r0 - r1  # the oracle's last stage: pairs N apart, in one lane
         r2 = r0
         r3 = r0
     else:
         r0, r1, r2, r3 = _rotated_quad(x_row, sign_ptr, 0, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, m0, m1, m2, m3, smooth, OFFSET, LANE_M)
+                                       tab_ptr, m0, m1, m2, m3, smooth, OFFSET, LANE_M)
     r4 = r0
     r5 = r0
     r6 = r0
     r7 = r0
     if PARTS == 8:
         r4, r5, r6, r7 = _rotated_quad(x_row, sign_ptr, 4 * N, ROWS, N, LOG2_N, INTERPRET, MMA,
-                                       tab_ptr, b0, b1, m4, m5, m6, m7, smooth, OFFSET, LANE_M)
+                                       tab_ptr, m4, m5, m6, m7, smooth, OFFSET, LANE_M)
         r0, r4 = r0 + r4, r0 - r4  # stage 4N: part k with part k + 4
         r1, r5 = r1 + r5, r1 - r5
         r2, r6 = r2 + r6, r2 - r6
@@ -436,7 +430,7 @@ def _reshape_and_cache_int4_lanes_kernel(
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               False, 1, False, FAST_RCP, OFFSET, False, False)
+               False, False, FAST_RCP, OFFSET, False, False)
 
 
 @dual_jit
@@ -444,20 +438,19 @@ def _reshape_and_cache_int4_mma_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
     slot_mapping_ptr,                # as in _reshape_and_cache_int4_lanes_kernel
     sign_ptr,                        # [D] fp32 RHT signs (the interpreter's butterflies)
-    tab_ptr,                         # int4_mma.mma_table in the input dtype: B words, then sign bits
-    key_offset_ptr,                  # as in _reshape_and_cache_int4_lanes_kernel
+    tab_ptr,                         # int4_mma.sign_table in the input dtype: the signs' bits
+    key_offset_ptr,                  # as in the lanes kernel; LANE_M: offsets.lane_offset_table
     num_rows, num_slots,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
     ROWS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, LOG2_N: tl.constexpr, INTERPRET: tl.constexpr,
     CACHE_ALIGN: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONTIG: tl.constexpr,
-    WARPS: tl.constexpr, PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
+    PACKED: tl.constexpr, FAST_RCP: tl.constexpr, OFFSET: tl.constexpr,
     LANE_M: tl.constexpr, LOOP: tl.constexpr,
 ):
     """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
-    (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``WARPS`` is ``num_warps``
-    (the B table's row pairing), ``PACKED`` takes the row range on rounded pairs, ``LANE_M`` (where
+    (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``PACKED`` takes the row range on rounded pairs, ``LANE_M`` (where
     ``plan.lane_offsets_fit`` holds) loads each lane's key offsets once per program and subtracts them
     in the tensor-core asm, ``LOOP``: each program does every ``P``-th tile (the plan's grid)."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
@@ -466,7 +459,7 @@ def _reshape_and_cache_int4_mma_kernel(
                stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                stride_ks_block, stride_ks_slot, stride_ks_head, stride_vs_block, stride_vs_slot, stride_vs_head,
                ROWS, D, PARTS, LOG2_N, INTERPRET, CACHE_ALIGN, NUM_KV_HEADS, BLOCK_SIZE, CONTIG,
-               True, WARPS, PACKED, FAST_RCP, OFFSET, LANE_M, LOOP)
+               True, PACKED, FAST_RCP, OFFSET, LANE_M, LOOP)
 
 
 def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
@@ -481,7 +474,7 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
     args = dict(
         key_ptr=t.key, value_ptr=t.value, key_cache_ptr=t.key_cache, value_cache_ptr=t.value_cache,
         k_scale_ptr=ks, v_scale_ptr=vs, slot_mapping_ptr=t.slot_mapping, sign_ptr=signs,
-        tab_ptr=mma_table(d, t.key.dtype, dev, rht_sign_seed()) if mma else signs,
+        tab_ptr=sign_table(d, t.key.dtype, dev, rht_sign_seed()) if mma else signs,
         key_offset_ptr=t.key if t.key_offset is None else t.key_offset,
         num_rows=shape.num_tokens * shape.num_kv_heads, num_slots=shape.num_blocks * shape.block_size,
         **stride_args(t, align, ks, vs),
@@ -492,11 +485,11 @@ def launch_int4_lanes(plan: WritePlan, t: WriteArgs) -> None:
         num_warps=tuning.num_warps, enable_fp_fusion=False)
     if mma:
         lane = plan.lane_offsets   # the plan saw the key offset (write_plan)
-        if lane:   # the lanes load -s ⊙ m (offsets.lane_offset_table), 16 bytes at a time
+        if lane:   # the lanes load their signs and -s ⊙ m (offsets.lane_offset_table), 32 bytes per part
             args["key_offset_ptr"] = lane_offset_table(t.key_offset, rht_sign_seed())
         extra = {"maxnreg": tuning.maxnreg} if tuning.maxnreg else {}
         launch(_reshape_and_cache_int4_mma_kernel, plan.grid,
-               dict(args, WARPS=tuning.num_warps, PACKED=bool(tuning.packed_range), LANE_M=lane,
+               dict(args, PACKED=bool(tuning.packed_range), LANE_M=lane,
                     LOOP=lane and plan.grid[0] < cdiv(args["num_rows"], tuning.rows), **extra))
     else:
         launch(_reshape_and_cache_int4_lanes_kernel, plan.grid, args)

@@ -16,9 +16,10 @@ column ``8t + 4ks + e`` and ``2t + 8 + e`` is ``8t + 4ks + 2 + e`` — no data m
 columns are permuted so that the D fragment lands where the load put its inputs: n-tile ``nn``,
 fragment column ``2t + e`` is part column ``σ = 8t + 2nn + e``, i.e. lane ``4g + t`` again holds
 columns ``8t .. 8t+7`` of its two rows, in order. Both permutations live in the constant B
-operand, ``B[k][n] = H_32[a(k)][σ(n)]``: 16 words per lane (:func:`b_words`), loaded once per
-program from a small table in the lane's own layout. The sign flip ``s ⊙ x`` is one XOR per
-packed pair with the signs' bit 15 (a 16-bit table after B).
+operand, ``B[k][n] = H_32[a(k)][σ(n)]``: 16 words per lane (:func:`b_word`), which are all
+``±B0``, one word per lane that the asm computes from the lane id (:func:`b_text`): no table, no
+load, two registers. The sign flip ``s ⊙ x`` is one XOR per packed pair with the signs' bit 15
+(:func:`sign_table`).
 
 Exactness: products are exact (±x) but the tensor core adds 32 of them in its own order (and
 its own rounding), not the oracle's butterfly order, so a rotated value can rarely round to the
@@ -43,12 +44,6 @@ from .device_math import codes_ptx
 from .tuning import MMA_COLS
 
 MMA_N = tl.constexpr(MMA_COLS)
-B_HALVES = tl.constexpr(32 * 32)  # the B table: 32 lanes × 16 words × 2 halves
-PM_HALF = 32 * 32 + 256  # the table's ±1 halves start here (after the sign bits of up to 256 columns)
-NZ_HALF = PM_HALF + 256   # then -0 halves for 16 heads x 256 columns: what V programs load as offsets
-NZ_HALVES = 16 * 256
-PM_AT = tl.constexpr(PM_HALF)
-NZ_AT = tl.constexpr(NZ_HALF)
 _ONE = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # bits of 1.0
 
 
@@ -65,43 +60,59 @@ def b_word(lane: int, q: int, one: int) -> int:
     return word
 
 
+@triton.constexpr_function
+def b_negated(q: int) -> bool:
+    """Whether word ``q`` of every lane is ``-B0`` (both halves' signs flipped) rather than ``B0``,
+    its word 0. The sign of ``H_32[a][c]`` is the parity of ``a & c``; across words only ``a``'s
+    bits 1 and 2 (``r``, ``ks``) and ``c``'s bits 1 and 2 (``nn``) change, so the word's sign
+    pattern is word 0's times ``(-1)^(r·nn₀ + ks·nn₁)``, the same for every lane and both halves."""
+    ks, nn, r = q >> 3, (q >> 1) & 3, q & 1
+    return bool((r & nn & 1) ^ (ks & (nn >> 1)))
+
+
+@triton.constexpr_function
+def b_text(one: int) -> list:
+    """PTX lines that set ``bp`` to the lane's ``B0`` (:func:`b_word` ``(lane, 0)``) and ``bn`` to
+    ``-B0``: half ``e`` of ``B0`` is ``±1`` with sign parity ``(t & (g >> 1)) ^ (e & g)``, for lane
+    ``l = 4g + t``, i.e. ``p0 = parity(l & (l >> 3) & 3)`` and ``p1 = p0 ^ bit 2 of l``."""
+    return ["mov.u32 l, %laneid;", "shr.u32 p, l, 3;", "and.b32 p, p, l;", "and.b32 p, p, 3;",
+            "popc.b32 p, p;", "and.b32 p, p, 1;",                      # p0
+            "shr.u32 q, l, 2;", "xor.b32 q, q, p;", "and.b32 q, q, 1;",  # p1
+            "shl.b32 p, p, 15;", "shl.b32 q, q, 31;", "or.b32 bp, p, q;", f"or.b32 bp, bp, {one * 0x10001:#x};",
+            "xor.b32 bn, bp, 0x80008000;"]
+
+
 @functools.lru_cache(maxsize=None)
-def mma_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
-    """``[NZ_AT + NZ_HALVES]`` 16-bit table in ``dtype``: lane ``l``'s B words at ``l·32 ..``
-    (half ``2q + e`` of word ``q``), then the sign bits (``0x8000`` where ``s = -1``) per column,
-    then from ``PM_AT`` the signs as model-dtype values ``±1`` per column, then from ``NZ_AT``
-    ``NZ_HALVES`` halves of -0 (what V programs load as their lane offsets).
-    Made once per (head_size, dtype, device, sign seed: ``layouts.rotation.rht_sign_seed()``, part of
-    the cache key only); bit patterns, not values."""
-    one = _ONE[dtype]
-    halves = [(b_word(lane, q, one) >> (16 * e)) & 0xFFFF for lane in range(32) for q in range(16) for e in (0, 1)]
-    col_signs = rht_signs(head_size).tolist()
-    halves += [0x8000 if s < 0 else 0 for s in col_signs] + [0] * (PM_HALF - 32 * 32 - head_size)
-    halves += [one | 0x8000 if s < 0 else one for s in col_signs] + [0] * (NZ_HALF - PM_HALF - head_size)
-    halves += [0x8000] * NZ_HALVES
-    return torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).to(device)
+def sign_table(head_size: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    """``[head_size]`` 16-bit in ``dtype``: the rotation signs' bits (``0x8000`` where ``s = -1``), bit
+    patterns, not values. Made once per (head_size, dtype, device, sign seed:
+    ``layouts.rotation.rht_sign_seed()``, part of the cache key only)."""
+    bits = np.where(rht_signs(head_size).numpy() < 0, 0x8000, 0).astype(np.uint16)
+    return torch.from_numpy(bits.view(np.int16)).view(dtype).to(device)
 
 
 @triton.constexpr_function
 def mma_text(f16, sub=False):
-    """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23),
-    the sign bits $24..$31 and B words $32..$47 in; ``H_32 · (s ⊙ x)`` out in $0..$15 (row g's
-    columns 8t..8t+7, then row g+8's), fp32. ``sub``: $24..$31 hold the signs as ``±1`` pairs
-    instead of sign bits and $48..$55 the lane's signed, negated key offsets ``-s ⊙ m`` (the same
-    arrangement as x): one ``fma(x, s, -s·m) = RN(s·(x - m)) = s·RN(x - m)`` per pair does the
-    subtraction and the sign flip, ``x - m`` rounded once to the model dtype as the oracle rounds
-    it (:func:`lane_offsets_text`)."""
+    """PTX for one lane's 16 values of a ``[16, 32]`` part (rows g, g+8; packed pairs $16..$23)
+    and the sign bits $24..$31 in; ``H_32 · (s ⊙ x)`` out in $0..$15 (row g's columns 8t..8t+7,
+    then row g+8's), fp32; the B words are ``±B0`` (:func:`b_text`, :func:`b_negated`). ``sub``:
+    $24..$31 hold the lane's entry of the lane table instead (:func:`lane_text`): the signs of its
+    8 columns as ``±1`` pairs in $24..$27, the signed, negated key offsets ``-s ⊙ m`` of them in
+    $28..$31; one ``fma(x, s, -s·m) = RN(s·(x - m)) = s·RN(x - m)`` per pair of either row does
+    the subtraction and the sign flip, ``x - m`` rounded once to the model dtype as the oracle
+    rounds it (see :func:`lane_text`)."""
     ty = "f16" if f16 else "bf16"
-    lines = ["{", ".reg .b32 a<8>;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
+    lines = ["{", ".reg .b32 a<8>, l, p, q, bp, bn;", ".reg .f32 z;", "mov.b32 z, 0f00000000;"]
+    lines += b_text(0x3C00 if f16 else 0x3F80)  # bits of 1.0
     if sub:  # fma.rn(x, ±1, -s·m) on packed pairs: the products are exact, one rounding
-        lines += [f"fma.rn.{ty}x2 a{w}, ${16 + w}, ${24 + w}, ${48 + w};" for w in range(8)]
+        lines += [f"fma.rn.{ty}x2 a{w}, ${16 + w}, ${24 + w % 4}, ${28 + w % 4};" for w in range(8)]
     else:
         lines += [f"xor.b32 a{w}, ${16 + w}, ${24 + w};" for w in range(8)]  # a0..3 row g, a4..7 row g+8
     for nn in range(4):
         d = f"${2 * nn}, ${2 * nn + 1}, ${8 + 2 * nn}, ${9 + 2 * nn}"
         for ks in range(2):
             a = f"a{2 * ks}, a{4 + 2 * ks}, a{2 * ks + 1}, a{5 + 2 * ks}"
-            b = f"${32 + 8 * ks + 2 * nn}, ${33 + 8 * ks + 2 * nn}"
+            b = ", ".join("bn" if b_negated(8 * ks + 2 * nn + r) else "bp" for r in (0, 1))
             c = "z, z, z, z" if ks == 0 else d
             lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};")
     lines.append("}")
@@ -109,18 +120,15 @@ def mma_text(f16, sub=False):
 
 
 @triton.constexpr_function
-def lane_offsets_text(heads, d, warps, first):
-    """PTX that loads one lane's signed, negated key offsets ``-s ⊙ m`` for a part (columns
-    ``first ..``): out $0..$7 (16 model-dtype values as packed pairs, rows g and g+8 as the part's
-    loads hold them), in: the byte address of head 0's column 0 in $16 (16 "l" operands, all
-    equal): of ``offsets.lane_offset_table``'s tensor, or of the table's -0 halves (``NZ_AT``).
+def lane_text(heads, part):
+    """PTX that loads one lane's entry of part ``part`` of ``offsets.lane_offset_table``: 32 bytes
+    out in $0..$7 (the ``±1`` signs of the lane's 8 columns ``32·part + 8t ..``, then ``-s ⊙ m`` of
+    them), in: the byte address of the table's K or V half in $16 (16 "l" operands, all equal).
 
     Every row a lane holds has one head: rows ``8·warp + g + 8·warps·k`` of a tile that starts at
-    a multiple of ``heads``, head = row mod ``heads``, with ``heads`` dividing ``8·warps`` (the
-    plan checks both, ``plan.lane_offsets_fit``). So one 16-byte load at ``2·(head·d +
-    first + 8t)`` gives the lane's 8 offsets, copied to both rows' words. V programs load -0
-    (``fma(x, s, -0)`` is ``s·x`` exactly, signed zeros included: their rows come out as without
-    offsets).
+    a multiple of ``heads`` (a power of two dividing ``8·warps``, ``plan.lane_offsets_fit``), so
+    its head is ``(tid >> 2) mod heads`` and its entry ``e = tid mod 4·heads`` (head ``e >> 2``,
+    column group ``t = e & 3``): two 16-byte loads at ``32·(4·heads·part + e)``.
 
     The subtraction in :func:`mma_text` rounds the exact ``x - m`` once; the oracle rounds
     ``float32(x) - float32(m)`` to the model dtype, the same value: the fp32 difference of two
@@ -128,68 +136,50 @@ def lane_offsets_text(heads, d, warps, first):
     difference lies within far less than half a model-dtype ulp of the larger operand, which is
     on the model-dtype grid, so no rounding tie can differ. NaN and Inf propagate. Only the sign
     of an exact zero can differ (``x = m`` with ``s = -1``: +0 here, -0 in the oracle's
-    ``s·(x - m)``), which no code or scale depends on."""
+    ``s·(x - m)``), which no code or scale depends on. V programs load the V half, whose offsets
+    are -0 (``fma(x, s, -0)`` is ``s·x`` exactly, signed zeros included)."""
+    at = 32 * 4 * heads * part
     return "\n".join([
-        "{", ".reg .b32 o, l;", ".reg .b64 ad;",
-        "mov.u32 o, %tid.x;", "shr.u32 o, o, 5;", "shl.b32 o, o, 3;",  # 8 * warp
-        "mov.u32 l, %laneid;", "shr.u32 l, l, 2;", "add.u32 o, o, l;",  # + g
-        f"and.b32 o, o, {heads - 1};", f"mul.lo.u32 o, o, {d};",  # head * d
-        "mov.u32 l, %laneid;", "and.b32 l, l, 3;", "shl.b32 l, l, 3;", "add.u32 o, o, l;",  # + 8t
-        f"add.u32 o, o, {first};", "mul.wide.u32 ad, o, 2;", "add.u64 ad, ad, $16;",
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [ad];",
-        "mov.b32 $4, $0;", "mov.b32 $5, $1;", "mov.b32 $6, $2;", "mov.b32 $7, $3;", "}"])
+        "{", ".reg .b32 e;", ".reg .b64 ad;",
+        "mov.u32 e, %tid.x;", f"and.b32 e, e, {4 * heads - 1};", "mul.wide.u32 ad, e, 32;", "add.s64 ad, ad, $16;",
+        f"ld.global.nc.v4.b32 {{$0, $1, $2, $3}}, [ad+{at}];",
+        f"ld.global.nc.v4.b32 {{$4, $5, $6, $7}}, [ad+{at + 16}];", "}"])
 
 
 @triton.jit
-def mma_b_operands(tab_ptr, ROWS: tl.constexpr, WARPS: tl.constexpr):
-    """The B words as two ``[ROWS, 32]`` 16-bit tensors in the parts' layout: element (row, col)
-    sits in lane ``4·(row % 8) + col // 8`` as half ``col % 8`` of that lane's words 0..3 (first
-    row of the pair) or 4..7 (second); the second tensor holds words 8..15."""
-    rows = tl.arange(0, ROWS)[:, None]
-    cols = tl.arange(0, MMA_N)[None, :]
-    off = ((rows % 8) * 4 + cols // 8) * 32 + ((rows // (8 * WARPS)) % 2) * 8 + cols % 8
-    return tl.load(tab_ptr + off), tl.load(tab_ptr + off + 16)
-
-
-@triton.jit
-def signs(tab_ptr, AT: tl.constexpr, first, ROWS: tl.constexpr):
-    """``[ROWS, 32]`` 16-bit: the signs of columns ``first ..`` (every row the same) from the
-    table's region at ``AT``: ``B_HALVES`` their sign bits, ``PM_AT`` their model-dtype ``±1``;
-    loaded in the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
+def sign_bits(tab_ptr, first, ROWS: tl.constexpr):
+    """``[ROWS, 32]`` 16-bit: the sign bits of columns ``first ..`` (every row the same, from
+    :func:`sign_table` at ``tab_ptr``), loaded in
+    the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
     cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
-    return tl.load(tab_ptr + AT + cols)
+    return tl.load(tab_ptr + cols)
 
 
 @triton.jit
-def mma_part(x, tab_ptr, first, b0, b1):
+def mma_part(x, tab_ptr, first):
     """``H_32 · (s ⊙ x)`` of a loaded part ``x: [ROWS, 32]`` (columns ``first ..``), fp32."""
-    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 31 + "r",
-                                     [x, signs(tab_ptr, B_HALVES, first, x.shape[0]), b0, b1], dtype=tl.float32,
+    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16), "=f," * 16 + "r," * 15 + "r",
+                                     [x, sign_bits(tab_ptr, first, x.shape[0])], dtype=tl.float32,
                                      is_pure=True, pack=16)
 
 
 @triton.jit
-def mma_part_sub(x, m, tab_ptr, first, b0, b1):
-    """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]`` and its lanes' signed, negated
-    key offsets ``-s ⊙ m`` (:func:`lane_offsets_part`, same shape and layout), fp32."""
-    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 39 + "r",
-                                     [x, signs(tab_ptr, PM_AT, first, x.shape[0]), b0, b1, m], dtype=tl.float32,
-                                     is_pure=True, pack=16)
+def mma_part_sub(x, lane):
+    """``H_32 · (s ⊙ RN(x - m))`` of a loaded part ``x: [ROWS, 32]``, given its lanes' entries of
+    the lane table (:func:`lane_part`, same shape and layout), fp32."""
+    return tl.inline_asm_elementwise(mma_text(x.dtype == tl.float16, True), "=f," * 16 + "r," * 15 + "r",
+                                     [x, lane], dtype=tl.float32, is_pure=True, pack=16)
 
 
 @triton.jit
-def lane_offsets_part(base, tab_ptr, first: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
-                      D: tl.constexpr, WARPS: tl.constexpr):
-    """``[ROWS, 32]`` (the model dtype: the table's) key offsets of part ``first ..`` as each lane needs
-    them (:func:`lane_offsets_text`: one 16-byte load per lane), in the parts' layout: the asm
-    takes the ``±1`` signs' ``[ROWS, 32]`` load (:func:`signs`, which the part's rotation loads too)
-    as a second operand only so that its result has that load's layout, the layout of every
-    part. ``base``: int64 address of ``offsets.lane_offset_table``'s tensor, or of the table's -0
-    halves (``NZ_AT``) for none."""
-    sg = signs(tab_ptr, PM_AT, first, ROWS)
-    at = tl.full([ROWS, MMA_N], 0, tl.int64) + base
-    return tl.inline_asm_elementwise(lane_offsets_text(HEADS, D, WARPS, first), "=r," * 7 + "=r," + "r," * 8
-                                     + "l," * 15 + "l", [sg, at], dtype=sg.dtype, is_pure=True, pack=16)
+def lane_part(base, like, PART: tl.constexpr, HEADS: tl.constexpr):
+    """``[ROWS, 32]`` 16-bit: each lane's entry of part ``PART`` of the lane table (:func:`lane_text`:
+    two 16-byte loads per lane), in the parts' layout: ``like`` (a ``[ROWS, 32]`` 16-bit tensor in
+    that layout, a part's sign bits) is an operand only so that the result has its layout. ``base``:
+    int64 address of the table's K half, or of its V half in V programs."""
+    at = tl.full(like.shape, 0, tl.int64) + base
+    return tl.inline_asm_elementwise(lane_text(HEADS, PART), "=r," * 7 + "=r," + "r," * 8 + "l," * 15 + "l",
+                                     [like, at], dtype=like.dtype, is_pure=True, pack=16)
 
 
 # --- the row range on rounded pairs (MmaTuning.packed_range) ---

@@ -41,9 +41,20 @@ def model_dtype_offset(key_offset: Optional[torch.Tensor], dtype: torch.dtype) -
 
 
 def lane_offset_table(key_offset: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """``-s ⊙ m``: the model-dtype key offsets ``[num_kv_heads, head_size]`` (:func:`model_dtype_offset`)
-    with each column's rotation sign applied and negated (exact), contiguous and 16-byte aligned,
-    as the int4-mma kernel's lanes load them (``int4_mma.lane_offsets_text``). ``seed``: the sign
-    seed (``layouts.rotation.rht_sign_seed()``), part of the key only."""
-    return _derived(key_offset, ("lane", seed), lambda t: (t * -rht_signs(t.shape[-1]).to(t.device, t.dtype))
-                    .contiguous())
+    """What the int4-mma kernel's lanes load (``int4_mma.lane_text``), from the model-dtype key offsets
+    ``m: [num_kv_heads, head_size]`` (:func:`model_dtype_offset`): ``[2, head_size // 32,
+    num_kv_heads, 4, 16]`` in the model dtype, contiguous and 16-byte aligned. Entry ``[kv, p, h,
+    t]`` serves the lanes holding columns ``32·p + 8t .. + 8`` of head ``h``: its first 8 halves are
+    those columns' rotation signs ``s`` (``±1``), its last 8 ``-s ⊙ m[h]`` (exact: a sign flip) for
+    K (``kv = 0``) and -0 for V (``kv = 1``: the rows come out as without offsets). ``seed``: the
+    sign seed (``layouts.rotation.rht_sign_seed()``), part of the key only."""
+    return _derived(key_offset, ("lane", seed), _lane_entries)
+
+
+def _lane_entries(m: torch.Tensor) -> torch.Tensor:
+    heads, d = m.shape
+    s = rht_signs(d).to(m.device, m.dtype).expand(heads, d)
+    groups = (heads, d // 32, 4, 8)   # [h, p, t, 8 columns]
+    k = torch.stack([s.reshape(groups), (m * -s).reshape(groups)], 3)   # [h, p, t, (s | -s·m), 8]
+    v = torch.stack([s.reshape(groups), torch.full(groups, -0.0, dtype=m.dtype, device=m.device)], 3)
+    return torch.stack([k, v]).transpose(1, 2).reshape(2, d // 32, heads, 4, 16).contiguous()

@@ -28,16 +28,15 @@ MMA_TILING = {64: (32, 2, True, True), 128: (32, 2, True, True), 256: (32, 2, Fa
 ROTATIONS = ("butterfly", "dot")
 # int4-mma with key offsets, where each lane loads its offsets (plan.lane_offsets_fit), on the plain
 # kernel's tiling (head 64; a caller's rows or warps; 16 KV heads): programs per SM that loop over tiles,
-# loading them once (0: one program per tile, each loading them). A loop keeps the offsets and B words
-# live through the code stores (head 128: 128 registers instead of 96, 16 resident warps instead of 20).
+# loading them once (0: one program per tile, each loading them). A loop keeps the lanes' entries live
+# through the code stores.
 OFFSET_PROGRAMS_PER_SM = {64: 0, 128: 8, 256: 8}
 # int4-mma with lane key offsets at these head sizes: (rows, warps, maxnreg) of one-warp programs, one
-# tile each. Each lane's offsets are one 16-byte load per part, and one fma per packed pair subtracts them
-# and flips the signs, where the plain kernel has one xor. At head 128 capped at the plain kernel's 96
-# registers (ptxas fits it without spilling; uncapped 110, 18 resident warps instead of 21). H200: +1.9 to
-# +3.3% over the plain write at head 128 (looping: +3.3 to +6.7%), +3.6 to +4.6% at 256 (looping: +21%),
-# docs/BENCHMARKS.md.
-OFFSET_TILING = {128: (16, 1, 96), 256: (16, 1, 0)}
+# tile each. Each lane loads its entry of the lane table (its columns' signs and -s·m: two 16-byte loads
+# per part, where the plain kernel loads the sign bits with one) and one fma per packed pair subtracts
+# and flips the signs, where the plain kernel has one xor. H200: +0.7 to +2.4% over the plain write at
+# head 128, -0.1 to +0.6% at 256 (two-warp programs: +1.5 to +2.7%, +0.9 to +1.1%), docs/BENCHMARKS.md.
+OFFSET_TILING = {128: (16, 1, 0), 256: (16, 1, 0)}
 
 
 @dataclass(frozen=True)
