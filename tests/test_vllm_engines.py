@@ -153,10 +153,13 @@ def test_prefill_prefix_cache_hit_still_ships_every_block(engines, prompts, refe
     assert sorted(e["tokens"] for e in read_stats(stats, "loaded") if e["t"] >= t1) == sorted(len(p) for p in prompts)
 
 
-def test_mismatched_decode_refused_both_ends(engines, prompts, reference):
+def test_mismatched_decode_refused_both_ends(engines, prompts):
     """Block size 64 against 32: both ends refuse, no byte moves, vLLM's ``fail`` policy ends the
-    requests with an error (no wrong tokens), and the engine keeps serving."""
+    requests with an error (no wrong tokens), and the engine keeps serving: the same tokens as it
+    gave the same prompts before (its own: a block-64 engine's CPU arithmetic may break a near tie
+    differently from the block-32 reference's)."""
     procs, stats = engines
+    before = [ids for ids, _, _, _ in procs["decode64"].generate(prompts[:2], None, max_tokens=MAX_TOKENS)]
     t0 = time.time()
     params = prefill(procs, prompts[:2])
     out = procs["decode64"].generate(prompts[:2], params, max_tokens=MAX_TOKENS)
@@ -168,7 +171,7 @@ def test_mismatched_decode_refused_both_ends(engines, prompts, reference):
     refused = [e for e in read_stats(stats, "endpoint_error") if e["t"] >= t0]
     assert refused and all("block_size" in e["error"] and "64" in e["error"] for e in refused)
     again = procs["decode64"].generate(prompts[:2], None, max_tokens=MAX_TOKENS)   # still serving, same tokens
-    assert [ids for ids, _, _, _ in again] == reference[:2]
+    assert [ids for ids, _, _, _ in again] == before
 
 
 def test_prefill_killed_before_pull_decode_recomputes(engines, prompts, reference):
