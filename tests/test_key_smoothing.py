@@ -315,7 +315,7 @@ def _sm90_ttgir(kernel, mma, offset, d=128, lane=False, loop=False):
     fn = kernel.compiled
     names = fn.arg_names
     consts = dict(ROWS=64, D=d, PARTS=d // 32 if mma else 4, INTERPRET=False, CACHE_ALIGN=4, NUM_KV_HEADS=8,
-                  BLOCK_SIZE=16, CONTIG=True, FAST_RCP=True, OFFSET=offset, WARPS=4, PACKED=True, LANE_M=lane,
+                  BLOCK_SIZE=16, CONTIG=True, FAST_RCP=True, OFFSET=offset, PACKED=True, LANE_M=lane,
                   LOOP=loop)
     consts["LOG2_N"] = (d // consts["PARTS"]).bit_length() - 1
     ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_offset_ptr": "*bf16", "key_cache_ptr": "*u8",

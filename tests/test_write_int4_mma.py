@@ -15,7 +15,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import triton.language as tl
 
 from kernels.write.int4_mma import MMA_COLS, b_negated, b_text, b_word, mma_text, sign_table
 from kernels.write.offsets import lane_offset_table

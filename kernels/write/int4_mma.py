@@ -44,7 +44,6 @@ from .device_math import codes_ptx
 from .tuning import MMA_COLS
 
 MMA_N = tl.constexpr(MMA_COLS)
-_ONE = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}  # bits of 1.0
 
 
 def b_word(lane: int, q: int, one: int) -> int:
@@ -149,8 +148,8 @@ def lane_text(heads, part):
 @triton.jit
 def sign_bits(tab_ptr, first, ROWS: tl.constexpr):
     """``[ROWS, 32]`` 16-bit: the sign bits of columns ``first ..`` (every row the same, from
-    :func:`sign_table` at ``tab_ptr``), loaded in
-    the parts' 2D layout (a 1D load would be converted), as the tensor-core asm takes them."""
+    :func:`sign_table` at ``tab_ptr``), loaded in the parts' 2D layout (a 1D load would be
+    converted), as the tensor-core asm takes them."""
     cols = first + tl.arange(0, MMA_N)[None, :] + 0 * tl.arange(0, ROWS)[:, None]
     return tl.load(tab_ptr + cols)
 
