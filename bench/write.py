@@ -354,6 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-offset", action="store_true",
                    help="INT4 only: the write with and without a key offset, checked, then timed interleaved "
                         "(instead of the main table)")
+    p.add_argument("--rounds", type=int, default=8, help="--key-offset: interleaved rounds per row (median)")
     p.add_argument("--no-table", action="store_true", help="skip the main table")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--slots", choices=SLOT_ORDERS, default="tokens",
