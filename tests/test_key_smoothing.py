@@ -231,10 +231,10 @@ def _wide_keys(num_tokens, heads, d, dtype, seed):
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["h64", "h128", "h256"])
 @pytest.mark.parametrize("heads", [1, 2, 8, 16], ids=["H1", "H2", "H8", "H16"])
 def test_cuda_lane_offsets_equal_row_tiles(heads, d, dtype):
-    """On the GPU: the int4-mma kernel with lane offsets (one 16-byte load of ``-s ⊙ m`` per lane
-    and part, ``fma.rn(k, s, -s·m)`` on packed pairs inside the tensor-core asm: subtraction and
-    sign flip in one rounding), with the default tiling (``tuning.OFFSET_TILING``: one-warp
-    programs, one tile each, a register cap at head 128) and with two-warp programs looping over
+    """On the GPU: the int4-mma kernel with lane offsets (one 32-byte lane-table entry of signs and
+    ``-s ⊙ m`` per lane and part, ``fma.rn(k, s, -s·m)`` on packed pairs inside the tensor-core
+    asm: subtraction and sign flip in one rounding), with the default tiling
+    (``tuning.OFFSET_TILING``: one-warp programs, one tile each) and with two-warp programs looping over
     tiles or not, writes the same bytes as the same kernel loading each row's offsets and
     subtracting in fp32 (the oracle's ``smooth_keys``), on keys and offsets built to break a wrong
     subtraction; all feed identical rows to the same rotation, so any difference is the
