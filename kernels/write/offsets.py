@@ -55,6 +55,7 @@ def _lane_entries(m: torch.Tensor) -> torch.Tensor:
     heads, d = m.shape
     s = rht_signs(d).to(m.device, m.dtype).expand(heads, d)
     groups = (heads, d // 32, 4, 8)   # [h, p, t, 8 columns]
-    k = torch.stack([s.reshape(groups), (m * -s).reshape(groups)], 3)   # [h, p, t, (s | -s·m), 8]
-    v = torch.stack([s.reshape(groups), torch.full(groups, -0.0, dtype=m.dtype, device=m.device)], 3)
+    sg = s.reshape(groups)
+    k = torch.stack([sg, (m * -s).reshape(groups)], 3)   # [h, p, t, (s | -s·m), 8]
+    v = torch.stack([sg, torch.full(groups, -0.0, dtype=m.dtype, device=m.device)], 3)
     return torch.stack([k, v]).transpose(1, 2).reshape(2, d // 32, heads, 4, 16).contiguous()
