@@ -145,12 +145,21 @@ def _corrupt_layer1(send, h, fake):
     send([fr[0], bytes(bad)])
 
 
+def _corrupt_whole_pull(send, h, fake):
+    """The pull's only message (both layers in one), one byte of layer 1 flipped: no layer of it lands."""
+    fr = fake.multi_blocks(h.tid, 0, 2, 0, 2, sum=MIX64)
+    bad = bytearray(fr[1])
+    bad[-5] ^= 0x02
+    send([fr[0], bytes(bad)])
+
+
 FAULTS = [(_corrupt, r"checksum \(mix64, verified on"), (_truncated, "truncated"), (_oversized, "oversized"),
-          (_extra_frame, "expected 1 payload frames, got 2"), (_good_then_corrupt, r"checksum \(mix64")]
+          (_extra_frame, "expected 1 payload frames, got 2"), (_good_then_corrupt, r"checksum \(mix64"),
+          (_corrupt_whole_pull, r"checksum \(mix64, verified on")]
 
 
 @pytest.mark.parametrize("script,match", FAULTS, ids=["corrupt-byte", "truncated", "oversized", "extra-frame",
-                                                      "good-then-corrupt"])
+                                                      "good-then-corrupt", "corrupt-whole-pull"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recv_into", [False, pytest.param(True, marks=pytest.mark.skipif(
     not RECV_INTO, reason="pyzmq without Socket.recv_into"))], ids=["zero-copy", "recv_into"])
