@@ -111,11 +111,16 @@ def test_endpoint_without_kernels_gets_xxh3(device, side):
             assert torch.equal(_b(d)[[0, 3]], _b(s)[[4, 1]])
 
 
+def _flipped(frames, at, bits):
+    """A BLOCKS message's header and its payload frame with byte ``at`` XORed by ``bits``."""
+    bad = bytearray(frames[1])
+    bad[at] ^= bits
+    return [frames[0], bytes(bad)]
+
+
 def _corrupt(send, h, fake):
     fr = fake.blocks(h.tid, 0, 0, 2, sum=MIX64)
-    bad = bytearray(fr[1])
-    bad[len(bad) // 2] ^= 0x10
-    send([fr[0], bytes(bad)])
+    send(_flipped(fr, len(fr[1]) // 2, 0x10))
 
 
 def _truncated(send, h, fake):
@@ -139,18 +144,12 @@ def _good_then_corrupt(send, h, fake):
 
 
 def _corrupt_layer1(send, h, fake):
-    fr = fake.blocks(h.tid, 1, 0, 2, sum=MIX64)
-    bad = bytearray(fr[1])
-    bad[3] ^= 0x01
-    send([fr[0], bytes(bad)])
+    send(_flipped(fake.blocks(h.tid, 1, 0, 2, sum=MIX64), 3, 0x01))
 
 
 def _corrupt_whole_pull(send, h, fake):
     """The pull's only message (both layers in one), one byte of layer 1 flipped: no layer of it lands."""
-    fr = fake.multi_blocks(h.tid, 0, 2, 0, 2, sum=MIX64)
-    bad = bytearray(fr[1])
-    bad[-5] ^= 0x02
-    send([fr[0], bytes(bad)])
+    send(_flipped(fake.multi_blocks(h.tid, 0, 2, 0, 2, sum=MIX64), -5, 0x02))
 
 
 FAULTS = [(_corrupt, r"checksum \(mix64, verified on"), (_truncated, "truncated"), (_oversized, "oversized"),
