@@ -450,9 +450,10 @@ def _reshape_and_cache_int4_mma_kernel(
     LANE_M: tl.constexpr, LOOP: tl.constexpr,
 ):
     """Path ``int4-mma``. Grid and programs as the lanes kernel's; parts of 32 columns
-    (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``PACKED`` takes the row range on rounded pairs, ``LANE_M`` (where
-    ``plan.lane_offsets_fit`` holds) loads each lane's key offsets once per program and subtracts them
-    in the tensor-core asm, ``LOOP``: each program does every ``P``-th tile (the plan's grid)."""
+    (``PARTS = D / 32``), each rotated by ``mma.sync`` (``int4_mma``); ``PACKED`` takes the row
+    range on rounded pairs, ``LANE_M`` (where ``plan.lane_offsets_fit`` holds) loads each lane's
+    key offsets once per program and subtracts them in the tensor-core asm, ``LOOP``: each
+    program does every ``P``-th tile (the plan's grid)."""
     _int4_rows(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                sign_ptr, tab_ptr, key_offset_ptr, num_rows, num_slots,
                stride_key_token, stride_key_head, stride_value_token, stride_value_head,
