@@ -765,6 +765,25 @@ def test_block_tiles_default_and_segments():
     assert bt_segments(132, 8, 32768, 16, 8, 256) == 128 and bt_segments(132, 8, 2048, 16, 8, 512) == 32
 
 
+def test_bf16_decode_segments_fill_whole_waves():
+    """The 2D kernel's split decode over a 16-bit cache on a GPU (H200 facts: 3 resident programs
+    per SM at head_size 128, 396 slots): segments fill the fewest whole waves to at least 90%,
+    capped at 4 key tiles per segment; other head sizes and the CPU keep 16 programs per SM
+    (a power of two)."""
+    from kernels.attention.plan import MIN_WAVE_FILL, whole_wave_segments
+    bf16 = KVQuantMode.NONE
+    for batch, ctx, segs in ((1, 32768, 49), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
+                             (32, 32768, 3), (12, 16384, 4), (1, 4096, 16), (8, 4096, 6), (8, 1024, 4)):
+        plan = plan_for(bf16, batch, ctx, H200)
+        assert (plan.path, plan.tiling.num_segments) == (P2D, segs), (batch, ctx, plan)
+    for pairs in range(1, 5000):  # (sequences x KV heads): 90% of the slots up to b32 x 8 heads, 80% beyond
+        segs = whole_wave_segments(pairs, 396)
+        waves = -(-pairs * segs // 396)
+        assert segs >= 1 and pairs * segs / (waves * 396) >= (MIN_WAVE_FILL if pairs <= 256 else 0.8), pairs
+    assert plan_for(bf16, 8, 32768, H200, head_size=64).tiling.num_segments == 32   # 16 * 132 // 64 = 33 -> 32
+    assert plan_for(bf16, 1, 32768, CPU).tiling.num_segments == 8                  # 16 * 4 // 8
+
+
 def test_gluon_decode_segments():
     """Staged decode segments: about 2 programs per SM, then the fewest segments with the same blocks
     per segment (the kernels give each ``ceil(blocks / segments)``); at least 2, at most one per
