@@ -766,10 +766,10 @@ def test_block_tiles_default_and_segments():
 
 
 def test_bf16_decode_segments_fill_whole_waves():
-    """The 2D kernel's split decode over a 16-bit cache on a GPU (H200 facts: 3 resident programs
+    """The 2D kernel's split decode over a 16-bit cache on sm_90 (H200 facts: 3 resident programs
     per SM at head_size 128, 396 slots): segments fill the fewest whole waves to at least 90%,
-    capped at 4 key tiles per segment; other head sizes and the CPU keep 16 programs per SM
-    (a power of two)."""
+    capped at 4 key tiles per segment; other head sizes, other GPUs and the CPU keep 16 programs
+    per SM (a power of two)."""
     from kernels.attention.plan import MIN_WAVE_FILL, whole_wave_segments
     bf16 = KVQuantMode.NONE
     for batch, ctx, segs in ((1, 32768, 49), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
@@ -782,6 +782,8 @@ def test_bf16_decode_segments_fill_whole_waves():
         assert segs >= 1 and pairs * segs / (waves * 396) >= (MIN_WAVE_FILL if pairs <= 256 else 0.8), pairs
     assert plan_for(bf16, 8, 32768, H200, head_size=64).tiling.num_segments == 32   # 16 * 132 // 64 = 33 -> 32
     assert plan_for(bf16, 1, 32768, CPU).tiling.num_segments == 8                  # 16 * 4 // 8
+    ampere = dataclasses.replace(H200, capability=(8, 0))                         # slots not counted there
+    assert plan_for(bf16, 8, 32768, ampere).tiling.num_segments == 32
 
 
 def test_gluon_decode_segments():

@@ -17,7 +17,7 @@ Order of the questions (each asked once):
    scratch within ``Tuning.dequant_max_bytes``, the context is dequantized first and the
    unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`).
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
-   keys split into segments when the 2D grid would leave SMs idle (over a 16-bit cache on a GPU:
+   keys split into segments when the 2D grid would leave SMs idle (over a 16-bit cache on sm_90:
    as many as fill whole waves of its resident programs, :func:`whole_wave_segments`).
 4. Quantized decode, the first path that *wants* the batch (a shape rule measured on the H200):
    ``decode_staged_int4`` / ``decode_staged_int8`` (Gluon; large batches, head_size 128, at most
@@ -232,12 +232,13 @@ BIG_PREFILL = (128, 128, 8, 2)
 DEQUANT_MIN_Q_TILES = 4
 TARGET_PROGRAMS_PER_SM = 16  # 2D split decode: segments until the grid holds about this many programs per SM
 MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in reduction than it saves
-# The 2D kernel's split decode over a 16-bit cache: resident programs per SM of its decode tiling
-# (16 x 64, 4 warps, 3 stages) by padded head size. H200 profiler at head_size 128: 156 registers
-# x 128 threads and 38 KiB of shared memory per program, so registers bind at 3. There the grid
-# is sized in whole waves of these slots (:func:`whole_wave_segments`): fewer, longer programs in
-# one or two full waves beat TARGET_PROGRAMS_PER_SM's many waves by 4-10% from b1 to b32 at 32k
-# (cold L2: bf16 b2@32k 77.5 against 84.8 µs, b8@32k 252.1 against 274.6, b4@4k 29.1 against 32.2).
+# The 2D kernel's split decode over a 16-bit cache on sm_90: resident programs per SM of its decode
+# tiling (16 x 64, 4 warps, 3 stages) by padded head size; other GPUs and head sizes keep the rule
+# above. H200 profiler at head_size 128: 156 registers x 128 threads and 38 KiB of shared memory
+# per program, so registers bind at 3. There the grid is sized in whole waves of these slots
+# (:func:`whole_wave_segments`): fewer, longer programs in one or two full waves beat
+# TARGET_PROGRAMS_PER_SM's many waves by 3-11% from b1 to b32 (cold L2, docs/BENCHMARKS.md:
+# bf16 b2@32k 77.7 against 84.7 µs, b8@32k 252.3 against 276.4, b8@4k 46.8 against 50.6).
 DECODE_2D_RESIDENT = {128: 3}
 MIN_WAVE_FILL = 0.9          # whole_wave_segments: the share of the waves' slots the grid must fill
 SPLIT_PROGRAMS_PER_SM = 2    # decode_split asked for without a tiling: segments for about this many per SM
@@ -406,7 +407,8 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
         want, cap = max(2, SPLIT_PROGRAMS_PER_SM * sms // pairs), max(1, ctx // tile)
     else:
         cap = max(1, ctx // (tile * MIN_TILES_PER_SEGMENT))
-        resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.type == "cuda" else None
+        hopper = facts.type == "cuda" and tuple(facts.capability)[:1] == (9,)  # where the slots were counted
+        resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and hopper else None
         if resident and not given:
             return _generic(call, block_m, min(whole_wave_segments(pairs, resident * sms), cap))
         want = TARGET_PROGRAMS_PER_SM * sms // pairs
