@@ -786,6 +786,15 @@ def test_bf16_decode_segments_fill_whole_waves():
     assert plan_for(bf16, 8, 32768, ampere).tiling.num_segments == 32
 
 
+def test_bf16_decode_segment_counts_that_are_not_powers_of_two():
+    """The 2D kernel's 16-bit split decode with segment counts like whole_wave_segments' (3, 7):
+    ``ceil(tiles / segments)`` tiles each, so the last segments of a short sequence are empty."""
+    c = make_case(KVQuantMode.NONE, torch.bfloat16, q_lens=[1, 1], k_lens=[700, 300], seed=11)  # 11 and 5 tiles
+    for segs in (3, 7):
+        run_and_check(c, tuning=forced(P2D, 16, 64, segs, 4, 3))
+        run_and_check(c, tuning=forced(P2D, 16, 64, segs, 4, 3), window=(200, -1))
+
+
 def test_gluon_decode_segments():
     """Staged decode segments: about 2 programs per SM, then the fewest segments with the same blocks
     per segment (the kernels give each ``ceil(blocks / segments)``); at least 2, at most one per
