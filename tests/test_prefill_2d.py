@@ -34,7 +34,7 @@ from bench import kernels_table
 from kernels._jit import dual_jit
 from kernels.attention import CPU, H200, Path, Rotate, Tiling, Tuning, attention_plan
 from kernels.attention.common import full_tiles
-from kernels.attention.plan import BIG_PREFILL, DEQUANT_MIN_Q_TILES
+from kernels.attention.plan import BIG_PREFILL, BIG_PREFILL_SM90, DEQUANT_MIN_Q_TILES, big_prefill_tiling
 from layouts import KVQuantMode
 from test_attention_kernels import expected_launches, launched, make_case, run_and_check  # noqa: F401 (fixture)
 
@@ -254,20 +254,34 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
     assert asked.tiling == given  # a tiling the caller gives is used as given
 
 
+SM80 = dataclasses.replace(H200, capability=(8, 0))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_long_16_bit_chunks_take_the_big_tiling_on_a_gpu(mode):
-    """``BIG_PREFILL`` where the 2D kernel reads 16-bit rows on a GPU (a bf16 cache, or a context
-    dequantized first) at head_size <= 128 with at least its block_m query rows per sequence;
-    64 x 64 below that row count, at head_size 256, for the fused quantized kernel, on the CPU."""
-    bm, tile, warps, stages = BIG_PREFILL
-    big = dict(block_m=bm, tile=tile, num_warps=warps, num_stages=stages)
-    tokens = DEQUANT_MIN_Q_TILES * 16  # dequantized first (see above): 256 query rows per sequence at group 4
-    long = kernels_table.plan(mode, 2, 4096, H200, q_len=tokens)
-    assert {k: getattr(long.tiling, k) for k in big} == big and long.tiling.mask_edges_only, long
-    assert f"{bm} x {tile} tiles" in long.why, long.why
-    few = kernels_table.plan(mode, 2, 4096, H200, q_len=bm // 4 - 1)  # group 4: fewer than bm rows
-    assert (few.tiling.block_m, few.tiling.tile) == (64, 64), few
-    wide = kernels_table.plan(mode, 2, 4096, H200, head_size=256, q_len=tokens)
+    """Where the 2D kernel reads 16-bit rows on a GPU (a bf16 cache, or a context dequantized
+    first) with at least block_m query rows per sequence: on sm_90 ``BIG_PREFILL_SM90`` by padded
+    head size (64, 128, 256; head 32 and 96 keep ``BIG_PREFILL``), elsewhere ``BIG_PREFILL`` up
+    to head_size 128; 64 x 64 below that row count, at head_size 256 off sm_90, for the fused
+    quantized kernel, on the CPU."""
+    tokens = DEQUANT_MIN_Q_TILES * 32  # dequantized first (see above): 512 query rows per sequence at group 4
+
+    def tiling_of(p):
+        return (p.tiling.block_m, p.tiling.tile, p.tiling.num_warps, p.tiling.num_stages)
+
+    cases = [(H200, 64, (128, 64, 4, 5)), (H200, 128, BIG_PREFILL), (H200, 256, (128, 64, 8, 3)),
+             (H200, 32, BIG_PREFILL), (SM80, 64, BIG_PREFILL), (SM80, 128, BIG_PREFILL)]
+    if mode == KVQuantMode.NONE:  # quantized caches have no dequantizing pass at head_size 96
+        cases.append((H200, 96, BIG_PREFILL))
+    for facts, head, want in cases:
+        assert big_prefill_tiling(head, facts) == want, (facts, head)
+        long = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=tokens)
+        assert tiling_of(long) == want and long.tiling.mask_edges_only, (facts, head, long)
+        assert f"{want[0]} x {want[1]} tiles, {want[2]} warps, {want[3]} stages" in long.why, long.why
+        few = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=want[0] // 4 - 1)  # group 4: < block_m rows
+        assert (few.tiling.block_m, few.tiling.tile) == (64, 64), few
+    assert big_prefill_tiling(256, SM80) is None and big_prefill_tiling(128, CPU) is None
+    wide = kernels_table.plan(mode, 2, 4096, SM80, head_size=256, q_len=tokens)
     assert (wide.tiling.block_m, wide.tiling.tile) == (64, 64), wide
     cpu = kernels_table.plan(mode, 2, 4096, CPU, q_len=tokens)
     assert (cpu.tiling.block_m, cpu.tiling.tile) == (64, 64), cpu
@@ -277,13 +291,16 @@ def test_long_16_bit_chunks_take_the_big_tiling_on_a_gpu(mode):
 
 
 @pytest.mark.parametrize("mode", [KVQuantMode.NONE, KVQuantMode.INT4_PER_TOKEN_HEAD])
-def test_big_tiling_matches_oracle(mode):
-    """The ``BIG_PREFILL`` tiling (edges-only masking; INT4 dequantized first) against the oracle
-    on a causal chunk whose length is not a tile multiple, with a window and softcap too."""
-    bm, tile, warps, stages = BIG_PREFILL
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_big_tiling_matches_oracle(mode, head_size):
+    """The big tiling of each padded head size on sm_90 (edges-only masking; INT4 dequantized
+    first) against the oracle on a causal chunk whose length is not a tile multiple, with a
+    window and softcap too."""
+    bm, tile, warps, stages = BIG_PREFILL_SM90[head_size]
     tiling = Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True,
                     dequant_first=mode != KVQuantMode.NONE)
-    c = make_case(mode, torch.bfloat16, [70, 45], [70 + 150, 45 + 9], num_q_heads=8, num_kv_heads=2, head_size=64)
+    c = make_case(mode, torch.bfloat16, [70, 45], [70 + 150, 45 + 9], num_q_heads=8, num_kv_heads=2,
+                  head_size=head_size)
     run_and_check(c, tuning=Tuning(tiling=tiling))
     run_and_check(c, causal=False, window=(60, 5), softcap=8.0, tuning=Tuning(tiling=tiling))
 
@@ -457,3 +474,23 @@ def test_cuda_2d_variants_realistic(mode, head_size, num_q_heads):
         if t is not None and (t.block_m, t.tile, t.num_warps, t.num_stages) != first:
             continue
         run_and_check(c, tuning=tuning)  # at 64 x 64 every head size fits an sm_90 (compiled: <= 160 KiB)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [KVQuantMode.NONE, KVQuantMode.INT4_PER_TOKEN_HEAD])
+@pytest.mark.parametrize("head_size,num_q_heads", [(64, 32), (128, 32), (256, 16)])
+def test_cuda_default_long_chunks_match_oracle(mode, head_size, num_q_heads):
+    """On the GPU: the default plan of two long chunks (300 and 129 tokens over 700 and 17 cached)
+    takes the device's big prefill tiling (INT4 dequantized first) and matches the oracle."""
+    from kernels.attention.plan import device_facts
+    c = make_case(mode, torch.bfloat16, [300, 129], [300 + 700, 129 + 17], num_q_heads=num_q_heads,
+                  num_kv_heads=8, head_size=head_size, device="cuda")
+    v = c["views"]
+    plan = attention_plan(c["q"], v.key_cache, v.value_cache, c["q"], c["cu"], c["seqused_k"], c["max_q"], c["max_k"],
+                          head_size ** -0.5, True, (-1, -1), c["block_table"], 0.0, kv_quant_mode=mode,
+                          k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
+    t = plan.tiling
+    want = big_prefill_tiling(head_size, device_facts(c["q"].device))
+    assert want is None or (t.block_m, t.tile, t.num_warps, t.num_stages) == want, plan
+    assert t.dequant_first == (mode != KVQuantMode.NONE), plan
+    run_and_check(c)
