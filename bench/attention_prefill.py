@@ -23,7 +23,8 @@ The mixed batch is one ``unified_attention`` call, so every row goes through the
 
 Quantized rows whose plan dequantizes the context first (``Tiling.dequant_first``) also time
 that pass alone (``prefill_dequant.dequantized_call``: codes and scales of every context block
-read, fp16 K/V rows written, the bf16 query copied to fp16), cold, with its GB/s (read + write)
+read, fp16 K/V rows written, the bf16 query copied to fp16; INT4: the query rotated into fp16
+and the output's rotation back, ``restore_output``, too), cold, with its GB/s (read + write)
 and the fraction of the copy bandwidth: the pass should run near copy speed.
 
 ``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
@@ -50,7 +51,7 @@ from bench.attention import MODES, copy_gbps, fill_cache, shuffled_block_table
 from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
 from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
 from kernels.attention.call import make_call
-from kernels.attention.prefill_dequant import dequantized_call
+from kernels.attention.prefill_dequant import dequantized_call, restore_output
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode
 
@@ -121,7 +122,8 @@ def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
                 seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 bytes=kv_bytes + 2 * q.numel() * q.element_size(),
                 flops=4 * shape.head_size * shape.num_q_heads * pairs,
-                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size) + q.numel() * 4)
+                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size) + q.numel() * 4
+                * (2 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 1))  # INT4: the output's rotation too
 
 
 def _args(pb):
@@ -137,10 +139,13 @@ def call(pb, tuning: Tuning):
 
 
 def dequant(pb) -> None:
-    """The dequantizing pass of a ``dequant_first`` plan alone (``prefill_dequant.dequantized_call``)."""
+    """What a ``dequant_first`` plan runs besides the 2D kernel, alone: the dequantizing pass
+    (``prefill_dequant.dequantized_call``) and, for INT4, the query's and output's rotations
+    (the output's over the scratch as it lies: timed, not checked)."""
     args, _ = _args(pb)
     v = pb["views"]
-    dequantized_call(make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache))
+    call = make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache)
+    restore_output(call, dequantized_call(call))
 
 
 def plan_of(pb, tuning: Tuning) -> Plan:

@@ -129,6 +129,7 @@ PATH_KERNELS = {
 }
 INT4_2D = ("prefill_2d", "_attn_int4_kernel")
 DEQUANT = ("prefill_dequant", "_dequant_blocks_kernel")  # Tiling.dequant_first's pass before the 2D kernel
+ROTATE_ROWS = ("prefill_dequant", "_rotate_rows_kernel")  # INT4 dequant_first: query and output rotations
 ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_rotate_query_kernel"),
                   Rotate.GLUON: ("rotate_query_gluon", "_rotate_query_gluon_kernel")}
 REDUCE_KERNELS = {Reduce.TRITON: ("reduce", "_attn_reduce_kernel"),
@@ -156,7 +157,8 @@ def launched(monkeypatch):
 
     from kernels.attention import gluon_probe
     log = []
-    for module, name in [*PATH_KERNELS.values(), INT4_2D, DEQUANT, *ROTATE_KERNELS.values(), *REDUCE_KERNELS.values()]:
+    for module, name in [*PATH_KERNELS.values(), INT4_2D, DEQUANT, ROTATE_ROWS, *ROTATE_KERNELS.values(),
+                         *REDUCE_KERNELS.values()]:
         if not module.endswith("_gluon"):
             mod = importlib.import_module(f"kernels.attention.{module}")
             monkeypatch.setattr(mod, name, _Recorder(name, getattr(mod, name), log))
@@ -165,17 +167,25 @@ def launched(monkeypatch):
     return log
 
 
+def dequant_launches(mode) -> list:
+    """The kernels of one ``dequant_first`` group, in launch order."""
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return [ROTATE_ROWS[1], DEQUANT[1], PATH_KERNELS[P2D][1], ROTATE_ROWS[1]]
+    return [DEQUANT[1], PATH_KERNELS[P2D][1]]
+
+
 def expected_launches(plan, mode) -> list:
     """The kernels ``plan`` names, in launch order: the query rotation, the path's kernel, the
     reduction; a mixed plan's parts one after the other; a dequantized 2D plan (``dequant_first``
-    over a quantized cache): the dequantizing pass, then the unquantized 2D kernel, once per group of
-    KV heads (``Tiling.dequant_groups``)."""
+    over a quantized cache): the dequantizing pass, then the unquantized 2D kernel (INT4: the
+    query's rotation first and the output's after), once per group of KV heads
+    (``Tiling.dequant_groups``)."""
     if plan.path == Path.EMPTY:
         return []
     if plan.path == Path.MIXED:
         return expected_launches(plan.parts[0], mode) + expected_launches(plan.parts[1], mode)
     if plan.path == P2D and plan.tiling.dequant_first and mode != KVQuantMode.NONE:
-        return [DEQUANT[1], PATH_KERNELS[P2D][1]] * plan.tiling.dequant_groups
+        return dequant_launches(mode) * plan.tiling.dequant_groups
     names = [ROTATE_KERNELS[plan.rotate][1]] if plan.rotate in ROTATE_KERNELS else []
     main = INT4_2D if plan.path == P2D and mode == KVQuantMode.INT4_PER_TOKEN_HEAD else PATH_KERNELS[plan.path]
     names.append(main[1])

@@ -36,7 +36,8 @@ from kernels.attention import CPU, H200, Path, Rotate, Tiling, Tuning, attention
 from kernels.attention.common import full_tiles
 from kernels.attention.plan import BIG_PREFILL, BIG_PREFILL_SM90, DEQUANT_MIN_Q_TILES, big_prefill_tiling
 from layouts import KVQuantMode
-from test_attention_kernels import expected_launches, launched, make_case, run_and_check  # noqa: F401 (fixture)
+from test_attention_kernels import (dequant_launches, expected_launches, launched, make_case,  # noqa: F401 (fixture)
+                                    run_and_check)
 
 MODES = [
     pytest.param(KVQuantMode.NONE, id="bf16"),
@@ -182,13 +183,12 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
                          ids=["h32", "h64", "h64-separate", "h256"])
 def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
-    the oracle's dequantized row (INT4 un-rotated) to fp32 rounding, through the identity table;
-    contexts longer than one program's BLOCKS table entries and ending mid-block; 4 KV heads of
-    16 slots = 64 rows a block: several row tiles at head_size 256, one below (INT4: at 32 one
-    chunk and no butterfly, at 64 / 256 a butterfly over 2 / 8 chunks of 32 dims); the packed
-    cache and four separate tensors."""
+    the oracle's dequantized row to fp32 rounding (INT4: its rows stay rotated, ``r / d_b``, and
+    are rotated back here), through the identity table; contexts longer than one program's
+    BLOCKS table entries and ending mid-block; 4 KV heads of 16 slots = 64 rows a block: several
+    row tiles at head_size 256, one below; the packed cache and four separate tensors."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, tile_rows
+    from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, rotation_split, tile_rows
     from kernels.reference.attention import dequantize_cache
 
     k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
@@ -202,9 +202,15 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     d = dequantized_call(call)
     assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
     k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # rows r / d_b of the rotated domain: x = s * H(r / d_b) / d_a
+        from kernels.reference.quant import single_rht
+        d_a, _ = rotation_split(head_size)
+        back = lambda r: single_rht(r, inverse=True) / d_a  # noqa: E731
+    else:
+        back = lambda r: r  # noqa: E731
     for i, n in enumerate(k_lens):
         for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = got[d.block_table[i].long()].reshape(-1, 4, head_size)[:n]
+            rows = back(got[d.block_table[i].long()].reshape(-1, 4, head_size)[:n])
             want = ref[c["block_table"][i].long()].reshape(-1, 4, head_size)[:n]
             torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
@@ -226,8 +232,12 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
     assert short.tiling.mask_edges_only and not short.tiling.dequant_first
     if quantized:
         assert "query tiles per sequence <" in short.why, short.why
-        # 2 sequences x 256 blocks x 16 slots x 8 KV heads x 128 dims, K and V, fp16 (fp32 interpreted)
-        need = 2 * 256 * 16 * 8 * 128 * 2 * (2 if facts is H200 else 4) + (2 * tokens * 32 * 128 * 2 if facts is H200 else 0)
+        # 2 sequences x 256 blocks x 16 slots x 8 KV heads x 128 dims, K and V, fp16 (fp32 interpreted);
+        # an fp16 query copy on a GPU, INT4: the rotated query and output in the scratch's type
+        size = 2 if facts is H200 else 4
+        q_elems = 2 * tokens * 32 * 128
+        extra = 2 * q_elems * size if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else q_elems * 2 * (facts is H200)
+        need = 2 * 256 * 16 * 8 * 128 * 2 * size + extra
         fits = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need))
         halves = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need - 1))
         eighths = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need // 8))
@@ -305,6 +315,34 @@ def test_big_tiling_matches_oracle(mode, head_size):
     run_and_check(c, causal=False, window=(60, 5), softcap=8.0, tuning=Tuning(tiling=tiling))
 
 
+@pytest.mark.parametrize("head_size", [32, 64, 256])
+def test_rotate_rows_rotates_the_rows_in_range_only(head_size):
+    """``prefill_dequant.rotate_rows``, INT4's query and output rotations around a dequantized 2D
+    call: ``scale * H(s * x)`` and ``scale * s * H(x)`` against the reference's signed Hadamard
+    (``single_rht``) on strided views, tokens ``first <= t < end`` only (a mixed call's decode rows
+    and the rows past the last sequence keep what they held), and back again: the identity times
+    ``d``."""
+    from kernels.attention.prefill_dequant import rotate_rows, rotation_split
+    from kernels.reference.quant import single_rht
+    from layouts import rht_signs
+
+    gen = torch.Generator().manual_seed(head_size)
+    x = torch.randn(37, 3, 2 * head_size, generator=gen)[:, :, ::2]  # strided last dim
+    signs = rht_signs(head_size)
+    first, end = 4, torch.tensor([30], dtype=torch.int32)
+    y = torch.full((37, 3, head_size), float("nan"))
+    rotate_rows(x, signs, y, 0.5, True, first, end)
+    torch.testing.assert_close(y[first:30], single_rht(x[first:30]) * 0.5, rtol=1e-6, atol=1e-5)
+    assert y[:first].isnan().all() and y[30:].isnan().all()
+    z = torch.full_like(y, float("nan"))
+    rotate_rows(y, signs, z, 2.0 / head_size, False, first, end)
+    torch.testing.assert_close(z[first:30], single_rht(y[first:30], inverse=True) * 2.0 / head_size)
+    torch.testing.assert_close(z[first:30], x[first:30], rtol=1e-5, atol=1e-5)
+    assert z[:first].isnan().all() and z[30:].isnan().all()
+    d_a, d_b = rotation_split(head_size)
+    assert d_a * d_b == head_size and d_a <= d_b <= 2 * d_a
+
+
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_default_dequant_first_matches_oracle(mode, launched):
     """The default plan of a 64-token chunk over 37 cached keys (4 query tiles at GQA group 4)
@@ -318,13 +356,13 @@ def test_default_dequant_first_matches_oracle(mode, launched):
     plan = attention_plan(*args, **kw)
     assert plan.tiling.dequant_first and plan.tiling.mask_edges_only, plan
     run_and_check(c)
-    assert launched == expected_launches(plan, mode) == ["_dequant_blocks_kernel", "_attn_kernel"]
+    assert launched == expected_launches(plan, mode) == dequant_launches(mode)
     run_and_check(c, causal=False, window=(40, 3), softcap=10.0)
     m = make_case(mode, torch.bfloat16, [1, 1, 64], [30, 90, 64 + 21], num_q_heads=8, num_kv_heads=2, head_size=64,
                   seed=1)
     launched.clear()
     run_and_check(m, num_decode_seqs=2)
-    assert launched[-2:] == ["_dequant_blocks_kernel", "_attn_kernel"], launched
+    assert launched[-len(dequant_launches(mode)):] == dequant_launches(mode), launched
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
@@ -349,10 +387,10 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
     assert plan.tiling.dequant_first and plan.tiling.dequant_groups == 2 and "2 groups of 1 KV heads" in plan.why
     one = run_and_check(c, tuning=whole)
     assert launched == expected_launches(attention_plan(*args, **kw, tuning=whole), mode) == \
-        ["_dequant_blocks_kernel", "_attn_kernel"]
+        dequant_launches(mode)
     launched.clear()
     two = run_and_check(c, tuning=halves)
-    assert launched == expected_launches(plan, mode) == ["_dequant_blocks_kernel", "_attn_kernel"] * 2
+    assert launched == expected_launches(plan, mode) == dequant_launches(mode) * 2
     assert torch.equal(one, two)
     given = run_and_check(c, tuning=Tuning(tiling=dataclasses.replace(plan.tiling, dequant_groups=3)))
     assert torch.equal(one, given)  # more groups than KV heads: one head each
@@ -362,13 +400,14 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
                   seed=1)
     launched.clear()
     run_and_check(m, num_decode_seqs=2, tuning=Tuning(dequant_max_bytes=need // 2))
-    assert launched[-4:] == ["_dequant_blocks_kernel", "_attn_kernel"] * 2, launched
+    assert launched[-2 * len(dequant_launches(mode)):] == dequant_launches(mode) * 2, launched
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
     """``prefill_dequant.scratch_bytes``, which the planner caps, counts the K and V scratch that
-    ``dequantized_call`` allocates (fp32 under the interpreter, no query copy there)."""
+    ``dequantized_call`` allocates (fp32 under the interpreter, no query copy there; INT4: the
+    rotated query and output)."""
     from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import dequantized_call, scratch_bytes
 
@@ -378,9 +417,16 @@ def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
                      v.v_scale_cache)
     d = dequantized_call(call)
-    assert d.k.shape == (3 * 5, 16, 2, 64) and d.q is call.q
-    assert scratch_bytes(call, interpreted=True) == 2 * d.k.numel() * d.k.element_size()
-    assert scratch_bytes(call) == 2 * d.k.numel() * 2 + c["q"].numel() * 2  # fp16 rows + an fp16 query on a GPU
+    kv = 2 * d.k.numel()
+    assert d.k.shape == (3 * 5, 16, 2, 64)
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # rotated query and output scratch, in the rows' type
+        assert d.q is not call.q and d.out is not call.out and d.q.dtype == d.out.dtype == d.k.dtype
+        assert scratch_bytes(call, interpreted=True) == (kv + d.q.numel() + d.out.numel()) * d.k.element_size()
+        assert scratch_bytes(call) == (kv + 2 * c["q"].numel()) * 2
+    else:
+        assert d.q is call.q and d.out is call.out
+        assert scratch_bytes(call, interpreted=True) == kv * d.k.element_size()
+        assert scratch_bytes(call) == kv * 2 + c["q"].numel() * 2  # fp16 rows + an fp16 query on a GPU
 
 
 def test_rotate_q_once_plans_the_rotation_kernel():
@@ -421,8 +467,11 @@ def test_bench_counts_bytes_and_flops():
     row_bytes = 64 // 2 + 4
     assert pb["bytes"] == (5 + 7) * 2 * 2 * row_bytes + 2 * 3 * 4 * 64 * 2
     # the dequantizing pass: every slot of the 2 blocks (16 slots, 2 KV heads), K and V, read and
-    # written as fp16 rows; the query read as bf16 and written as fp16
-    assert pb["dequant_bytes"] == 2 * 16 * 2 * 2 * (row_bytes + 64 * 2) + 3 * 4 * 64 * 4
+    # written as fp16 rows; the query read as bf16 and written (rotated) as fp16, and the output's
+    # rotation: fp16 read, bf16 written
+    assert pb["dequant_bytes"] == 2 * 16 * 2 * 2 * (row_bytes + 64 * 2) + 2 * 3 * 4 * 64 * 4
+    pb8 = AP.make_problem(KVQuantMode.INT8_PER_TOKEN_HEAD, shape, 16, "cpu")  # no rotation: the query copy only
+    assert pb8["dequant_bytes"] == 2 * 16 * 2 * 2 * (64 + 4 + 64 * 2) + 3 * 4 * 64 * 4
 
 
 def test_bench_prefill_smoke(capsys):

@@ -534,7 +534,7 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         return Rotate.NONE, 0, False
     parts, release = 4, False
     if path == Path.PREFILL_2D:
-        if tiling.dequant_first and tiling.num_segments == 1:  # the scratch holds un-rotated rows
+        if tiling.dequant_first and tiling.num_segments == 1:  # the pass rotates query and output itself
             return Rotate.NONE, 0, False
         if not tuning.rotate_q_once:
             return Rotate.IN_KERNEL, 0, False

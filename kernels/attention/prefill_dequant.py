@@ -7,10 +7,16 @@ the quantized blocks and one write of 16-bit rows; the attention then runs at th
 kernel's speed. Worth it where query tiles per sequence are many (long chunks), not for decode
 rows (``plan._prefill_tiling`` decides).
 
-Rows are dequantized to the original domain: INT8 / FP8 ``c * scale``; INT4 ``(c - zp) * scale``
-is the rotated row, inverse-rotated here (``s * (H r) / d``, the 2D INT4 kernel's epilogue
-applied per key), so the scratch is an ordinary 16-bit cache. It is fp16, and the query is
-read as fp16 (a copy when it is bf16): the operand type of the fused INT8 / FP8 kernels' dots.
+INT8 / FP8 rows are dequantized to the original domain, ``c * scale``. INT4 rows stay in the
+rotated domain: ``r = (c - zp) * scale`` is ``H (s * x)`` (``H`` the Sylvester Hadamard matrix
+of order ``d``, ``s`` the signs), so ``q . x = (H (s * q) / d_a) . (r / d_b)`` with ``d_a * d_b =
+d`` and the output is ``s * H(o_r) / d_a`` where ``o_r`` is the attention over the ``r / d_b``
+rows. The pass writes ``r / d_b``; :func:`_rotate_rows_kernel` rotates the query once before
+the 2D kernel and the output once after it (:func:`restore_output`): two rotations per query
+row instead of one per context row and call. ``d_a = 2^floor(log2(d) / 2)`` keeps both sides
+within sqrt(2) of the original elements' range (``|r| / d_b <= |x|_2 / d_b``). The scratch is
+fp16, and the query is read as fp16 (a copy when it is bf16; INT4: the rotated copy): the
+operand type of the fused INT8 / FP8 kernels' dots.
 bf16 rows would round every key and value to 8 bits of mantissa, fp16 keeps 11: on the prefill
 benchmark's random codes bf16 rows measured 4.9e-3 / 8.0e-3 relative L2 (INT8 / FP8) against
 the oracle where the fused kernels reach 1.7e-3. The price is fp16's range: a dequantized
@@ -18,7 +24,7 @@ element beyond 65,504 becomes inf, as in an fp16 cache. Under the interpreter th
 fp32 (its 16-bit rounding is not the GPU's).
 
 Memory: :func:`scratch_bytes` (K and V rows of ``num_seqs * blocks_per_seq`` blocks, plus the
-fp16 query); allocated per call from torch's caching allocator; the planner caps it
+fp16 query, and for INT4 the rotated output); allocated per call from torch's caching allocator; the planner caps it
 (``Tuning.dequant_max_bytes``): above the cap the call is dequantized and attended for groups of
 KV heads in turn (``Tiling.dequant_groups``, one group's scratch at a time), and only where one
 KV head's scratch exceeds it does the fused kernel run.
@@ -44,61 +50,88 @@ MODE_INT4 = tl.constexpr(3)
 _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_TOKEN_HEAD: MODE_FP8.value,
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
 TILE_ELEMS = 4096   # output elements per row tile: 32 fp32 values a thread at 4 warps, K and V in flight without spills
-# INT4: H_HEAD r = (H_NCH (x) H_DOT_ROT) r: a butterfly over the NCH = HEAD / DOT_ROT chunks of the
-# row, then one dot per chunk with the order-32 matrix (K = 16 nibbles, the smallest fp16 MMA):
-# 32 x 32 multiply-adds per chunk instead of HEAD x HEAD per row
-DOT_ROT = tl.constexpr(32)
-# table entries per program: the INT4 program builds its Hadamard operands once for all of them
+# table entries per program
 BLOCKS = {MODE_INT8.value: 4, MODE_FP8.value: 4, MODE_INT4.value: 16}
 NUM_WARPS = 4
-NUM_STAGES = 2      # INT4: the next entry's codes load (cp.async) while this one's dots run
+NUM_STAGES = 2      # the next entry's codes load (cp.async) while this one's rows convert
+INT4_MAX_HEAD = 256  # the rotation kernel's operand: [head, head] up to ROT_WHOLE, one split in halves above
+ROT_WHOLE = tl.constexpr(128)  # _rotate_rows_kernel: largest head rotated with one [head, head] operand (32 KiB fp16)
+ROTATE_ROWS = 64     # _rotate_rows_kernel: (token, head) rows per program, one dot with the Hadamard operand
+
+
+def rotation_split(head_size: int) -> tuple:
+    """``(d_a, d_b)``: powers of two with ``d_a * d_b = head_size``, ``d_a = 2^floor(log2(d) / 2)``."""
+    d_a = 1 << ((head_size.bit_length() - 1) // 2)
+    return d_a, head_size // d_a
+
+
+# Grid: (cdiv(num_tokens - first, ROWS // BLOCK_H), cdiv(num_heads, BLOCK_H)). ROWS rows [token, head]
+# of x, ROWS // BLOCK_H tokens from ``first`` (host) on, masked from ``*end_ptr`` (device: the
+# call's cu_seqlens_q[-1]) ->
+# y = scale * H(s * x) (SIGNS_FIRST) or y = scale * s * H(x), H the Sylvester Hadamard matrix of
+# order HEAD (symmetric, entries +-1): one dot of the 16-bit rows with it, exact up to fp32 sums.
+@dual_jit
+def _rotate_rows_kernel(
+    x_ptr, signs_ptr, y_ptr, scale, first, end_ptr,
+    stride_x_t, stride_x_h, stride_x_d,
+    stride_y_t, stride_y_h, stride_y_d,
+    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    SIGNS_FIRST: tl.constexpr,
+    F32: tl.constexpr,              # fp32 operands (the interpreter)
+):
+    r = tl.arange(0, ROWS)
+    tok = first + tl.program_id(0).to(tl.int64) * (ROWS // BLOCK_H) + r // BLOCK_H
+    head = tl.program_id(1) * BLOCK_H + r % BLOCK_H
+    ok = ((head < NUM_HEADS) & (tok < tl.load(end_ptr)))[:, None]
+    offs_d = tl.arange(0, HEAD)
+    signs = tl.load(signs_ptr + offs_d)
+    x = tl.load(x_ptr + tok[:, None] * stride_x_t + head[:, None] * stride_x_h + offs_d[None, :] * stride_x_d,
+                mask=ok, other=0.0)
+    if F32:
+        x = x.to(tl.float32)
+    if SIGNS_FIRST:
+        x = x * signs[None, :].to(x.dtype)
+    if HEAD <= ROT_WHOLE:
+        y = tl.dot(x, hadamard_sign(offs_d[:, None], offs_d[None, :]).to(x.dtype))
+    else:  # x H_2n = [(x1 + x2) H_n, (x1 - x2) H_n] for halves x1, x2: an order-n operand
+        HALF: tl.constexpr = HEAD // 2
+        offs_h = tl.arange(0, HALF)
+        x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), [ROWS, 2, HALF]), (0, 2, 1)))
+        dt = tl.float32 if F32 else tl.float16  # the fp32 sums rounded once, to fp16's 11 bits
+        h = hadamard_sign(offs_h[:, None], offs_h[None, :]).to(dt)
+        y1 = tl.dot((x1 + x2).to(dt), h)
+        y2 = tl.dot((x1 - x2).to(dt), h)
+        y = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), [ROWS, HEAD])
+    y = y * scale
+    if not SIGNS_FIRST:
+        y = y * signs[None, :]
+    tl.store(y_ptr + tok[:, None] * stride_y_t + head[:, None] * stride_y_h + offs_d[None, :] * stride_y_d,
+             y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def rotate_rows(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor, scale: float, signs_first: bool,
+                first: int, end: torch.Tensor) -> None:
+    """``y[t, h] = scale * H(signs * x[t, h])`` (``signs_first``) or ``scale * signs * H(x[t, h])``
+    for ``x``, ``y`` [num_tokens, num_heads, head_size] (any strides) and the tokens ``first <= t <
+    end[0]`` (``end``: a one-element int32 tensor on x's device, read there), one launch."""
+    num_tokens, num_heads, head = x.shape
+    if num_tokens <= first:
+        return
+    block_h = min(next_pow2(num_heads), ROTATE_ROWS)
+    _rotate_rows_kernel[(cdiv(num_tokens - first, ROTATE_ROWS // block_h), cdiv(num_heads, block_h))](
+        x_ptr=x, signs_ptr=signs, y_ptr=y, scale=scale, first=first, end_ptr=end,
+        stride_x_t=x.stride(0), stride_x_h=x.stride(1), stride_x_d=x.stride(2),
+        stride_y_t=y.stride(0), stride_y_h=y.stride(1), stride_y_d=y.stride(2),
+        NUM_HEADS=num_heads, HEAD=head, BLOCK_H=block_h, ROWS=ROTATE_ROWS, SIGNS_FIRST=signs_first,
+        F32=interpreting(x), num_warps=4)
 
 
 @triton.jit
-def _hadamard_operands(F16: tl.constexpr):
-    """``(even, odd)`` [16, 32]: rows ``2i`` / ``2i + 1`` of the Sylvester Hadamard matrix of
-    order :data:`DOT_ROT` (entries +-1: exact in fp16; fp32 under the interpreter)."""
-    offs_i = tl.arange(0, DOT_ROT // 2)
-    offs_j = tl.arange(0, DOT_ROT)
-    even = hadamard_sign(2 * offs_i[:, None], offs_j[None, :])
-    odd = hadamard_sign(2 * offs_i[:, None] + 1, offs_j[None, :])
-    if F16:
-        even = even.to(tl.float16)
-        odd = odd.to(tl.float16)
-    return even, odd
-
-
-@triton.jit
-def _butterfly(t, ROWS: tl.constexpr, HALF: tl.constexpr, S: tl.constexpr):
-    """One Walsh-Hadamard stage on the columns of ``t`` [ROWS, HALF] at stride S: ``(a, b)`` ->
-    ``(a + b, a - b)`` for each pair of columns ``c``, ``c + S`` (``c & S == 0``)."""
-    t = tl.permute(tl.reshape(t, [ROWS, HALF // (2 * S), 2, S]), (0, 1, 3, 2))
-    a, b = tl.split(t)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [ROWS, HALF])
-
-
-@triton.jit
-def _chunk_hadamard(t, ROWS: tl.constexpr, HALF: tl.constexpr, LOG_NCH: tl.constexpr):
-    """``t`` [ROWS, HALF] (nibbles of HALF bytes) -> each chunk ``j`` of DOT_ROT // 2 columns
-    replaced by ``sum_c H_NCH[j, c] * chunk c``: a Walsh-Hadamard transform over the chunk
-    index (``H_HEAD = H_NCH (x) H_DOT_ROT``), one butterfly per bit, up to NCH = 16."""
-    if LOG_NCH >= 1:
-        t = _butterfly(t, ROWS, HALF, HALF // 2)
-    if LOG_NCH >= 2:
-        t = _butterfly(t, ROWS, HALF, HALF // 4)
-    if LOG_NCH >= 3:
-        t = _butterfly(t, ROWS, HALF, HALF // 8)
-    if LOG_NCH >= 4:
-        t = _butterfly(t, ROWS, HALF, HALF // 16)
-    return t
-
-
-@triton.jit
-def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, g_even, g_odd, signs, stride_d,
-                ROWS: tl.constexpr, HEAD: tl.constexpr, NCH: tl.constexpr, LOG_NCH: tl.constexpr,
-                MODE: tl.constexpr, F16: tl.constexpr):
+def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d,
+                ROWS: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr):
     """Dequantize ``[ROWS, HEAD]`` rows (codes at ``src + rows_off``, scale bits at
-    ``scale_ptr + scale_off``) and store them at ``out`` [ROWS, HEAD] (row-major offsets)."""
+    ``scale_ptr + scale_off``) and store them at ``out`` [ROWS, HEAD] (row-major offsets);
+    INT4 rows in the rotated domain, times ``inv_db`` (``1 / d_b``, a power of two)."""
     offs_d = tl.arange(0, HEAD)
     bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
     if MODE == MODE_INT4:
@@ -106,19 +139,10 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, g_even, g_odd, s
         offs_c = tl.arange(0, HALF)
         b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
         zp = (bits & 0xF)[:, None]
-        lo = (b & 0xF).to(tl.int32) - zp  # rotated dims 2i: [ROWS, HALF]
-        hi = (b >> 4).to(tl.int32) - zp   # rotated dims 2i + 1
-        if F16:  # integers up to 15 * NCH: exact
-            lo = lo.to(tl.float16)
-            hi = hi.to(tl.float16)
-        else:
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        lo = tl.reshape(_chunk_hadamard(lo, ROWS, HALF, LOG_NCH), [ROWS * NCH, DOT_ROT // 2])
-        hi = tl.reshape(_chunk_hadamard(hi, ROWS, HALF, LOG_NCH), [ROWS * NCH, DOT_ROT // 2])
-        x = tl.dot(lo, g_even)
-        x = tl.dot(hi, g_odd, x)  # [ROWS * NCH, DOT_ROT]: H r per chunk, exact
-        x = tl.reshape(x, [ROWS, HEAD]) * (bits & -16).to(tl.float32, bitcast=True)[:, None] * signs[None, :]
+        sc = ((bits & -16).to(tl.float32, bitcast=True) * inv_db)[:, None]
+        lo = ((b & 0xF).to(tl.int32) - zp).to(tl.float32) * sc  # rotated dims 2i: [ROWS, HALF]
+        hi = ((b >> 4).to(tl.int32) - zp).to(tl.float32) * sc   # rotated dims 2i + 1
+        x = tl.reshape(tl.join(lo, hi), [ROWS, HEAD])
     else:
         c = tl.load(src + rows_off[:, None] + offs_d[None, :] * stride_d, mask=r_ok[:, None], other=0.0)
         if MODE == MODE_FP8:
@@ -131,14 +155,13 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, g_even, g_odd, s
 # program: up to BLOCKS consecutive entries of one sequence's block table, and in each cache
 # block the ROWS rows (slot, KV head) numbered ``slot * NUM_KV_HEADS + head`` from
 # ``program_id(1) * ROWS`` on, K then V. Those rows are contiguous in the packed cache and in
-# the scratch, so a tile is one streak of loads and one of 16-byte stores; the INT4 inverse
-# rotation's Hadamard operands are built once per program (for BLOCKS entries). Entries past
-# the sequence's length are skipped (never read downstream).
+# the scratch, so a tile is one streak of loads and one of 16-byte stores. Entries past the
+# sequence's length are skipped (never read downstream).
 @dual_jit
 def _dequant_blocks_kernel(
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, data_head_size] codes
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] int32 bits (fp32 scale; INT4: | zp)
-    signs_ptr,                      # [HEAD] fp32 rotation signs (INT4)
+    inv_db,                         # INT4: 1 / d_b (rotation_split); unread otherwise
     block_table_ptr, seqused_k_ptr,
     k_out_ptr, v_out_ptr,           # [num_seqs * blocks_per_seq, block_size, Hkv, HEAD], written
     blocks_per_seq, groups_per_seq,
@@ -148,13 +171,10 @@ def _dequant_blocks_kernel(
     stride_vs_b, stride_vs_s, stride_vs_h,
     stride_bt_s,
     NUM_KV_HEADS: tl.constexpr, HEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ROWS: tl.constexpr,             # rows (slot, head) per tile, power of two; INT4: >= 16 (a dot's M)
+    ROWS: tl.constexpr,             # rows (slot, head) per tile, power of two
     BLOCKS: tl.constexpr,           # table entries per program
     MODE: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V block/slot/head strides arrive divided by this (vector loads)
-    NCH: tl.constexpr,              # INT4: HEAD // DOT_ROT chunks (1 otherwise)
-    LOG_NCH: tl.constexpr,          # log2(NCH)
-    F16: tl.constexpr,              # INT4 dots on fp16 operands (False: fp32, the interpreter)
 ):
     seq_idx = tl.program_id(0) // groups_per_seq
     j0 = (tl.program_id(0) % groups_per_seq) * BLOCKS
@@ -167,41 +187,26 @@ def _dequant_blocks_kernel(
     v_rows = slot * (stride_v_s * KV_ALIGN) + head * (stride_v_h * KV_ALIGN)
     ks_rows = slot * stride_ks_s + head * stride_ks_h
     vs_rows = slot * stride_vs_s + head * stride_vs_h
-    if MODE == MODE_INT4:
-        # x = s / d * (H r): the dots give H r exactly, the signs and 1/d scale its columns
-        g_even, g_odd = _hadamard_operands(F16)
-        signs = tl.load(signs_ptr + tl.arange(0, HEAD)) / HEAD
-    else:
-        g_even = 0.0
-        g_odd = 0.0
-        signs = 0.0
     offs_out = r[:, None] * HEAD
     for j in range(j0, tl.minimum(j0 + BLOCKS, seq_blocks)):
         blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s + j).to(tl.int64)
         out = (seq_idx * blocks_per_seq + j).to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD) + offs_out
         _store_rows(k_ptr + blk * (stride_k_b * KV_ALIGN), k_scale_ptr + blk * stride_ks_b, k_rows, ks_rows,
-                    k_out_ptr + out, r_ok, g_even, g_odd, signs, stride_k_d, ROWS, HEAD, NCH, LOG_NCH, MODE, F16)
+                    k_out_ptr + out, r_ok, inv_db, stride_k_d, ROWS, HEAD, MODE)
         _store_rows(v_ptr + blk * (stride_v_b * KV_ALIGN), v_scale_ptr + blk * stride_vs_b, v_rows, vs_rows,
-                    v_out_ptr + out, r_ok, g_even, g_odd, signs, stride_v_d, ROWS, HEAD, NCH, LOG_NCH, MODE, F16)
-
-
-def _chunks(mode: int, head_size: int) -> dict:
-    nch = head_size // DOT_ROT.value if mode == MODE_INT4.value else 1
-    return dict(NCH=nch, LOG_NCH=nch.bit_length() - 1)
+                    v_out_ptr + out, r_ok, inv_db, stride_v_d, ROWS, HEAD, MODE)
 
 
 def tile_rows(mode: int, head_size: int, block_size: int, num_kv_heads: int) -> int:
-    """Rows per tile: about :data:`TILE_ELEMS` output elements, at most a block's rows (INT4: at
-    least 16, a dot's smallest M)."""
-    rows = min(max(1, TILE_ELEMS // head_size), next_pow2(block_size * num_kv_heads))
-    return max(16, rows) if mode == MODE_INT4.value else rows
+    """Rows per tile: about :data:`TILE_ELEMS` output elements, at most a block's rows."""
+    return min(max(1, TILE_ELEMS // head_size), next_pow2(block_size * num_kv_heads))
 
 
 def reads(call) -> bool:
     """Whether :func:`dequantized_call` serves ``call``: a per-token-head mode and a power-of-two
-    head size (its row tiles are powers of two); INT4 from DOT_ROT (32) to 16 DOT_ROT (512)."""
+    head size (its row tiles are powers of two); INT4 from 32 to :data:`INT4_MAX_HEAD`."""
     head = call.head_size
-    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not DOT_ROT.value <= head <= 16 * DOT_ROT.value:
+    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not 32 <= head <= INT4_MAX_HEAD:
         return False
     return call.mode in _MODES and head >= 16 and head & (head - 1) == 0
 
@@ -217,20 +222,27 @@ def _scratch_dtype(interpreted: bool) -> torch.dtype:
 def scratch_bytes(call, interpreted: bool = False) -> int:
     """Bytes :func:`dequantized_call` allocates for ``call``: K and V rows of ``num_seqs *
     blocks_per_seq`` blocks (``blocks_per_seq`` from ``max_seqlen_k``), fp16 (fp32 when
-    ``interpreted``), and an fp16 copy of a bf16 query."""
+    ``interpreted``), an fp16 copy of a bf16 query, and for INT4 the rotated query and output
+    in the scratch's type instead of that copy."""
     k = call.k
     rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
     size = _scratch_dtype(interpreted).itemsize
-    q_copy = 0 if interpreted or call.q.dtype == torch.float16 else call.q.numel() * 2
-    return 2 * rows * call.head_size * size + q_copy
+    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        extra = (call.q.numel() + call.out.numel()) * size
+    else:
+        extra = 0 if interpreted or call.q.dtype == torch.float16 else call.q.numel() * 2
+    return 2 * rows * call.head_size * size + extra
 
 
 def dequantized_call(call):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
-    head_size]`` fp16; fp32 under the interpreter) with an identity block table, its query fp16
-    (a copy of a bf16 one; ``out`` is the caller's); mode NONE. Launches
-    :func:`_dequant_blocks_kernel` on the current stream (no host sync)."""
+    head_size]`` fp16; fp32 under the interpreter) with an identity block table, mode NONE.
+    INT8 / FP8: its query fp16 (a copy of a bf16 one; ``out`` is the caller's). INT4: rows,
+    query and ``out`` in the rotated domain (the module docstring): the query rotated into a
+    scratch, ``out`` a scratch that :func:`restore_output` rotates back into the caller's.
+    Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
+    (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     per_seq = _blocks_per_seq(call)
@@ -242,14 +254,20 @@ def dequantized_call(call):
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
     ksb, vsb = ks.view(torch.int32), vs.view(torch.int32)
     align = kv_align(k, v)
-    signs = call.signs if call.signs is not None else ksb  # unread outside INT4
     mode = _MODES[call.mode]
+    int4 = mode == MODE_INT4.value
+    d_a, d_b = rotation_split(call.head_size)
+    if int4:  # the query once: H(s * q) / d_a
+        q = torch.empty(call.q.shape, dtype=dtype, device=k.device)
+        rotate_rows(call.q, call.signs, q, 1.0 / d_a, True, call.first_token, call.cu_seqlens_q[-1:])
+    else:
+        q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
     blocks = BLOCKS[mode]
     rows = tile_rows(mode, call.head_size, block_size, num_kv_heads)
     groups = cdiv(per_seq, blocks)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
-            k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb, signs_ptr=signs,
+            k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb, inv_db=1.0 / d_b,
             block_table_ptr=call.block_table, seqused_k_ptr=call.seqused_k.contiguous(),
             k_out_ptr=k_out, v_out_ptr=v_out, blocks_per_seq=per_seq, groups_per_seq=groups,
             stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
@@ -260,10 +278,19 @@ def dequantized_call(call):
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
             NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=blocks,
-            MODE=mode, KV_ALIGN=align, **_chunks(mode, call.head_size), F16=not interpreted, num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES)
+            MODE=mode, KV_ALIGN=align, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
-    q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
+    out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if int4 else call.out
     return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=dummy, vs=dummy, block_table=table, signs=None,
-                               mode=KVQuantMode.NONE)
+                               mode=KVQuantMode.NONE, out=out)
+
+
+def restore_output(call, dequantized) -> None:
+    """After the 2D kernel ran on ``dequantized = dequantized_call(call)``: INT4 writes
+    ``s * H(o_r) / d_a`` of its rotated output into the call's rows of ``call.out`` (from
+    ``first_token`` to ``cu_seqlens_q[-1]``: a mixed call's decode rows and rows past the last
+    sequence are left alone); other modes wrote ``call.out`` already (nothing launched)."""
+    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        rotate_rows(dequantized.out, call.signs, call.out, 1.0 / rotation_split(call.head_size)[0], False,
+                    call.first_token, call.cu_seqlens_q[-1:])

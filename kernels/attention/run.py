@@ -4,8 +4,9 @@ Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNC
 rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``); a mixed plan
 runs its two parts on the two halves of the call (``call.split_mixed``); a 2D plan with
 ``Tiling.dequant_first`` over a quantized cache dequantizes the context first
-(``prefill_dequant.dequantized_call``) and runs the 2D kernel on the scratch cache, for
-``Tiling.dequant_groups`` groups of KV heads in turn (``call.head_group``).
+(``prefill_dequant.dequantized_call``), runs the 2D kernel on the scratch cache and, for INT4,
+rotates its output back (``prefill_dequant.restore_output``), for ``Tiling.dequant_groups``
+groups of KV heads in turn (``call.head_group``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .decode_code_units import launch_code_units
 from .decode_split import launch_split
 from .plan import Path, Plan
 from .prefill_2d import launch_2d
-from .prefill_dequant import dequantized_call
+from .prefill_dequant import dequantized_call, restore_output
 from .reduce import reduce_segments
 from .rotate_query import query_scales, rotated_query
 
@@ -62,7 +63,10 @@ def run_plan(call: AttnCall, plan: Plan):
         heads = call.num_kv_heads
         per = -(-heads // max(1, plan.tiling.dequant_groups))
         for h in range(0, heads, per):  # each group over its 16-bit scratch (mode NONE), freed before the next
-            _launch(dequantized_call(head_group(call, h, min(h + per, heads))), plan)
+            part = head_group(call, h, min(h + per, heads))
+            dequantized = dequantized_call(part)
+            _launch(dequantized, plan)
+            restore_output(part, dequantized)
         return call.out
     _launch(call, plan)
     if plan.tiling.num_segments > 1:
