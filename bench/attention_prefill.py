@@ -227,13 +227,14 @@ def variant_tuning(tiling: Tiling, variant) -> Tuning:
     return Tuning(path=Path.PREFILL_2D, tiling=dataclasses.replace(tiling, **fields), rotate_q_once=once)
 
 
-def sweep_tunings(plan: Plan, mode: KVQuantMode) -> list:
+def sweep_tunings(plan: Plan, mode: KVQuantMode, tilings=SWEEP_TILINGS) -> list:
     """The default first (the planner's choice, variants included), then the 2D kernel under each
-    of :data:`SWEEP_TILINGS` with each of the mode's :data:`VARIANTS` (the others off); no
-    repeats. Tilings that do not fit the GPU's shared memory are skipped at run time."""
+    of ``tilings`` (``(block_m, tile, warps, stages)``, default :data:`SWEEP_TILINGS`) with each of
+    the mode's :data:`VARIANTS` (the others off); no repeats. Tilings that do not fit the GPU's
+    shared memory are skipped at run time."""
     out = [Tuning()]
     plain = {field: False for field in VARIANT_FIELDS.values() if field != "rotate_q_once"}  # the default's variants off
-    for block_m, tile, warps, stages in SWEEP_TILINGS:
+    for block_m, tile, warps, stages in tilings:
         if block_m < plan.tiling.block_m:
             continue
         base = dataclasses.replace(plan.tiling, block_m=block_m, tile=tile, num_warps=warps, num_stages=stages, **plain)
@@ -250,7 +251,7 @@ def describe(plan: Plan) -> str:
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 
-def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
+def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS) -> tuple:
     copy = copy_gbps(device)
     tflops = matmul_tflops(device)
     log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
@@ -264,7 +265,7 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS) -> tuple:
             flops_us = pb["flops"] / tflops / 1e6
             ceiling, bound = (bytes_us, "bytes") if bytes_us >= flops_us else (flops_us, "FLOPs")
             big = shape.seqs[-1][1] - shape.seqs[-1][0] >= max(p["cached"])
-            tunings = sweep_tunings(plan_of(pb, Tuning()), pb["mode"]) if sweep and big else [Tuning()]
+            tunings = sweep_tunings(plan_of(pb, Tuning()), pb["mode"], tilings) if sweep and big else [Tuning()]
             for tuning in tunings:
                 ran = plan_of(pb, tuning)
                 try:
@@ -324,6 +325,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default=None, help="head sizes, comma-separated (default 64,128,256)")
     parser.add_argument("--sweep", action="store_true",
                         help="32k-cached rows: time every tuning of sweep_tunings side by side")
+    parser.add_argument("--tilings", default=None,
+                        help="with --sweep: the 2D tilings to time, 'block_m,tile,warps,stages' separated by ';' "
+                             "(default SWEEP_TILINGS)")
     parser.add_argument("--q-lens", default=None, help="chunk lengths, comma-separated (default 512,2048)")
     parser.add_argument("--cached", default=None, help="cached tokens before each chunk (default 0,4096,32768)")
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
@@ -347,7 +351,15 @@ def main(argv=None) -> int:
     if any(m not in MODES for m in modes):
         parser.error(f"--modes: expected a subset of {list(MODES)}, got {args.modes!r}")
     modes = ["bf16"] + [m for m in modes if m != "bf16"]  # the ratios need bf16 first
-    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms)
+    tilings = SWEEP_TILINGS
+    if args.tilings:
+        try:
+            tilings = tuple(tuple(int(x) for x in t.split(",")) for t in args.tilings.split(";") if t)
+        except ValueError:
+            tilings = ()
+        if not tilings or any(len(t) != 4 or min(t) < 1 for t in tilings):
+            parser.error(f"--tilings: expected 'block_m,tile,warps,stages' separated by ';', got {args.tilings!r}")
+    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings)
     print(table(rows, copy, tflops, device, list(argv)))
     return 0
 

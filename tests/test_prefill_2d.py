@@ -543,3 +543,17 @@ def test_cuda_default_long_chunks_match_oracle(mode, head_size, num_q_heads):
     assert want is None or (t.block_m, t.tile, t.num_warps, t.num_stages) == want, plan
     assert t.dequant_first == (mode != KVQuantMode.NONE), plan
     run_and_check(c)
+
+
+def test_bench_sweeps_the_tilings_given(capsys):
+    """``--sweep --tilings``: the default plan, then each tiling given (with the mode's variants),
+    checked against the oracle like every row; a malformed list is a one-line usage error."""
+    assert AP.main(["--smoke", "--sweep", "--tilings", "64,32,4,2", "--modes", "bf16", "--no-mixed",
+                    "--q-lens", "24", "--cached", "40"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |")]
+    kernels = [r[14].strip() for r in rows]
+    assert any("(64, 32, 4w, 2s)" in k for k in kernels) and any("(64, 64, 4w, 2s)" in k for k in kernels), kernels
+    assert all(float(r[12]) <= 1e-2 for r in rows)
+    with pytest.raises(SystemExit):
+        AP.main(["--smoke", "--sweep", "--tilings", "64,32,4"])
+    assert "--tilings: expected" in capsys.readouterr().err
