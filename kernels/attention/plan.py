@@ -163,6 +163,11 @@ class DeviceFacts:
     def cuda_sm80(self) -> bool:
         return self.type == "cuda" and tuple(self.capability) >= (8, 0)
 
+    @property
+    def cuda_sm90(self) -> bool:
+        """Hopper (compute capability 9.x): where the H200-measured tables apply."""
+        return self.type == "cuda" and tuple(self.capability)[:1] == (9,)
+
 
 CPU = DeviceFacts("cpu", 4)
 H200 = DeviceFacts("cuda", 132, (9, 0), gluon=True)
@@ -386,8 +391,9 @@ def big_prefill_tiling(head_size: int, facts: DeviceFacts) -> Optional[tuple]:
     up to head_size 128; None on the CPU and where neither applies."""
     if facts.type != "cuda":
         return None
-    if tuple(facts.capability)[:1] == (9,) and next_pow2(head_size) in BIG_PREFILL_SM90:
-        return BIG_PREFILL_SM90[next_pow2(head_size)]
+    head_pad = next_pow2(head_size)
+    if facts.cuda_sm90 and head_pad in BIG_PREFILL_SM90:
+        return BIG_PREFILL_SM90[head_pad]
     return BIG_PREFILL if head_size <= 128 else None
 
 
@@ -426,8 +432,8 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
         want, cap = max(2, SPLIT_PROGRAMS_PER_SM * sms // pairs), max(1, ctx // tile)
     else:
         cap = max(1, ctx // (tile * MIN_TILES_PER_SEGMENT))
-        hopper = facts.type == "cuda" and tuple(facts.capability)[:1] == (9,)  # where the slots were counted
-        resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and hopper else None
+        # on sm_90, where the slots were counted
+        resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.cuda_sm90 else None
         if resident and not given:
             return _generic(call, block_m, min(whole_wave_segments(pairs, resident * sms), cap))
         want = TARGET_PROGRAMS_PER_SM * sms // pairs
