@@ -198,7 +198,7 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
                      v.v_scale_cache)
-    assert (tile_rows(MODE_INT4.value, head_size, 16, 4) < 64) == (head_size == 256)
+    assert (tile_rows(head_size, 16, 4) < 64) == (head_size == 256)
     d = dequantized_call(call)
     assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
     k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)

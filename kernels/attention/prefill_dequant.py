@@ -197,7 +197,7 @@ def _dequant_blocks_kernel(
                     v_out_ptr + out, r_ok, inv_db, stride_v_d, ROWS, HEAD, MODE)
 
 
-def tile_rows(mode: int, head_size: int, block_size: int, num_kv_heads: int) -> int:
+def tile_rows(head_size: int, block_size: int, num_kv_heads: int) -> int:
     """Rows per tile: about :data:`TILE_ELEMS` output elements, at most a block's rows."""
     return min(max(1, TILE_ELEMS // head_size), next_pow2(block_size * num_kv_heads))
 
@@ -263,7 +263,7 @@ def dequantized_call(call):
     else:
         q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
     blocks = BLOCKS[mode]
-    rows = tile_rows(mode, call.head_size, block_size, num_kv_heads)
+    rows = tile_rows(call.head_size, block_size, num_kv_heads)
     groups = cdiv(per_seq, blocks)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
