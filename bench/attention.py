@@ -13,9 +13,12 @@ Every timed call passes its ``kernels.attention.Tuning`` explicitly: ``Tuning()`
 choice) for the default table; ``--pdl``, ``--q-rotation``, ``--paths``, ``--sweep`` and
 ``--compare`` time other settings side by side in the same process.
 
-``--cold-l2``: every timed call is preceded by a write of a 256 MiB buffer (the L2 flushed), and the
-time of that write alone, measured in the same run, is subtracted; the decode table then times one
-cache copy instead of rotating through several.
+``--cold-l2``: every timed call is preceded by one pass over a 256 MiB buffer (the L2 flushed),
+and the time of that pass alone, measured in the same run, is subtracted; the decode table then
+times one cache copy instead of rotating through several. ``--flush read`` (default) reads the
+buffer, leaving clean lines in the L2 as the layers between two attention calls do; ``--flush
+write`` writes it, so each call also pays the write-back of an L2 of dirty lines
+(:func:`bench.timing.flush_l2`).
 
 ``--mixed`` (``bench/attention_mixed.py``): mixed batches (decode rows first, then one or two
 prefill chunks), every mode, timing in the same run (a) one call with ``num_decode_seqs``, (b) its decode half alone plus
@@ -42,7 +45,7 @@ from kernels.attention import Path, Plan, Tuning, attention_plan, unified_attent
 from kernels.attention.plan import DECODE_STAGES, DECODE_TILE, DECODE_WARPS
 from kernels.reference import reference_unified_attention
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
-from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
+from bench.timing import FLUSH_BYTES, FLUSHES, cold_graph_us, graph_us, tee
 
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
          "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD, "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
@@ -53,6 +56,7 @@ QUICK = dict(contexts=[40, 96], batches=[1, 2], num_q_heads=4, num_kv_heads=2, h
 L2_BYTES = 60 * 2**20
 REP_MS = 100  # per timed configuration (do_bench_cudagraph)
 COLD_L2 = False  # --cold-l2: flush the L2 before every timed call
+FLUSH = "read"  # --flush: how (bench.timing.flush_l2)
 # --compare: tilings of the split decode kernels (path; tile, warps, stages)
 COMPARE = ((Path.DECODE_SPLIT, 128, 4, 3), (Path.DECODE_CODE_UNITS, 64, 2, 2), (Path.DECODE_CODE_UNITS, 32, 1, 2))
 
@@ -143,9 +147,9 @@ _FLUSH = {}  # the 256 MiB buffer of --cold-l2
 
 
 def timed_us(fn, device, cold: bool = False) -> float:
-    """µs of one ``fn()``: the median of CUDA-graph replays; ``cold``: each replay writes a
-    256 MiB buffer first (the L2 flushed) and that write's own time is subtracted
-    (:func:`bench.timing.cold_graph_us`). On the CPU: wall clock of one run (a smoke test, not a
+    """µs of one ``fn()``: the median of CUDA-graph replays; ``cold``: each replay flushes the
+    L2 first (a pass of :data:`FLUSH` kind over a 256 MiB buffer) and the flush's own time is
+    subtracted (:func:`bench.timing.cold_graph_us`). On the CPU: wall clock of one run (a smoke test, not a
     measurement)."""
     if device == "cpu":
         t0 = time.perf_counter()
@@ -155,7 +159,7 @@ def timed_us(fn, device, cold: bool = False) -> float:
         return graph_us(fn, REP_MS)
     if "buf" not in _FLUSH:
         _FLUSH["buf"] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-    return cold_graph_us(fn, REP_MS, _FLUSH["buf"])
+    return cold_graph_us(fn, REP_MS, _FLUSH["buf"], FLUSH)
 
 
 def shuffled_block_table(blocks: list, device, gen) -> torch.Tensor:
@@ -300,7 +304,7 @@ def bench(p, device, modes, sweep, log, sweep_min_ctx=0, compare=False, pdl_mode
 def table(rows, copy, device, argv) -> str:
     name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
     lines = [f"GPU: {name}; device copy bandwidth {copy:.0f} GB/s (read + write)"
-             + ("; L2 flushed before every timed call (cold)" if COLD_L2 else ""),
+             + (f"; L2 flushed before every timed call (cold, {FLUSH} flush)" if COLD_L2 else ""),
              f"command: `python -m bench.attention {' '.join(argv)}`", "",
              "| mode | kind | batch | context | µs | KV GB/s | % of copy | speed-up vs bf16 | rel. L2 vs oracle "
              "| kernel (block_m, tile, segs, warps, stages) |",
@@ -337,8 +341,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixes", default="", help="--mixed: only these entries of MIXES (comma-separated "
                         "indices, e.g. 0,2)")
     parser.add_argument("--cold-l2", action="store_true",
-                        help="flush the L2 (256 MiB write, its time subtracted) before every timed call; "
-                             "--mixed: warm and cold side by side")
+                        help="flush the L2 (one pass over 256 MiB, its time subtracted) before every timed "
+                             "call; --mixed: warm and cold side by side")
+    parser.add_argument("--flush", default="read", choices=FLUSHES,
+                        help="--cold-l2: read the buffer (clean L2, default) or write it (dirty L2: each call "
+                             "also pays the write-back)")
     parser.add_argument("--q-rotation", default="auto", choices=("auto", "decode", "kernel", "both"),
                         help="INT4 query rotation in the decode kernel's prologue or in its own kernel "
                              "(auto: the launcher's default), or both side by side")
@@ -353,8 +360,9 @@ def run(args, argv=()) -> int:
         p["batches"] = [int(x) for x in args.batches.split(",")]
     if args.head_size:
         p["head_size"] = args.head_size
-    global REP_MS, COLD_L2
+    global REP_MS, COLD_L2, FLUSH
     REP_MS = args.rep_ms
+    FLUSH = args.flush
     COLD_L2 = args.cold_l2 and device != "cpu"
     if args.prefill is not None:
         p["prefill"] = (1, args.prefill) if args.prefill else None

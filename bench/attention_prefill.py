@@ -8,8 +8,9 @@ one chunk). The new tokens' keys are in the cache too, as a prefill worker has t
 writing them: a sequence's context is ``cached + q_len``. Each prefill row holds
 :data:`TOKENS_PER_CALL` new tokens (``4096 // q_len`` sequences) so the grid fills the GPU.
 
-Each row, every mode: the median µs of CUDA-graph replays, warm and with a cold L2 (a 256 MiB
-write before every replay, its own time measured in the same run and subtracted); the
+Each row, every mode: the median µs of CUDA-graph replays, warm and with a cold L2 (one pass
+over a 256 MiB buffer before every replay, its own time measured in the same run and
+subtracted; ``--flush read``, the default, or ``write``: :func:`bench.timing.flush_l2`); the
 *ceiling*: ``max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)``, both rates measured in
 this run (copy: a device-to-device copy of 1 GiB, counted read + write; matmul: ``torch.matmul``
 of two bf16 8192 x 8192 matrices). Bytes: every visible key's K and V row once (codes and
@@ -48,7 +49,7 @@ import time
 import torch
 
 from bench.attention import MODES, copy_gbps, fill_cache, shuffled_block_table
-from bench.timing import FLUSH_BYTES, cold_graph_us, graph_us, tee
+from bench.timing import FLUSH_BYTES, FLUSHES, cold_graph_us, graph_us, tee
 from kernels.attention import Path, Plan, Rotate, Tiling, Tuning, attention_plan, unified_attention
 from kernels.attention.call import make_call
 from kernels.attention.prefill_dequant import dequantized_call, restore_output
@@ -182,8 +183,8 @@ def check(pb, tuning: Tuning) -> float:
 class Timer:
     """Warm and cold-L2 µs of one call (CUDA-graph replays); wall clock of one call on the CPU."""
 
-    def __init__(self, device, rep_ms):
-        self.device, self.rep_ms = device, rep_ms
+    def __init__(self, device, rep_ms, flush="read"):
+        self.device, self.rep_ms, self.kind = device, rep_ms, flush
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device != "cpu" else None
 
     def __call__(self, fn) -> tuple:
@@ -192,7 +193,7 @@ class Timer:
             fn()
             us = (time.perf_counter() - t0) * 1e6
             return us, us
-        return graph_us(fn, self.rep_ms), cold_graph_us(fn, self.rep_ms, self.flush)
+        return graph_us(fn, self.rep_ms), cold_graph_us(fn, self.rep_ms, self.flush, self.kind)
 
 
 def matmul_tflops(device) -> float:
@@ -251,11 +252,11 @@ def describe(plan: Plan) -> str:
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 
-def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS) -> tuple:
+def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS, flush="read") -> tuple:
     copy = copy_gbps(device)
     tflops = matmul_tflops(device)
     log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
-    timer = Timer(device, rep_ms)
+    timer = Timer(device, rep_ms, flush)
     rows = []
     for shape in shapes(p, heads):
         bf16_cold = None
@@ -296,10 +297,10 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILI
     return rows, copy, tflops
 
 
-def table(rows, copy, tflops, device, argv) -> str:
+def table(rows, copy, tflops, device, argv, flush="read") -> str:
     name = torch.cuda.get_device_name() if device != "cpu" else "CPU (Triton interpreter; times are not measurements)"
     lines = [f"GPU: {name}; copy {copy:.0f} GB/s (read + write); bf16 matmul {tflops:.0f} TFLOP/s; "
-             "cold: L2 flushed before every replay",
+             f"cold: L2 flushed ({flush} flush) before every replay",
              f"command: `python -m bench.attention_prefill {' '.join(argv)}`", "",
              "| head | shape | mode | seqs | µs warm | µs cold | TFLOP/s | GB/s | ceiling µs (bound) | "
              "% of limit | vs bf16 | rel. L2 | dequant µs cold (GB/s, % of copy) | "
@@ -333,6 +334,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                         help="include the mixed-batch row (--no-mixed: leave it out)")
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="timing budget per configuration (ms)")
+    parser.add_argument("--flush", default="read", choices=FLUSHES,
+                        help="cold L2: read the 256 MiB buffer (clean L2, default) or write it (dirty L2)")
     parser.add_argument("--log", default=None, help="append every timed configuration to this file")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -359,8 +362,8 @@ def main(argv=None) -> int:
             tilings = ()
         if not tilings or any(len(t) != 4 or min(t) < 1 for t in tilings):
             parser.error(f"--tilings: expected 'block_m,tile,warps,stages' separated by ';', got {args.tilings!r}")
-    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings)
-    print(table(rows, copy, tflops, device, list(argv)))
+    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings, args.flush)
+    print(table(rows, copy, tflops, device, list(argv), args.flush))
     return 0
 
 

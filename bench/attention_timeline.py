@@ -3,7 +3,8 @@
 Each spec ``mode:batch:context[:path:segments:tile:warps:stages[:heads]]`` builds the decode
 problem of ``bench.attention`` (32 query / 8 KV heads, head_size 128, block 16, random codes,
 shuffled block table), checks it against the oracle, captures ``calls`` of it in one CUDA
-graph, each after a 256 MiB write that flushes the L2, and replays the graph under the PyTorch
+graph, each after a pass over 256 MiB that flushes the L2 (``--flush read``, the default, or
+``write``: :func:`bench.timing.flush_l2`), and replays the graph under the PyTorch
 profiler. Printed per kernel of the call (rotation, decode, reduction): its grid, block,
 registers per thread, shared memory per block, the profiler's estimate of achieved occupancy
 (what says whether a grid fills the SMs in whole waves), the median duration over the calls
@@ -28,9 +29,10 @@ import tempfile
 import torch
 
 from bench import attention as B
+from bench.timing import FLUSH_BYTES, FLUSH_READ_KERNEL, FLUSH_WRITE_KERNEL, FLUSHES, flush_l2
 from kernels.attention import Path, Tiling, Tuning
 
-FLUSH_KERNEL = "FillFunctor<unsigned char>"   # the flush's zero_ in the profiler's kernel names
+FLUSH_KERNELS = {"read": FLUSH_READ_KERNEL, "write": FLUSH_WRITE_KERNEL}   # the flush in the profiler's kernel names
 
 
 def parse_spec(spec: str) -> tuple:
@@ -55,34 +57,34 @@ def kernel_events(trace_path: str) -> list:
     return sorted(events, key=lambda e: e["ts"])
 
 
-def split_calls(events: list) -> list:
+def split_calls(events: list, flush_kernel: str = FLUSH_READ_KERNEL) -> list:
     """``[(flush end µs, [kernel events of the call])]``: a call is what follows a flush."""
     calls = []
     for e in events:
-        if FLUSH_KERNEL in e["name"]:
+        if flush_kernel in e["name"]:
             calls.append((e["ts"] + e["dur"], []))
         elif calls:
             calls[-1][1].append(e)
     return calls
 
 
-def timeline(mode: str, batch: int, ctx: int, tuning: Tuning, calls: int = 20) -> list:
+def timeline(mode: str, batch: int, ctx: int, tuning: Tuning, calls: int = 20, flush_kind: str = "read") -> list:
     """Lines describing one spec (see the module docstring)."""
     pb = B.make_problem(B.MODES[mode], batch, ctx, 1, B.FULL, "cuda")
     plan = B.plan_of(pb, tuning)
     err = B.check(pb, tuning)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     tables = pb["tables"]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         B.call(pb, tuning, tables[0])
-        flush.zero_()
+        flush_l2(flush, flush_kind)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
-            flush.zero_()
+            flush_l2(flush, flush_kind)
             B.call(pb, tuning, tables[i % len(tables)])
     graph.replay()
     torch.cuda.synchronize()
@@ -94,7 +96,7 @@ def timeline(mode: str, batch: int, ctx: int, tuning: Tuning, calls: int = 20) -
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        found = split_calls(kernel_events(path))[2:]   # the first calls of a replay start after the host's launch
+        found = split_calls(kernel_events(path), FLUSH_KERNELS[flush_kind])[2:]   # the first calls of a replay start after the host's launch
     finally:
         os.unlink(path)
     count = statistics.mode(len(k) for _, k in found)
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention_timeline", description=__doc__.splitlines()[0])
     p.add_argument("specs", nargs="+", help="mode:batch:context[:path:segments:tile:warps:stages[:heads]]")
     p.add_argument("--calls", type=int, default=20, help="calls per graph (each after its flush)")
+    p.add_argument("--flush", default="read", choices=FLUSHES, help="read the 256 MiB buffer (default) or write it")
     a = p.parse_args(argv)
     try:
         specs = [parse_spec(s) for s in a.specs]
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
         print("bench.attention_timeline needs a CUDA GPU (the profiler's kernel timeline)", file=sys.stderr)
         return 1
     for mode, batch, ctx, tuning in specs:
-        print("\n".join(timeline(mode, batch, ctx, tuning, a.calls)), flush=True)
+        print("\n".join(timeline(mode, batch, ctx, tuning, a.calls, a.flush)), flush=True)
     return 0
 
 

@@ -78,8 +78,12 @@ def test_attention_timeline_specs_and_trace_split(tmp_path, monkeypatch, capsys)
               dict(cat="kernel", name="decode", ts=281, dur=21)]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events[::-1]}))
-    calls = T.split_calls(T.kernel_events(str(path)))
+    calls = T.split_calls(T.kernel_events(str(path)), T.FLUSH_KERNELS["write"])
     assert [(end, [k["name"] for k in ks]) for end, ks in calls] == [(90, ["decode", "reduce"]), (280, ["decode"])]
+    read = [dict(e, name="_read_flush_kernel") if e["name"] == flush else e for e in events]
+    path.write_text(json.dumps({"traceEvents": read}))
+    assert T.split_calls(T.kernel_events(str(path)), T.FLUSH_KERNELS["read"]) == calls
+    assert T.split_calls(T.kernel_events(str(path)), T.FLUSH_KERNELS["write"]) == []
     args = {"grid": [1, 8, 128], "block": [128, 1, 1], "registers per thread": 156, "shared memory": 98304,
             "est. achieved occupancy %": 19}
     line = T.kernel_line(dict(name="_attn_kernel", args=args), 46.43, 0.26)
@@ -107,3 +111,22 @@ def test_tee_prints_and_appends(tmp_path, capsys):
     tee(None)("only printed")
     assert out.read_text() == "first\nsecond\n"
     assert capsys.readouterr().out == "first\nsecond\nonly printed\n"
+
+
+def test_read_pass_reads_every_word_once():
+    """bench.timing.read_pass (the read flush's kernel, here through the interpreter): program
+    ``p``'s word is the XOR of blocks ``p, p + programs, ...`` of the buffer, for a buffer of
+    random words whose blocks do not divide evenly among the programs; ``flush_l2`` refuses an
+    unknown kind."""
+    import numpy as np
+    import torch
+
+    from bench.timing import flush_l2, read_pass
+    programs, block = 3, 8
+    words = torch.randint(-2**31, 2**31 - 1, (7 * block,), dtype=torch.int32)
+    got = read_pass(words.view(torch.uint8), programs, block)
+    rows = words.numpy().reshape(7, block)
+    want = [np.bitwise_xor.reduce(rows[p::programs].ravel()) for p in range(programs)]
+    assert got.tolist() == [int(w) for w in want]
+    with pytest.raises(ValueError, match="expected one of"):
+        flush_l2(words.view(torch.uint8), "evict")
