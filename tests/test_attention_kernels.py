@@ -778,14 +778,19 @@ def test_block_tiles_default_and_segments():
 def test_bf16_decode_segments_fill_whole_waves():
     """The 2D kernel's split decode over a 16-bit cache on sm_90 (H200 facts: 3 resident programs
     per SM at head_size 128, 396 slots): segments fill the fewest whole waves to at least 90%,
-    capped at 4 key tiles per segment; other head sizes, other GPUs and the CPU keep 16 programs
-    per SM (a power of two)."""
-    from kernels.attention.plan import MIN_WAVE_FILL, whole_wave_segments
+    capped at 4 key tiles per segment, less the trailing ones left empty by ``ceil(tiles /
+    segments)`` tiles each (b1@32k: 49 asked, 47 hold tiles); other head sizes, other GPUs and
+    the CPU keep 16 programs per SM (a power of two)."""
+    from kernels.attention.plan import MIN_WAVE_FILL, busy_segments, whole_wave_segments
     bf16 = KVQuantMode.NONE
-    for batch, ctx, segs in ((1, 32768, 49), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
-                             (32, 32768, 3), (12, 16384, 4), (1, 4096, 16), (8, 4096, 6), (8, 1024, 4)):
+    for batch, ctx, segs in ((1, 32768, 47), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
+                             (32, 32768, 3), (12, 16384, 4), (1, 4096, 16), (4, 4096, 11), (8, 4096, 6),
+                             (8, 1024, 4)):
         plan = plan_for(bf16, batch, ctx, H200)
         assert (plan.path, plan.tiling.num_segments) == (P2D, segs), (batch, ctx, plan)
+        tiles = -(-ctx // plan.tiling.tile)
+        assert (segs - 1) * -(-tiles // segs) < tiles, (batch, ctx)   # the last segment holds a tile
+    assert (busy_segments(49, 512), busy_segments(12, 64), busy_segments(6, 512), busy_segments(5, 3)) == (47, 11, 6, 3)
     for pairs in range(1, 5000):  # (sequences x KV heads): 90% of the slots up to b32 x 8 heads, 80% beyond
         segs = whole_wave_segments(pairs, 396)
         waves = -(-pairs * segs // 396)

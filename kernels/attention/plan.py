@@ -250,7 +250,9 @@ MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in 
 # per program, so registers bind at 3. There the grid is sized in whole waves of these slots
 # (:func:`whole_wave_segments`): fewer, longer programs in one or two full waves beat
 # TARGET_PROGRAMS_PER_SM's many waves by 3-11% from b1 to b32 (cold L2, docs/BENCHMARKS.md:
-# bf16 b2@32k 77.7 against 84.7 µs, b8@32k 252.3 against 276.4, b8@4k 46.8 against 50.6).
+# bf16 b2@32k 77.7 against 84.7 µs, b8@32k 252.3 against 276.4, b8@4k 46.8 against 50.6), and
+# the segments left empty by whole tiles per segment are dropped (:func:`busy_segments`: b1@32k
+# 38.5-40.0 µs in 47 segments against 40.3-40.7 in 49).
 DECODE_2D_RESIDENT = {128: 3}
 MIN_WAVE_FILL = 0.9          # whole_wave_segments: the share of the waves' slots the grid must fill
 SPLIT_PROGRAMS_PER_SM = 2    # decode_split asked for without a tiling: segments for about this many per SM
@@ -435,7 +437,8 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
         # on sm_90, where the slots were counted
         resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.cuda_sm90 else None
         if resident and not given:
-            return _generic(call, block_m, min(whole_wave_segments(pairs, resident * sms), cap))
+            segs = min(whole_wave_segments(pairs, resident * sms), cap)
+            return _generic(call, block_m, busy_segments(segs, -(-ctx // tile)))
         want = TARGET_PROGRAMS_PER_SM * sms // pairs
     return _generic(call, block_m, int(given or prev_pow2(max(1, min(want, cap)))))
 
@@ -455,6 +458,14 @@ def whole_wave_segments(pairs: int, slots: int, max_waves: int = 8) -> int:
             return segs
         best = max(best, (fill, segs))
     return best[1]
+
+
+def busy_segments(segs: int, tiles: int) -> int:
+    """The segments that hold a tile when ``tiles`` key tiles are cut into ``segs`` segments of
+    ``ceil(tiles / segs)`` tiles each (``common.segment_tiles``): the rest would be empty
+    programs and empty rows for the reduction to merge. 512 tiles in 49 segments of 11: 47."""
+    per = -(-tiles // segs)
+    return -(-tiles // per)
 
 
 def _staged_wanted(call, facts, tuning, pdl) -> bool:
