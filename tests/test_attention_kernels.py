@@ -573,7 +573,7 @@ def test_cuda_plan_names_the_kernel_that_runs(mode, batch, ctx, launched):
     c = make_case(mode, torch.bfloat16, q_lens=[1] * batch, k_lens=[ctx - 7 * i for i in range(batch)],
                   num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=batch)
     plan = _plan_of(c)
-    staged = batch * ctx >= decode_staged.MIN_KEYS
+    staged = decode_staged.wants(128, 4, 8, batch, ctx)
     assert (plan.path in (STAGED4, STAGED8)) == staged, plan
     run_and_check(c)
     assert launched == expected_launches(plan, mode), plan
@@ -608,6 +608,9 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
     assert plan.reduce == Reduce.GLUON
     assert plan_for(mode, 8, big // 2).path == BLOCKS
+    one = decode_staged.MIN_KEYS_ONE_SEQ    # a single sequence needs more keys
+    assert (plan_for(mode, 1, one).path, plan_for(mode, 1, one // 2).path) == (staged, BLOCKS)
+    assert plan_for(mode, 2, one // 4).path == staged and plan_for(mode, 2, one // 4 - 16).path == BLOCKS
     assert plan_for(mode, 8, big, num_q_heads=128).path == BLOCKS                        # GQA 16
     assert plan_for(mode, 8, big, head_size=64).path == BLOCKS
     separate = plan_for(mode, 8, big, packed=False)

@@ -11,8 +11,10 @@ query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruc
 
 They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, where the
 H200 measured them faster than ``decode_block_tiles``: 1.24-1.50x from 262,144 keys, 1.04-1.14x
-(INT4) at 131,072; at 65,536 keys they tie, and a single sequence (a few programs of many
-blocks each) is slower. Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
+(INT4) at 131,072; at 65,536 keys over 2-16 sequences, cold L2 (read flush), INT4 1.04-1.11x
+(b2@32k 39.6 against 41.2 µs, b16@4k 36.8 against 40.9) and INT8 1.01-1.06x, at 32,768 keys
+0.84-0.94x. A single sequence (a few programs of many blocks each) is slower at 32k (INT4
+b1@32k 41.8 against 27.5 µs) and keeps the earlier ``MIN_KEYS_ONE_SEQ``. Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
 FP8 2 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM); segments for
 about two programs per SM. On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic
@@ -38,7 +40,8 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-MIN_KEYS = 131072                   # sequences x context from which a staged kernel is the default
+MIN_KEYS = 65536                    # sequences x context from which a staged kernel is the default
+MIN_KEYS_ONE_SEQ = 131072           # the same for a single sequence (a few programs of many blocks each)
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
 ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, then the scale word
@@ -57,9 +60,11 @@ def kernel(path: str):
 
 def wants(head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seqlen_k: int) -> bool:
     """The shape a staged kernel takes by default: head_size 128, at most 8 query heads per KV
-    head and 8 KV heads, and at least ``MIN_KEYS`` keys in the batch."""
+    head and 8 KV heads, and at least ``MIN_KEYS`` keys in the batch (``MIN_KEYS_ONE_SEQ`` for a
+    single sequence)."""
+    keys = num_seqs * max_seqlen_k
     return (head_size == HEAD_SIZE and group <= MAX_GROUP and num_kv_heads <= MAX_KV_HEADS
-            and num_seqs * max_seqlen_k >= MIN_KEYS)
+            and keys >= (MIN_KEYS if num_seqs > 1 else MIN_KEYS_ONE_SEQ))
 
 
 def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
