@@ -14,7 +14,8 @@ H200 measured them faster than ``decode_block_tiles``: 1.24-1.50x from 262,144 k
 (INT4) at 131,072; at 65,536 keys over 2-16 sequences, cold L2 (read flush), INT4 1.04-1.11x
 (b2@32k 39.6 against 41.2 µs, b16@4k 36.8 against 40.9) and INT8 1.01-1.06x, at 32,768 keys
 0.84-0.94x. A single sequence (a few programs of many blocks each) is slower at 32k (INT4
-b1@32k 41.8 against 27.5 µs) and keeps the earlier ``MIN_KEYS_ONE_SEQ``. Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
+b1@32k 41.8 against 27.5 µs, b1@64k 51.7 against 42.5) and keeps ``MIN_KEYS_ONE_SEQ`` (b1@128k
+68.9 against 71.7). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
 FP8 2 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM); segments for
 about two programs per SM. On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic
