@@ -29,10 +29,9 @@ import tempfile
 import torch
 
 from bench import attention as B
-from bench.timing import FLUSH_BYTES, FLUSH_READ_KERNEL, FLUSH_WRITE_KERNEL, FLUSHES, flush_l2
+from bench.timing import FLUSH_BYTES, FLUSH_KERNELS, FLUSHES, flush_l2
 from kernels.attention import Path, Tiling, Tuning
 
-FLUSH_KERNELS = {"read": FLUSH_READ_KERNEL, "write": FLUSH_WRITE_KERNEL}   # the flush in the profiler's kernel names
 
 
 def parse_spec(spec: str) -> tuple:
@@ -57,7 +56,7 @@ def kernel_events(trace_path: str) -> list:
     return sorted(events, key=lambda e: e["ts"])
 
 
-def split_calls(events: list, flush_kernel: str = FLUSH_READ_KERNEL) -> list:
+def split_calls(events: list, flush_kernel: str = FLUSH_KERNELS["read"]) -> list:
     """``[(flush end µs, [kernel events of the call])]``: a call is what follows a flush."""
     calls = []
     for e in events:

@@ -38,9 +38,9 @@ def tee(path):
 
 
 FLUSH_BYTES = 256 * 2**20  # well over the H200's 60 MiB L2: one pass over it evicts every cached line
-FLUSHES = ("read", "write")
-FLUSH_READ_KERNEL = "_read_flush_kernel"   # the read flush's name in the profiler's kernel list
-FLUSH_WRITE_KERNEL = "FillFunctor<unsigned char>"   # the write flush's (``zero_``)
+# each flush kind -> its kernel's name in the profiler's kernel list (the write flush is ``zero_``)
+FLUSH_KERNELS = {"read": "_read_flush_kernel", "write": "FillFunctor<unsigned char>"}
+FLUSHES = tuple(FLUSH_KERNELS)
 
 
 def flush_l2(buf, kind: str = "read") -> None:

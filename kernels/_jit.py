@@ -102,6 +102,13 @@ def prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def busy_segments(segs: int, units: int) -> int:
+    """The segments that hold work when ``units`` (key tiles, cache blocks) are cut into ``segs``
+    segments of ``ceil(units / segs)`` each, as the split kernels cut them: the rest would be
+    empty programs and empty rows for the reduction to merge. 512 tiles in 49 segments of 11: 47."""
+    return cdiv(units, cdiv(units, segs))
+
+
 def interpreting(t: torch.Tensor) -> bool:
     """True when a kernel launched on ``t`` runs through the interpreter (CPU tensor).
 

@@ -784,7 +784,8 @@ def test_bf16_decode_segments_fill_whole_waves():
     capped at 4 key tiles per segment, less the trailing ones left empty by ``ceil(tiles /
     segments)`` tiles each (b1@32k: 49 asked, 47 hold tiles); other head sizes, other GPUs and
     the CPU keep 16 programs per SM (a power of two)."""
-    from kernels.attention.plan import MIN_WAVE_FILL, busy_segments, whole_wave_segments
+    from kernels._jit import busy_segments
+    from kernels.attention.plan import MIN_WAVE_FILL, whole_wave_segments
     bf16 = KVQuantMode.NONE
     for batch, ctx, segs in ((1, 32768, 47), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
                              (32, 32768, 3), (12, 16384, 4), (1, 4096, 16), (4, 4096, 11), (8, 4096, 6),

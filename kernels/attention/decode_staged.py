@@ -34,6 +34,7 @@ import torch
 
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 
+from .._jit import busy_segments
 from . import gluon_probe
 from .gluon_probe import RingUnsupported
 
@@ -63,9 +64,13 @@ def wants(head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seql
     """The shape a staged kernel takes by default: head_size 128, at most 8 query heads per KV
     head and 8 KV heads, and at least ``MIN_KEYS`` keys in the batch (``MIN_KEYS_ONE_SEQ`` for a
     single sequence)."""
-    keys = num_seqs * max_seqlen_k
     return (head_size == HEAD_SIZE and group <= MAX_GROUP and num_kv_heads <= MAX_KV_HEADS
-            and keys >= (MIN_KEYS if num_seqs > 1 else MIN_KEYS_ONE_SEQ))
+            and num_seqs * max_seqlen_k >= min_keys(num_seqs))
+
+
+def min_keys(num_seqs: int) -> int:
+    """Keys in the batch from which a staged kernel is the default for ``num_seqs`` sequences."""
+    return MIN_KEYS if num_seqs > 1 else MIN_KEYS_ONE_SEQ
 
 
 def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
@@ -78,8 +83,7 @@ def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     1.6% either way."""
     blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
     want = max(1, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), blocks))
-    per_segment = -(-blocks // want)
-    return max(2, -(-blocks // per_segment))
+    return max(2, busy_segments(want, blocks))
 
 
 def packed_views(q, k, v, ks, vs, code_bytes: int) -> bool:

@@ -51,7 +51,7 @@ import torch
 
 from layouts import KVQuantMode
 
-from .._jit import next_pow2, prev_pow2
+from .._jit import busy_segments, cdiv, next_pow2, prev_pow2
 from . import decode_block_tiles as B
 from . import decode_code_units as C
 from . import decode_staged as S
@@ -334,8 +334,8 @@ def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
         path = Path.PREFILL_2D
     elif _staged_wanted(call, facts, tuning, pdl):
         path = _STAGED[mode]
-        why.append(f"decode, {keys} keys in the batch >= {S.MIN_KEYS if call.num_seqs > 1 else S.MIN_KEYS_ONE_SEQ}, head_size 128, group {call.group}, "
-                   f"{call.num_kv_heads} KV heads")
+        why.append(f"decode, {keys} keys in the batch >= {S.min_keys(call.num_seqs)}, head_size 128, "
+                   f"group {call.group}, {call.num_kv_heads} KV heads")
     elif B.wants(mode, head, call.num_seqs, call.max_seqlen_k):
         path = Path.DECODE_BLOCK_TILES
         why.append(f"decode at head_size {head}" + (f", {keys} keys >= {B.INT4_MIN_KEYS[head]}"
@@ -438,7 +438,7 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
         resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.cuda_sm90 else None
         if resident and not given:
             segs = min(whole_wave_segments(pairs, resident * sms), cap)
-            return _generic(call, block_m, busy_segments(segs, -(-ctx // tile)))
+            return _generic(call, block_m, busy_segments(segs, cdiv(ctx, tile)))
         want = TARGET_PROGRAMS_PER_SM * sms // pairs
     return _generic(call, block_m, int(given or prev_pow2(max(1, min(want, cap)))))
 
@@ -458,14 +458,6 @@ def whole_wave_segments(pairs: int, slots: int, max_waves: int = 8) -> int:
             return segs
         best = max(best, (fill, segs))
     return best[1]
-
-
-def busy_segments(segs: int, tiles: int) -> int:
-    """The segments that hold a tile when ``tiles`` key tiles are cut into ``segs`` segments of
-    ``ceil(tiles / segs)`` tiles each (``common.segment_tiles``): the rest would be empty
-    programs and empty rows for the reduction to merge. 512 tiles in 49 segments of 11: 47."""
-    per = -(-tiles // segs)
-    return -(-tiles // per)
 
 
 def _staged_wanted(call, facts, tuning, pdl) -> bool:
