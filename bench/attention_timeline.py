@@ -1,7 +1,7 @@
 """Where the time of one decode call goes, kernel by kernel, with a cold L2 (CUDA).
 
-Each spec ``mode:batch:context[:path:segments:tile:warps:stages[:heads]]`` builds the decode
-problem of ``bench.attention`` (32 query / 8 KV heads, head_size 128, block 16, random codes,
+Each spec ``mode:batch:context[:path:segments:tile:warps:stages[:heads[:max_registers]]]``
+builds the decode problem of ``bench.attention`` (32 query / 8 KV heads, head_size 128, block 16, random codes,
 shuffled block table), checks it against the oracle, captures ``calls`` of it in one CUDA
 graph, each after a pass over 256 MiB that flushes the L2 (``--flush read``, the default, or
 ``write``: :func:`bench.timing.flush_l2`), and replays the graph under the PyTorch
@@ -12,7 +12,8 @@ and the median gap after the previous kernel (negative: it started before that o
 programmatic dependent launch); then the median time from
 the end of the flush to the end of the call's last kernel. A spec with a path times that path
 with the tiling given (``Tiling(16, tile, segments, warps, stages)``, edges-only masking for
-the 2D kernel) instead of the plan's.
+the 2D kernel; ``heads``: KV heads per program of ``decode_block_tiles``, 0 = all; ``max_registers``:
+the register cap per thread, 0 = the kernel's own) instead of the plan's.
 
 Run: ``python -m bench.attention_timeline int4:1:32768 bf16:1:32768 int4:1:32768:decode_staged_int4:132:16:8:4``
 """
@@ -35,17 +36,19 @@ from kernels.attention import Path, Tiling, Tuning
 
 
 def parse_spec(spec: str) -> tuple:
-    """``(mode, batch, context, Tuning)`` of ``mode:batch:context[:path:segments:tile:warps:stages[:heads]]``."""
+    """``(mode, batch, context, Tuning)`` of ``mode:batch:context[:path:segments:tile:warps:stages[:heads[:max_registers]]]``."""
     f = spec.split(":")
-    if len(f) not in (3, 8, 9) or f[0] not in B.MODES:
-        raise ValueError(f"spec {spec!r}: expected mode:batch:context[:path:segments:tile:warps:stages[:heads]] "
+    if len(f) not in (3, 8, 9, 10) or f[0] not in B.MODES:
+        raise ValueError(f"spec {spec!r}: expected mode:batch:context[:path:segments:tile:warps:stages[:heads[:max_registers]]] "
                          f"with mode one of {sorted(B.MODES)}")
     if len(f) == 3:
         return f[0], int(f[1]), int(f[2]), Tuning()
     path = Path(f[3])
     segs, tile, warps, stages = (int(x) for x in f[4:8])
     heads = int(f[8]) if len(f) > 8 else 0
-    tiling = Tiling(16, tile, segs, warps, stages, heads_per_program=heads, mask_edges_only=path == Path.PREFILL_2D)
+    max_registers = int(f[9]) if len(f) > 9 else 0
+    tiling = Tiling(16, tile, segs, warps, stages, heads_per_program=heads, max_registers=max_registers,
+                    mask_edges_only=path == Path.PREFILL_2D)
     return f[0], int(f[1]), int(f[2]), Tuning(path=path, tiling=tiling)
 
 
@@ -124,7 +127,7 @@ def kernel_line(event: dict, dur_us: float, gap_us: float) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention_timeline", description=__doc__.splitlines()[0])
-    p.add_argument("specs", nargs="+", help="mode:batch:context[:path:segments:tile:warps:stages[:heads]]")
+    p.add_argument("specs", nargs="+", help="mode:batch:context[:path:segments:tile:warps:stages[:heads[:max_registers]]]")
     p.add_argument("--calls", type=int, default=20, help="calls per graph (each after its flush)")
     p.add_argument("--flush", default="read", choices=FLUSHES, help="read the 256 MiB buffer (default) or write it")
     a = p.parse_args(argv)

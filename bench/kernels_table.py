@@ -155,7 +155,7 @@ def section() -> str:
     for path, why in WHY.items():
         out.append(f"| `{path.value}` | {FILES[path]} | {why} |")
     out += ["", "Around the decode kernels: `rotate_query.py` (Triton) / `rotate_query_gluon.py` (Gluon, head_size "
-            "128) rotate an INT4 query; `reduce.py` (Triton) / `reduce_gluon.py` (Gluon, head_size 128, <= 64 "
+            "128) rotate an INT4 query; `reduce.py` (Triton) / `reduce_gluon.py` (Gluon, head_size 128, <= 512 "
             "segments) merge the segments; `plan.py` holds the rules and `Tuning`, `run.py` the launch by path.", ""]
     return "\n".join(out)
 

@@ -1077,14 +1077,15 @@ def test_query_rotation_in_parts(device, parts, dtype):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("head_size,segments", [(16, 3), (32, 8), (64, 2), (128, 8), (128, 33), (128, 64), (128, 65),
-                                               (128, 160), (256, 5)])
+                                               (128, 160), (128, 512), (256, 5)])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "int4-rotation"])
 def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segments, rotate):
     """``reduce.reduce_segments`` against a float64 merge of the segments (weights ``exp2(max_s - max)``,
     an empty segment with max ``-inf``, a row with no visible key -> 0) and, for INT4, the inverse
     rotation ``s * H acc / d`` by butterflies (``reference.fwht``): the Triton kernel's Kronecker
     split of the Hadamard matrix (``HI x LO``) at head sizes 16-256, one load and chunked segments
-    (160); on CUDA at head_size 128 and up to 64 segments, the Gluon kernel's lane butterflies."""
+    (160, 512); on CUDA at head_size 128, the Gluon kernel's lane butterflies, with each thread holding
+    every segment's statistics (up to 64) or the warp's lanes sharing them (65-512)."""
     import types
 
     from kernels.attention.plan import Plan

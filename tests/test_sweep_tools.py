@@ -67,6 +67,8 @@ def test_attention_timeline_specs_and_trace_split(tmp_path, monkeypatch, capsys)
     assert not t.tiling.mask_edges_only
     assert T.parse_spec("bf16:1:4096:prefill_2d:33:64:4:3")[3].tiling.mask_edges_only
     assert T.parse_spec("int4:1:64:decode_block_tiles:8:32:1:2:2")[3].tiling.heads_per_program == 2
+    capped = T.parse_spec("int4:1:64:decode_block_tiles:8:32:1:2:1:128")[3].tiling
+    assert (capped.heads_per_program, capped.max_registers) == (1, 128)
     for bad in ("int5:1:64", "int4:1", "int4:1:64:decode_block_tiles:8"):
         with pytest.raises(ValueError, match="mode:batch:context"):
             T.parse_spec(bad)

@@ -14,8 +14,9 @@ H200 measured them faster than ``decode_block_tiles``: 1.24-1.50x from 262,144 k
 (INT4) at 131,072; at 65,536 keys over 2-16 sequences, cold L2 (read flush), INT4 1.04-1.11x
 (b2@32k 39.6 against 41.2 µs, b16@4k 36.8 against 40.9) and INT8 1.01-1.06x, at 32,768 keys
 0.84-0.94x. A single sequence (a few programs of many blocks each) is slower at 32k (INT4
-b1@32k 41.8 against 27.5 µs, b1@64k 51.7 against 42.5) and keeps ``MIN_KEYS_ONE_SEQ`` (b1@128k
-68.9 against 71.7). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
+b1@32k 32.5-33.3 against 26.9-27.0 µs), ties at 64k (41.0-42.5 against 41.8-42.3; INT8 53.7-54.1
+against 52.7) and wins from ``MIN_KEYS_ONE_SEQ`` on (b1@128k INT4 58.1-59.2 against 70.6-71.0,
+INT8 83.5-83.7 against 95.1-95.2; 256 segments, merged by the Gluon reduction). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
 FP8 2 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM); segments for
 about two programs per SM. On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic

@@ -90,7 +90,7 @@ class Reduce(str, enum.Enum):
 
     NONE = "none"
     TRITON = "triton"           # reduce._attn_reduce_kernel
-    GLUON = "gluon"             # reduce_gluon._attn_reduce_gluon_kernel (head_size 128, <= 64 segments, CUDA)
+    GLUON = "gluon"             # reduce_gluon._attn_reduce_gluon_kernel (head_size 128, <= 512 segments, CUDA)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from .common import hadamard_sign, pdl_enter
 # the Triton reduction holds up to this many values in one tile (segments x padded head size),
 # in chunks above it (decode_block_tiles' segments keep to it)
 REDUCE_ONE_LOAD = 16384
-GLUON_MAX_SEGMENTS = 64             # every segment's row loaded at once (16 rows of 4 floats per thread at most)
+GLUON_MAX_SEGMENTS = 512            # every segment's row loaded at once (16 rows of 4 floats per thread, 32 warps)
+GLUON_STATS_IN_THREAD = 64          # up to this many segments each thread holds every segment's max and sum
 GLUON_ROWS = 16                     # segments per warp (16 against 8 / 32 / 4: INT4 b8@32k 93.4-93.9 vs
                                     # 95.5 / 94.4 / 98.5 µs on the H200)
 _GLUON = ("reduce_gluon", "_attn_reduce_gluon_kernel")
@@ -111,7 +112,8 @@ def reduce_segments(call, plan) -> None:
             out, call.segm_output, call.segm_max, call.segm_expsum, call.segm_max if signs is None else signs,
             out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=segs, SEG_PAD=seg_pad, ROTATE=signs is not None,
-            PDL=plan.pdl, num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=plan.pdl)
+            STAT_SPREAD=stat_spread(seg_pad), PDL=plan.pdl, num_warps=max(1, seg_pad // GLUON_ROWS),
+            launch_pdl=plan.pdl)
         return
     head_pad = call.segm_output.shape[-1]
     # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
@@ -128,9 +130,16 @@ def reduce_segments(call, plan) -> None:
     )
 
 
+def stat_spread(seg_pad: int) -> int:
+    """Lanes of a warp that share the Gluon reduction's segment statistics: none up to
+    ``GLUON_STATS_IN_THREAD`` segments (each thread holds all of them), past it the whole warp
+    (``seg_pad / 32`` per thread, merged by shuffles), which keeps 128-512 segments in registers."""
+    return 1 if seg_pad <= GLUON_STATS_IN_THREAD else 32
+
+
 def probe(dev: torch.device, num_q_heads: int, num_segments: int, rotate: bool, pdl: bool) -> bool:
     """Whether the Gluon reduction compiles on device ``dev`` (once per process and ``(rotate,
-    pdl)``; ``gluon_probe.compiles``)."""
+    pdl, stat_spread)``; ``gluon_probe.compiles``)."""
     def compile_once():
         out = torch.empty(1, num_q_heads, 128, dtype=torch.bfloat16, device=dev)
         segm = torch.empty(1, num_q_heads, num_segments, 128, dtype=torch.float32, device=dev)  # never launched
@@ -139,7 +148,8 @@ def probe(dev: torch.device, num_q_heads: int, num_segments: int, rotate: bool, 
         seg_pad = next_pow2(num_segments)
         gluon_probe.require(*_GLUON).warmup(
             out, segm, stats, stats, signs if rotate else stats, out.stride(0), out.stride(1), out.stride(2),
-            NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=rotate, PDL=pdl,
+            NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=num_segments, SEG_PAD=seg_pad, ROTATE=rotate,
+            STAT_SPREAD=stat_spread(seg_pad), PDL=pdl,
             num_warps=max(1, seg_pad // GLUON_ROWS), launch_pdl=pdl, grid=(1, num_q_heads))
-    return gluon_probe.compiles(_GLUON[1], dev.index, (rotate, pdl), compile_once,
-                                "the Triton reduction runs instead")
+    key = (rotate, pdl, stat_spread(next_pow2(num_segments)))
+    return gluon_probe.compiles(_GLUON[1], dev.index, key, compile_once, "the Triton reduction runs instead")
