@@ -479,6 +479,26 @@ def test_staged_ring_is_reserved_once_before_the_first_launch(monkeypatch):
     assert staged.RingUnsupported in gluon_probe.COMPILE_ERRORS
 
 
+def test_staged_grid_of_one_program_per_sm_keeps_a_second_off_each_sm(monkeypatch):
+    """A staged grid that fits the SMs one program each asks for more than half an SM's shared
+    memory (``reserve_ring``'s ``min_shared``), so the scheduler cannot put two programs on one
+    SM; a larger grid, and a CPU tensor, ask for nothing more than the ring."""
+    import collections
+    import types
+
+    from kernels.attention import decode_staged as staged
+    props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda", 0)
+    assert staged._spread_shared(cuda, 128) == staged._spread_shared(cuda, 132) == 116736
+    assert staged._spread_shared(cuda, 133) == 0 and staged._spread_shared(torch.device("cpu"), 8) == 0
+    meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
+    for min_shared, shared in ((116736, 116736), (0, 1024 + 69632), (50000, 1024 + 69632)):
+        compiled = types.SimpleNamespace(metadata=meta(1, 8, 1000), packed_metadata=(8, 1, 1000), module=None)
+        assert staged.reserve_ring(compiled, 69632, min_shared) == 1024
+        assert compiled.metadata.shared == shared and compiled.packed_metadata == (8, 1, shared)
+
+
 @pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (8, 8), (16, 4), (4, 1), (8, 2)])
@@ -564,7 +584,7 @@ def test_plan_names_the_kernel_that_runs(mode, head_size, q_lens, k_lens, max_k,
 
 @pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [INT4, INT8, FP8])
-@pytest.mark.parametrize("batch,ctx", [(4, 32768), (12, 11000), (2, 4096)])
+@pytest.mark.parametrize("batch,ctx", [(4, 32768), (12, 11000), (2, 4096), (2, 32768), (1, 65536)])
 def test_cuda_plan_names_the_kernel_that_runs(mode, batch, ctx, launched):
     """On the GPU at head_size 128 (32 query / 8 KV heads), from small to staged batches: the
     launched kernels are the plan's (the staged kernels, their rotation and the Gluon reduction
@@ -573,7 +593,7 @@ def test_cuda_plan_names_the_kernel_that_runs(mode, batch, ctx, launched):
     c = make_case(mode, torch.bfloat16, q_lens=[1] * batch, k_lens=[ctx - 7 * i for i in range(batch)],
                   num_q_heads=32, num_kv_heads=8, head_size=128, device="cuda", seed=batch)
     plan = _plan_of(c)
-    staged = decode_staged.wants(128, 4, 8, batch, ctx)
+    staged = decode_staged.wants((STAGED4 if mode == INT4 else STAGED8).value, 128, 4, 8, batch, ctx)
     assert (plan.path in (STAGED4, STAGED8)) == staged, plan
     run_and_check(c)
     assert launched == expected_launches(plan, mode), plan
@@ -595,22 +615,25 @@ def test_empty_batch_launches_nothing(launched):
                                   KVQuantMode.FP8_PER_TOKEN_HEAD], ids=["int4", "int8", "fp8"])
 def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     """On an H200 (fake device facts) the plan takes the staged kernel of the mode (its ring
-    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch, and
-    decode_block_tiles below it, for GQA 16, head_size 64, separate tensors (the staged kernels
-    read only the packed layout: block tiles keep the staged segment count), without Gluon, and
-    (FP8) on an sm_80 device."""
+    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch (one
+    sequence: ``MIN_KEYS_ONE_SEQ``), and the portable kernel below it (INT4: decode_code_units,
+    whose block tiles start where the staged kernel does), decode_block_tiles for GQA 16,
+    head_size 64, separate tensors (the staged kernels read only the packed layout: block tiles
+    keep the staged segment count), without Gluon, and (FP8) on an sm_80 device."""
     from kernels.attention import decode_staged
     staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
-    big = decode_staged.MIN_KEYS // 8
+    big = decode_staged.MIN_KEYS[staged.value] // 8
     plan = plan_for(mode, 8, big)
     assert plan.path == staged and plan.tiling.num_stages == decode_staged.STAGES[staged.value]
     assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) and plan.bulk_copies and plan.pdl
     assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
     assert plan.reduce == Reduce.GLUON
-    assert plan_for(mode, 8, big // 2).path == BLOCKS
-    one = decode_staged.MIN_KEYS_ONE_SEQ    # a single sequence needs more keys
+    below = UNITS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else BLOCKS   # INT4 block tiles from 32,768 keys
+    assert plan_for(mode, 8, big // 2).path == below
+    one = decode_staged.MIN_KEYS_ONE_SEQ    # a single sequence: INT4 needs more keys, INT8 / FP8 as many
     assert (plan_for(mode, 1, one).path, plan_for(mode, 1, one // 2).path) == (staged, BLOCKS)
-    assert plan_for(mode, 2, one // 4).path == staged and plan_for(mode, 2, one // 4 - 16).path == BLOCKS
+    two = decode_staged.MIN_KEYS[staged.value] // 2
+    assert plan_for(mode, 2, two).path == staged and plan_for(mode, 2, two - 16).path == below
     assert plan_for(mode, 8, big, num_q_heads=128).path == BLOCKS                        # GQA 16
     assert plan_for(mode, 8, big, head_size=64).path == BLOCKS
     separate = plan_for(mode, 8, big, packed=False)
@@ -815,12 +838,15 @@ def test_bf16_decode_segment_counts_that_are_not_powers_of_two():
 
 
 def test_gluon_decode_segments():
-    """Staged decode segments: about 2 programs per SM, then the fewest segments with the same blocks
-    per segment (the kernels give each ``ceil(blocks / segments)``); at least 2, at most one per
-    block. Not a power of two where the SMs divide otherwise."""
+    """Staged decode segments: programs of 32 blocks or more down to one per SM, at most 2 per SM,
+    then the fewest segments with the same blocks per segment (the kernels give each
+    ``ceil(blocks / segments)``); at least 2, at most one per block. Not a power of two where the
+    SMs divide otherwise."""
     from kernels.attention.decode_staged import segments as v6_segments
     for seqs, ctx, segs in ((8, 32768, 33), (8, 16384, 32), (12, 16384, 22), (24, 8192, 11), (4, 32768, 64),
-                            (32, 32768, 8), (16, 16384, 16), (1, 100, 7), (1, 16, 2), (500, 32768, 2)):
+                            (32, 32768, 8), (16, 16384, 16), (1, 100, 7), (1, 16, 2), (500, 32768, 2),
+                            (1, 65536, 128), (2, 32768, 64), (4, 16384, 32), (8, 8192, 16), (16, 4096, 8),
+                            (1, 131072, 256), (1, 1 << 20, 264)):
         assert v6_segments(132, seqs, ctx) == segs, (seqs, ctx)
         blocks = -(-ctx // 16)
         per = -(-blocks // segs)
@@ -997,7 +1023,7 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
     monkeypatch.setattr(rotate_query, "probe", lambda *a: asked.append("rotate") or False)
     monkeypatch.setattr(reduce, "probe", lambda *a: asked.append("reduce") or False)
     real = DeviceFacts("cuda", 132, (9, 0), gluon=True, index=0)
-    big = decode_staged.MIN_KEYS // 8
+    big = max(decode_staged.MIN_KEYS.values()) // 8     # staged for either mode
     plan = plan_for(mode, 8, big, real)
     assert plan.path == BLOCKS and plan.reduce == Reduce.TRITON
     no_gluon = dataclasses.replace(H200, gluon=False)

@@ -9,16 +9,16 @@ K half, each row's 4-byte scale right after its code bytes, blocks 16-byte align
 most 8 KV heads (a power of two) and at most 8 query heads per KV head; INT8 / FP8 also need a
 query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruction).
 
-They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, where the
-H200 measured them faster than ``decode_block_tiles``: 1.24-1.50x from 262,144 keys, 1.04-1.14x
-(INT4) at 131,072; at 65,536 keys over 2-16 sequences, cold L2 (read flush), INT4 1.04-1.11x
-(b2@32k 39.6 against 41.2 µs, b16@4k 36.8 against 40.9) and INT8 1.01-1.06x, at 32,768 keys
-0.84-0.94x. A single sequence (a few programs of many blocks each) is slower at 32k (INT4
-b1@32k 32.5-33.3 against 26.9-27.0 µs), ties at 64k (41.0-42.5 against 41.8-42.3; INT8 53.7-54.1
-against 52.7) and wins from ``MIN_KEYS_ONE_SEQ`` on (b1@128k INT4 58.1-59.2 against 70.6-71.0,
-INT8 83.5-83.7 against 95.1-95.2; 256 segments, merged by the Gluon reduction). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 /
-FP8 2 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM); segments for
-about two programs per SM. On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
+They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on: INT4 from 32,768
+over 2+ sequences, INT8 / FP8 from 65,536, one sequence from 65,536 (``MIN_KEYS_ONE_SEQ``). Against
+``decode_block_tiles`` on the H200 (cold L2, read flush, call times): 1.24-1.50x from 262,144 keys,
+1.04-1.14x (INT4) at 131,072; at 65,536 keys INT4 b1@64k 35.7-36.0 against 40.8-41.4 µs, INT8
+46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x (b8@4k 22.7-22.8
+against 24.6-24.9). Below that, INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4) and one
+sequence at 32k (INT4 b1@32k 25.6-25.9 against 25.0-26.1) do not win. Up to 65,536 keys the
+programs run one per SM (:func:`segments`), launched so (:func:`_spread_shared`). Rings: INT4 4
+blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 / FP8 2 (3 was 1-4% slower); a 128-register cap
+(two programs of 8 warps per SM). On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic
 dependent launch (0.8-2.2% faster): its first block copies start before ``griddepcontrol.wait``.
 
@@ -43,14 +43,17 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-MIN_KEYS = 65536                    # sequences x context from which a staged kernel is the default
-MIN_KEYS_ONE_SEQ = 131072           # the same for a single sequence (a few programs of many blocks each)
+MIN_KEYS = {"decode_staged_int4": 32768,  # sequences x context from which the kernel is the default
+            "decode_staged_int8": 65536}
+MIN_KEYS_ONE_SEQ = 65536            # the same for one sequence (not lower: at 32k it ties with decode_block_tiles)
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
 ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, then the scale word
              "decode_staged_int8": HEAD_SIZE + 4}       # 132: 128 code bytes, then the f32 scale
 MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the INT4 kernel needs 127)
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 2                 # at most (registers)
+MIN_BLOCKS_PER_PROGRAM = 32         # fewer programs, down to one per SM, before shorter ones
+SPREAD = True                       # a grid that fits the SMs one program each is launched so (_spread_shared)
 _KERNELS = {"decode_staged_int4": ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
             "decode_staged_int8": ("decode_staged_int8_gluon", "_decode_staged_int8_kernel")}
 _RING_OFFSETS: dict = {}            # (kernel, device, constexprs) -> the ring's offset in shared memory
@@ -61,30 +64,38 @@ def kernel(path: str):
     return gluon_probe.gluon_kernel(*_KERNELS[path])
 
 
-def wants(head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seqlen_k: int) -> bool:
-    """The shape a staged kernel takes by default: head_size 128, at most 8 query heads per KV
-    head and 8 KV heads, and at least ``MIN_KEYS`` keys in the batch (``MIN_KEYS_ONE_SEQ`` for a
-    single sequence)."""
+def wants(path: str, head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seqlen_k: int) -> bool:
+    """The shape the staged kernel ``path`` takes by default: head_size 128, at most 8 query heads
+    per KV head and 8 KV heads, and at least :func:`min_keys` keys in the batch."""
     return (head_size == HEAD_SIZE and group <= MAX_GROUP and num_kv_heads <= MAX_KV_HEADS
-            and num_seqs * max_seqlen_k >= min_keys(num_seqs))
+            and num_seqs * max_seqlen_k >= min_keys(path, num_seqs))
 
 
-def min_keys(num_seqs: int) -> int:
-    """Keys in the batch from which a staged kernel is the default for ``num_seqs`` sequences."""
-    return MIN_KEYS if num_seqs > 1 else MIN_KEYS_ONE_SEQ
+def min_keys(path: str, num_seqs: int) -> int:
+    """Keys in the batch from which the staged kernel ``path`` is the default for ``num_seqs``
+    sequences (``MIN_KEYS``, and at least ``MIN_KEYS_ONE_SEQ`` for one)."""
+    return MIN_KEYS[path] if num_seqs > 1 else max(MIN_KEYS[path], MIN_KEYS_ONE_SEQ)
 
 
 def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
-    """Segments per sequence: about ``PROGRAMS_PER_SM`` programs per SM (rounded down), at least
-    2, at most one per block, then the fewest segments that keep the same blocks per segment
-    (the kernels give each segment ``ceil(blocks / segments)`` blocks). Not a power of two where
-    the SMs divide otherwise: on 132 SMs b12@16k takes 22 segments, b24@8k 11, b8@32k 33 (63
-    blocks each); b8@16k 32 (33 would leave one empty), b4@32k 64, b32@32k 8. Against the power
-    of two below, on the H200: INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k within
-    1.6% either way."""
+    """Segments per sequence: programs of at least ``MIN_BLOCKS_PER_PROGRAM`` blocks as long as
+    that leaves one program per SM or more, and never more than ``PROGRAMS_PER_SM`` per SM
+    (rounded down); at least 2, at most one per block, then the fewest segments that keep the
+    same blocks per segment (the kernels give each segment ``ceil(blocks / segments)`` blocks).
+
+    On 132 SMs, one program per SM: b1@64k 128 segments, b2@32k 64, b4@16k 32, b8@8k 16 and
+    b16@4k 8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each); two per SM: b1@128k 256,
+    b4@32k 64, b8@32k 33 (63 blocks each), b12@16k 22, b24@8k 11 and b32@32k 8. On the H200 (cold
+    L2, read flush, call times), one program per SM against two of half the blocks: INT4 b2@32k
+    32.9-34.2 against 37.0-37.3 µs, b16@4k 32.8-33.0 against 35.4-35.7, INT8 b2@32k 45.0-45.2
+    against 49.4-49.8; two per SM of 32 blocks against one of 64: INT4 b4@32k 52.8-53.5 against
+    54.7-54.8. Not a power of two where the SMs divide otherwise: against the power of two below,
+    INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k within 1.6% either way."""
     blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
-    want = max(1, min(PROGRAMS_PER_SM * num_sms // max(1, num_seqs), blocks))
-    return max(2, busy_segments(want, blocks))
+    seqs = max(1, num_seqs)
+    most = max(1, PROGRAMS_PER_SM * num_sms // seqs)
+    want = min(most, max(num_sms // seqs, blocks // MIN_BLOCKS_PER_PROGRAM), blocks)
+    return max(2, busy_segments(max(1, want), blocks))
 
 
 def packed_views(q, k, v, ks, vs, code_bytes: int) -> bool:
@@ -130,11 +141,11 @@ def ring_bytes(num_kv_heads: int, stages: int, bulk: bool = False,
     return stages * 2 * BLOCK_SIZE * num_kv_heads * row_bytes + (-(-8 * stages // 16) * 16 if bulk else 0)
 
 
-def reserve_ring(compiled, nbytes: int) -> int:
+def reserve_ring(compiled, nbytes: int, min_shared: int = 0) -> int:
     """Make ``compiled`` (a Triton ``CompiledKernel`` not yet loaded) launch with ``nbytes`` more
-    dynamic shared memory, after Triton's own, and return the ring's offset there (128-byte
-    aligned). Done once per compiled kernel: Triton's cache keeps the object, so every later
-    launch of it, CUDA graph captures included, gets the ring."""
+    dynamic shared memory, after Triton's own (at least ``min_shared`` bytes in all), and return
+    the ring's offset there (128-byte aligned). Done once per compiled kernel: Triton's cache
+    keeps the object, so every later launch of it, CUDA graph captures included, gets the ring."""
     off = getattr(compiled, "_kv_ring_off", None)
     if off is not None:
         return off
@@ -147,8 +158,9 @@ def reserve_ring(compiled, nbytes: int) -> int:
         raise RingUnsupported(f"kernels: cannot reserve the staged decode's shared-memory ring in this Triton's "
                               f"compiled kernel ({type(meta).__name__}, launch metadata {packed!r})")
     off = -(-meta.shared // 128) * 128
-    compiled.metadata = meta._replace(shared=off + nbytes)
-    compiled.packed_metadata = (meta.num_warps, meta.num_ctas, off + nbytes)
+    shared = max(off + nbytes, min_shared)
+    compiled.metadata = meta._replace(shared=shared)
+    compiled.packed_metadata = (meta.num_warps, meta.num_ctas, shared)
     compiled._kv_ring_off = off
     return off
 
@@ -177,6 +189,21 @@ def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
     return kw
 
 
+def _spread_shared(device: torch.device, programs: int) -> int:
+    """Shared memory per program that keeps a second one off its SM (more than half an SM's), for
+    a grid of ``programs`` that fits the SMs one each (:func:`segments`); 0 otherwise (two fit
+    an SM by registers). Without it the scheduler may put two on one SM while others stay empty,
+    and that SM sets the kernel's time: the INT4 kernel, launched while the query's rotation still
+    runs (PDL), took b2@32k in 35.1-47.5 µs and b4@16k in 47.6-47.9 without it, 32.9-34.2 and
+    34.1-34.2 with it (H200, cold L2); the INT8 kernel, launched after its predecessor ends, was
+    the same either way."""
+    if not SPREAD or device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    return per_sm // 2 if per_sm and programs <= props.multi_processor_count else 0
+
+
 def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, compile_only: bool = False) -> None:
     """Launch the staged kernel of ``plan.path`` (grid: sequences x segments, one warp per KV
     head) on ``call`` (its segment buffers allocated). ``query``: INT4 the rotated query
@@ -195,11 +222,12 @@ def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, 
             int(call.window_size[0]), int(call.window_size[1]), query.stride(0), query.stride(1),
             k.stride(0) // 4, call.block_table.stride(0)]
     kw = _constexprs(path, call, plan, use_softcap, stages)
-    kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS)
+    sm_shared = _spread_shared(query.device, call.num_seqs * tiling.num_segments)
+    kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS, SPREAD=sm_shared > 0)
     key = (id(fn), query.device.index, tuple(sorted(kw.items())))
     off = _RING_OFFSETS.get(key)
     if off is None:
-        off = _RING_OFFSETS[key] = reserve_ring(fn.warmup(*args, 0, grid=grid, **kw), ring)
+        off = _RING_OFFSETS[key] = reserve_ring(fn.warmup(*args, 0, grid=grid, **kw), ring, sm_shared)
     if not compile_only:
         fn[grid](*args, off, **kw)
 

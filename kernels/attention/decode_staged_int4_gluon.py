@@ -466,6 +466,7 @@ def _decode_staged_int4_kernel(
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
+    SPREAD: gl.constexpr = False,   # launched one program per SM (decode_staged.launch); the code is the same
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B

@@ -334,7 +334,7 @@ def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
         path = Path.PREFILL_2D
     elif _staged_wanted(call, facts, tuning, pdl):
         path = _STAGED[mode]
-        why.append(f"decode, {keys} keys in the batch >= {S.min_keys(call.num_seqs)}, head_size 128, "
+        why.append(f"decode, {keys} keys in the batch >= {S.min_keys(path.value, call.num_seqs)}, head_size 128, "
                    f"group {call.group}, {call.num_kv_heads} KV heads")
     elif B.wants(mode, head, call.num_seqs, call.max_seqlen_k):
         path = Path.DECODE_BLOCK_TILES
@@ -463,7 +463,8 @@ def whole_wave_segments(pairs: int, slots: int, max_waves: int = 8) -> int:
 def _staged_wanted(call, facts, tuning, pdl) -> bool:
     """Whether a staged kernel takes this decode batch by default: its shape rule, and a device
     where it runs (:func:`_staged_runs`)."""
-    return (S.wants(call.head_size, call.group, call.num_kv_heads, call.num_seqs, call.max_seqlen_k)
+    return (S.wants(_STAGED[call.mode].value, call.head_size, call.group, call.num_kv_heads, call.num_seqs,
+                    call.max_seqlen_k)
             and _staged_runs(_STAGED[call.mode], call, facts, tuning, pdl, None) is None)
 
 
