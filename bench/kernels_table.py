@@ -53,8 +53,8 @@ WHY = {
                              "128 / 256, INT4 from 8,192 (head 64) or 32,768 (128, 256) keys in the batch.",
     Path.DECODE_STAGED_INT4: "Gluon: each program copies whole cache blocks (every KV head, K and V) into a ring "
                              "in shared memory with bulk copies, one warp per KV head, MMA on raw nibble codes. "
-                             "The INT4 default on CUDA sm_80+ from 32,768 keys in the batch over 2+ sequences, 65,536 "
-                             "for one (1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
+                             "The INT4 default on CUDA sm_80+ from 16,384 keys in the batch, one sequence included "
+                             "(1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
                              "head_size 128, block 16, <= 8 KV heads, <= 8 query heads per KV head.",
     Path.DECODE_STAGED_INT8: "The same design for INT8 / FP8 (132-byte rows): their default on CUDA sm_80+ (FP8: "
                              "sm_89+) from 65,536 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "

@@ -584,7 +584,7 @@ def test_plan_names_the_kernel_that_runs(mode, head_size, q_lens, k_lens, max_k,
 
 @pytest.mark.skipif(not _gluon_available(), reason="needs a CUDA GPU (sm_80+) and Triton's Gluon")
 @pytest.mark.parametrize("mode", [INT4, INT8, FP8])
-@pytest.mark.parametrize("batch,ctx", [(4, 32768), (12, 11000), (2, 4096), (2, 32768), (1, 65536)])
+@pytest.mark.parametrize("batch,ctx", [(4, 32768), (12, 11000), (2, 4096), (2, 32768), (1, 65536), (8, 2048)])
 def test_cuda_plan_names_the_kernel_that_runs(mode, batch, ctx, launched):
     """On the GPU at head_size 128 (32 query / 8 KV heads), from small to staged batches: the
     launched kernels are the plan's (the staged kernels, their rotation and the Gluon reduction
@@ -615,25 +615,24 @@ def test_empty_batch_launches_nothing(launched):
                                   KVQuantMode.FP8_PER_TOKEN_HEAD], ids=["int4", "int8", "fp8"])
 def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     """On an H200 (fake device facts) the plan takes the staged kernel of the mode (its ring
-    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch (one
-    sequence: ``MIN_KEYS_ONE_SEQ``), and the portable kernel below it (INT4: decode_code_units,
-    whose block tiles start where the staged kernel does), decode_block_tiles for GQA 16,
-    head_size 64, separate tensors (the staged kernels read only the packed layout: block tiles
-    keep the staged segment count), without Gluon, and (FP8) on an sm_80 device."""
+    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch, one
+    sequence included, and the portable kernel below it (INT4: decode_code_units, which takes
+    INT4 below 32,768 keys), decode_block_tiles for GQA 16, head_size 64, separate tensors (the
+    staged kernels read only the packed layout: block tiles keep the staged segment count),
+    without Gluon, and (FP8) on an sm_80 device."""
     from kernels.attention import decode_staged
     staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
-    big = decode_staged.MIN_KEYS[staged.value] // 8
+    big = 65536 // 8                                # both staged kernels take 8 x big
     plan = plan_for(mode, 8, big)
     assert plan.path == staged and plan.tiling.num_stages == decode_staged.STAGES[staged.value]
     assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) and plan.bulk_copies and plan.pdl
     assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
     assert plan.reduce == Reduce.GLUON
     below = UNITS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else BLOCKS   # INT4 block tiles from 32,768 keys
-    assert plan_for(mode, 8, big // 2).path == below
-    one = decode_staged.MIN_KEYS_ONE_SEQ    # a single sequence: INT4 needs more keys, INT8 / FP8 as many
-    assert (plan_for(mode, 1, one).path, plan_for(mode, 1, one // 2).path) == (staged, BLOCKS)
-    two = decode_staged.MIN_KEYS[staged.value] // 2
-    assert plan_for(mode, 2, two).path == staged and plan_for(mode, 2, two - 16).path == below
+    one = decode_staged.MIN_KEYS[staged.value]      # 8 sequences, 2, or a single one
+    assert (plan_for(mode, 8, one // 8).path, plan_for(mode, 8, one // 16).path) == (staged, below)
+    assert (plan_for(mode, 1, one).path, plan_for(mode, 1, one // 2).path) == (staged, below)
+    assert plan_for(mode, 2, one // 2).path == staged and plan_for(mode, 2, one // 2 - 16).path == below
     assert plan_for(mode, 8, big, num_q_heads=128).path == BLOCKS                        # GQA 16
     assert plan_for(mode, 8, big, head_size=64).path == BLOCKS
     separate = plan_for(mode, 8, big, packed=False)
@@ -875,7 +874,7 @@ def test_code_units_tiling_per_head_size_and_segments():
     assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
     # head_size 128: about 512 programs (4 per SM), at most one tile per segment
-    for b, ctx, segs in ((1, 4096, 64), (2, 4096, 32), (4, 2048, 16), (8, 2048, 8), (1, 16384, 64), (1, 2048, 32)):
+    for b, ctx, segs in ((1, 4096, 64), (2, 4096, 32), (4, 2048, 16), (8, 1024, 8), (1, 8192, 64), (1, 2048, 32)):
         plan = plan_for(int4, b, ctx, H200)
         assert (plan.path, plan.tiling.num_segments, plan.rotate) == (UNITS, segs, Rotate.PROLOGUE), (b, ctx, plan)
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs

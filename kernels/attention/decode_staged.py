@@ -9,18 +9,21 @@ K half, each row's 4-byte scale right after its code bytes, blocks 16-byte align
 most 8 KV heads (a power of two) and at most 8 query heads per KV head; INT8 / FP8 also need a
 query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruction).
 
-They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on: INT4 from 32,768
-over 2+ sequences, INT8 / FP8 from 65,536, one sequence from 65,536 (``MIN_KEYS_ONE_SEQ``). Against
-``decode_block_tiles`` on the H200 (cold L2, read flush, call times): 1.24-1.50x from 262,144 keys,
-1.04-1.14x (INT4) at 131,072; at 65,536 keys INT4 b1@64k 35.7-36.0 against 40.8-41.4 µs, INT8
-46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x (b8@4k 22.7-22.8
-against 24.6-24.9). Below that, INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4) and one
-sequence at 32k (INT4 b1@32k 25.6-25.9 against 25.0-26.1) do not win. Up to 65,536 keys the
-programs run one per SM (:func:`segments`), launched so (:func:`_spread_shared`). Rings: INT4 4
-blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 / FP8 2 (3 was 1-4% slower); a 128-register cap
-(two programs of 8 warps per SM). On sm_90+ each block is one bulk copy (an mbarrier per ring slot,
-0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with programmatic
-dependent launch (0.8-2.2% faster): its first block copies start before ``griddepcontrol.wait``.
+They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, one sequence
+included: INT4 from 16,384, INT8 / FP8 from 65,536. Against the kernel the plan takes below that,
+on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles`` from 262,144 keys,
+1.04-1.14x (INT4) at 131,072; at 65,536 keys b1@64k INT4 35.7-36.0 against 40.8-41.4 µs, INT8
+46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x block tiles (b8@4k
+22.7-22.8 against 24.6-24.9) and at 16,384 keys 1.01-1.18x ``decode_code_units`` (b2@8k 18.2-18.4
+against 21.3-21.4, b1@16k 20.0-20.4 against 21.8-21.9). Not taken: INT4 at 8,192 keys and below
+(b2@4k 15.8 against 14.9-15.8, b4@1k 15.0-15.2 against 11.8), INT8 / FP8 at 32,768 (b2@16k
+29.5-29.7 against 29.4). INT4 b1@32k: 24.0-25.9 against block tiles 25.0-26.3 µs (five rounds, two
+machine starts). Up to 65,536 keys the programs run one per SM (:func:`segments`), launched so
+(:func:`_spread_shared`). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 / FP8 2
+(3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM). On sm_90+ each block is
+one bulk copy (an mbarrier per ring slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4
+kernel is launched with programmatic dependent launch (0.8-2.2% faster): its first block copies
+start before ``griddepcontrol.wait``.
 
 The ring lives in dynamic shared memory after Triton's own: each variant is compiled once
 (``warmup``), and :func:`reserve_ring` raises the compiled kernel's shared-memory size by the
@@ -43,9 +46,8 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-MIN_KEYS = {"decode_staged_int4": 32768,  # sequences x context from which the kernel is the default
+MIN_KEYS = {"decode_staged_int4": 16384,  # sequences x context from which the kernel is the default
             "decode_staged_int8": 65536}
-MIN_KEYS_ONE_SEQ = 65536            # the same for one sequence (not lower: at 32k it ties with decode_block_tiles)
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
 ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, then the scale word
@@ -66,15 +68,9 @@ def kernel(path: str):
 
 def wants(path: str, head_size: int, group: int, num_kv_heads: int, num_seqs: int, max_seqlen_k: int) -> bool:
     """The shape the staged kernel ``path`` takes by default: head_size 128, at most 8 query heads
-    per KV head and 8 KV heads, and at least :func:`min_keys` keys in the batch."""
+    per KV head and 8 KV heads, and at least ``MIN_KEYS[path]`` keys in the batch."""
     return (head_size == HEAD_SIZE and group <= MAX_GROUP and num_kv_heads <= MAX_KV_HEADS
-            and num_seqs * max_seqlen_k >= min_keys(path, num_seqs))
-
-
-def min_keys(path: str, num_seqs: int) -> int:
-    """Keys in the batch from which the staged kernel ``path`` is the default for ``num_seqs``
-    sequences (``MIN_KEYS``, and at least ``MIN_KEYS_ONE_SEQ`` for one)."""
-    return MIN_KEYS[path] if num_seqs > 1 else max(MIN_KEYS[path], MIN_KEYS_ONE_SEQ)
+            and num_seqs * max_seqlen_k >= MIN_KEYS[path])
 
 
 def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
@@ -84,7 +80,8 @@ def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     same blocks per segment (the kernels give each segment ``ceil(blocks / segments)`` blocks).
 
     On 132 SMs, one program per SM: b1@64k 128 segments, b2@32k 64, b4@16k 32, b8@8k 16 and
-    b16@4k 8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each); two per SM: b1@128k 256,
+    b16@4k 8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each), b1@16k 128 and b4@4k
+    32 (8 blocks each); two per SM: b1@128k 256,
     b4@32k 64, b8@32k 33 (63 blocks each), b12@16k 22, b24@8k 11 and b32@32k 8. On the H200 (cold
     L2, read flush, call times), one program per SM against two of half the blocks: INT4 b2@32k
     32.9-34.2 against 37.0-37.3 µs, b16@4k 32.8-33.0 against 35.4-35.7, INT8 b2@32k 45.0-45.2

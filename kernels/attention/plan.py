@@ -334,7 +334,7 @@ def _choose(call, facts, tuning, pdl, seq_threshold_3D, given, why) -> tuple:
         path = Path.PREFILL_2D
     elif _staged_wanted(call, facts, tuning, pdl):
         path = _STAGED[mode]
-        why.append(f"decode, {keys} keys in the batch >= {S.min_keys(path.value, call.num_seqs)}, head_size 128, "
+        why.append(f"decode, {keys} keys in the batch >= {S.MIN_KEYS[path.value]}, head_size 128, "
                    f"group {call.group}, {call.num_kv_heads} KV heads")
     elif B.wants(mode, head, call.num_seqs, call.max_seqlen_k):
         path = Path.DECODE_BLOCK_TILES
