@@ -79,15 +79,15 @@ def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     (rounded down); at least 2, at most one per block, then the fewest segments that keep the
     same blocks per segment (the kernels give each segment ``ceil(blocks / segments)`` blocks).
 
-    On 132 SMs, one program per SM: b1@64k 128 segments, b2@32k 64, b4@16k 32, b8@8k 16 and
-    b16@4k 8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each), b1@16k 128 and b4@4k
-    32 (8 blocks each); two per SM: b1@128k 256,
-    b4@32k 64, b8@32k 33 (63 blocks each), b12@16k 22, b24@8k 11 and b32@32k 8. On the H200 (cold
-    L2, read flush, call times), one program per SM against two of half the blocks: INT4 b2@32k
-    32.9-34.2 against 37.0-37.3 µs, b16@4k 32.8-33.0 against 35.4-35.7, INT8 b2@32k 45.0-45.2
-    against 49.4-49.8; two per SM of 32 blocks against one of 64: INT4 b4@32k 52.8-53.5 against
-    54.7-54.8. Not a power of two where the SMs divide otherwise: against the power of two below,
-    INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k within 1.6% either way."""
+    On 132 SMs, one program per SM: b1@64k 128 segments, b2@32k 64, b4@16k 32, b8@8k 16 and b16@4k
+    8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each), b1@16k 128 and b4@4k 32 (8 blocks
+    each); two per SM: b1@128k 256, b4@32k 64, b8@32k 33 (63 blocks each), b12@16k 22, b24@8k 11
+    and b32@32k 8. On the H200 (cold L2, read flush, call times), one program per SM against two of
+    half the blocks: INT4 b2@32k 32.9-34.2 against 37.0-37.3 µs, b16@4k 32.8-33.0 against
+    35.4-35.7, INT8 b2@32k 45.0-45.2 against 49.4-49.8; two per SM of 32 blocks against one of 64:
+    INT4 b4@32k 52.8-53.5 against 54.7-54.8. Not a power of two where the SMs divide otherwise:
+    against the power of two below, INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k
+    within 1.6% either way."""
     blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
     seqs = max(1, num_seqs)
     most = max(1, PROGRAMS_PER_SM * num_sms // seqs)
