@@ -488,10 +488,16 @@ def test_staged_grid_of_one_program_per_sm_keeps_a_second_off_each_sm(monkeypatc
 
     from kernels.attention import decode_staged as staged
     props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: asked.append(device) or props)
     cuda = torch.device("cuda", 0)
-    assert staged._spread_shared(cuda, 128) == staged._spread_shared(cuda, 132) == 116736
-    assert staged._spread_shared(cuda, 133) == 0 and staged._spread_shared(torch.device("cpu"), 8) == 0
+    staged._sm_limits.cache_clear()
+    try:
+        assert staged._spread_shared(cuda, 128) == staged._spread_shared(cuda, 132) == 116736
+        assert staged._spread_shared(cuda, 133) == 0 and staged._spread_shared(torch.device("cpu"), 8) == 0
+        assert asked == [0]  # the device is asked once, not per launch
+    finally:
+        staged._sm_limits.cache_clear()  # drop the fake device's facts
     meta = collections.namedtuple("KernelMetadata", "num_ctas num_warps shared")
     for min_shared, shared in ((116736, 116736), (0, 1024 + 69632), (50000, 1024 + 69632)):
         compiled = types.SimpleNamespace(metadata=meta(1, 8, 1000), packed_metadata=(8, 1, 1000), module=None)
@@ -622,7 +628,7 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     without Gluon, and (FP8) on an sm_80 device."""
     from kernels.attention import decode_staged
     staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
-    big = 65536 // 8                                # both staged kernels take 8 x big
+    big = max(decode_staged.MIN_KEYS.values()) // 8     # both staged kernels take 8 x big
     plan = plan_for(mode, 8, big)
     assert plan.path == staged and plan.tiling.num_stages == decode_staged.STAGES[staged.value]
     assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) and plan.bulk_copies and plan.pdl

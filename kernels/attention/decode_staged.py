@@ -33,6 +33,7 @@ ring before its first launch and passes the ring's offset to the kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -196,9 +197,16 @@ def _spread_shared(device: torch.device, programs: int) -> int:
     the same either way."""
     if not SPREAD or device.type != "cuda":
         return 0
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
-    return per_sm // 2 if per_sm and programs <= props.multi_processor_count else 0
+    sms, per_sm = _sm_limits(torch.cuda.current_device() if device.index is None else device.index)
+    return per_sm // 2 if per_sm and programs <= sms else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_limits(index: int) -> tuple:
+    """(SMs, shared memory bytes per SM) of CUDA device ``index``, asked once per device, not per
+    launch; 0 bytes where this torch does not report it."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0)
 
 
 def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, compile_only: bool = False) -> None:

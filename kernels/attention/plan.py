@@ -463,9 +463,9 @@ def whole_wave_segments(pairs: int, slots: int, max_waves: int = 8) -> int:
 def _staged_wanted(call, facts, tuning, pdl) -> bool:
     """Whether a staged kernel takes this decode batch by default: its shape rule, and a device
     where it runs (:func:`_staged_runs`)."""
-    return (S.wants(_STAGED[call.mode].value, call.head_size, call.group, call.num_kv_heads, call.num_seqs,
-                    call.max_seqlen_k)
-            and _staged_runs(_STAGED[call.mode], call, facts, tuning, pdl, None) is None)
+    path = _STAGED[call.mode]
+    return (S.wants(path.value, call.head_size, call.group, call.num_kv_heads, call.num_seqs, call.max_seqlen_k)
+            and _staged_runs(path, call, facts, tuning, pdl, None) is None)
 
 
 def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
