@@ -22,12 +22,13 @@ inline PTX, in dynamic shared memory after Triton's own: the launcher reserves i
 allocation (``anchor``) makes the kernel declare ``global_smem``, the base it is addressed from.
 
 **Maths** (as ``decode_block_tiles``; docs/LAYOUT.md). The query arrives rotated and scaled (``_rotate_query_kernel``, 4
-parts). Nibble ``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores are
-``sum_n N_n . Q_n^T``, where ``N_n`` holds nibble ``n`` of every word: one
-``mma.m16n8k16`` k-step per nibble position, with the words as the K axis, so words go from
-shared memory straight into the A operand's registers. One PTX block turns two words into 8
-fp16x2 registers: ``1024 + c`` for even ``n``, ``1024 + 16 c`` for odd ``n`` (the query's odd
-parts are pre-divided by 16). Each dot starts from minus its offset and zero-point share: per key
+parts). Nibble ``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores take 8
+``mma.m16n8k16`` k-steps of 16 dims: k-step ``i`` holds nibbles ``v = i % 4`` and ``v + 4`` of
+words ``8 (i // 4)`` to ``8 (i // 4) + 7``, each K pair of the A operand being one word's two
+nibbles, so a word goes from shared memory into one fp16x2 register per ``v`` in 5 instructions
+(``_nib4``): ``1024 + c`` for even ``v``, ``1024 + 16 c`` for odd ``v`` (the query's odd parts
+are pre-divided by 16; its k-step ``i`` is 16 contiguous values of the rotated query's part
+``v``). Each dot starts from minus its offset and zero-point share: per key
 for the scores, per tile for the values. The tensor cores add that share to the products, so no
 large offset is left to cancel in the fp32 sums (cancelling it once per segment instead gave a
 relative L2 of 2.9e-3 at b32@32k against ``decode_block_tiles``' 1.6e-3). The values' share is itself a dot:
@@ -36,7 +37,9 @@ its result has the accumulator's layout with no reduction across lanes. The per-
 is applied to the score tile. The online softmax keeps its running max over
 ``s + log2(v_scale)``: then ``P' = p * v_scale <= 1`` goes to fp16 with no per-tile
 normaliser, and the accumulators and the sum share the max's units (the reduction kernel sees
-that max). The value product is ``N_n^T . P'`` per nibble position, with the keys as the K axis.
+that max). The value product is ``N_n^T . P'`` per nibble position ``n``, with the keys as the K
+axis: a K pair is two keys' nibble ``n`` of the same word, which one PTX block (``_nib8``) builds
+from two words in 6 instructions a word.
 The query heads of a KV head are the N axis (8, ``GROUP`` used).
 
 **Two blocks a step** (``PAIR``: bulk copies and an even ring): each loop step waits for two
@@ -47,6 +50,14 @@ refill are paid once per 32 keys: 619-627 SASS instructions per step against 355
 blocks' offset and zero-point shares go into the first block's value dots (one ``c`` per nibble
 parity), so the second block's offset cancels one fp32 rounding later: relative L2 against the
 oracle 1.84e-3 instead of 1.76e-3 at b8@32k.
+
+**Masks only at the edges** (``PAIR``): a step whose 32 keys are all visible (inside the window,
+before the sequence's end, both tiles in the segment) runs ``_pair_step`` without the masks'
+compares and selects; only the steps at a segment's edges mask. Offline sm_90: 595 SASS
+instructions per unmasked step (warps 1..: 492), 644 per masked step, against 647 (544) for
+every step when each masked. With the 5-instruction key conversion, on the H200 (cold L2, call
+times): b8@32k 84.2 against 86.7-86.9 µs, b32@32k 280.9-281.6 against 291.7-292.4, b4@32k
+51.1-51.3 against 52.5-52.7; batch 1-2 within the runs' spread.
 
 **Warp 0 refills** (with ``PAIR``): one thread issues each bulk copy, so the copies' address
 and mbarrier arithmetic and the block-id queue's loads run in warp 0 alone, behind a branch on
@@ -98,14 +109,17 @@ def _copy_asm(nkv, rounds):
 
 @gluon.constexpr_function
 def _lds_asm(nkv, kind):
-    """PTX of ``ld.shared.b32`` of a thread's 8 words at constant offsets from its first address,
-    for a key pitch of ``ks = 68 x nkv`` bytes (:func:`_ld8`). ``kind``: "k" (key-code words, dot
-    operand A: keys r, r + 8 x words 2c, 2c + 1, 2c + 8, 2c + 9, in register order) or "v"
-    (value-code words: words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9)."""
+    """PTX of ``ld.shared.b32`` of a thread's 8 registers at constant offsets from its first
+    address, for a key pitch of ``ks = 68 x nkv`` bytes (:func:`_ld8`). ``kind``: "k" (key-code
+    words of dot operand A, in register order: keys r, r + 8 x words c, c + 4, each word in both
+    registers of its K pair, since one word holds the pair's two nibbles), "k8" (the same for words
+    c + 8, c + 12) or "v" (value-code words: words r, r + 8 x keys 2c, 2c + 1, 2c + 8, 2c + 9)."""
     ks = 68 * nkv
-    offsets = {"k": [0, 4, 8 * ks, 8 * ks + 4, 32, 36, 8 * ks + 32, 8 * ks + 36],
-               "v": [0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks]}[kind]
-    return _lds_lines(offsets)
+    if kind in ("k", "k8"):  # 4 loads, each word copied to the pair's second register
+        base = 0 if kind == "k" else 32
+        return " ".join(f"ld.shared.b32 ${2 * i}, [$8+{base + off}]; mov.b32 ${2 * i + 1}, ${2 * i};"
+                        for i, off in enumerate([0, 8 * ks, 16, 8 * ks + 16]))
+    return _lds_lines([0, ks, 32, 32 + ks, 8 * ks, 9 * ks, 32 + 8 * ks, 32 + 9 * ks])
 
 
 @gluon.constexpr_function
@@ -215,6 +229,27 @@ def _nib8(w):
         is_pure=True, pack=2)
 
 
+# Key codes: one 32-bit code word per K pair -> 4 fp16x2 (:func:`_nib4`)
+NIB4_ASM = gl.constexpr("""{
+        .reg .b32 x;
+        lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
+        shr.b32 x, $4, 8;
+        lop3.b32 $2, x, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 $3, x, 0x00F000F0, 0x64006400, 0xEA;
+        }""")
+
+
+@gluon.jit
+def _nib4(w):
+    """Key codes: one 32-bit code word per K pair (both elements of the pair hold it) -> 4 fp16x2,
+    register ``v`` holding nibbles ``v`` and ``v + 4`` of the word as fp16 ``1024 + c`` (``v`` even)
+    or ``1024 + 16 c`` (``v`` odd): 5 instructions a word, where :func:`_nib8` pairs two words'
+    nibbles in 6."""
+    return gl.inline_asm_elementwise(asm=NIB4_ASM, constraints="=r,=r,=r,=r,r,r", args=[w],
+                                     dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
+
+
 @gluon.jit
 def _issue(ring, kv_ptr, blk, ok, slot, tid, tail, stride_blk, STAGE_BYTES: gl.constexpr, NKV: gl.constexpr,
            ROUNDS: gl.constexpr):
@@ -278,16 +313,77 @@ def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTE
                STAGE_BYTES)
 
 
+@gluon.jit
+def _pair_step(sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1, q2, q3, q4, q5, q6, q7, nq_off, nq_sum,
+               col_scale, softcap, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zero_o,
+               b_l: gl.constexpr, NKV: gl.constexpr, USE_SOFTCAP: gl.constexpr, MASKED: gl.constexpr):
+    """PAIR: one loop step over the two ring slots from ``sa`` (tiles ``t``, ``t + 1``): scores, one
+    online-softmax step, the value dots into the accumulators. ``MASKED`` False where every key of
+    both tiles is visible (no compares, no selects). Returns ``m_i, l_acc, acc0 .. acc7``."""
+    TILE: gl.constexpr = BLOCK
+    HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4
+    STAGE_BYTES: gl.constexpr = 2 * HALF_B
+    sbb = sa + STAGE_BYTES
+    ka_w = _ld_scales(sa + s_off, NKV)
+    va_w = _ld_scales(sa + HALF_B + s_off, NKV)
+    kb_w = _ld_scales(sbb + s_off, NKV)
+    vb_w = _ld_scales(sbb + HALF_B + s_off, NKV)
+    pos_a = t * TILE + tok_i
+    pos_b = pos_a + TILE
+    ok_a = ((pos_a < k_hi) & (pos_a >= k_lo))[None, :] & (ka_w == ka_w)
+    ok_b = ((pos_b < k_hi) & (pos_b >= k_lo) & (t + 1 < t1))[None, :] & (kb_w == kb_w)
+    if MASKED:  # masked keys: scale words 0 (no zero point, no value scale)
+        ka_w = gl.where(ok_a, ka_w, 0)
+        va_w = gl.where(ok_a, va_w, 0)
+        kb_w = gl.where(ok_b, kb_w, 0)
+        vb_w = gl.where(ok_b, vb_w, 0)
+    s_a = _scores(sa + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (ka_w & 0xF).to(gl.float32), nq_off, nq_sum,
+                  NKV)
+    s_b = _scores(sbb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (kb_w & 0xF).to(gl.float32), nq_off, nq_sum,
+                  NKV)
+    pv_a, pv_b, alpha, m_i, l_acc = _softmax_pair(
+        s_a, s_b, (ka_w & -16).to(gl.float32, bitcast=True) * col_scale,
+        (kb_w & -16).to(gl.float32, bitcast=True) * col_scale, (va_w & -16).to(gl.float32, bitcast=True),
+        (vb_w & -16).to(gl.float32, bitcast=True), ok_a, ok_b, m_i, l_acc, softcap, USE_SOFTCAP, MASKED)
+    p_a = gl.convert_layout(pv_a, b_l)
+    p_b = gl.convert_layout(pv_b, b_l)
+    za_even, za_odd = _ld_zero_points(sa + z_off, NKV)
+    zb_even, zb_odd = _ld_zero_points(sbb + z_off, NKV)
+    c_even = mma_v2(zb_even, p_b, mma_v2(za_even, p_a, zero_o))
+    c_odd = mma_v2(zb_odd, p_b, mma_v2(za_odd, p_a, zero_o))
+    v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sa + v_off, NKV, "v"))
+    a3 = alpha[:, None, :]
+    acc0 = acc0 * a3 + mma_v2(v0, p_a, c_even)
+    acc1 = acc1 * a3 + mma_v2(v1, p_a, c_odd)
+    acc2 = acc2 * a3 + mma_v2(v2, p_a, c_even)
+    acc3 = acc3 * a3 + mma_v2(v3, p_a, c_odd)
+    acc4 = acc4 * a3 + mma_v2(v4, p_a, c_even)
+    acc5 = acc5 * a3 + mma_v2(v5, p_a, c_odd)
+    acc6 = acc6 * a3 + mma_v2(v6, p_a, c_even)
+    acc7 = acc7 * a3 + mma_v2(v7, p_a, c_odd)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sbb + v_off, NKV, "v"))
+    acc0 = mma_v2(v0, p_b, acc0)
+    acc1 = mma_v2(v1, p_b, acc1)
+    acc2 = mma_v2(v2, p_b, acc2)
+    acc3 = mma_v2(v3, p_b, acc3)
+    acc4 = mma_v2(v4, p_b, acc4)
+    acc5 = mma_v2(v5, p_b, acc5)
+    acc6 = mma_v2(v6, p_b, acc6)
+    acc7 = mma_v2(v7, p_b, acc7)
+    return m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit
-def _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP: gl.constexpr):
+def _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP: gl.constexpr, MASKED: gl.constexpr = True):
     """A tile's raw scores ``s`` [NKV, TILE, 8] with the key scale (with the softmax scale and
     ``log2 e``) and softcap applied, masked keys at ``-inf``; and ``s + log2(v_scale)``, what the
     running max is taken over (see :func:`_softmax_tile`)."""
     s = s * k_sc[:, :, None]
     if USE_SOFTCAP:
         s = softcap * (2.0 / (1.0 + gl.exp(-2.0 * s / softcap)) - 1.0) * 1.4426950408889634
-    s = gl.where(n_ok[:, :, None], s, float("-inf"))
+    if MASKED:
+        s = gl.where(n_ok[:, :, None], s, float("-inf"))
     return s, s + _lg2(gl.maximum(v_sc, 8.673617379884035e-19))[:, :, None]   # scales >= 2^-60
 
 
@@ -313,7 +409,8 @@ def _scores(addr, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV: gl.
     ``addr``, one ``mma`` k-step per nibble position. The dots start from minus the code offset's
     and the zero point's share (``k_zp``: the keys' zero points): the tensor cores sum it with the
     products, so no large offset is left to cancel later."""
-    k0, k1, k2, k3, k4, k5, k6, k7 = _nib8(_ld_codes(addr, NKV, "k"))
+    k0, k1, k2, k3 = _nib4(_ld_codes(addr, NKV, "k"))     # words 0-7: nibbles (0, 4), (1, 5), (2, 6), (3, 7)
+    k4, k5, k6, k7 = _nib4(_ld_codes(addr, NKV, "k8"))    # words 8-15
     s = mma_v2(k0, q0, nq_off[:, None, :] + k_zp[:, :, None] * nq_sum[:, None, :])
     s = mma_v2(k1, q1, s)
     s = mma_v2(k2, q2, s)
@@ -326,10 +423,11 @@ def _scores(addr, q0, q1, q2, q3, q4, q5, q6, q7, k_zp, nq_off, nq_sum, NKV: gl.
 
 @gluon.jit
 def _softmax_pair(s_a, s_b, k_sc_a, k_sc_b, v_sc_a, v_sc_b, ok_a, ok_b, m_i, l_acc, softcap,
-                  USE_SOFTCAP: gl.constexpr):
-    """PAIR: :func:`_softmax_tile` over two blocks at once: one running-max step, one ``alpha``."""
-    s_a, t_a = _scaled_scores(s_a, k_sc_a, v_sc_a, ok_a, softcap, USE_SOFTCAP)
-    s_b, t_b = _scaled_scores(s_b, k_sc_b, v_sc_b, ok_b, softcap, USE_SOFTCAP)
+                  USE_SOFTCAP: gl.constexpr, MASKED: gl.constexpr):
+    """PAIR: :func:`_softmax_tile` over two blocks at once: one running-max step, one ``alpha``
+    (``MASKED`` False: every key of both blocks is visible, ``ok_a`` / ``ok_b`` unread)."""
+    s_a, t_a = _scaled_scores(s_a, k_sc_a, v_sc_a, ok_a, softcap, USE_SOFTCAP, MASKED)
+    s_b, t_b = _scaled_scores(s_b, k_sc_b, v_sc_b, ok_b, softcap, USE_SOFTCAP, MASKED)
     m_new = gl.maximum(m_i, gl.max(gl.maximum(t_a, t_b), 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p_a = gl.exp2(s_a - m_use[:, None, :])
@@ -496,8 +594,8 @@ def _decode_staged_int4_kernel(
     kt = gl.arange(0, TILE, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
     kwi = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
     # each thread's first word address (the same in all its elements: its others are that plus
-    # the constants of _k_offsets / _v_offsets)
-    k_off = (((kt & 7)[None, :, None] * NKV + kh[:, None, None]) * ROW + (kwi & 6)[None, None, :]) * 4   # [NKV, TILE, WORDS]
+    # the constants of _lds_asm); keys: K index 2 c (+ 1, + 8, + 9) -> word c (+ 4)
+    k_off = (((kt & 7)[None, :, None] * NKV + kh[:, None, None]) * ROW + ((kwi & 6) // 2)[None, None, :]) * 4
     vw_ = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
     vt = gl.arange(0, TILE, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
     # [NKV, WORDS, TILE]
@@ -519,22 +617,24 @@ def _decode_staged_int4_kernel(
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_rotate_query_kernel) output
         gdc_wait(ring_off)
-    # the query, B operand: Q_n [NKV, WORDS, 8] fp16, Q_n[h, w, g] = rotated dim 8 w + n of head
-    # h * GROUP + g = part n % 4, unit 2 w + n // 4; odd n over 16 (their codes come as 16 c)
+    # the query, B operand of the score dots (_scores): Q_i [NKV, 16, 8] fp16, for k-step i (nibbles
+    # v = i % 4 and v + 4 of words 8 (i // 4) .. + 7), Q_i[h, k, g] = rotated dim
+    # 8 (8 (i // 4) + k // 2) + v + 4 (k % 2) of head h * GROUP + g, which the rotation stores at
+    # part v, unit 16 (i // 4) + k (16 contiguous values); odd v over 16 (their codes come as 16 c)
     q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
     q_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
     q_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
     head = q_h[:, None, None] * GROUP + q_g[None, None, :]
     q_ok = (q_g < GROUP)[None, None, :] & (q_h >= 0)[:, None, None] & (q_w >= 0)[None, :, None]
-    q_row = q_ptr + tok.to(gl.int64) * stride_q_t + head * stride_q_h + 2 * q_w[None, :, None]
+    q_row = q_ptr + tok.to(gl.int64) * stride_q_t + head * stride_q_h + q_w[None, :, None]
     q0 = gl.load(q_row + 0, mask=q_ok, other=0.0).to(gl.float16)
     q1 = (gl.load(q_row + 32, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
     q2 = gl.load(q_row + 64, mask=q_ok, other=0.0).to(gl.float16)
     q3 = (gl.load(q_row + 96, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
-    q4 = gl.load(q_row + 1, mask=q_ok, other=0.0).to(gl.float16)
-    q5 = (gl.load(q_row + 33, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
-    q6 = gl.load(q_row + 65, mask=q_ok, other=0.0).to(gl.float16)
-    q7 = (gl.load(q_row + 97, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+    q4 = gl.load(q_row + 16, mask=q_ok, other=0.0).to(gl.float16)
+    q5 = (gl.load(q_row + 48, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+    q6 = gl.load(q_row + 80, mask=q_ok, other=0.0).to(gl.float16)
+    q7 = (gl.load(q_row + 112, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
     q_even = (gl.sum(q0.to(gl.float32), 1) + gl.sum(q2.to(gl.float32), 1) + gl.sum(q4.to(gl.float32), 1)
               + gl.sum(q6.to(gl.float32), 1))
     q_odd = (gl.sum(q1.to(gl.float32), 1) + gl.sum(q3.to(gl.float32), 1) + gl.sum(q5.to(gl.float32), 1)
@@ -575,52 +675,18 @@ def _decode_staged_int4_kernel(
             if t + 1 < t1:
                 _bar_wait(bars + 8 * (slot + 1), ((j + 1) // STAGES) & 1)
             sa = ring + slot * STAGE_BYTES
-            sbb = sa + STAGE_BYTES
-            ka_w = _ld_scales(sa + s_off, NKV)
-            va_w = _ld_scales(sa + HALF_B + s_off, NKV)
-            kb_w = _ld_scales(sbb + s_off, NKV)
-            vb_w = _ld_scales(sbb + HALF_B + s_off, NKV)
-            pos_a = t * TILE + tok_i
-            pos_b = pos_a + TILE
-            ok_a = ((pos_a < k_hi) & (pos_a >= k_lo))[None, :] & (ka_w == ka_w)
-            ok_b = ((pos_b < k_hi) & (pos_b >= k_lo) & (t + 1 < t1))[None, :] & (kb_w == kb_w)
-            ka_w = gl.where(ok_a, ka_w, 0)
-            va_w = gl.where(ok_a, va_w, 0)
-            kb_w = gl.where(ok_b, kb_w, 0)
-            vb_w = gl.where(ok_b, vb_w, 0)
-            s_a = _scores(sa + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (ka_w & 0xF).to(gl.float32), nq_off, nq_sum,
-                          NKV)
-            s_b = _scores(sbb + k_off, q0, q1, q2, q3, q4, q5, q6, q7, (kb_w & 0xF).to(gl.float32), nq_off, nq_sum,
-                          NKV)
-            pv_a, pv_b, alpha, m_i, l_acc = _softmax_pair(
-                s_a, s_b, (ka_w & -16).to(gl.float32, bitcast=True) * col_scale,
-                (kb_w & -16).to(gl.float32, bitcast=True) * col_scale, (va_w & -16).to(gl.float32, bitcast=True),
-                (vb_w & -16).to(gl.float32, bitcast=True), ok_a, ok_b, m_i, l_acc, softcap, USE_SOFTCAP)
-            p_a = gl.convert_layout(pv_a, b_l)
-            p_b = gl.convert_layout(pv_b, b_l)
-            za_even, za_odd = _ld_zero_points(sa + z_off, NKV)
-            zb_even, zb_odd = _ld_zero_points(sbb + z_off, NKV)
-            c_even = mma_v2(zb_even, p_b, mma_v2(za_even, p_a, zero_o))
-            c_odd = mma_v2(zb_odd, p_b, mma_v2(za_odd, p_a, zero_o))
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sa + v_off, NKV, "v"))
-            a3 = alpha[:, None, :]
-            acc0 = acc0 * a3 + mma_v2(v0, p_a, c_even)
-            acc1 = acc1 * a3 + mma_v2(v1, p_a, c_odd)
-            acc2 = acc2 * a3 + mma_v2(v2, p_a, c_even)
-            acc3 = acc3 * a3 + mma_v2(v3, p_a, c_odd)
-            acc4 = acc4 * a3 + mma_v2(v4, p_a, c_even)
-            acc5 = acc5 * a3 + mma_v2(v5, p_a, c_odd)
-            acc6 = acc6 * a3 + mma_v2(v6, p_a, c_even)
-            acc7 = acc7 * a3 + mma_v2(v7, p_a, c_odd)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sbb + v_off, NKV, "v"))
-            acc0 = mma_v2(v0, p_b, acc0)
-            acc1 = mma_v2(v1, p_b, acc1)
-            acc2 = mma_v2(v2, p_b, acc2)
-            acc3 = mma_v2(v3, p_b, acc3)
-            acc4 = mma_v2(v4, p_b, acc4)
-            acc5 = mma_v2(v5, p_b, acc5)
-            acc6 = mma_v2(v6, p_b, acc6)
-            acc7 = mma_v2(v7, p_b, acc7)
+            # only the steps whose 32 keys cross the visible range's edges (or the segment's end)
+            # mask: the others skip the masks' compares and selects (8% of the step's instructions)
+            if (t * TILE >= k_lo) & ((t + 2) * TILE <= k_hi) & (t + 1 < t1):
+                m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pair_step(
+                    sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1, q2, q3, q4, q5, q6, q7, nq_off,
+                    nq_sum, col_scale, softcap, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zero_o,
+                    b_l, NKV, USE_SOFTCAP, False)
+            else:
+                m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _pair_step(
+                    sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1, q2, q3, q4, q5, q6, q7, nq_off,
+                    nq_sum, col_scale, softcap, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zero_o,
+                    b_l, NKV, USE_SOFTCAP, True)
     else:
         for t in range(t0, t1):
             j = t - t0
