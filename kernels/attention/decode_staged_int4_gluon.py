@@ -59,6 +59,12 @@ every step when each masked. With the 5-instruction key conversion, on the H200 
 times): b8@32k 84.2 against 86.7-86.9 µs, b32@32k 280.9-281.6 against 291.7-292.4, b4@32k
 51.1-51.3 against 52.5-52.7; batch 1-2 within the runs' spread.
 
+**Output stores**: each thread holds dims ``8 w`` to ``8 w + 7`` of its output rows, one per
+accumulator, and writes them as two 16-byte stores (``_store4``); eight 4-byte stores 32 bytes
+apart made every program's last act 4,096 partial-sector writes, which the H200 paid for at
+every batch: b1@32k 23.8 -> 19.7 µs, b4@32k 51.3 -> 44.4, b8@32k 84.7 -> 79.6, b32@32k 277.7
+-> 274.3 (cold L2, call times).
+
 **Warp 0 refills** (with ``PAIR``): one thread issues each bulk copy, so the copies' address
 and mbarrier arithmetic and the block-id queue's loads run in warp 0 alone, behind a branch on
 ``%tid.x < 32``: warps 1.. run 543 SASS instructions per step and warp 0 647 (offline sm_90),
@@ -195,6 +201,16 @@ def _ld_zero_points(addr, NKV: gl.constexpr):
     word address: a dot with the probabilities gives each tile's offset and zero-point share."""
     return gl.inline_asm_elementwise(asm=_zp_asm(NKV), constraints=LD8, args=[addr], dtype=(gl.float16, gl.float16),
                                      is_pure=False, pack=8)
+
+
+@gluon.jit
+def _store4(ptr, a, b, c, d, ok):
+    """``st.global.v4.f32`` of ``(a, b, c, d)`` at each element's ``ptr`` (16-byte aligned) where ``ok``."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.f32 [$1], {$2, $3, $4, $5}; mov.b32 $0, 0; }",
+        constraints="=r,l,r,r,r,r,r", args=[ptr, a.to(gl.int32, bitcast=True), b.to(gl.int32, bitcast=True),
+                                            c.to(gl.int32, bitcast=True), d.to(gl.int32, bitcast=True),
+                                            ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -740,13 +756,9 @@ def _decode_staged_int4_kernel(
 
     # out[row(h, g), 8 w + n] = acc_n[h, w, g]
     row3, ok3, o_w = _out_rows(tok, seg_idx, mma, NKV, WORDS, GROUP, NUM_Q_HEADS, NUM_SEGMENTS)
+    # each thread holds dims 8 w .. 8 w + 7 of its rows (one per accumulator): two 16-byte stores
+    # each, not eight 4-byte ones 32 bytes apart (8 partial sectors)
     base = segm_out_ptr + row3 * HEAD + 8 * o_w[None, :, None]
-    gl.store(base + 0, acc0, mask=ok3)
-    gl.store(base + 1, acc1 * 0.0625, mask=ok3)
-    gl.store(base + 2, acc2, mask=ok3)
-    gl.store(base + 3, acc3 * 0.0625, mask=ok3)
-    gl.store(base + 4, acc4, mask=ok3)
-    gl.store(base + 5, acc5 * 0.0625, mask=ok3)
-    gl.store(base + 6, acc6, mask=ok3)
-    gl.store(base + 7, acc7 * 0.0625, mask=ok3)
+    _store4(base, acc0, acc1 * 0.0625, acc2, acc3 * 0.0625, ok3)
+    _store4(base + 4, acc4, acc5 * 0.0625, acc6, acc7 * 0.0625, ok3)
     _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS, NKV, GROUP, NUM_SEGMENTS, row_l)
