@@ -330,6 +330,18 @@ def _issue_bulk(ring, bars, kv_ptr, blk, ok, slot, first, stride_blk, STAGE_BYTE
 
 
 @gluon.jit
+def _value_dots(addr, p, c_even, c_odd, a3, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, NKV: gl.constexpr):
+    """One block's 8 value dots ``N_n^T . P'`` (codes ``[NKV, WORDS, TILE]`` from each thread's first
+    address ``addr``, ``p`` the fp16 ``P'``) added into the accumulators rescaled by ``a3``; each
+    dot starts from its nibble parity's offset and zero-point share ``c_even`` / ``c_odd``."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(addr, NKV, "v"))
+    return (acc0 * a3 + mma_v2(v0, p, c_even), acc1 * a3 + mma_v2(v1, p, c_odd),
+            acc2 * a3 + mma_v2(v2, p, c_even), acc3 * a3 + mma_v2(v3, p, c_odd),
+            acc4 * a3 + mma_v2(v4, p, c_even), acc5 * a3 + mma_v2(v5, p, c_odd),
+            acc6 * a3 + mma_v2(v6, p, c_even), acc7 * a3 + mma_v2(v7, p, c_odd))
+
+
+@gluon.jit
 def _pair_step(sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1, q2, q3, q4, q5, q6, q7, nq_off, nq_sum,
                col_scale, softcap, m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, zero_o,
                b_l: gl.constexpr, NKV: gl.constexpr, USE_SOFTCAP: gl.constexpr, MASKED: gl.constexpr):
@@ -367,16 +379,8 @@ def _pair_step(sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1,
     zb_even, zb_odd = _ld_zero_points(sbb + z_off, NKV)
     c_even = mma_v2(zb_even, p_b, mma_v2(za_even, p_a, zero_o))
     c_odd = mma_v2(zb_odd, p_b, mma_v2(za_odd, p_a, zero_o))
-    v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sa + v_off, NKV, "v"))
-    a3 = alpha[:, None, :]
-    acc0 = acc0 * a3 + mma_v2(v0, p_a, c_even)
-    acc1 = acc1 * a3 + mma_v2(v1, p_a, c_odd)
-    acc2 = acc2 * a3 + mma_v2(v2, p_a, c_even)
-    acc3 = acc3 * a3 + mma_v2(v3, p_a, c_odd)
-    acc4 = acc4 * a3 + mma_v2(v4, p_a, c_even)
-    acc5 = acc5 * a3 + mma_v2(v5, p_a, c_odd)
-    acc6 = acc6 * a3 + mma_v2(v6, p_a, c_even)
-    acc7 = acc7 * a3 + mma_v2(v7, p_a, c_odd)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _value_dots(
+        sa + v_off, p_a, c_even, c_odd, alpha[:, None, :], acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, NKV)
     v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(_ld_codes(sbb + v_off, NKV, "v"))
     acc0 = mma_v2(v0, p_b, acc0)
     acc1 = mma_v2(v1, p_b, acc1)
@@ -740,17 +744,9 @@ def _decode_staged_int4_kernel(
             zd_even, zd_odd = _ld_zero_points(sb + z_off, NKV)
             c_even = mma_v2(zd_even, p_b, zero_o)
             c_odd = mma_v2(zd_odd, p_b, zero_o)
-            vw = _ld_codes(sb + v_off, NKV, "v")                                # [NKV, WORDS, TILE]
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nib8(vw)
-            a3 = alpha[:, None, :]
-            acc0 = acc0 * a3 + mma_v2(v0, p_b, c_even)
-            acc1 = acc1 * a3 + mma_v2(v1, p_b, c_odd)
-            acc2 = acc2 * a3 + mma_v2(v2, p_b, c_even)
-            acc3 = acc3 * a3 + mma_v2(v3, p_b, c_odd)
-            acc4 = acc4 * a3 + mma_v2(v4, p_b, c_even)
-            acc5 = acc5 * a3 + mma_v2(v5, p_b, c_odd)
-            acc6 = acc6 * a3 + mma_v2(v6, p_b, c_even)
-            acc7 = acc7 * a3 + mma_v2(v7, p_b, c_odd)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _value_dots(
+                sb + v_off, p_b, c_even, c_odd, alpha[:, None, :], acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                NKV)
     if not BULK:
         async_copy.wait_group(0)
 
