@@ -10,15 +10,13 @@ most 8 KV heads (a power of two) and at most 8 query heads per KV head; INT8 / F
 query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruction).
 
 They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, one sequence
-included: INT4 from 16,384, INT8 / FP8 from 65,536. Against the kernel the plan takes below that,
+included: INT4 from 8,192, INT8 / FP8 from 65,536. Against the kernel the plan takes below that,
 on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles`` from 262,144 keys,
 1.04-1.14x (INT4) at 131,072; at 65,536 keys b1@64k INT4 35.7-36.0 against 40.8-41.4 µs, INT8
 46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x block tiles (b8@4k
-22.7-22.8 against 24.6-24.9) and at 16,384 keys 1.01-1.18x ``decode_code_units`` (b2@8k 18.2-18.4
-against 21.3-21.4, b1@16k 20.0-20.4 against 21.8-21.9). Not taken: INT4 at 8,192 keys and below
-(b2@4k 15.8 against 14.9-15.8, b4@1k 15.0-15.2 against 11.8), INT8 / FP8 at 32,768 (b2@16k
-29.5-29.7 against 29.4). INT4 b1@32k: 24.0-25.9 against block tiles 25.0-26.3 µs (five rounds, two
-machine starts). Up to 65,536 keys the programs run one per SM (:func:`segments`), launched so
+22.7-22.8 against 24.6-24.9), at 8,192 keys 1.23-1.32x ``decode_code_units`` (b1@8k 12.1-12.2
+against 15.2, b4@2k 12.0-12.1 against 14.8-14.9, b8@1k 11.0-11.1 against 14.6). Not taken: INT4 at
+4,096 keys (b1@4k 12.2 against 12.3), INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4). Up to 65,536 keys the programs run one per SM (:func:`segments`), launched so
 (:func:`_spread_shared`). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 / FP8 2
 (3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM). On sm_90+ each block is
 one bulk copy (an mbarrier per ring slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4
@@ -47,7 +45,7 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-MIN_KEYS = {"decode_staged_int4": 16384,  # sequences x context from which the kernel is the default
+MIN_KEYS = {"decode_staged_int4": 8192,  # sequences x context from which the kernel is the default
             "decode_staged_int8": 65536}
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
