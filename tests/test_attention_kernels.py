@@ -879,8 +879,9 @@ def test_code_units_tiling_per_head_size_and_segments():
     # half: INT4 above ROTATE_Q_MAX_HEAD aims at half the slots (the prologue rotation's condition)
     assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
-    # head_size 128: about 512 programs (4 per SM), at most one tile per segment
-    for b, ctx, segs in ((1, 4096, 64), (2, 4096, 32), (4, 2048, 16), (8, 1024, 8), (1, 8192, 64), (1, 2048, 32)):
+    # head_size 128, below the staged INT4 kernel's 8,192 keys: about 512 programs (4 per SM), at
+    # most one tile per segment
+    for b, ctx, segs in ((1, 4096, 64), (2, 2048, 32), (4, 1024, 16), (8, 512, 8), (1, 2048, 32)):
         plan = plan_for(int4, b, ctx, H200)
         assert (plan.path, plan.tiling.num_segments, plan.rotate) == (UNITS, segs, Rotate.PROLOGUE), (b, ctx, plan)
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
