@@ -20,7 +20,7 @@ from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD, "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD,
          "int4": KVQuantMode.INT4_PER_TOKEN_HEAD}
-DECODE = [(1, 4096), (2, 32768), (8, 32768), (32, 32768), (12, 16384), (64, 4096)]
+DECODE = [(1, 4096), (1, 32768), (2, 32768), (8, 32768), (32, 32768), (12, 16384), (64, 4096)]
 MIXED = [(1, 4096, 128, 4096), (16, 8192, 512, 8192), (64, 32768, 2048, 32768)]  # decode rows @ ctx, chunk @ ctx
 FILES = {
     Path.MIXED: "`plan.py`, `run.py` (then its parts' files)",
@@ -101,8 +101,10 @@ def cell(p: Plan) -> str:
     extra = [f"{p.tiling.num_segments} seg"] if p.tiling.num_segments > 1 else []
     if p.rotate.value not in ("none", "in_kernel"):
         extra.append(f"rot {p.rotate.value}")
+    if p.unrotated:
+        extra.append("unrotated")
     if p.reduce.value != "none":
-        extra.append(f"red {p.reduce.value}")
+        extra.append(f"red {p.reduce.value}" + (f" x{p.reduce_split}" if p.reduce_split > 1 else ""))
     if p.tiling.dequant_first:
         groups = p.tiling.dequant_groups
         extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else ""))
@@ -130,7 +132,10 @@ def section() -> str:
            "why in words (`attention_plan(...).why`). Files are under `kernels/attention/`. In the cells: the "
            "path, its split-KV segments, how an INT4 query is rotated before the kernel (`rot`: `prologue` inside "
            "`decode_code_units`, `triton` / `gluon` a rotation kernel first; the 2D kernel rotates its own tile) "
-           "and which kernel merges the segments (`red`); `dequant first`: the 2D plan dequantizes a "
+           "and which kernel merges the segments (`red`; `x4`: four programs per query row, each merging a "
+           "quarter of the dims, where the rows alone leave SMs idle; `unrotated`: the staged INT4 kernel "
+           "applies the inverse rotation to each segment's rows, so its reduction does not rotate); "
+           "`dequant first`: the 2D plan dequantizes a "
            "quantized context into a 16-bit scratch first (`Tiling.dequant_first`, see \"Prefill over a "
            "quantized cache\" below).", "",
            "### Decode and prefill, head_size 128, 32 query / 8 KV heads, packed cache", ""]

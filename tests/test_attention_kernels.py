@@ -450,7 +450,8 @@ def test_staged_ring_is_reserved_once_before_the_first_launch(monkeypatch):
         q=q, k=torch.zeros(5, 16, 8, 64, dtype=torch.uint8), group=4, mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
         segm_output=torch.zeros(1), segm_max=torch.zeros(1), segm_expsum=torch.zeros(1),
         cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), seqused_k=torch.tensor([20, 30], dtype=torch.int32),
-        block_table=torch.zeros(2, 3, dtype=torch.int32), window_size=(-1, -1), softcap=0.0, num_seqs=2)
+        block_table=torch.zeros(2, 3, dtype=torch.int32), window_size=(-1, -1), softcap=0.0, num_seqs=2,
+        signs=torch.ones(128))
     kernels = []  # alive: the offsets are keyed by kernel object
     for shared, stages, off in ((1024, 4, 1024), (1000, 4, 1024), (0, 2, 0)):
         kernel = Kernel(shared)
@@ -860,6 +861,28 @@ def test_gluon_decode_segments():
     assert (plan.path, plan.tiling.num_segments) == (STAGED4, 22)
 
 
+def test_reduction_dim_split_and_unrotated_segments_in_the_plan():
+    """On the H200 the Gluon reduction spreads each row's dims over up to 4 programs where tokens x
+    query heads leave SMs idle and it does not rotate; the staged INT4 kernel unrotates its split
+    output (so the reduction need not rotate) from 128 segments: batch 1 from 8k keys, not b2@32k
+    (64 segments) nor b8@32k (256 rows fill the SMs); other INT4 kernels leave the rotation to a
+    one-program-per-row reduction. The interpreter's Triton reduction never splits."""
+    int4 = KVQuantMode.INT4_PER_TOKEN_HEAD
+    for b, ctx, want in ((1, 32768, (STAGED4, True, 4)), (1, 8192, (STAGED4, True, 4)),
+                         (2, 32768, (STAGED4, False, 1)), (8, 32768, (STAGED4, False, 1)),
+                         (1, 4096, (UNITS, False, 1))):
+        p = plan_for(int4, b, ctx, H200)
+        assert (p.path, p.unrotated, p.reduce_split) == want, (b, ctx, p)
+        assert p.unrotated == ("unrotated in the kernel" in p.why)
+    for mode, b, ctx, split in ((KVQuantMode.NONE, 1, 4096, 4), (KVQuantMode.NONE, 2, 32768, 4),
+                                (KVQuantMode.NONE, 4, 32768, 2), (KVQuantMode.NONE, 8, 32768, 1),
+                                (KVQuantMode.INT8_PER_TOKEN_HEAD, 1, 65536, 4)):
+        p = plan_for(mode, b, ctx, H200)
+        assert (p.reduce, p.reduce_split, p.unrotated) == (Reduce.GLUON, split, False), (mode, b, ctx, p)
+    p = plan_for(int4, 1, 32768, CPU)
+    assert (p.reduce, p.reduce_split, p.unrotated) == (Reduce.TRITON, 1, False)
+
+
 def test_code_units_tiling_per_head_size_and_segments():
     """Measured head sizes get their own tiling; others take the nearest measured one (in log2,
     the smaller on a tie). Segments aim at the tiling's programs per SM, are a power of two, at
@@ -1138,17 +1161,24 @@ def test_reduction_merges_segments_and_inverse_rotates(device, head_size, segmen
     call = types.SimpleNamespace(out=out, segm_output=part.to(device), segm_max=mx.to(device),
                                  segm_expsum=sm.to(device), signs=signs, head_size=head_size)
     gluon = device == "cuda" and _gluon_available() and head_size == 128 and segments <= GLUON_MAX_SEGMENTS
-    reduce_segments(call, Plan(BLOCKS, Tiling(16, 16, segments), reduce=Reduce.GLUON if gluon else Reduce.TRITON))
     m = mx.double().amax(-1, keepdim=True)
     w = torch.exp2(mx.double() - torch.where(m == float("-inf"), 0.0, m))
     total = (sm.double() * w).sum(-1, keepdim=True)
-    ref = torch.where(total > 0, (part.double()[..., :head_size] * w[..., None]).sum(-2) / total, 0.0)
-    if rotate:
-        ref = fwht(ref.float()).double() * rht_signs(head_size).double() / head_size
-    assert torch.isfinite(out).all()
-    diff = (out.double().cpu() - ref).abs()
-    assert torch.allclose(out.double().cpu(), ref, atol=1e-5, rtol=1e-4), (diff.max().item(), diff.argmax().item())
-    assert (out[2, 3] == 0).all()
+    merged = torch.where(total > 0, (part.double()[..., :head_size] * w[..., None]).sum(-2) / total, 0.0)
+    ref = fwht(merged.float()).double() * rht_signs(head_size).double() / head_size if rotate else merged
+    # the Gluon kernel without the rotation also splits each row's dims over 2 or 4 programs; with
+    # INT4 signs and plan.unrotated (the staged kernel unrotated the segments) it must not rotate
+    runs = [(1, False, ref)]
+    if gluon:
+        runs += [(2, False, ref), (4, False, ref)] if not rotate else [(4, True, merged)]
+    for split, unrotated, want in runs:
+        out.fill_(float("nan"))
+        reduce_segments(call, Plan(BLOCKS, Tiling(16, 16, segments), reduce=Reduce.GLUON if gluon else Reduce.TRITON,
+                                   reduce_split=split, unrotated=unrotated))
+        assert torch.isfinite(out).all(), split
+        diff = (out.double().cpu() - want).abs()
+        assert torch.allclose(out.double().cpu(), want, atol=1e-5, rtol=1e-4), (split, diff.max().item())
+        assert (out[2, 3] == 0).all()
 
 
 def test_kernels_doc_attention_section_is_generated():

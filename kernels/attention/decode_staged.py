@@ -179,7 +179,8 @@ def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
     kw = dict(NUM_Q_HEADS=call.q.shape[1], NKV=nkv, GROUP=call.group, USE_SOFTCAP=use_softcap,
               NUM_SEGMENTS=plan.tiling.num_segments, STAGES=stages, BULK=plan.bulk_copies)
     if path == "decode_staged_int4":  # with bulk copies and an even ring: two blocks per loop step
-        kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, launch_pdl=plan.pdl)
+        kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, UNROTATE=plan.unrotated,
+                  launch_pdl=plan.pdl)
     else:
         kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD)
     return kw
@@ -221,9 +222,11 @@ def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, 
     fn = gluon_probe.require(*_KERNELS[path])
     grid = (call.num_seqs, tiling.num_segments)
     args = [query, _Words(k.data_ptr()), call.segm_output, call.segm_max, call.segm_expsum, call.block_table,
-            call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous(), float(scale), call.softcap,
-            int(call.window_size[0]), int(call.window_size[1]), query.stride(0), query.stride(1),
-            k.stride(0) // 4, call.block_table.stride(0)]
+            call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous()]
+    if path == "decode_staged_int4":  # with plan.unrotated it writes the split output unrotated
+        args.append(call.signs)
+    args += [float(scale), call.softcap, int(call.window_size[0]), int(call.window_size[1]), query.stride(0),
+             query.stride(1), k.stride(0) // 4, call.block_table.stride(0)]
     kw = _constexprs(path, call, plan, use_softcap, stages)
     sm_shared = _spread_shared(query.device, call.num_seqs * tiling.num_segments)
     kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS, SPREAD=sm_shared > 0)

@@ -71,7 +71,13 @@ and mbarrier arithmetic and the block-id queue's loads run in warp 0 alone, behi
 against 624 for every warp, 4-7% faster on the H200. Every warp still meets at the block
 barrier before the refills.
 
-Writes the split buffers of ``reduce._attn_reduce_kernel`` (rotated dims, natural order). Masked keys
+**Unrotated split output** (``_unrotate``): each segment's accumulators get the inverse rotation
+``s * H acc / 128`` before they are stored (it is linear, so it commutes with the merge), in
+registers and lane shuffles, about 450 SASS instructions once per program. The reduction is
+then a plain weighted sum of each dim, which it spreads over more programs than the 32 query
+heads of a batch-1 call (``reduce.dim_split``).
+
+Writes the split buffers of ``reduce._attn_reduce_kernel`` (natural dims). Masked keys
 (past the sequence, outside the window) get a ``-inf`` score and a zero value scale, so
 poisoned bytes in a block's unused rows never reach the output.
 """
@@ -83,6 +89,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_pdl import gdc_wait
+from .rotate_query_gluon import _bfly
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
@@ -471,6 +478,60 @@ def _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEA
 
 
 @gluon.jit
+def _bfly_row8(x, NKV: gl.constexpr):
+    """``(x[w] + x[w + 8], x[w] - x[w + 8])`` at rows ``w`` / ``w + 8`` of ``x`` [NKV, 16, 8]: the two
+    rows are one thread's registers in the MMA layout."""
+    a, b = gl.split(gl.permute(gl.reshape(x, [NKV, 2, 8, 8]), (0, 2, 3, 1)))
+    y = gl.reshape(gl.permute(gl.join(a + b, a - b), (0, 3, 1, 2)), [NKV, 16, 8])
+    return gl.convert_layout(y, x.type.layout)
+
+
+@gluon.jit
+def _unrotate(a0, a1, a2, a3, a4, a5, a6, a7, o_w, signs_ptr, NKV: gl.constexpr):
+    """``s * H a / 128`` of the accumulators (element ``[h, w, g]`` of ``a_n`` is rotated dim
+    ``8 w + n``): the inverse rotation the reduction would apply after the merge, applied to each
+    segment's rows (it is linear), so the split output is in the cache's natural dims. ``H`` over
+    the dim's bits 0-2 adds the accumulators, over bits 3-5 (the row's bits 0-2: lanes 4, 8, 16
+    apart) shuffles, over bit 6 (rows ``w``, ``w + 8``, one thread's) adds in registers."""
+    b0 = a0 + a1
+    b1 = a0 - a1
+    b2 = a2 + a3
+    b3 = a2 - a3
+    b4 = a4 + a5
+    b5 = a4 - a5
+    b6 = a6 + a7
+    b7 = a6 - a7
+    c0 = b0 + b2
+    c2 = b0 - b2
+    c1 = b1 + b3
+    c3 = b1 - b3
+    c4 = b4 + b6
+    c6 = b4 - b6
+    c5 = b5 + b7
+    c7 = b5 - b7
+    lane = (4 * o_w)[None, :, None]
+    return (_unrotate_rows(c0 + c4, lane, o_w, signs_ptr, 0, NKV),
+            _unrotate_rows(c1 + c5, lane, o_w, signs_ptr, 1, NKV),
+            _unrotate_rows(c2 + c6, lane, o_w, signs_ptr, 2, NKV),
+            _unrotate_rows(c3 + c7, lane, o_w, signs_ptr, 3, NKV),
+            _unrotate_rows(c0 - c4, lane, o_w, signs_ptr, 4, NKV),
+            _unrotate_rows(c1 - c5, lane, o_w, signs_ptr, 5, NKV),
+            _unrotate_rows(c2 - c6, lane, o_w, signs_ptr, 6, NKV),
+            _unrotate_rows(c3 - c7, lane, o_w, signs_ptr, 7, NKV))
+
+
+@gluon.jit
+def _unrotate_rows(x, lane, o_w, signs_ptr, N: gl.constexpr, NKV: gl.constexpr):
+    """``H`` over the row bits of accumulator ``N`` (already summed over bits 0-2), then its dims'
+    signs over 128."""
+    x = _bfly(x, lane, 4)
+    x = _bfly(x, lane, 8)
+    x = _bfly(x, lane, 16)
+    x = _bfly_row8(x, NKV)
+    return x * (gl.load(signs_ptr + 8 * o_w + N) * (1.0 / 128))[None, :, None]
+
+
+@gluon.jit
 def _out_rows(tok, seg_idx, MMA: gl.constexpr, NKV: gl.constexpr, INNER: gl.constexpr, GROUP: gl.constexpr,
               NUM_Q_HEADS: gl.constexpr, NUM_SEGMENTS: gl.constexpr):
     """Where the value accumulators ``[NKV, INNER, 8]`` (layout ``MMA``: KV head, M index, query
@@ -574,6 +635,7 @@ def _decode_staged_int4_kernel(
     kv_ptr,                         # the packed cache as int32 words
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    signs_ptr,                      # [128] fp32 rotation signs (UNROTATE)
     col_scale, softcap, window_left, window_right,
     stride_q_t, stride_q_h,
     stride_blk,                     # words from one block to the next
@@ -585,6 +647,7 @@ def _decode_staged_int4_kernel(
     PDL: gl.constexpr = False,      # launched with launch_pdl: the query is read after griddepcontrol.wait
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
     SPREAD: gl.constexpr = False,   # launched one program per SM (decode_staged.launch); the code is the same
+    UNROTATE: gl.constexpr = False,  # store the split output unrotated (Plan.unrotated)
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -755,6 +818,12 @@ def _decode_staged_int4_kernel(
     # each thread holds dims 8 w .. 8 w + 7 of its rows (one per accumulator): two 16-byte stores
     # each, not eight 4-byte ones 32 bytes apart (8 partial sectors)
     base = segm_out_ptr + row3 * HEAD + 8 * o_w[None, :, None]
-    _store4(base, acc0, acc1 * 0.0625, acc2, acc3 * 0.0625, ok3)
-    _store4(base + 4, acc4, acc5 * 0.0625, acc6, acc7 * 0.0625, ok3)
+    if UNROTATE:
+        o0, o1, o2, o3, o4, o5, o6, o7 = _unrotate(acc0, acc1 * 0.0625, acc2, acc3 * 0.0625, acc4, acc5 * 0.0625,
+                                                   acc6, acc7 * 0.0625, o_w, signs_ptr, NKV)
+        _store4(base, o0, o1, o2, o3, ok3)
+        _store4(base + 4, o4, o5, o6, o7, ok3)
+    else:
+        _store4(base, acc0, acc1 * 0.0625, acc2, acc3 * 0.0625, ok3)
+        _store4(base + 4, acc4, acc5 * 0.0625, acc6, acc7 * 0.0625, ok3)
     _store_stats(segm_max_ptr, segm_sum_ptr, tok, seg_idx, m_i, l_acc, NUM_Q_HEADS, NKV, GROUP, NUM_SEGMENTS, row_l)

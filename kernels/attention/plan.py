@@ -211,6 +211,8 @@ class Plan:
     why: str = ""
     parts: tuple = ()
     num_decode_seqs: int = 0
+    reduce_split: int = 1           # Gluon reduction programs per (token, query head), each over 128 / it dims
+    unrotated: bool = False         # the staged INT4 kernel unrotates its split output (the reduction does not)
 
 
 DEFAULT_TUNING = Tuning()
@@ -289,7 +291,9 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
     reduce = _reduction(tiling, call, facts, tuning, pdl)
     bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
     align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
-    return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why))
+    split, unrotated = _reduce_split(path, tiling, call, facts, reduce, why)
+    return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why), reduce_split=split,
+                unrotated=unrotated)
 
 
 def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
@@ -564,6 +568,21 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
             facts.index is None or Q.probe(_device(facts), num_q_heads, parts, pdl, pdl and release)):
         return Rotate.GLUON, parts, release
     return Rotate.TRITON, parts, release
+
+
+def _reduce_split(path, tiling, call, facts, reduce, why) -> tuple:
+    """Step 6: ``(reduce_split, unrotated)``: the Gluon reduction spreads each row's dims over
+    ``R.dim_split`` programs where the rows alone leave SMs idle, if it does not rotate; the staged
+    INT4 kernel unrotates its split output for it from ``R.UNROTATE_MIN_SEGMENTS`` segments."""
+    if reduce != Reduce.GLUON:
+        return 1, False
+    split = R.dim_split(call.q.shape[0] * call.q.shape[1], facts.num_sms)
+    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return split, False
+    if path != Path.DECODE_STAGED_INT4 or split == 1 or tiling.num_segments < R.UNROTATE_MIN_SEGMENTS:
+        return 1, False
+    why.append(f"{tiling.num_segments} segments: unrotated in the kernel, the reduction over {split} dim groups")
+    return split, True
 
 
 def _reduction(tiling, call, facts, tuning, pdl) -> Reduce:

@@ -21,6 +21,8 @@ GLUON_MAX_SEGMENTS = 512            # every segment's row loaded at once (16 row
 GLUON_STATS_IN_THREAD = 64          # up to this many segments each thread holds every segment's max and sum
 GLUON_ROWS = 16                     # segments per warp (16 against 8 / 32 / 4: INT4 b8@32k 93.4-93.9 vs
                                     # 95.5 / 94.4 / 98.5 µs on the H200)
+DIM_SPLIT_MAX = 4                   # programs per (token, head) of the unrotated Gluon reduction
+UNROTATE_MIN_SEGMENTS = 128         # the staged INT4 kernel unrotates its split output from this many segments
 _GLUON = ("reduce_gluon", "_attn_reduce_gluon_kernel")
 
 
@@ -102,18 +104,21 @@ def _attn_reduce_kernel(
 def reduce_segments(call, plan) -> None:
     """Merge ``call``'s segments into ``call.out`` [T, Hq, head_size]: ``segm_output``
     [>= T, Hq, segments, head_pad] fp32, ``segm_max`` / ``segm_expsum`` [>= T, Hq, segments] fp32
-    (max in log2 units); INT4 (``call.signs``): the inverse rotation too."""
+    (max in log2 units); INT4: the inverse rotation too, unless the decode kernel applied it
+    (``plan.unrotated``)."""
     from .plan import Reduce
-    out, segs, signs = call.out, plan.tiling.num_segments, call.signs
+    out, segs = call.out, plan.tiling.num_segments
+    signs = None if plan.unrotated else call.signs
     num_tokens, num_q_heads = out.shape[:2]
     seg_pad = next_pow2(segs)
-    if plan.reduce == Reduce.GLUON:  # a program per token and head, a warp per GLUON_ROWS segments
-        gluon_probe.require(*_GLUON)[out.shape[:2]](
+    if plan.reduce == Reduce.GLUON:  # a program per token, head and dim split, a warp per GLUON_ROWS segments
+        dsplit = plan.reduce_split
+        gluon_probe.require(*_GLUON)[(num_tokens, num_q_heads, dsplit)](
             out, call.segm_output, call.segm_max, call.segm_expsum, call.segm_max if signs is None else signs,
             out.stride(0), out.stride(1), out.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_SEGMENTS=segs, SEG_PAD=seg_pad, ROTATE=signs is not None,
-            STAT_SPREAD=stat_spread(seg_pad), PDL=plan.pdl, num_warps=max(1, seg_pad // GLUON_ROWS),
-            launch_pdl=plan.pdl)
+            STAT_SPREAD=stat_spread(seg_pad), PDL=plan.pdl, DSPLIT=dsplit,
+            num_warps=max(1, seg_pad // (GLUON_ROWS * dsplit)), launch_pdl=plan.pdl)
         return
     head_pad = call.segm_output.shape[-1]
     # one load of every segment while the tile holds at most 16K values, else chunks of 4K values
@@ -128,6 +133,16 @@ def reduce_segments(call, plan) -> None:
         ROTATE=signs is not None, HI=head_pad // lo, LO=lo, PDL=plan.pdl, launch_pdl=plan.pdl,
         num_warps=4,
     )
+
+
+def dim_split(rows: int, num_sms: int) -> int:
+    """Programs per (token, head) of the Gluon reduction without the rotation (``Plan.reduce_split``):
+    doubled, up to ``DIM_SPLIT_MAX``, while ``rows`` (tokens x query heads) times it leaves SMs
+    idle; each merges ``128 / split`` dims."""
+    split = 1
+    while split < DIM_SPLIT_MAX and rows * split < num_sms:
+        split *= 2
+    return split
 
 
 def stat_spread(seg_pad: int) -> int:
