@@ -622,7 +622,7 @@ def test_empty_batch_launches_nothing(launched):
                                   KVQuantMode.FP8_PER_TOKEN_HEAD], ids=["int4", "int8", "fp8"])
 def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     """On an H200 (fake device facts) the plan takes the staged kernel of the mode (its ring
-    depth, its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch, one
+    depth, deeper where the grid runs one program per SM; its segments) for decode at head_size 128 from ``MIN_KEYS`` keys in the batch, one
     sequence included, and the portable kernel below it (INT4: decode_code_units, which takes
     INT4 below 32,768 keys), decode_block_tiles for GQA 16, head_size 64, separate tensors (the
     staged kernels read only the packed layout: block tiles keep the staged segment count),
@@ -631,8 +631,11 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
     big = max(decode_staged.MIN_KEYS.values()) // 8     # both staged kernels take 8 x big
     plan = plan_for(mode, 8, big)
-    assert plan.path == staged and plan.tiling.num_stages == decode_staged.STAGES[staged.value]
-    assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) and plan.bulk_copies and plan.pdl
+    # one program per SM (8 x 16 segments): the spread ring depth; two per SM (b8@32k): the default
+    assert plan.path == staged and plan.tiling.num_stages == decode_staged.SPREAD_STAGES[staged.value]
+    assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) == 16 and plan.bulk_copies and plan.pdl
+    two = plan_for(mode, 8, 32768)
+    assert two.tiling.num_segments == 33 and two.tiling.num_stages == decode_staged.STAGES[staged.value]
     assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
     assert plan.reduce == Reduce.GLUON
     below = UNITS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else BLOCKS   # INT4 block tiles from 32,768 keys

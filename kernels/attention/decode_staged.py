@@ -17,8 +17,9 @@ on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles``
 22.7-22.8 against 24.6-24.9), at 8,192 keys 1.23-1.32x ``decode_code_units`` (b1@8k 12.1-12.2
 against 15.2, b4@2k 12.0-12.1 against 14.8-14.9, b8@1k 11.0-11.1 against 14.6). Not taken: INT4 at
 4,096 keys (b1@4k 12.2 against 12.3), INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4). Up to 65,536 keys the programs run one per SM (:func:`segments`), launched so
-(:func:`_spread_shared`). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower), INT8 / FP8 2
-(3 was 1-4% slower); a 128-register cap (two programs of 8 warps per SM). On sm_90+ each block is
+(:func:`_spread_shared`). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower
+at one program per SM), INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`);
+a 128-register cap (two programs of 8 warps per SM). On sm_90+ each block is
 one bulk copy (an mbarrier per ring slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4
 kernel is launched with programmatic dependent launch (0.8-2.2% faster): its first block copies
 start before ``griddepcontrol.wait``.
@@ -49,6 +50,8 @@ MIN_KEYS = {"decode_staged_int4": 8192,  # sequences x context from which the ke
             "decode_staged_int8": 65536}
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
+SPREAD_STAGES = {"decode_staged_int4": 4,  # ring depth where the grid runs one program per SM (:func:`stages`)
+                 "decode_staged_int8": 4}
 ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, then the scale word
              "decode_staged_int8": HEAD_SIZE + 4}       # 132: 128 code bytes, then the f32 scale
 MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the INT4 kernel needs 127)
@@ -92,6 +95,16 @@ def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     most = max(1, PROGRAMS_PER_SM * num_sms // seqs)
     want = min(most, max(num_sms // seqs, blocks // MIN_BLOCKS_PER_PROGRAM), blocks)
     return max(2, busy_segments(max(1, want), blocks))
+
+
+def stages(path: str, num_sms: int, num_seqs: int, num_segments: int) -> int:
+    """Ring depth of ``path``: ``STAGES``, or ``SPREAD_STAGES`` where the grid runs one program per
+    SM and the ring has the SM's shared memory to itself. On the H200 (cold L2, call times) INT8
+    b1@64k with 2 / 4 / 6 blocks: 42.9-43.0 / 41.4-41.5 / 43.2-43.4 µs; INT4 b1@32k with 4 / 6 / 8:
+    19.6 / 21.7-21.8 / 22.4. INT8 with 2 / 4 blocks on another start: b1@64k 41.1-41.3 / 39.3-39.7,
+    b2@32k 41.9-42.0 / 39.8-39.9 (FP8 41.6 / 39.2), b4@16k 41.8-42.2 / 39.9-40.0, b8@8k 41.2-41.3 /
+    39.7-39.8."""
+    return SPREAD_STAGES[path] if max(1, num_seqs) * num_segments <= num_sms else STAGES[path]
 
 
 def packed_views(q, k, v, ks, vs, code_bytes: int) -> bool:

@@ -421,7 +421,7 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
         return Tiling(max(PREFILL_BLOCK_M, block_m), PREFILL_TILE)  # no split: the caller's count is for decode
     if path in (Path.DECODE_STAGED_INT4, Path.DECODE_STAGED_INT8):
         segs = given or S.segments(sms, call.num_seqs, ctx)
-        return Tiling(block_m, 16, int(segs), call.num_kv_heads, S.STAGES[path.value])
+        return Tiling(block_m, 16, int(segs), call.num_kv_heads, S.stages(path.value, sms, call.num_seqs, int(segs)))
     t = B.tiling(mode, head) if path == Path.DECODE_BLOCK_TILES else None
     if t:
         groups = max(1, pairs // max(1, t[4] or call.num_kv_heads))
