@@ -487,28 +487,25 @@ def _bfly_row8(x, NKV: gl.constexpr):
 
 
 @gluon.jit
+def _sum_diff(x, y):
+    return x + y, x - y
+
+
+@gluon.jit
 def _unrotate(a0, a1, a2, a3, a4, a5, a6, a7, o_w, signs_ptr, NKV: gl.constexpr):
     """``s * H a / 128`` of the accumulators (element ``[h, w, g]`` of ``a_n`` is rotated dim
     ``8 w + n``): the inverse rotation the reduction would apply after the merge, applied to each
     segment's rows (it is linear), so the split output is in the cache's natural dims. ``H`` over
     the dim's bits 0-2 adds the accumulators, over bits 3-5 (the row's bits 0-2: lanes 4, 8, 16
     apart) shuffles, over bit 6 (rows ``w``, ``w + 8``, one thread's) adds in registers."""
-    b0 = a0 + a1
-    b1 = a0 - a1
-    b2 = a2 + a3
-    b3 = a2 - a3
-    b4 = a4 + a5
-    b5 = a4 - a5
-    b6 = a6 + a7
-    b7 = a6 - a7
-    c0 = b0 + b2
-    c2 = b0 - b2
-    c1 = b1 + b3
-    c3 = b1 - b3
-    c4 = b4 + b6
-    c6 = b4 - b6
-    c5 = b5 + b7
-    c7 = b5 - b7
+    b0, b1 = _sum_diff(a0, a1)          # bit 0
+    b2, b3 = _sum_diff(a2, a3)
+    b4, b5 = _sum_diff(a4, a5)
+    b6, b7 = _sum_diff(a6, a7)
+    c0, c2 = _sum_diff(b0, b2)          # bit 1
+    c1, c3 = _sum_diff(b1, b3)
+    c4, c6 = _sum_diff(b4, b6)
+    c5, c7 = _sum_diff(b5, b7)
     lane = (4 * o_w)[None, :, None]
     return (_unrotate_rows(c0 + c4, lane, o_w, signs_ptr, 0, NKV),
             _unrotate_rows(c1 + c5, lane, o_w, signs_ptr, 1, NKV),
