@@ -26,7 +26,9 @@ is tested without a GPU); nothing is queued, every step completes in the call.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import NamedTuple, Protocol
 
@@ -38,6 +40,19 @@ from layouts import CorruptFrameError
 from .protocol import Header
 
 _MASK = (1 << 64) - 1
+_cpu_gathers: ThreadPoolExecutor | None = None
+_cpu_gathers_lock = threading.Lock()
+
+
+def _cpu_gather_thread() -> ThreadPoolExecutor:
+    """The one thread that runs CPU-cache gathers (:func:`gather_message`): through Triton's
+    interpreter a message takes seconds, which on the prefill's I/O thread would leave its peer
+    without an answer to its heartbeats for as long."""
+    global _cpu_gathers
+    with _cpu_gathers_lock:
+        if _cpu_gathers is None:
+            _cpu_gathers = ThreadPoolExecutor(1, thread_name_prefix="kvc-frames")
+        return _cpu_gathers
 
 
 class FrameOps(Protocol):
@@ -80,18 +95,31 @@ class DeviceGather:
     """A gathered message being copied to host memory; future-like (``done``, ``cancel``,
     ``result``) so the sender treats it like a staging job."""
 
-    def __init__(self, event, frames: list, sums: torch.Tensor) -> None:
-        self.event, self.frames, self.sums = event, frames, sums
+    def __init__(self, event, frames: list, sums: torch.Tensor, future=None) -> None:
+        self.event, self.frames, self.sums, self.future = event, frames, sums, future
+
+    @property
+    def background(self) -> bool:
+        """Whether a host thread computes it (CPU caches): the sender waits for :meth:`done`
+        instead of blocking in :meth:`result`."""
+        return self.future is not None
 
     def done(self) -> bool:
+        if self.future is not None:
+            return self.future.done()
         return self.event is None or self.event.query()
 
     def cancel(self) -> bool:
+        if self.future is not None:
+            return self.future.cancel()   # not started yet
         return False      # queued device work cannot be recalled; busy() waits for it
 
     def result(self) -> tuple[list, list]:
-        """``(payload frames, checksums)`` once the copies have landed (waits for the event)."""
-        if self.event is not None:
+        """``(payload frames, checksums)`` once the copies have landed (waits for the event or
+        the gather thread; raises what the gather raised)."""
+        if self.future is not None:
+            self.future.result()
+        elif self.event is not None:
             self.event.synchronize()
         return self.frames, [int(v) & _MASK for v in self.sums.tolist()]
 
@@ -106,16 +134,17 @@ def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: 
     block_ids : [k] int64 on the caches' device, source blocks in transfer order
     heads : range of local heads to send
     host : [nlay·k·2·N·h·P] uint8, CPU (pinned for CUDA caches), written once the event fires
-    copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host`` directly)
+    copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host``
+        directly, on one gather thread of the process: :func:`_cpu_gather_thread`)
         Already ordered after the writes of the blocks (it waited for the event recorded at
         publish): nothing else queued on other streams since, e.g. the next forward pass, holds
         the gather back.
     """
     hd = (heads.start, heads.stop)
-    if copy_stream is None:
+    if copy_stream is None:   # on the gather thread, so the caller's thread keeps serving its socket
         sums = torch.empty(1, dtype=torch.int64)
-        ops.gather(caches, block_ids, out=host, checksums=sums, heads=hd)
-        return DeviceGather(None, [host.numpy()], sums)
+        job = _cpu_gather_thread().submit(ops.gather, caches, block_ids, out=host, checksums=sums, heads=hd)
+        return DeviceGather(None, [host.numpy()], sums, job)
     device = caches[0].device
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
         dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)

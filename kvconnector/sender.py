@@ -436,6 +436,9 @@ class Stream:
         self._timings["stage"] = self._timings.get("stage", 0.0) + t1 - t0
         if not self._staged:
             return []      # waiting for ZeroMQ to release a buffer, or for a layer to be published
+        head = self._staged[0][4]
+        if getattr(head, "background", False) and not head.done():
+            return []      # a CPU-cache gather still on its thread: serve heartbeats meanwhile
         layer, nlay, first, count, job, self.last_buffer, work = self._staged.popleft()
         self.last_reads_cache = work is not None and work[1] is None and work[2] is None   # no gather, no copy
         if work is None:

@@ -248,6 +248,38 @@ def _ops(device):
     return FRAME_OPS if device == "cuda" else TORCH_FRAME_OPS
 
 
+def test_slow_cpu_gather_does_not_read_as_a_dead_peer():
+    """CPU caches: the prefill runs each message's gather + mix64 on its gather thread, not on its
+    I/O thread, so a gather slower than the decode side's peer timeout (here 1.2 s of busy Python
+    per message, which holds the GIL between switches as Triton's interpreter does) leaves the
+    prefill answering heartbeats: the pull lands byte-exact, no ``peer silent``."""
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=2,
+                     num_blocks=10)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    gathers = []
+
+    def slow_gather(*args, **kw):
+        gathers.append(threading.current_thread().name)
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            pass
+        return TORCH_FRAME_OPS.gather(*args, **kw)
+
+    slow = SimpleNamespace(gather=slow_gather, verify_scatter=TORCH_FRAME_OPS.verify_scatter)
+    src_ids, dst_ids = [9, 3], [2, 7]
+    with PrefillEndpoint(src, desc, chunk_bytes=1, frame_ops=slow, heartbeat_s=0.1) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, heartbeat_s=0.1, peer_timeout_s=0.6) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        assert dec.checksum == MIX64
+        pre.publish("r", src_ids)
+        res = dec.pull("r", dst_ids, deadline_s=60).result(timeout=60)
+        assert res.nbytes == desc.num_layers * len(src_ids) * desc.block_bytes
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
+        assert not pre.errors and not dec.errors
+    assert len(gathers) >= 2 and all(name.startswith("kvc-frames") for name in gathers), gathers
+
+
 def test_torch_frame_ops_match_the_kernels():
     """The CPU test double computes the kernels' payload, checksums and verify + scatter."""
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=4, num_layers=2, num_blocks=6)
