@@ -20,7 +20,9 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
   destination blocks of that message were not written.
 
 On CPU caches the same kernels run through Triton's interpreter on host memory (how the path
-is tested without a GPU); nothing is queued, every step completes in the call.
+is tested without a GPU), nothing queued on a stream: the prefill's gather runs on one gather
+thread (:func:`_cpu_gather_thread`; seconds a message through the interpreter, which the I/O
+thread must spend answering heartbeats instead), the decode side's steps complete in the call.
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles``
 46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x block tiles (b8@4k
 22.7-22.8 against 24.6-24.9), at 8,192 keys 1.23-1.32x ``decode_code_units`` (b1@8k 12.1-12.2
 against 15.2, b4@2k 12.0-12.1 against 14.8-14.9, b8@1k 11.0-11.1 against 14.6). Not taken: INT4 at
-4,096 keys (b1@4k 12.2 against 12.3), INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4). Up to 65,536 keys the programs run one per SM (:func:`segments`), launched so
-(:func:`_spread_shared`). Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower
-at one program per SM), INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`);
-a 128-register cap (two programs of 8 warps per SM). On sm_90+ each block is
-one bulk copy (an mbarrier per ring slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4
-kernel is launched with programmatic dependent launch (0.8-2.2% faster): its first block copies
-start before ``griddepcontrol.wait``.
+4,096 keys (b1@4k 12.2 against 12.3), INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4). Up to
+65,536 keys the programs run one per SM (:func:`segments`), launched so (:func:`_spread_shared`).
+Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower at one program per SM),
+INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`); a 128-register cap
+(two programs of 8 warps per SM). On sm_90+ each block is one bulk copy (an mbarrier per ring
+slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with
+programmatic dependent launch (0.8-2.2% faster): its first block copies start before
+``griddepcontrol.wait``.
 
 The ring lives in dynamic shared memory after Triton's own: each variant is compiled once
 (``warmup``), and :func:`reserve_ring` raises the compiled kernel's shared-memory size by the
