@@ -52,12 +52,13 @@ WHY = {
                              "loop-invariant offsets), one warp per KV head: INT8 / FP8 decode at head_size 64 / "
                              "128 / 256, INT4 from 8,192 (head 64) or 32,768 (128, 256) keys in the batch.",
     Path.DECODE_STAGED_INT4: "Gluon: each program copies whole cache blocks (every KV head, K and V) into a ring "
-                             "in shared memory with bulk copies, one warp per KV head, MMA on raw nibble codes. "
-                             "The INT4 default on CUDA sm_80+ from 16,384 keys in the batch, one sequence included "
+                             "in shared memory with bulk copies, one warp per KV head, MMA on raw nibble codes; "
+                             "each program rotates its query in its prologue. "
+                             "The INT4 default on CUDA sm_80+ from 4,096 keys in the batch, one sequence included "
                              "(1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
                              "head_size 128, block 16, <= 8 KV heads, <= 8 query heads per KV head.",
     Path.DECODE_STAGED_INT8: "The same design for INT8 / FP8 (132-byte rows): their default on CUDA sm_80+ (FP8: "
-                             "sm_89+) from 65,536 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "
+                             "sm_89+) from 32,768 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "
                              "from 262,144 keys on the H200).",
 }
 
@@ -104,7 +105,8 @@ def cell(p: Plan) -> str:
     if p.unrotated:
         extra.append("unrotated")
     if p.reduce.value != "none":
-        extra.append(f"red {p.reduce.value}" + (f" x{p.reduce_split}" if p.reduce_split > 1 else ""))
+        extra.append(f"red {p.reduce.value}" + (f" x{p.reduce_split}" if p.reduce_split > 1 else "")
+                     + (" early" if p.reduce_early else ""))
     if p.tiling.dequant_first:
         groups = p.tiling.dequant_groups
         extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else ""))
@@ -130,10 +132,12 @@ def section() -> str:
            "Every call of `kernels.unified_attention` is validated once, planned once (`attention_plan` returns "
            "the `Plan` without launching) and run as planned: the plan's `path` is the kernel, and `why` says "
            "why in words (`attention_plan(...).why`). Files are under `kernels/attention/`. In the cells: the "
-           "path, its split-KV segments, how an INT4 query is rotated before the kernel (`rot`: `prologue` inside "
-           "`decode_code_units`, `triton` / `gluon` a rotation kernel first; the 2D kernel rotates its own tile) "
-           "and which kernel merges the segments (`red`; `x4`: four programs per query row, each merging a "
-           "quarter of the dims, where the rows alone leave SMs idle; `unrotated`: the staged INT4 kernel "
+           "path, its split-KV segments, how an INT4 query is rotated (`rot`: `prologue` inside "
+           "`decode_code_units` or `decode_staged_int4`, `triton` / `gluon` a rotation kernel first; the 2D "
+           "kernel rotates its own tile) and which kernel merges the segments (`red`; `x4`: four programs per "
+           "query row, each merging a quarter of the dims, where the rows alone leave SMs idle; `early`: the "
+           "split kernel, whose grid is resident at once, lets the reduction's programs be scheduled at its "
+           "start, where they wait for its end; `unrotated`: the staged INT4 kernel "
            "applies the inverse rotation to each segment's rows, so its reduction does not rotate); "
            "`dequant first`: the 2D plan dequantizes a "
            "quantized context into a 16-bit scratch first (`Tiling.dequant_first`, see \"Prefill over a "

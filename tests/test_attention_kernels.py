@@ -399,7 +399,9 @@ def test_cuda_staged_int4_decode_kernel(num_q_heads, num_kv_heads):
     decode_block_tiles: GQA 1 / 2 / 4 / 8 (4 on 8 query rows), a one-key sequence, partial last blocks, a
     100-key window, softcap, 3 to 32 segments (empty ones included), rings of 2 to 6 stages (two
     blocks a loop step where even, with bulk copies); the unused rows of each
-    last block hold 0xFF poison (scale words NaN), which must not reach the output."""
+    last block hold 0xFF poison (scale words NaN), which must not reach the output. The query
+    rotated in the kernel's prologue (``Rotate.PROLOGUE``, from a strided query too) and by the
+    rotation kernel first."""
     from kernels.attention import decode_staged, gluon_probe
     c = make_case(KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16, q_lens=[1] * 5, k_lens=[1500, 1, 17, 333, 640],
                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=128, device="cuda",
@@ -410,7 +412,14 @@ def test_cuda_staged_int4_decode_kernel(num_q_heads, num_kv_heads):
     block_tiles = forced(BLOCKS, 16, 32, 8, 1, 2, heads_per_program=1)
     # even rings: two blocks a loop step (sm_90); 3 stages: one (odd tile counts in both)
     for segs, stages in ((3, 2), (32, 2), (3, decode_staged.STAGES[STAGED4.value]), (5, 6), (5, 3)):
-        _matches_block_tiles(c, forced(STAGED4, 16, 16, segs, num_kv_heads, stages), block_tiles)
+        for in_kernel in (True, False):
+            cfg = dataclasses.replace(forced(STAGED4, 16, 16, segs, num_kv_heads, stages), rotate_q_in_decode=in_kernel)
+            assert (_plan_of(c, tuning=cfg).rotate == Rotate.PROLOGUE) == in_kernel
+            _matches_block_tiles(c, cfg, block_tiles)
+    wide = torch.randn(5, num_q_heads, 3, 128, device="cuda", dtype=torch.bfloat16)
+    wide[:, :, 1] = c["q"]
+    c["q"] = wide[:, :, 1]  # strides (3 x 128 x heads, 3 x 128, 1): as a slice of a fused QKV projection
+    _matches_block_tiles(c, forced(STAGED4, 16, 16, 32, num_kv_heads, 4), block_tiles)
     assert not any(gluon_probe.verdicts().values())  # every probe compiled
 
 
@@ -636,8 +645,16 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     assert plan.tiling.num_segments == decode_staged.segments(132, 8, big) == 16 and plan.bulk_copies and plan.pdl
     two = plan_for(mode, 8, 32768)
     assert two.tiling.num_segments == 33 and two.tiling.num_stages == decode_staged.STAGES[staged.value]
-    assert plan.rotate == (Rotate.GLUON if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else Rotate.NONE)
+    # INT4: the kernel rotates its query (the rotation kernel with rotate_q_in_decode off)
+    int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    assert plan.rotate == (Rotate.PROLOGUE if int4 else Rotate.NONE)
+    off = plan_for(mode, 8, big, tuning=Tuning(rotate_q_in_decode=False))
+    assert off.rotate == (Rotate.GLUON if int4 else Rotate.NONE) and off.path == staged
     assert plan.reduce == Reduce.GLUON
+    # the reduction scheduled at the kernel's start where the grid is one program per SM (8 x 16), not at
+    # two per SM (b8@32k), nor without programmatic dependent launch
+    assert plan.reduce_early and not two.reduce_early
+    assert not plan_for(mode, 8, big, tuning=Tuning(pdl=False)).reduce_early
     below = UNITS if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else BLOCKS   # INT4 block tiles from 32,768 keys
     one = decode_staged.MIN_KEYS[staged.value]      # 8 sequences, 2, or a single one
     assert (plan_for(mode, 8, one // 8).path, plan_for(mode, 8, one // 16).path) == (staged, below)
@@ -654,6 +671,21 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     assert a100.path == (BLOCKS if mode == KVQuantMode.FP8_PER_TOKEN_HEAD else staged) and not a100.pdl
     assert not a100.bulk_copies
     assert plan_for(mode, 8, big, facts=CPU).path == BLOCKS  # never a Gluon kernel on the CPU
+
+
+def test_reduction_is_scheduled_early_only_after_one_wave_grids():
+    """``Plan.reduce_early`` (the split kernel lets the reduction's programs be scheduled at its
+    start) on an H200 where the split kernel's grid is resident at once: the bf16 split decode
+    within 3 programs per SM (b1@32k: 8 KV heads x 47 segments), the staged kernels at one program
+    per SM; not for two waves (bf16 b32@32k), two staged programs per SM (INT4 b32@32k), without
+    programmatic dependent launch, nor on the CPU."""
+    bf16 = plan_for(NONE, 1, 32768)
+    assert bf16.path == P2D and bf16.tiling.num_segments * 8 <= 3 * 132 and bf16.reduce_early
+    assert not plan_for(NONE, 32, 32768).reduce_early
+    assert plan_for(INT4, 1, 32768).reduce_early and not plan_for(INT4, 32, 32768).reduce_early
+    assert plan_for(INT8, 1, 65536).reduce_early
+    assert not plan_for(NONE, 1, 32768, tuning=Tuning(pdl=False)).reduce_early
+    assert not any(plan_for(m, 1, 32768, CPU).reduce_early for m in (NONE, INT4, INT8))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -849,11 +881,12 @@ def test_bf16_decode_segment_counts_that_are_not_powers_of_two():
 def test_gluon_decode_segments():
     """Staged decode segments: programs of 32 blocks or more down to one per SM, at most 2 per SM,
     then the fewest segments with the same blocks per segment (the kernels give each
-    ``ceil(blocks / segments)``); at least 2, at most one per block. Not a power of two where the
-    SMs divide otherwise."""
+    ``ceil(blocks / segments)``); at least 2, and fewer programs than SMs before segments of fewer
+    than 4 blocks (b1@4k: 64). Not a power of two where the SMs divide otherwise."""
     from kernels.attention.decode_staged import segments as v6_segments
     for seqs, ctx, segs in ((8, 32768, 33), (8, 16384, 32), (12, 16384, 22), (24, 8192, 11), (4, 32768, 64),
-                            (32, 32768, 8), (16, 16384, 16), (1, 100, 7), (1, 16, 2), (500, 32768, 2),
+                            (32, 32768, 8), (16, 16384, 16), (1, 100, 2), (1, 16, 2), (500, 32768, 2),
+                            (1, 4096, 64), (1, 2048, 32), (2, 2048, 32), (4, 1024, 16), (1, 8192, 128),
                             (1, 65536, 128), (2, 32768, 64), (4, 16384, 32), (8, 8192, 16), (16, 4096, 8),
                             (1, 131072, 256), (1, 1 << 20, 264)):
         assert v6_segments(132, seqs, ctx) == segs, (seqs, ctx)
@@ -867,13 +900,13 @@ def test_gluon_decode_segments():
 def test_reduction_dim_split_and_unrotated_segments_in_the_plan():
     """On the H200 the Gluon reduction spreads each row's dims over up to 4 programs where tokens x
     query heads leave SMs idle and it does not rotate; the staged INT4 kernel unrotates its split
-    output (so the reduction need not rotate) from 128 segments: batch 1 from 8k keys, not b2@32k
-    (64 segments) nor b8@32k (256 rows fill the SMs); other INT4 kernels leave the rotation to a
+    output (so the reduction need not rotate) from 128 segments: batch 1 from 8k keys, not b1@4k or
+    b2@32k (64 segments) nor b8@32k (256 rows fill the SMs); other INT4 kernels leave the rotation to a
     one-program-per-row reduction. The interpreter's Triton reduction never splits."""
     int4 = KVQuantMode.INT4_PER_TOKEN_HEAD
     for b, ctx, want in ((1, 32768, (STAGED4, True, 4)), (1, 8192, (STAGED4, True, 4)),
                          (2, 32768, (STAGED4, False, 1)), (8, 32768, (STAGED4, False, 1)),
-                         (1, 4096, (UNITS, False, 1))):
+                         (1, 4096, (STAGED4, False, 1)), (1, 2048, (UNITS, False, 1))):
         p = plan_for(int4, b, ctx, H200)
         assert (p.path, p.unrotated, p.reduce_split) == want, (b, ctx, p)
         assert p.unrotated == ("unrotated in the kernel" in p.why)
@@ -905,9 +938,9 @@ def test_code_units_tiling_per_head_size_and_segments():
     # half: INT4 above ROTATE_Q_MAX_HEAD aims at half the slots (the prologue rotation's condition)
     assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
-    # head_size 128, below the staged INT4 kernel's 8,192 keys: about 512 programs (4 per SM), at
+    # head_size 128, below the staged INT4 kernel's 4,096 keys: about 512 programs (4 per SM), at
     # most one tile per segment
-    for b, ctx, segs in ((1, 4096, 64), (2, 2048, 32), (4, 1024, 16), (8, 512, 8), (1, 2048, 32)):
+    for b, ctx, segs in ((1, 2048, 32), (2, 1024, 16), (4, 512, 8), (8, 256, 4)):
         plan = plan_for(int4, b, ctx, H200)
         assert (plan.path, plan.tiling.num_segments, plan.rotate) == (UNITS, segs, Rotate.PROLOGUE), (b, ctx, plan)
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
@@ -1066,10 +1099,15 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
         assert plan.rotate == Rotate.TRITON and "rotate" in asked
     forced_plan = plan_for(mode, 8, big, real, tuning=forced(staged, 16, 16, 8, 8, 2))
     assert forced_plan.path == BLOCKS and "does not compile" in forced_plan.why
-    monkeypatch.setattr(decode_staged, "probe", lambda *a: True)
+    monkeypatch.setattr(decode_staged, "probe", lambda *a, **kw: True)
     monkeypatch.setattr(reduce, "probe", lambda *a: True)
     assert plan_for(mode, 8, big, real).path == staged
     assert plan_for(mode, 8, big, real).reduce == Reduce.GLUON
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # the kernel rotates its query where that variant compiles
+        assert plan_for(mode, 8, big, real).rotate == Rotate.PROLOGUE
+        monkeypatch.setattr(decode_staged, "probe", lambda *a, rotate_q=False: not rotate_q)
+        plan = plan_for(mode, 8, big, real)
+        assert (plan.path, plan.rotate) == (staged, Rotate.TRITON)  # the Gluon rotation's probe says no
 
 
 def test_staged_int4_reads_only_the_packed_int4_layout():

@@ -10,20 +10,25 @@ most 8 KV heads (a power of two) and at most 8 query heads per KV head; INT8 / F
 query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruction).
 
 They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, one sequence
-included: INT4 from 8,192, INT8 / FP8 from 65,536. Against the kernel the plan takes below that,
+included: INT4 from 4,096, INT8 / FP8 from 32,768. Against the kernel the plan takes below that,
 on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles`` from 262,144 keys,
 1.04-1.14x (INT4) at 131,072; at 65,536 keys b1@64k INT4 35.7-36.0 against 40.8-41.4 µs, INT8
-46.2-46.8 against 51.7-51.8; INT4 at 32,768 keys over 2-32 sequences 1.05-1.13x block tiles (b8@4k
-22.7-22.8 against 24.6-24.9), at 8,192 keys 1.23-1.32x ``decode_code_units`` (b1@8k 12.1-12.2
-against 15.2, b4@2k 12.0-12.1 against 14.8-14.9, b8@1k 11.0-11.1 against 14.6). Not taken: INT4 at
-4,096 keys (b1@4k 12.2 against 12.3), INT8 / FP8 at 32,768 (b2@16k 29.5-29.7 against 29.4). Up to
-65,536 keys the programs run one per SM (:func:`segments`), launched so (:func:`_spread_shared`).
+46.2-46.8 against 51.7-51.8; INT8 at 32,768 keys b1@32k 24.4-24.5 against 28.5-28.6, b2@16k 24.3
+against 29.3, b4@8k 24.2 against 29.2 (FP8 b1@32k 23.5-23.6 against 29.3-29.4), but b1@16k 21.7
+against 18.8; INT4 at 4,096 keys against ``decode_code_units`` b1@4k 10.3 (64 segments) against
+11.8, b2@2k 9.8 against 12.1, b4@1k 9.5 against 11.7. Up to 65,536 keys the programs run one per SM
+(:func:`segments`), launched so (:func:`_spread_shared`).
 Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower at one program per SM),
 INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`); a 128-register cap
 (two programs of 8 warps per SM). On sm_90+ each block is one bulk copy (an mbarrier per ring
 slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with
-programmatic dependent launch (0.8-2.2% faster): its first block copies start before
-``griddepcontrol.wait``.
+programmatic dependent launch: it rotates its query in its prologue (``Plan.rotate`` PROLOGUE,
+after ``griddepcontrol.wait``: the query and the cache may be the previous kernel's), 0.5-1.6 µs
+faster than a rotation kernel first from b1 to b32 (b2@4k 12.6 against 14.2, b1@32k 21.1 against
+21.9); with the rotation kernel first (``Tuning(rotate_q_in_decode=False)``) its first block
+copies start before its wait. Where the grid runs one program per SM, both kernels let the
+reduction be scheduled at their start (``Plan.reduce_early``): INT4 b1@4k 9.5 against 10.3 µs,
+b1@32k 18.5 against 18.8-18.9, INT8 b1@64k 39.2-39.3 against 40.0-40.2.
 
 The ring lives in dynamic shared memory after Triton's own: each variant is compiled once
 (``warmup``), and :func:`reserve_ring` raises the compiled kernel's shared-memory size by the
@@ -47,8 +52,8 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 MAX_KV_HEADS = 8                    # one warp per KV head
 MAX_GROUP = 8                       # query heads per KV head: the dots' N axis
-MIN_KEYS = {"decode_staged_int4": 8192,  # sequences x context from which the kernel is the default
-            "decode_staged_int8": 65536}
+MIN_KEYS = {"decode_staged_int4": 4096,  # sequences x context from which the kernel is the default
+            "decode_staged_int8": 32768}
 STAGES = {"decode_staged_int4": 4,  # ring depth: 4 x 17,408 bytes at 8 heads
           "decode_staged_int8": 2}  # 2 x 33,792 bytes at 8 heads
 SPREAD_STAGES = {"decode_staged_int4": 4,  # ring depth where the grid runs one program per SM (:func:`stages`)
@@ -58,6 +63,7 @@ ROW_BYTES = {"decode_staged_int4": HEAD_SIZE // 2 + 4,  # 68: 64 code bytes, the
 MAX_REGISTERS = 128                 # two programs of 8 warps per SM (the INT4 kernel needs 127)
 PROGRAMS_PER_SM = 2                 # at most (registers)
 MIN_BLOCKS_PER_PROGRAM = 32         # fewer programs, down to one per SM, before shorter ones
+MIN_BLOCKS_PER_SEGMENT = 4          # fewer programs than SMs before shorter ones (two loop steps)
 SPREAD = True                       # a grid that fits the SMs one program each is launched so (_spread_shared)
 _KERNELS = {"decode_staged_int4": ("decode_staged_int4_gluon", "_decode_staged_int4_kernel"),
             "decode_staged_int8": ("decode_staged_int8_gluon", "_decode_staged_int8_kernel")}
@@ -79,8 +85,9 @@ def wants(path: str, head_size: int, group: int, num_kv_heads: int, num_seqs: in
 def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     """Segments per sequence: programs of at least ``MIN_BLOCKS_PER_PROGRAM`` blocks as long as
     that leaves one program per SM or more, and never more than ``PROGRAMS_PER_SM`` per SM
-    (rounded down); at least 2, at most one per block, then the fewest segments that keep the
-    same blocks per segment (the kernels give each segment ``ceil(blocks / segments)`` blocks).
+    (rounded down); segments of at least ``MIN_BLOCKS_PER_SEGMENT`` blocks even where that leaves
+    SMs idle; at least 2, then the fewest segments that keep the same blocks per segment (the
+    kernels give each segment ``ceil(blocks / segments)`` blocks).
 
     On 132 SMs, one program per SM: b1@64k 128 segments, b2@32k 64, b4@16k 32, b8@8k 16 and b16@4k
     8 (32 blocks each), b2@16k 64 and b8@4k 16 (16 blocks each), b1@16k 128 and b4@4k 32 (8 blocks
@@ -90,11 +97,14 @@ def segments(num_sms: int, num_seqs: int, max_seqlen_k: int) -> int:
     35.4-35.7, INT8 b2@32k 45.0-45.2 against 49.4-49.8; two per SM of 32 blocks against one of 64:
     INT4 b4@32k 52.8-53.5 against 54.7-54.8. Not a power of two where the SMs divide otherwise:
     against the power of two below, INT4 b12@16k 80.0 vs 97.7 µs, b24@8k 83.7 vs 102.3; b8@32k
-    within 1.6% either way."""
+    within 1.6% either way. Short contexts, INT4 (call times, H200, cold L2), segments of 4 blocks
+    against 2 and 8: b1@4k 64 segments 10.30 µs against 128 10.67 and 32 11.95; b2@2k 32: 9.82
+    against 64 10.10 and 16 11.55; b4@1k 16: 9.52 against 32 9.52 and 8 11.31; b1@2k 32: 9.52
+    against 64 9.17."""
     blocks = max(1, -(-max_seqlen_k // BLOCK_SIZE))
     seqs = max(1, num_seqs)
     most = max(1, PROGRAMS_PER_SM * num_sms // seqs)
-    want = min(most, max(num_sms // seqs, blocks // MIN_BLOCKS_PER_PROGRAM), blocks)
+    want = min(most, max(num_sms // seqs, blocks // MIN_BLOCKS_PER_PROGRAM), max(1, blocks // MIN_BLOCKS_PER_SEGMENT))
     return max(2, busy_segments(max(1, want), blocks))
 
 
@@ -194,7 +204,7 @@ def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
               NUM_SEGMENTS=plan.tiling.num_segments, STAGES=stages, BULK=plan.bulk_copies)
     if path == "decode_staged_int4":  # with bulk copies and an even ring: two blocks per loop step
         kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, UNROTATE=plan.unrotated,
-                  launch_pdl=plan.pdl)
+                  ROTATE_Q=plan.rotate.value == "prologue", launch_pdl=plan.pdl)
     else:
         kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD)
     return kw
@@ -222,11 +232,13 @@ def _sm_limits(index: int) -> tuple:
     return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0)
 
 
-def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, compile_only: bool = False) -> None:
+def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, q_scale: float = 1.0,
+           compile_only: bool = False) -> None:
     """Launch the staged kernel of ``plan.path`` (grid: sequences x segments, one warp per KV
     head) on ``call`` (its segment buffers allocated). ``query``: INT4 the rotated query
-    (``rotate_query``, 4 parts, fp32), INT8 / FP8 ``call.q``; ``scale``: INT4 the key scales'
-    factor ``col_scale``, INT8 / FP8 ``softmax_scale`` (times ``log2 e`` without softcap).
+    (``rotate_query``, 4 parts, fp32), or ``call.q`` where the kernel rotates it (``plan.rotate``
+    PROLOGUE, ``q_scale`` the softmax scale), INT8 / FP8 ``call.q``; ``scale``: INT4 the key
+    scales' factor ``col_scale``, INT8 / FP8 ``softmax_scale`` (times ``log2 e`` without softcap).
     Each variant is compiled once and its ring reserved before its first launch;
     ``compile_only``: that, and no launch (the compile probe)."""
     path = plan.path.value
@@ -239,11 +251,16 @@ def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, 
             call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous()]
     if path == "decode_staged_int4":  # with plan.unrotated it writes the split output unrotated
         args.append(call.signs)
-    args += [float(scale), call.softcap, int(call.window_size[0]), int(call.window_size[1]), query.stride(0),
-             query.stride(1), k.stride(0) // 4, call.block_table.stride(0)]
+    args += [float(scale), call.softcap, int(call.window_size[0]), int(call.window_size[1])]
+    if path == "decode_staged_int4":
+        args += [float(q_scale), query.stride(0), query.stride(1), query.stride(2)]
+    else:
+        args += [query.stride(0), query.stride(1)]
+    args += [k.stride(0) // 4, call.block_table.stride(0)]
     kw = _constexprs(path, call, plan, use_softcap, stages)
     sm_shared = _spread_shared(query.device, call.num_seqs * tiling.num_segments)
-    kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS, SPREAD=sm_shared > 0)
+    kw.update(num_warps=k.shape[2], maxnreg=tiling.max_registers or MAX_REGISTERS, SPREAD=sm_shared > 0,
+              RELEASE=plan.reduce_early)
     key = (id(fn), query.device.index, tuple(sorted(kw.items())))
     off = _RING_OFFSETS.get(key)
     if off is None:
@@ -253,12 +270,13 @@ def launch(call, plan, query: torch.Tensor, scale: float, use_softcap: bool, *, 
 
 
 def probe(path: str, mode: KVQuantMode, dev: torch.device, num_kv_heads: int, group: int, stages: int, bulk: bool,
-          pdl: bool) -> bool:
+          pdl: bool, rotate_q: bool = False) -> bool:
     """Whether the staged kernel of ``path`` compiles on device ``dev`` for this shape class
-    (``gluon_probe.compiles``: once per process, on a 2-block cache)."""
+    (``gluon_probe.compiles``: once per process, on a 2-block cache); ``rotate_q``: the INT4
+    kernel that rotates its query itself."""
     def compile_once():
         from .call import make_call
-        from .plan import Path, Plan, Tiling
+        from .plan import Path, Plan, Rotate, Tiling
         geo = CacheGeometry(mode, HEAD_SIZE, num_kv_heads, BLOCK_SIZE, torch.bfloat16)
         views = split_kv_cache(geo.new_cache(2, device=dev), mode, HEAD_SIZE)
         # only shapes, dtypes and addresses matter: every tensor is empty (nothing is launched, so
@@ -267,11 +285,15 @@ def probe(path: str, mode: KVQuantMode, dev: torch.device, num_kv_heads: int, gr
         idx = torch.empty(2, dtype=torch.int32, device=dev)
         call = make_call(q, views.key_cache, views.value_cache, torch.empty_like(q), idx, idx[1:], 1, 32, 1.0,
                          True, (-1, -1), idx.view(1, 2), 0.0, mode, views.k_scale_cache, views.v_scale_cache)
-        plan = Plan(Path(path), Tiling(16, 16, 2, num_kv_heads, stages), pdl=pdl, bulk_copies=bulk)
+        plan = Plan(Path(path), Tiling(16, 16, 2, num_kv_heads, stages), Rotate.PROLOGUE if rotate_q else Rotate.NONE,
+                    pdl=pdl, bulk_copies=bulk)
         segm = torch.empty(1, q.shape[1], 2, HEAD_SIZE, dtype=torch.float32, device=dev)
         stats = torch.empty(1, q.shape[1], 2, dtype=torch.float32, device=dev)
         call = dataclasses.replace(call, segm_output=segm, segm_max=stats, segm_expsum=stats)
-        query = torch.empty(q.shape, dtype=torch.float32, device=dev) if path == "decode_staged_int4" else q
+        int4 = path == "decode_staged_int4" and not rotate_q
+        query = torch.empty(q.shape, dtype=torch.float32, device=dev) if int4 else q
         launch(call, plan, query, 1.0, False, compile_only=True)
-    return gluon_probe.compiles(_KERNELS[path][1], dev.index, (mode.name, num_kv_heads, group, stages, bulk, pdl),
-                                compile_once, f"{path} falls back to decode_block_tiles")
+    key = (mode.name, num_kv_heads, group, stages, bulk, pdl, rotate_q)
+    return gluon_probe.compiles(_KERNELS[path][1], dev.index, key, compile_once,
+                                "the query rotation kernel runs first" if rotate_q else
+                                f"{path} falls back to decode_block_tiles")

@@ -21,8 +21,10 @@ inline PTX, in dynamic shared memory after Triton's own: the launcher reserves i
 (``decode_staged.reserve_ring``) and passes its offset (``ring_off``); a small Triton
 allocation (``anchor``) makes the kernel declare ``global_smem``, the base it is addressed from.
 
-**Maths** (as ``decode_block_tiles``; docs/LAYOUT.md). The query arrives rotated and scaled (``_rotate_query_kernel``, 4
-parts). Nibble ``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores take 8
+**Maths** (as ``decode_block_tiles``; docs/LAYOUT.md). The query is rotated and scaled in 4
+parts, by each program in its prologue (``ROTATE_Q``, :func:`_query_operands`: lane butterflies,
+about 350 SASS instructions once per program) or by ``_rotate_query_kernel`` first. Nibble
+``n`` of 32-bit code word ``w`` is dim ``8 w + n``. Scores take 8
 ``mma.m16n8k16`` k-steps of 16 dims: k-step ``i`` holds nibbles ``v = i % 4`` and ``v + 4`` of
 words ``8 (i // 4)`` to ``8 (i // 4) + 7``, each K pair of the A operand being one word's two
 nibbles, so a word goes from shared memory into one fp16x2 register per ``v`` in 5 instructions
@@ -88,8 +90,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .gluon_pdl import gdc_wait
-from .rotate_query_gluon import _bfly
+from .gluon_pdl import gdc_release, gdc_wait
+from .rotate_query_gluon import _bfly, _bfly_asm
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
@@ -400,6 +402,100 @@ def _pair_step(sa, t, t1, k_lo, k_hi, tok_i, s_off, k_off, v_off, z_off, q0, q1,
     return m_i, l_acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
+@gluon.constexpr_function
+def _query_rows(group):
+    """Rows a warp rotates for ``group`` query heads: the power of two >= ``group``, at least 2."""
+    return max(2, 1 << (group - 1).bit_length())
+
+
+@gluon.jit
+def _query_operands(q_ptr, signs_ptr, tok, stride_q_t, stride_q_h, stride_q_d, q_scale, b_l: gl.constexpr,
+                    NKV: gl.constexpr, GROUP: gl.constexpr):
+    """ROTATE_Q: the score dots' B operands ``q0 .. q7`` (:func:`_scores`) from the raw query
+    ``[T, Hq, 128]`` (any strides): ``q_scale * H (s * q)`` of each KV head's ``GROUP`` query heads,
+    odd parts over 16, as fp16 in ``b_l``; the values the rotation kernel writes, rotated here.
+
+    Warp ``h`` holds its ``GP`` rows (query heads ``h * GROUP + g``; ``GP`` the power of two >=
+    ``GROUP``, zero rows past it) as ``[GP, 16, 2, 4]``: dim ``64 j + 4 w + v`` at (``w``, ``j``,
+    ``v``), ``w`` across 16 lanes. The Hadamard stages on bits 0, 1 and 6 (``v``, ``j``) are adds and
+    subtractions in the thread; they leave 8 tensors ``[NKV, GP, 16]`` of rotated dims ``64 j + 4 w
+    + v``, operand ``v + 4 j`` each; bits 2-5 are 4 lane butterflies on each (:func:`_lane_stage`)."""
+    GP: gl.constexpr = _query_rows(GROUP)
+    X_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, GP // 2, 1, 2, 4], threads_per_warp=[1, 2, 16, 1, 1],
+                                         warps_per_cta=[NKV, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, X_L)))))
+    g = gl.arange(0, GP, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, X_L)))))
+    w = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, X_L)))))
+    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, X_L)))))
+    v = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, X_L)))))
+    d = (64 * j[None, None, None, :, None] + 4 * w[None, None, :, None, None]
+         + v[None, None, None, None, :])                                                # [1, 1, 16, 2, 4]
+    g5 = g[None, :, None, None, None]
+    head = h[:, None, None, None, None] * GROUP + g5
+    x = gl.load(q_ptr + tok.to(gl.int64) * stride_q_t + head * stride_q_h + d * stride_q_d,
+                mask=(g5 < GROUP) & (d >= 0), other=0.0).to(gl.float32)
+    x = gl.reshape(x * gl.load(signs_ptr + d), [NKV, GP, 16, 2, 2, 2])                 # (j, v // 2, v % 2)
+    a, b = gl.split(x)                        # v % 2 = 0, 1: [NKV, GP, 16, 2, 2]
+    e0, e1 = gl.split(a + b)                  # bit 0 done; v // 2 = 0, 1: [NKV, GP, 16, 2]
+    o0, o1 = gl.split(a - b)
+    q0, q4 = _half_stage(e0 + e1)             # v = 0 (bit 1 done), then bit 6: operands v + 4 j
+    q1, q5 = _half_stage(o0 + o1)
+    q2, q6 = _half_stage(e0 - e1)
+    q3, q7 = _half_stage(o0 - o1)
+    lane = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, q0.type.layout)))[None, None, :]
+    for i in gl.static_range(4):              # bits 2-5: across the 16 lanes of w
+        sign = gl.where((lane & (1 << i)) == 0, 1.0, -1.0)
+        q0 = _lane_stage(q0, sign, 1 << i)
+        q1 = _lane_stage(q1, sign, 1 << i)
+        q2 = _lane_stage(q2, sign, 1 << i)
+        q3 = _lane_stage(q3, sign, 1 << i)
+        q4 = _lane_stage(q4, sign, 1 << i)
+        q5 = _lane_stage(q5, sign, 1 << i)
+        q6 = _lane_stage(q6, sign, 1 << i)
+        q7 = _lane_stage(q7, sign, 1 << i)
+    odd = q_scale * 0.0625
+    return (_operand(q0 * q_scale, b_l, GP), _operand(q1 * odd, b_l, GP), _operand(q2 * q_scale, b_l, GP),
+            _operand(q3 * odd, b_l, GP), _operand(q4 * q_scale, b_l, GP), _operand(q5 * odd, b_l, GP),
+            _operand(q6 * q_scale, b_l, GP), _operand(q7 * odd, b_l, GP))
+
+
+@gluon.jit
+def _half_stage(y):
+    """The Hadamard stage on dim bit 6 of ``y`` [NKV, GP, 16, 2 (j)]: ``(y0 + y1, y0 - y1)``."""
+    y0, y1 = gl.split(y)
+    return y0 + y1, y0 - y1
+
+
+@gluon.jit
+def _lane_stage(x, sign, MASK: gl.constexpr):
+    """One radix-2 stage across lanes ``l`` and ``l ^ MASK``: ``x' + sign x`` (``sign`` -1 where the
+    lane's bit is set), one shuffle and one FMA per value."""
+    p = gl.inline_asm_elementwise(asm=_bfly_asm(MASK), constraints="=r,r", args=[x], dtype=gl.float32,
+                                  is_pure=False, pack=1)
+    return p + sign * x
+
+
+@gluon.jit
+def _operand(q, b_l: gl.constexpr, GP: gl.constexpr):
+    """``[NKV, GP (g), 16 (w)]`` fp32 -> the dots' B operand ``[NKV, 16, 8]`` fp16 in ``b_l``, zero
+    past ``GP`` query heads."""
+    q = q.to(gl.float16)
+    if GP == 2:
+        q = _pad_rows(q)
+    if GP <= 4:
+        q = _pad_rows(q)
+    return gl.convert_layout(gl.permute(q, (0, 2, 1)), b_l)
+
+
+@gluon.jit
+def _pad_rows(q):
+    """``[NKV, R, 16]`` -> ``[NKV, 2 R, 16]``, rows ``R ..`` zero."""
+    NKV: gl.constexpr = q.shape[0]
+    R: gl.constexpr = q.shape[1]
+    z = gl.permute(gl.join(q, gl.zeros_like(q)), (0, 3, 1, 2))                      # [NKV, 2, R, 16]
+    return gl.reshape(z, [NKV, 2 * R, 16])
+
+
 # Grid: (num_seqs, NUM_SEGMENTS); num_warps = NKV. A tile is one cache block (16 keys).
 @gluon.jit
 def _scaled_scores(s, k_sc, v_sc, n_ok, softcap, USE_SOFTCAP: gl.constexpr, MASKED: gl.constexpr = True):
@@ -628,13 +724,15 @@ def _ring_advance(ring, bars, kv_ptr, blk, t, t1, j, slot, first, tid, tail, str
 
 @gluon.jit(do_not_specialize=["ring_off"])
 def _decode_staged_int4_kernel(
-    q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_rotate_query_kernel``)
+    q_ptr,                          # [T, Hq, 128] fp32: rotated, scaled, 4 parts (``_rotate_query_kernel``);
+                                    # ROTATE_Q: the raw query (bf16 / fp16, any strides)
     kv_ptr,                         # the packed cache as int32 words
     segm_out_ptr, segm_max_ptr, segm_sum_ptr,
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
     signs_ptr,                      # [128] fp32 rotation signs (UNROTATE)
     col_scale, softcap, window_left, window_right,
-    stride_q_t, stride_q_h,
+    q_scale,                        # ROTATE_Q: the softmax scale, applied to the rotated query
+    stride_q_t, stride_q_h, stride_q_d,
     stride_blk,                     # words from one block to the next
     stride_bt_s,
     ring_off,                       # bytes from the dynamic shared memory's base to the ring
@@ -645,6 +743,8 @@ def _decode_staged_int4_kernel(
     PAIR: gl.constexpr = False,     # BULK only: two blocks per loop step (one softmax step, one rescale per 32 keys)
     SPREAD: gl.constexpr = False,   # launched one program per SM (decode_staged.launch); the code is the same
     UNROTATE: gl.constexpr = False,  # store the split output unrotated (Plan.unrotated)
+    ROTATE_Q: gl.constexpr = False,  # rotate the raw query here (Rotate.PROLOGUE), not read it rotated
+    RELEASE: gl.constexpr = False,  # let the reduction be scheduled at the start (Plan.reduce_early)
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -660,6 +760,11 @@ def _decode_staged_int4_kernel(
 
     seq_idx = gl.program_id(0)
     seg_idx = gl.program_id(1)
+    if RELEASE:  # the grid is resident at once: the reduction's programs wait in their own gdc_wait
+        gdc_release(ring_off)
+    if PDL:
+        if ROTATE_Q:  # the call's first kernel: its inputs (the cache, the query) may be the previous kernel's
+            gdc_wait(ring_off)
     ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
@@ -696,25 +801,30 @@ def _decode_staged_int4_kernel(
     b0, b1, b2, b3 = _ids_ahead(bt_row, t0 + STAGES - (2 if PAIR else 1), t1)
 
     if PDL:  # the ring's first copies are in flight; the query is the previous kernel's (_rotate_query_kernel) output
-        gdc_wait(ring_off)
+        if not ROTATE_Q:
+            gdc_wait(ring_off)
     # the query, B operand of the score dots (_scores): Q_i [NKV, 16, 8] fp16, for k-step i (nibbles
     # v = i % 4 and v + 4 of words 8 (i // 4) .. + 7), Q_i[h, k, g] = rotated dim
     # 8 (8 (i // 4) + k // 2) + v + 4 (k % 2) of head h * GROUP + g, which the rotation stores at
     # part v, unit 16 (i // 4) + k (16 contiguous values); odd v over 16 (their codes come as 16 c)
-    q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
-    q_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
-    q_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
-    head = q_h[:, None, None] * GROUP + q_g[None, None, :]
-    q_ok = (q_g < GROUP)[None, None, :] & (q_h >= 0)[:, None, None] & (q_w >= 0)[None, :, None]
-    q_row = q_ptr + tok.to(gl.int64) * stride_q_t + head * stride_q_h + q_w[None, :, None]
-    q0 = gl.load(q_row + 0, mask=q_ok, other=0.0).to(gl.float16)
-    q1 = (gl.load(q_row + 32, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
-    q2 = gl.load(q_row + 64, mask=q_ok, other=0.0).to(gl.float16)
-    q3 = (gl.load(q_row + 96, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
-    q4 = gl.load(q_row + 16, mask=q_ok, other=0.0).to(gl.float16)
-    q5 = (gl.load(q_row + 48, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
-    q6 = gl.load(q_row + 80, mask=q_ok, other=0.0).to(gl.float16)
-    q7 = (gl.load(q_row + 112, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+    if ROTATE_Q:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _query_operands(q_ptr, signs_ptr, tok, stride_q_t, stride_q_h, stride_q_d,
+                                                         q_scale, b_l, NKV, GROUP)
+    else:
+        q_h = gl.arange(0, NKV, layout=gl.SliceLayout(1, gl.SliceLayout(2, b_l)))
+        q_w = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_l)))
+        q_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_l)))
+        head = q_h[:, None, None] * GROUP + q_g[None, None, :]
+        q_ok = (q_g < GROUP)[None, None, :] & (q_h >= 0)[:, None, None] & (q_w >= 0)[None, :, None]
+        q_row = q_ptr + tok.to(gl.int64) * stride_q_t + head * stride_q_h + q_w[None, :, None]
+        q0 = gl.load(q_row + 0, mask=q_ok, other=0.0).to(gl.float16)
+        q1 = (gl.load(q_row + 32, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+        q2 = gl.load(q_row + 64, mask=q_ok, other=0.0).to(gl.float16)
+        q3 = (gl.load(q_row + 96, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+        q4 = gl.load(q_row + 16, mask=q_ok, other=0.0).to(gl.float16)
+        q5 = (gl.load(q_row + 48, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
+        q6 = gl.load(q_row + 80, mask=q_ok, other=0.0).to(gl.float16)
+        q7 = (gl.load(q_row + 112, mask=q_ok, other=0.0) * 0.0625).to(gl.float16)
     q_even = (gl.sum(q0.to(gl.float32), 1) + gl.sum(q2.to(gl.float32), 1) + gl.sum(q4.to(gl.float32), 1)
               + gl.sum(q6.to(gl.float32), 1))
     q_odd = (gl.sum(q1.to(gl.float32), 1) + gl.sum(q3.to(gl.float32), 1) + gl.sum(q5.to(gl.float32), 1)

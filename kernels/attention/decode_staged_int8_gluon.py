@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .gluon_pdl import gdc_release
 from .decode_staged_int4_gluon import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
                               _ring_start, _softmax_tile, _store4, _store_stats, _tile_range)
 
@@ -151,6 +152,7 @@ def _decode_staged_int8_kernel(
     USE_SOFTCAP: gl.constexpr, NUM_SEGMENTS: gl.constexpr, STAGES: gl.constexpr,
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     SPREAD: gl.constexpr = False,   # launched one program per SM (decode_staged.launch); the code is the same
+    RELEASE: gl.constexpr = False,  # let the reduction be scheduled at the start (Plan.reduce_early)
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -166,6 +168,8 @@ def _decode_staged_int8_kernel(
 
     seq_idx = gl.program_id(0)
     seg_idx = gl.program_id(1)
+    if RELEASE:  # the grid is resident at once: the reduction's programs wait in their own gdc_wait
+        gdc_release(seg_idx)
     ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok

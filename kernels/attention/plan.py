@@ -27,9 +27,11 @@ Order of the questions (each asked once):
 5. Whether that path *fits* the cache as laid out (strides, alignment, the packed layout of
    the staged kernels): if not, the next one down the list that does (``decode_split`` reads
    any quantized cache), keeping the segment count.
-6. Around the kernel: how an INT4 query is rotated (in the 2D kernel, in the code-unit
-   kernel's prologue, or by a Triton / Gluon rotation kernel first), which kernel merges the
-   segments (Triton / Gluon), programmatic dependent launch, bulk copies.
+6. Around the kernel: how an INT4 query is rotated (in the 2D kernel, in the code-unit or
+   staged kernel's prologue, or by a Triton / Gluon rotation kernel first), which kernel merges
+   the segments (Triton / Gluon) and whether it is scheduled at the split kernel's start
+   (``Plan.reduce_early``, where that grid is resident at once), programmatic dependent launch,
+   bulk copies.
 
 The 2D kernel masks scores only in the key tiles that cross a causal / window / length edge
 (``Tiling.mask_edges_only``), in every mode and for decode segments too.
@@ -80,7 +82,7 @@ class Rotate(str, enum.Enum):
 
     NONE = "none"
     IN_KERNEL = "in_kernel"     # the 2D INT4 kernel rotates its query tile
-    PROLOGUE = "prologue"       # the code-unit decode kernel rotates in its prologue
+    PROLOGUE = "prologue"       # the code-unit or staged INT4 decode kernel rotates in its prologue
     TRITON = "triton"           # rotate_query._rotate_query_kernel first
     GLUON = "gluon"             # rotate_query_gluon._rotate_query_gluon_kernel first (head_size 128, CUDA)
 
@@ -120,8 +122,9 @@ class Tuning:
     cannot read the cache still falls back, see the module docstring); ``path`` may be a
     :class:`Path` or its string. ``pdl``: programmatic dependent launch where the device has it
     (sm_90+). ``rotate_q_in_decode``: the code-unit decode kernel may rotate an INT4 query in
-    its prologue (off: always the rotation kernel). ``bulk_copies``: the staged kernels copy
-    each block with one bulk copy on sm_90+ (off: 16-byte ``cp.async``). ``gluon_edges``: the
+    its prologue, and the staged INT4 kernel does (off: always the rotation kernel).
+    ``bulk_copies``: the staged kernels copy each block with one bulk copy on sm_90+ (off:
+    16-byte ``cp.async``). ``gluon_edges``: the
     Gluon query rotation and reduction where they apply (off: the Triton ones). ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
@@ -213,6 +216,7 @@ class Plan:
     num_decode_seqs: int = 0
     reduce_split: int = 1           # Gluon reduction programs per (token, query head), each over 128 / it dims
     unrotated: bool = False         # the staged INT4 kernel unrotates its split output (the reduction does not)
+    reduce_early: bool = False      # the split kernel lets the reduction be scheduled at its start (one wave)
 
 
 DEFAULT_TUNING = Tuning()
@@ -292,8 +296,23 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
     bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
     align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
     split, unrotated = _reduce_split(path, tiling, call, facts, reduce, why)
+    early = pdl and reduce != Reduce.NONE and _one_wave(path, tiling, call, facts)
     return Plan(path, tiling, rotate, parts, release, reduce, pdl, bulk, align, "; ".join(why), reduce_split=split,
-                unrotated=unrotated)
+                unrotated=unrotated, reduce_early=early)
+
+
+def _one_wave(path, tiling, call, facts) -> bool:
+    """Whether the split kernel's grid is resident at once (so the reduction it lets start early,
+    ``Plan.reduce_early``, holds no slot one of its programs waits for): the staged kernels at
+    one program per SM, the 2D kernel's bf16 / fp16 split decode within ``DECODE_2D_RESIDENT`` per
+    SM."""
+    programs = call.num_seqs * tiling.num_segments
+    if path in _STAGED.values():
+        return programs <= facts.num_sms
+    if path == Path.PREFILL_2D and call.mode == KVQuantMode.NONE and call.max_seqlen_q == 1 and facts.cuda_sm90:
+        resident = DECODE_2D_RESIDENT.get(call.head_size)  # measured at head_size 128
+        return bool(resident) and programs * call.num_kv_heads <= resident * facts.num_sms
+    return False
 
 
 def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
@@ -560,6 +579,12 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
             return Rotate.PROLOGUE, 0, False
         release = small
     elif path == Path.DECODE_STAGED_INT4:
+        bulk = tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
+        if tuning.rotate_q_in_decode and (
+                facts.index is None or S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group,
+                                               max(2, tiling.num_stages), bulk, pdl, rotate_q=True)):
+            why.append("the staged kernel rotates its query")
+            return Rotate.PROLOGUE, 0, False
         release = pdl
     elif path == Path.DECODE_SPLIT:
         parts = 2

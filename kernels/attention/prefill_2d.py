@@ -15,7 +15,7 @@ from layouts import KVQuantMode
 from .._jit import dual_jit, interpreting
 from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, mask_scores,
-                     q_block_program, to_dot)
+                     pdl_release, q_block_program, to_dot)
 from .plan import Rotate
 from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
@@ -56,10 +56,13 @@ def _attn_kernel(
     MASK_EDGES: tl.constexpr = False,  # mask only the tiles that cross the causal / window / length edges
     OFFS_I64: tl.constexpr = True,     # K/V element offsets need int64 (else int32 address math)
     SAME_KV_STRIDES: tl.constexpr = False,  # K and V share every stride: one offset tensor serves both
+    RELEASE: tl.constexpr = False,  # let the reduction be scheduled at the start (Plan.reduce_early)
 ):
     kv_head, seg_idx, seq_idx, has_rows, tok, head, row_ok, q_pos, k_lo, k_hi, t0, t1 = q_block_program(
         cu_seqlens_q_ptr, seqused_k_ptr, num_seqs, q_block_base, window_left, window_right, CAUSAL, BLOCK_Q, BLOCK_M,
         GROUP, TILE, NUM_SEGMENTS, PDL)
+    if RELEASE:  # the grid is resident at once: the reduction's programs wait in their own pdl_enter
+        pdl_release(PDL)
     if not has_rows:
         return
 
@@ -263,4 +266,4 @@ def launch_2d(call, plan) -> None:
         _attn_kernel[grid](HEAD_PAD=call.head_pad, SCALED=call.mode.per_token_head,
                            OFFS_I64=max(max_offset(x) for x in (k, v, ks, vs)) > OFFS_I32_MAX,
                            SAME_KV_STRIDES=k.stride() == v.stride(),
-                           IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, **common)
+                           IS_INT8=call.mode == KVQuantMode.INT8_PER_TOKEN_HEAD, RELEASE=plan.reduce_early, **common)

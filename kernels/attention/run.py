@@ -28,12 +28,13 @@ from .rotate_query import query_scales, rotated_query
 
 
 def launch_staged(call: AttnCall, plan: Plan) -> None:
-    """The staged decode: INT4 rotates its query first (``rotate_query``), INT8 / FP8 read
-    ``call.q`` with the softmax scale folded into the key scales' factor."""
+    """The staged decode: INT4 rotates its query first (``rotate_query``) or in the kernel
+    (``plan.rotate`` PROLOGUE), INT8 / FP8 read ``call.q`` with the softmax scale folded into the
+    key scales' factor."""
     query, q_scale = rotated_query(call, plan)
     use_softcap, col_scale = query_scales(call)
     if plan.path == Path.DECODE_STAGED_INT4:
-        decode_staged.launch(call, plan, query, col_scale, use_softcap)
+        decode_staged.launch(call, plan, query, col_scale, use_softcap, q_scale=q_scale)
     else:
         decode_staged.launch(call, plan, query, q_scale * col_scale, use_softcap)
 
