@@ -302,10 +302,10 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
 
 
 def _one_wave(path, tiling, call, facts) -> bool:
-    """Whether the split kernel's grid is resident at once (so the reduction it lets start early,
-    ``Plan.reduce_early``, holds no slot one of its programs waits for): the staged kernels at
-    one program per SM, the 2D kernel's bf16 / fp16 split decode within ``DECODE_2D_RESIDENT`` per
-    SM."""
+    """Whether the split kernel's grid is resident at once, where letting the reduction start
+    early (``Plan.reduce_early``) was measured faster (over a grid of more than one wave an early
+    release was slower, ``common.pdl_release``): the staged kernels at one program per SM, the 2D
+    kernel's bf16 / fp16 split decode within ``DECODE_2D_RESIDENT`` per SM."""
     programs = call.num_seqs * tiling.num_segments
     if path in _STAGED.values():
         return programs <= facts.num_sms
