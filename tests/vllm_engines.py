@@ -10,12 +10,32 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now for the prefill engine to bind about 30 s later, chosen below the
+    kernel's ephemeral range: ports of outgoing connections and port-0 binds (vLLM's own sockets
+    in the engines starting meanwhile) come from that range, so none of them can take it first.
+    A port from the range itself (a port-0 bind) was once taken so ("Address already in use")."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low > 4096:
+        for port in random.sample(range(max(2048, low - 10000), low), 100):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no such range known: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
