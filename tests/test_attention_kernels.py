@@ -1084,7 +1084,7 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
     segments, the Triton rotation and reduction), and says why; nothing is decided at launch."""
     from kernels.attention import decode_staged, reduce, rotate_query
     asked = []
-    monkeypatch.setattr(decode_staged, "probe", lambda path, *a: asked.append(path) or False)
+    monkeypatch.setattr(decode_staged, "probe", lambda path, *a, **kw: asked.append(path) or False)
     monkeypatch.setattr(rotate_query, "probe", lambda *a: asked.append("rotate") or False)
     monkeypatch.setattr(reduce, "probe", lambda *a: asked.append("reduce") or False)
     real = DeviceFacts("cuda", 132, (9, 0), gluon=True, index=0)

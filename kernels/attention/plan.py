@@ -293,7 +293,7 @@ def plan_call(call: AttnCall, *, seq_threshold_3D: Optional[int] = None, num_seg
         tiling = dataclasses.replace(tiling, mask_edges_only=True)
     rotate, parts, release = _rotation(path, tiling, call, facts, tuning, pdl, why)
     reduce = _reduction(tiling, call, facts, tuning, pdl)
-    bulk = path in _STAGED.values() and tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
+    bulk = path in _STAGED.values() and _bulk_copies(tuning, facts)
     align = units[2] if units is not None and path in (Path.DECODE_CODE_UNITS, Path.DECODE_BLOCK_TILES) else 0
     split, unrotated = _reduce_split(path, tiling, call, facts, reduce, why)
     early = pdl and reduce != Reduce.NONE and _one_wave(path, tiling, call, facts)
@@ -491,8 +491,9 @@ def _staged_wanted(call, facts, tuning, pdl) -> bool:
             and _staged_runs(path, call, facts, tuning, pdl, None) is None)
 
 
-def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
-    """None where the staged kernel ``path`` runs on this device, else why not."""
+def _staged_runs(path, call, facts, tuning, pdl, tiling, rotate_q: bool = False) -> Optional[str]:
+    """None where the staged kernel ``path`` runs on this device, else why not; ``rotate_q``: its
+    variant that rotates an INT4 query itself."""
     if not facts.cuda_sm80:
         return "no CUDA sm_80+ device"
     if not facts.gluon:
@@ -500,10 +501,15 @@ def _staged_runs(path, call, facts, tuning, pdl, tiling) -> Optional[str]:
     if facts.index is None:
         return None
     stages = max(2, tiling.num_stages) if tiling else S.STAGES[path.value]
-    bulk = tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
-    if not S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group, stages, bulk, pdl):
+    if not S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group, stages,
+                   _bulk_copies(tuning, facts), pdl, rotate_q=rotate_q):
         return "its Gluon kernel does not compile with this Triton"
     return None
+
+
+def _bulk_copies(tuning, facts) -> bool:
+    """Whether the staged kernels copy each block with one bulk copy (sm_90+, asked for)."""
+    return tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
 
 
 def _settle(path, tiling, call, facts, tuning, pdl, why) -> tuple:
@@ -579,10 +585,7 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
             return Rotate.PROLOGUE, 0, False
         release = small
     elif path == Path.DECODE_STAGED_INT4:
-        bulk = tuning.bulk_copies and tuple(facts.capability) >= (9, 0)
-        if tuning.rotate_q_in_decode and (
-                facts.index is None or S.probe(path.value, call.mode, _device(facts), call.num_kv_heads, call.group,
-                                               max(2, tiling.num_stages), bulk, pdl, rotate_q=True)):
+        if tuning.rotate_q_in_decode and _staged_runs(path, call, facts, tuning, pdl, tiling, rotate_q=True) is None:
             why.append("the staged kernel rotates its query")
             return Rotate.PROLOGUE, 0, False
         release = pdl
