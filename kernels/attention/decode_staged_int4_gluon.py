@@ -436,12 +436,15 @@ def _query_operands(q_ptr, signs_ptr, tok, stride_q_t, stride_q_h, stride_q_d, q
                 mask=(g5 < GROUP) & (d >= 0), other=0.0).to(gl.float32)
     x = gl.reshape(x * gl.load(signs_ptr + d), [NKV, GP, 16, 2, 2, 2])                 # (j, v // 2, v % 2)
     a, b = gl.split(x)                        # v % 2 = 0, 1: [NKV, GP, 16, 2, 2]
-    e0, e1 = gl.split(a + b)                  # bit 0 done; v // 2 = 0, 1: [NKV, GP, 16, 2]
-    o0, o1 = gl.split(a - b)
-    q0, q4 = _half_stage(e0 + e1)             # v = 0 (bit 1 done), then bit 6: operands v + 4 j
-    q1, q5 = _half_stage(o0 + o1)
-    q2, q6 = _half_stage(e0 - e1)
-    q3, q7 = _half_stage(o0 - o1)
+    e, o = _sum_diff(a, b)                    # bit 0
+    e0, e1 = gl.split(e)                      # v // 2 = 0, 1: [NKV, GP, 16, 2]
+    o0, o1 = gl.split(o)
+    y0, y2 = _sum_diff(e0, e1)                # bit 1: v = 0, 2
+    y1, y3 = _sum_diff(o0, o1)                # v = 1, 3
+    q0, q4 = _half_stage(y0)                  # bit 6: operands v + 4 j
+    q1, q5 = _half_stage(y1)
+    q2, q6 = _half_stage(y2)
+    q3, q7 = _half_stage(y3)
     lane = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, q0.type.layout)))[None, None, :]
     for i in gl.static_range(4):              # bits 2-5: across the 16 lanes of w
         sign = gl.where((lane & (1 << i)) == 0, 1.0, -1.0)
@@ -463,7 +466,7 @@ def _query_operands(q_ptr, signs_ptr, tok, stride_q_t, stride_q_h, stride_q_d, q
 def _half_stage(y):
     """The Hadamard stage on dim bit 6 of ``y`` [NKV, GP, 16, 2 (j)]: ``(y0 + y1, y0 - y1)``."""
     y0, y1 = gl.split(y)
-    return y0 + y1, y0 - y1
+    return _sum_diff(y0, y1)
 
 
 @gluon.jit
