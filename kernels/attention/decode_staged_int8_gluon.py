@@ -173,9 +173,12 @@ def _decode_staged_int8_kernel(
     ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
-    if not has_query:
+    seq_len = gl.load(seqused_k_ptr + seq_idx)
+    # the branch reads seq_len too (never negative): its load then leaves with the two above, where
+    # the compiler otherwise sinks it below the branch and the chain of loads gets one latency longer
+    if not (has_query & (seq_len >= 0)):
         return
-    k_lo, k_hi, t0, t1 = _tile_range(seqused_k_ptr, seq_idx, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
+    k_lo, k_hi, t0, t1 = _tile_range(seq_len, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
 
     tid = gl.arange(0, 32 * NKV, layout=ch_l)
     tail = tid < 8 * NKV
