@@ -78,7 +78,7 @@ then its block ids, then the blocks). The three lengths are loaded together (the
 branch reads all three, or the compiler sinks the last below it), and with ``ROTATE_Q`` the
 query rows are loaded as soon as the token is known (:func:`_query_load`) but rotated only after
 the first copies are queued, so the rotation runs while they land: in a test build reading the
-clock, b1@4k's first loop step started 3.3 µs after the program did, against 3.9 with the query
+clock, b1@4k's first loop step started 3.4 µs after the program did, against 3.9 with the query
 loaded and rotated after the copies were queued (its rotation was then the longer chain).
 
 **Unrotated split output** (``_unrotate``): each segment's accumulators get the inverse rotation
