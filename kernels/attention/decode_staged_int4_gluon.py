@@ -99,7 +99,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_pdl import gdc_release, gdc_wait
-from .rotate_query_gluon import _bfly, _bfly_asm
+from .rotate_query_gluon import _bfly
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 WORDS = gl.constexpr(16)        # 32-bit code words per row (HEAD / 8)
@@ -451,7 +451,7 @@ def _query_operands(x, signs, q_scale, b_l: gl.constexpr):
     heads, odd parts over 16, as fp16 in ``b_l``; the values the rotation kernel writes, rotated
     here. The Hadamard stages on bits 0, 1 and 6 (``v``, ``j``) are adds and subtractions in the
     thread; they leave 8 tensors ``[NKV, GP, 16]`` of rotated dims ``64 j + 4 w + v``, operand
-    ``v + 4 j`` each; bits 2-5 are 4 lane butterflies on each (:func:`_lane_stage`)."""
+    ``v + 4 j`` each; bits 2-5 are 4 lane butterflies on each (``rotate_query_gluon._bfly``)."""
     NKV: gl.constexpr = x.shape[0]
     GP: gl.constexpr = x.shape[1]
     x = gl.reshape(x.to(gl.float32) * signs, [NKV, GP, 16, 2, 2, 2])                 # (j, v // 2, v % 2)
@@ -467,15 +467,14 @@ def _query_operands(x, signs, q_scale, b_l: gl.constexpr):
     q3, q7 = _half_stage(y3)
     lane = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, q0.type.layout)))[None, None, :]
     for i in gl.static_range(4):              # bits 2-5: across the 16 lanes of w
-        sign = gl.where((lane & (1 << i)) == 0, 1.0, -1.0)
-        q0 = _lane_stage(q0, sign, 1 << i)
-        q1 = _lane_stage(q1, sign, 1 << i)
-        q2 = _lane_stage(q2, sign, 1 << i)
-        q3 = _lane_stage(q3, sign, 1 << i)
-        q4 = _lane_stage(q4, sign, 1 << i)
-        q5 = _lane_stage(q5, sign, 1 << i)
-        q6 = _lane_stage(q6, sign, 1 << i)
-        q7 = _lane_stage(q7, sign, 1 << i)
+        q0 = _bfly(q0, lane, 1 << i)
+        q1 = _bfly(q1, lane, 1 << i)
+        q2 = _bfly(q2, lane, 1 << i)
+        q3 = _bfly(q3, lane, 1 << i)
+        q4 = _bfly(q4, lane, 1 << i)
+        q5 = _bfly(q5, lane, 1 << i)
+        q6 = _bfly(q6, lane, 1 << i)
+        q7 = _bfly(q7, lane, 1 << i)
     odd = q_scale * 0.0625
     return (_operand(q0 * q_scale, b_l, GP), _operand(q1 * odd, b_l, GP), _operand(q2 * q_scale, b_l, GP),
             _operand(q3 * odd, b_l, GP), _operand(q4 * q_scale, b_l, GP), _operand(q5 * odd, b_l, GP),
@@ -487,15 +486,6 @@ def _half_stage(y):
     """The Hadamard stage on dim bit 6 of ``y`` [NKV, GP, 16, 2 (j)]: ``(y0 + y1, y0 - y1)``."""
     y0, y1 = gl.split(y)
     return _sum_diff(y0, y1)
-
-
-@gluon.jit
-def _lane_stage(x, sign, MASK: gl.constexpr):
-    """One radix-2 stage across lanes ``l`` and ``l ^ MASK``: ``x' + sign x`` (``sign`` -1 where the
-    lane's bit is set), one shuffle and one FMA per value."""
-    p = gl.inline_asm_elementwise(asm=_bfly_asm(MASK), constraints="=r,r", args=[x], dtype=gl.float32,
-                                  is_pure=False, pack=1)
-    return p + sign * x
 
 
 @gluon.jit

@@ -25,10 +25,12 @@ def _bfly_asm(mask):
 @gluon.jit
 def _bfly(x, lane, MASK: gl.constexpr):
     """One radix-2 stage across lanes ``lane`` and ``lane ^ MASK`` (the whole warp takes part):
-    ``x + x'`` where the lane's bit is 0, ``x' - x`` where it is 1."""
+    ``x' + x`` where the lane's bit is 0, ``x' - x`` where it is 1, as one FMA by a sign of +-1
+    (exact, so the same bits as an add and a subtraction; the sign is the same for every value of
+    a stage, so the compiler computes it once)."""
     p = gl.inline_asm_elementwise(asm=_bfly_asm(MASK), constraints="=r,r", args=[x], dtype=gl.float32,
                                   is_pure=False, pack=1)
-    return gl.where((lane & MASK) == 0, x + p, p - x)
+    return p + gl.where((lane & MASK) == 0, 1.0, -1.0) * x
 
 
 @gluon.jit
