@@ -1279,7 +1279,7 @@ def test_gluon_probes_compile_a_tiny_input_without_launching(monkeypatch):
     assert (kw["NKV"], kw["GROUP"], kw["STAGES"], kw["BULK"], kw["PAIR"], kw["PDL"], kw["num_warps"]) == \
         (8, 4, 4, True, True, True, 8)
     assert decode_staged.probe("decode_staged_int8", FP8, cpu, 2, 8, 2, False, True)
-    assert warmups[-1][2]["FP8"] and "PDL" not in warmups[-1][2]
+    assert warmups[-1][2]["FP8"] and warmups[-1][2]["PDL"] and warmups[-1][2]["launch_pdl"]
     assert rotate_query.probe(cpu, 32, 4, True, True)
     assert warmups[-1][0] == "_rotate_query_gluon_kernel" and warmups[-1][2]["RELEASE"]
     assert reduce.probe(cpu, 32, 33, True, True)

@@ -206,7 +206,7 @@ def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
         kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, UNROTATE=plan.unrotated,
                   ROTATE_Q=plan.rotate.value == "prologue", launch_pdl=plan.pdl)
     else:
-        kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD)
+        kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD, PDL=plan.pdl, launch_pdl=plan.pdl)
     return kw
 
 

@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .gluon_pdl import gdc_release
+from .gluon_pdl import gdc_release, gdc_wait
 from .decode_staged_int4_gluon import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
                               _ring_start, _softmax_tile, _store4, _store_stats, _tile_range)
 
@@ -153,6 +153,7 @@ def _decode_staged_int8_kernel(
     BULK: gl.constexpr = False,     # sm_90: one bulk copy (TMA) per block and mbarriers, not cp.async
     SPREAD: gl.constexpr = False,   # launched one program per SM (decode_staged.launch); the code is the same
     RELEASE: gl.constexpr = False,  # let the reduction be scheduled at the start (Plan.reduce_early)
+    PDL: gl.constexpr = False,      # launched with launch_pdl: everything is read after griddepcontrol.wait
 ):
     HALF_B: gl.constexpr = BLOCK * NKV * ROW * 4     # bytes of one half (K or V) of a block
     STAGE_BYTES: gl.constexpr = 2 * HALF_B
@@ -170,6 +171,8 @@ def _decode_staged_int8_kernel(
     seg_idx = gl.program_id(1)
     if RELEASE:  # the grid is resident at once: the reduction's programs wait in their own gdc_wait
         gdc_release(seg_idx)
+    if PDL:  # launched before the previous kernel ended: its outputs (the query, the cache) are read after this
+        gdc_wait(seg_idx)
     ring = _ring_start(ring_off, NKV)
     tok = gl.load(cu_seqlens_q_ptr + seq_idx)
     has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
