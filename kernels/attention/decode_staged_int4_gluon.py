@@ -83,7 +83,7 @@ loaded and rotated after the copies were queued (its rotation was then the longe
 
 **Unrotated split output** (``_unrotate``): each segment's accumulators get the inverse rotation
 ``s * H acc / 128`` before they are stored (it is linear, so it commutes with the merge), in
-registers and lane shuffles, about 450 SASS instructions once per program. The reduction is
+registers and lane shuffles, about 360 SASS instructions once per program. The reduction is
 then a plain weighted sum of each dim, which it spreads over more programs than the 32 query
 heads of a batch-1 call (``reduce.dim_split``).
 
