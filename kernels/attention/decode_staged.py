@@ -21,9 +21,10 @@ against 18.8; INT4 at 4,096 keys against ``decode_code_units`` b1@4k 10.3 (64 se
 Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower at one program per SM),
 INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`); a 128-register cap
 (two programs of 8 warps per SM). On sm_90+ each block is one bulk copy (an mbarrier per ring
-slot, 0-2.5% faster than 16-byte ``cp.async``), and the INT4 kernel is launched with
-programmatic dependent launch: it rotates its query in its prologue (``Plan.rotate`` PROLOGUE,
-after ``griddepcontrol.wait``: the query and the cache may be the previous kernel's), 0.5-1.6 µs
+slot, 0-2.5% faster than 16-byte ``cp.async``), and both kernels are launched with
+programmatic dependent launch, waiting (``griddepcontrol.wait``) before their first load: the
+query and the cache may be the previous kernel's (INT8 / FP8: 0.1-0.5 µs a call against a plain
+launch). The INT4 kernel rotates its query in its prologue (``Plan.rotate`` PROLOGUE), 0.5-1.6 µs
 faster than a rotation kernel first from b1 to b32 (b2@4k 12.6 against 14.2, b1@32k 21.1 against
 21.9); with the rotation kernel first (``Tuning(rotate_q_in_decode=False)``) its first block
 copies start before its wait. Where the grid runs one program per SM, both kernels let the
