@@ -661,6 +661,18 @@ def _ring_start(ring_off, NKV: gl.constexpr):
 
 
 @gluon.jit
+def _sequence(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx):
+    """Sequence ``seq_idx``'s first query token, whether it has one, its key count, and whether
+    the program has work (both staged kernels return early where not). ``live`` reads
+    ``seq_len`` too (never negative), so all three loads leave together: a load the early return
+    does not use is sunk below its branch by the compiler, one latency later in the chain."""
+    tok = gl.load(cu_seqlens_q_ptr + seq_idx)
+    has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
+    seq_len = gl.load(seqused_k_ptr + seq_idx)
+    return tok, has_query, seq_len, has_query & (seq_len >= 0)
+
+
+@gluon.jit
 def _tile_range(seq_len, seg_idx, window_left, window_right, TILE: gl.constexpr, NUM_SEGMENTS: gl.constexpr):
     """The visible keys ``[k_lo, k_hi)`` of a sequence of ``seq_len`` keys (sliding window) and this
     segment's tiles ``[t0, t1)`` (an equal share of the visible tiles; empty past the end)."""
@@ -777,15 +789,11 @@ def _decode_staged_int4_kernel(
         if ROTATE_Q:  # the call's first kernel: its inputs (the cache, the query) may be the previous kernel's
             gdc_wait(ring_off)
     ring = _ring_start(ring_off, NKV)
-    tok = gl.load(cu_seqlens_q_ptr + seq_idx)
-    has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
-    seq_len = gl.load(seqused_k_ptr + seq_idx)
+    tok, has_query, seq_len, live = _sequence(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx)
     if ROTATE_Q:  # in flight while the block table is read and the ring's first copies land
         q_raw, q_signs = _query_load(q_ptr, signs_ptr, tok, has_query, stride_q_t, stride_q_h, stride_q_d, NKV,
                                      GROUP)
-    # the branch reads seq_len too (never negative): its load then leaves with the two above, where
-    # the compiler otherwise sinks it below the branch and the chain of loads gets one latency longer
-    if not (has_query & (seq_len >= 0)):
+    if not live:
         return
     k_lo, k_hi, t0, t1 = _tile_range(seq_len, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
 

@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .gluon_pdl import gdc_release, gdc_wait
 from .decode_staged_int4_gluon import (_ids_ahead, _ld8, _ld_scales, _lds_lines, _out_rows, _ring_advance, _ring_fill,
-                              _ring_start, _softmax_tile, _store4, _store_stats, _tile_range)
+                              _ring_start, _sequence, _softmax_tile, _store4, _store_stats,
+                              _tile_range)
 
 HEAD = gl.constexpr(128)        # head_size this kernel reads
 ROW = gl.constexpr(33)          # words per row: 32 code words and the scale word
@@ -174,12 +175,8 @@ def _decode_staged_int8_kernel(
     if PDL:  # launched before the previous kernel ended: its outputs (the query, the cache) are read after this
         gdc_wait(seg_idx)
     ring = _ring_start(ring_off, NKV)
-    tok = gl.load(cu_seqlens_q_ptr + seq_idx)
-    has_query = gl.load(cu_seqlens_q_ptr + seq_idx + 1) != tok
-    seq_len = gl.load(seqused_k_ptr + seq_idx)
-    # the branch reads seq_len too (never negative): its load then leaves with the two above, where
-    # the compiler otherwise sinks it below the branch and the chain of loads gets one latency longer
-    if not (has_query & (seq_len >= 0)):
+    tok, _, seq_len, live = _sequence(cu_seqlens_q_ptr, seqused_k_ptr, seq_idx)
+    if not live:
         return
     k_lo, k_hi, t0, t1 = _tile_range(seq_len, seg_idx, window_left, window_right, TILE, NUM_SEGMENTS)
 
