@@ -202,12 +202,13 @@ def _constexprs(path: str, call, plan, use_softcap: bool, stages: int) -> dict:
     """The kernel's constexprs and launch options for ``call`` under ``plan``."""
     nkv = call.k.shape[2]
     kw = dict(NUM_Q_HEADS=call.q.shape[1], NKV=nkv, GROUP=call.group, USE_SOFTCAP=use_softcap,
-              NUM_SEGMENTS=plan.tiling.num_segments, STAGES=stages, BULK=plan.bulk_copies)
+              NUM_SEGMENTS=plan.tiling.num_segments, STAGES=stages, BULK=plan.bulk_copies, PDL=plan.pdl,
+              launch_pdl=plan.pdl)
     if path == "decode_staged_int4":  # with bulk copies and an even ring: two blocks per loop step
-        kw.update(PDL=plan.pdl, PAIR=plan.bulk_copies and stages % 2 == 0, UNROTATE=plan.unrotated,
-                  ROTATE_Q=plan.rotate.value == "prologue", launch_pdl=plan.pdl)
+        kw.update(PAIR=plan.bulk_copies and stages % 2 == 0, UNROTATE=plan.unrotated,
+                  ROTATE_Q=plan.rotate.value == "prologue")
     else:
-        kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD, PDL=plan.pdl, launch_pdl=plan.pdl)
+        kw.update(FP8=call.mode == KVQuantMode.FP8_PER_TOKEN_HEAD)
     return kw
 
 
