@@ -28,6 +28,13 @@ read, fp16 K/V rows written, the bf16 query copied to fp16; INT4: the query rota
 and the output's rotation back, ``restore_output``, too), cold, with its GB/s (read + write)
 and the fraction of the copy bandwidth: the pass should run near copy speed.
 
+``--sdpa``: a second table, the same prefill rows run by torch's own attention
+(``torch.nn.functional.scaled_dot_product_attention``: on CUDA its cuDNN and flash backends, on
+the CPU its math backend) over *contiguous* K / V of the same shapes (no paging, no block table,
+no mask: every query sees every key, since torch's causal mask aligns the queries with the start
+of the keys where these rows' queries are the last ``q_len`` tokens), each rate on its own FLOPs,
+next to bf16's rate in the same run: what a tuned non-paged kernel reaches on this GPU.
+
 ``--sweep``: the rows with the most cached tokens (32k) under each tuning of :func:`sweep_tunings`
 (2D tilings, each with the mode's variants: ``Tiling.mask_edges_only`` for every mode,
 ``Tiling.dequant_first`` for the quantized ones, ``Tiling.code_zp`` / ``code_asm`` and
@@ -196,6 +203,35 @@ class Timer:
         return graph_us(fn, self.rep_ms), cold_graph_us(fn, self.rep_ms, self.flush, self.kind)
 
 
+SDPA_BACKENDS = {"cuda": ("CUDNN_ATTENTION", "FLASH_ATTENTION"), "cpu": ("MATH",)}
+
+
+def sdpa_reference(shape: Shape, device, timer) -> list:
+    """``[(backend, µs cold, FLOPs)]``: torch SDPA over contiguous K / V of ``shape``, a prefill
+    row (every sequence ``(q_len, seq_len)`` alike): q ``[seqs, q_heads, q_len, head]``, k / v
+    ``[seqs, kv_heads, seq_len, head]`` bf16, no mask, GQA by ``enable_gqa``; FLOPs ``4 * head``
+    per (query head, key) pair. A backend that does not run this shape here has no entry."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    (q_len, seq_len), n = shape.seqs[0], len(shape.seqs)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    q = torch.randn(n, shape.num_q_heads, q_len, shape.head_size, device=device, dtype=dtype)
+    k = torch.randn(n, shape.num_kv_heads, seq_len, shape.head_size, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    flops = 4 * shape.head_size * shape.num_q_heads * n * q_len * seq_len
+    out = []
+    for name in SDPA_BACKENDS["cpu" if device == "cpu" else "cuda"]:
+        def run(backend=getattr(SDPBackend, name)):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            run()
+        except RuntimeError:  # no kernel of this backend for this shape / device
+            continue
+        out.append((name.split("_")[0].lower(), timer(run)[1], flops))
+    return out
+
+
 def matmul_tflops(device) -> float:
     """bf16 ``torch.matmul`` of two MATMUL_N-square matrices, TFLOP/s (the dense tensor-core rate here)."""
     if device == "cpu":
@@ -248,11 +284,15 @@ def describe(plan: Plan) -> str:
     groups = f"x{t.dequant_groups}" if t.dequant_groups > 1 else ""   # dequantized for KV-head groups in turn
     extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
         (f" dequant-first{groups}" if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
+        (" wgmma" if t.wgmma else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 
-def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS, flush="read") -> tuple:
+def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS, flush="read",
+          refs=None) -> tuple:
+    """Time every row; ``refs`` (a list): append ``(shape, bf16 TFLOP/s cold, sdpa_reference(...))``
+    for each prefill row (``--sdpa``)."""
     copy = copy_gbps(device)
     tflops = matmul_tflops(device)
     log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
@@ -278,6 +318,8 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILI
                 warm, cold = timer(lambda: call(pb, tuning)) if err <= 1e-2 else (float("nan"), float("nan"))
                 if name == "bf16" and tuning == Tuning():
                     bf16_cold = cold
+                    if refs is not None and len(set(shape.seqs)) == 1:
+                        refs.append((shape, pb["flops"] / cold / 1e6, sdpa_reference(shape, device, timer)))
                 dq_us = float("nan")
                 if ran.tiling.dequant_first and tuning == Tuning() and pb["mode"] != KVQuantMode.NONE:
                     dq_us = timer(lambda: dequant(pb))[1]
@@ -317,6 +359,20 @@ def table(rows, copy, tflops, device, argv, flush="read") -> str:
     return "\n".join(lines)
 
 
+def sdpa_table(refs, tflops) -> str:
+    """The ``--sdpa`` table: per prefill row, bf16's rate (paged, causal) and each SDPA backend's
+    (contiguous, unmasked), TFLOP/s and % of the bf16 matmul rate."""
+    lines = ["", "torch SDPA over contiguous K / V of the same shapes (no mask; each rate on its own FLOPs):", "",
+             "| head | shape | bf16 (this project, paged) TFLOP/s (% of matmul) | SDPA backend | µs cold | "
+             "TFLOP/s (% of matmul) |", "|---:|---|---:|---|---:|---:|"]
+    for shape, ours, ref in refs:
+        for backend, us, flops in ref:
+            rate = flops / us / 1e6
+            lines.append(f"| {shape.head_size} | {shape.name} | {ours:.0f} ({100 * ours / tflops:.0f}%) | {backend} | "
+                         f"{us:.1f} | {rate:.0f} ({100 * rate / tflops:.0f}%) |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.attention_prefill", description=__doc__.splitlines()[0])
@@ -337,6 +393,8 @@ def main(argv=None) -> int:
     parser.add_argument("--flush", default="read", choices=FLUSHES,
                         help="cold L2: read the 256 MiB buffer (clean L2, default) or write it (dirty L2)")
     parser.add_argument("--log", default=None, help="append every timed configuration to this file")
+    parser.add_argument("--sdpa", action="store_true",
+                        help="also time torch SDPA (cuDNN / flash; CPU: math) on contiguous K / V of the prefill rows")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     p = dict(SMOKE if args.smoke else FULL)
@@ -362,8 +420,12 @@ def main(argv=None) -> int:
             tilings = ()
         if not tilings or any(len(t) != 4 or min(t) < 1 for t in tilings):
             parser.error(f"--tilings: expected 'block_m,tile,warps,stages' separated by ';', got {args.tilings!r}")
-    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings, args.flush)
+    refs = [] if args.sdpa else None
+    rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings, args.flush,
+                               refs)
     print(table(rows, copy, tflops, device, list(argv), args.flush))
+    if refs is not None:
+        print(sdpa_table(refs, tflops))
     return 0
 
 

@@ -128,6 +128,7 @@ PATH_KERNELS = {
     Path.DECODE_STAGED_INT8: ("decode_staged_int8_gluon", "_decode_staged_int8_kernel"),
 }
 INT4_2D = ("prefill_2d", "_attn_int4_kernel")
+WGMMA_2D = ("prefill_wgmma_gluon", "_prefill_wgmma_kernel")  # Tiling.wgmma: the sm_90 2D kernel over 16-bit rows
 DEQUANT = ("prefill_dequant", "_dequant_blocks_kernel")  # Tiling.dequant_first's pass before the 2D kernel
 ROTATE_ROWS = ("prefill_dequant", "_rotate_rows_kernel")  # INT4 dequant_first: query and output rotations
 ROTATE_KERNELS = {Rotate.TRITON: ("rotate_query", "_rotate_query_kernel"),
@@ -167,11 +168,13 @@ def launched(monkeypatch):
     return log
 
 
-def dequant_launches(mode) -> list:
-    """The kernels of one ``dequant_first`` group, in launch order."""
+def dequant_launches(mode, tiling=None) -> list:
+    """The kernels of one ``dequant_first`` group, in launch order (``tiling.wgmma``: the sm_90
+    Gluon kernel attends over the scratch)."""
+    attend = (WGMMA_2D if tiling is not None and tiling.wgmma else PATH_KERNELS[P2D])[1]
     if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-        return [ROTATE_ROWS[1], DEQUANT[1], PATH_KERNELS[P2D][1], ROTATE_ROWS[1]]
-    return [DEQUANT[1], PATH_KERNELS[P2D][1]]
+        return [ROTATE_ROWS[1], DEQUANT[1], attend, ROTATE_ROWS[1]]
+    return [DEQUANT[1], attend]
 
 
 def expected_launches(plan, mode) -> list:
@@ -185,9 +188,11 @@ def expected_launches(plan, mode) -> list:
     if plan.path == Path.MIXED:
         return expected_launches(plan.parts[0], mode) + expected_launches(plan.parts[1], mode)
     if plan.path == P2D and plan.tiling.dequant_first and mode != KVQuantMode.NONE:
-        return dequant_launches(mode) * plan.tiling.dequant_groups
+        return dequant_launches(mode, plan.tiling) * plan.tiling.dequant_groups
     names = [ROTATE_KERNELS[plan.rotate][1]] if plan.rotate in ROTATE_KERNELS else []
     main = INT4_2D if plan.path == P2D and mode == KVQuantMode.INT4_PER_TOKEN_HEAD else PATH_KERNELS[plan.path]
+    if plan.path == P2D and plan.tiling.wgmma:
+        main = WGMMA_2D
     names.append(main[1])
     if plan.reduce in REDUCE_KERNELS:
         names.append(REDUCE_KERNELS[plan.reduce][1])

@@ -273,7 +273,9 @@ def test_long_16_bit_chunks_take_the_big_tiling_on_a_gpu(mode):
     first) with at least block_m query rows per sequence: on sm_90 ``BIG_PREFILL_SM90`` by padded
     head size (64, 128, 256; head 32 and 96 keep ``BIG_PREFILL``), elsewhere ``BIG_PREFILL`` up
     to head_size 128; 64 x 64 below that row count, at head_size 256 off sm_90, for the fused
-    quantized kernel, on the CPU."""
+    quantized kernel, on the CPU. (The sm_90 Gluon kernel turned off, ``Tuning.wgmma_prefill``:
+    where it applies it takes these chunks, see ``test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies``.)"""
+    triton_2d = Tuning(wgmma_prefill=False)
     tokens = DEQUANT_MIN_Q_TILES * 32  # dequantized first (see above): 512 query rows per sequence at group 4
 
     def tiling_of(p):
@@ -285,10 +287,11 @@ def test_long_16_bit_chunks_take_the_big_tiling_on_a_gpu(mode):
         cases.append((H200, 96, BIG_PREFILL))
     for facts, head, want in cases:
         assert big_prefill_tiling(head, facts) == want, (facts, head)
-        long = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=tokens)
+        long = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=tokens, tuning=triton_2d)
         assert tiling_of(long) == want and long.tiling.mask_edges_only, (facts, head, long)
         assert f"{want[0]} x {want[1]} tiles, {want[2]} warps, {want[3]} stages" in long.why, long.why
-        few = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=want[0] // 4 - 1)  # group 4: < block_m rows
+        few = kernels_table.plan(mode, 2, 4096, facts, head_size=head, q_len=want[0] // 4 - 1,  # group 4: < block_m rows
+                                 tuning=triton_2d)
         assert (few.tiling.block_m, few.tiling.tile) == (64, 64), few
     assert big_prefill_tiling(256, SM80) is None and big_prefill_tiling(128, CPU) is None
     wide = kernels_table.plan(mode, 2, 4096, SM80, head_size=256, q_len=tokens)
@@ -496,6 +499,18 @@ def test_bench_prefill_smoke_times_the_dequant_pass(capsys):
     assert float(rows["int8"][12]) <= 1e-2
 
 
+def test_bench_prefill_smoke_sdpa_reference(capsys):
+    """``--sdpa``: a second table with torch SDPA (the math backend on the CPU) over contiguous
+    K / V of each prefill row, next to bf16's rate from the same run; the mixed row has none."""
+    assert AP.main(["--smoke", "--sdpa", "--modes", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "torch SDPA over contiguous K / V" in text
+    ref = [line.split("|") for line in text.split("torch SDPA over contiguous")[1].splitlines()
+           if line.startswith("| 64 |")]
+    assert [r[2].strip() for r in ref] == ["prefill 24 over 0", "prefill 24 over 40"]
+    assert all(r[4].strip() == "math" and float(r[5]) > 0 for r in ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_int4_2d_head_64_long_mixed_batch_within_bound():
     """The INT4 2D kernel at head_size 64 (fp32 dot operands on the GPU) on the prefill
@@ -530,8 +545,10 @@ def test_cuda_2d_variants_realistic(mode, head_size, num_q_heads):
 @pytest.mark.parametrize("head_size,num_q_heads", [(64, 32), (128, 32), (256, 16)])
 def test_cuda_default_long_chunks_match_oracle(mode, head_size, num_q_heads):
     """On the GPU: the default plan of two long chunks (300 and 129 tokens over 700 and 17 cached)
-    takes the device's big prefill tiling (INT4 dequantized first) and matches the oracle."""
+    takes the device's big prefill tiling, or on sm_90 at head 128 the Gluon kernel's (INT4
+    dequantized first), and matches the oracle."""
     from kernels.attention.plan import device_facts
+    from kernels.attention.prefill_wgmma import BLOCK_M, TILINGS
     c = make_case(mode, torch.bfloat16, [300, 129], [300 + 700, 129 + 17], num_q_heads=num_q_heads,
                   num_kv_heads=8, head_size=head_size, device="cuda")
     v = c["views"]
@@ -540,7 +557,10 @@ def test_cuda_default_long_chunks_match_oracle(mode, head_size, num_q_heads):
                           k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
     t = plan.tiling
     want = big_prefill_tiling(head_size, device_facts(c["q"].device))
-    assert want is None or (t.block_m, t.tile, t.num_warps, t.num_stages) == want, plan
+    if t.wgmma:
+        assert (t.block_m, t.tile, t.num_stages) == (BLOCK_M, *TILINGS[head_size][:2]), plan
+    else:
+        assert want is None or (t.block_m, t.tile, t.num_warps, t.num_stages) == want, plan
     assert t.dequant_first == (mode != KVQuantMode.NONE), plan
     run_and_check(c)
 
@@ -557,3 +577,79 @@ def test_bench_sweeps_the_tilings_given(capsys):
     with pytest.raises(SystemExit):
         AP.main(["--smoke", "--sweep", "--tilings", "64,32,4"])
     assert "--tilings: expected" in capsys.readouterr().err
+
+
+def _plan(c, device=H200, **kw):
+    v = c["views"]
+    args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"], c["max_q"],
+            c["max_k"], c["q"].shape[-1] ** -0.5, kw.pop("causal", True), kw.pop("window", (-1, -1)),
+            c["block_table"], kw.pop("softcap", 0.0))
+    return attention_plan(*args, kv_quant_mode=c["mode"], k_scale_cache=v.k_scale_cache,
+                          v_scale_cache=v.v_scale_cache, device=device, **kw)
+
+
+def test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies():
+    """On an H200 (fake device facts) prefill chunks over 16-bit rows take the Gluon TMA /
+    warpgroup-MMA kernel (``Tiling.wgmma``) at head 128 and at head 64 from 2,048 keys: over a
+    bf16 cache in this project's layout (K and V halves of each block: rows of one TMA view) and
+    over the dequantized scratch of a quantized one. A soft cap, a sliding window, head 256, a
+    shorter head-64 context, ``Tuning(wgmma_prefill=False)``, a Triton without Gluon, another
+    GPU, and a value cache whose heads are not contiguous rows take the Triton kernel, and the
+    plan says why."""
+    from kernels.attention import DeviceFacts
+
+    def case(mode=KVQuantMode.NONE, head=128, k_len=3000):
+        return make_case(mode, torch.bfloat16, [600, 600], [k_len, 600], num_q_heads=8, num_kv_heads=2,
+                         head_size=head, block_size=16)
+
+    for c in (case(), case(head=64), case(KVQuantMode.INT4_PER_TOKEN_HEAD), case(KVQuantMode.INT8_PER_TOKEN_HEAD)):
+        plan = _plan(c)
+        assert plan.path == Path.PREFILL_2D and plan.tiling.wgmma and "prefill_wgmma_gluon" in plan.why, plan.why
+        assert plan.tiling.dequant_first == (c["mode"] != KVQuantMode.NONE)
+        assert (plan.tiling.block_m, plan.tiling.num_warps) == (128, 4)
+    c = case()
+    not_wgmma = {
+        "soft cap / sliding window": [_plan(c, softcap=10.0), _plan(c, causal=False, window=(64, 0))],
+        "head_size 256": [_plan(case(head=256))],
+        "contexts under 2048 keys at head_size 64": [_plan(case(head=64, k_len=1000))],
+        "": [_plan(c, tuning=Tuning(wgmma_prefill=False)), _plan(c, device=dataclasses.replace(H200, gluon=False)),
+             _plan(c, device=DeviceFacts("cuda", 108, (8, 0), gluon=True)), _plan(c, device=CPU)],
+    }
+    for why, plans in not_wgmma.items():
+        for plan in plans:
+            assert not plan.tiling.wgmma and why in plan.why, plan.why
+    v = c["views"].value_cache
+    wide = torch.stack([v, v], dim=3).view(*v.shape[:3], 2 * v.shape[3])[..., v.shape[3]:]  # head stride 2 x head_size
+    c["views"] = type(c["views"])(c["views"].key_cache, wide, None, None)
+    plan = _plan(c)
+    assert not plan.tiling.wgmma and "not a 2D TMA view" in plan.why, plan.why
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head", [128, 64])
+@pytest.mark.parametrize("mode,dtype", [(KVQuantMode.NONE, torch.bfloat16), (KVQuantMode.NONE, torch.float16),
+                                        (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16),
+                                        (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16)], ids=["bf16", "fp16", "int4", "int8"])
+@pytest.mark.parametrize("hq,hkv,bs", [(8, 2, 16), (4, 4, 32), (16, 2, 16)], ids=["gqa4-b16", "mha-b32", "gqa8-b16"])
+def test_cuda_wgmma_prefill_matches_oracle(head, mode, dtype, hq, hkv, bs, launched):
+    """The sm_90 Gluon prefill kernel, chosen by the default plan, against the oracle: chunks of
+    329 / 600 / 5 tokens over 2,300 / 2,648 / 2,100 keys (partial last tiles and blocks, a
+    chunk shorter than a query tile; enough query tiles per sequence that a quantized context
+    is dequantized first at every GQA group here), causal and not, in a cache whose unused
+    slots hold NaN; then as the chunk half of a mixed batch."""
+    c = make_case(mode, dtype, [329, 600, 5], [2300, 600 + 2048, 2100], num_q_heads=hq, num_kv_heads=hkv,
+                  head_size=head, block_size=bs, device="cuda", seed=head + hq)
+    plan = _plan(c, device=None)
+    assert plan.tiling.wgmma, plan.why
+    run_and_check(c)
+    assert launched == expected_launches(plan, mode), launched
+    run_and_check(c, causal=False)
+    m = make_case(mode, dtype, [1, 1, 600], [30, 90, 2400], num_q_heads=hq, num_kv_heads=hkv, head_size=head,
+                  block_size=bs, device="cuda", seed=1)
+    launched.clear()
+    run_and_check(m, num_decode_seqs=2)
+    assert "_prefill_wgmma_kernel" in launched, launched

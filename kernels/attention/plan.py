@@ -15,7 +15,9 @@ Order of the questions (each asked once):
 2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
    2D kernel (``prefill_2d``). Over a quantized cache, with many query tiles per sequence and a
    scratch within ``Tuning.dequant_max_bytes``, the context is dequantized first and the
-   unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`).
+   unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`). On sm_90,
+   16-bit rows (the cache's or the scratch's) at head sizes 64 / 128 take the Gluon kernel with
+   TMA copies and warpgroup MMAs (``Tiling.wgmma``: ``prefill_wgmma``) where it applies.
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
    keys split into segments when the 2D grid would leave SMs idle (over a 16-bit cache on sm_90:
    as many as fill whole waves of its resident programs, :func:`whole_wave_segments`).
@@ -58,6 +60,7 @@ from . import decode_block_tiles as B
 from . import decode_code_units as C
 from . import decode_staged as S
 from . import prefill_dequant as D
+from . import prefill_wgmma as W
 from . import reduce as R
 from . import rotate_query as Q
 from .call import AttnCall, check_num_decode_seqs, split_mixed
@@ -112,6 +115,7 @@ class Tiling:
     dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the unquantized kernel
     dequant_groups: int = 1     # dequant_first: KV-head groups dequantized and attended in turn (one scratch at a time)
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
+    wgmma: bool = False         # 2D path over 16-bit rows on sm_90: prefill_wgmma_gluon (TMA copies, warpgroup MMAs)
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,9 @@ class Tuning:
     its prologue, and the staged INT4 kernel does (off: always the rotation kernel).
     ``bulk_copies``: the staged kernels copy each block with one bulk copy on sm_90+ (off:
     16-byte ``cp.async``). ``gluon_edges``: the
-    Gluon query rotation and reduction where they apply (off: the Triton ones). ``rotate_q_once``:
+    Gluon query rotation and reduction where they apply (off: the Triton ones). ``wgmma_prefill``:
+    prefill chunks over 16-bit rows on sm_90 take the Gluon TMA / warpgroup-MMA kernel
+    (``prefill_wgmma``) where it applies (off: the Triton 2D kernel). ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
     may allocate to dequantize a quantized context before attending (``Tiling.dequant_first``,
@@ -138,6 +144,7 @@ class Tuning:
     rotate_q_in_decode: bool = True
     bulk_copies: bool = True
     gluon_edges: bool = True
+    wgmma_prefill: bool = True
     rotate_q_once: bool = False
     dequant_max_bytes: int = 1 << 30
 
@@ -400,6 +407,20 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
                 turns = f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn" if groups > 1 else ""
                 why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
                            f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch{turns})")
+    if facts.cuda_sm90 and facts.gluon and tuning.wgmma_prefill and (call.mode == KVQuantMode.NONE or dequant) \
+            and rows >= W.BLOCK_M:
+        not_ok = W.eligible(call, dequant)
+        dtype = torch.float16 if dequant else call.k.dtype
+        if not not_ok and facts.index is not None and not W.probe(
+                _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal):
+            not_ok = ["its Gluon kernel does not compile with this Triton"]
+        if not not_ok:
+            tile, stages, _ = W.TILINGS[call.head_size]
+            why.append(f"prefill_wgmma_gluon: TMA copies, warpgroup MMAs, {tile}-key tiles, {stages} stages "
+                       f"({rows:.0f} query rows per sequence)")
+            return Tiling(W.BLOCK_M, tile, num_warps=W.NUM_WARPS, num_stages=stages, mask_edges_only=True,
+                          dequant_first=dequant, dequant_groups=groups, wgmma=True)
+        why.append("not prefill_wgmma_gluon: " + "; ".join(not_ok))
     big = big_prefill_tiling(call.head_size, facts)
     if big and (call.mode == KVQuantMode.NONE or dequant) and rows >= big[0] and block_m <= big[0]:
         bm, tile, warps, stages = big

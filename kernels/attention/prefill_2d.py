@@ -17,6 +17,7 @@ from .call import kv_align
 from .common import (DOT_BF16, DOT_FP16, DOT_FP32, LOG2E, apply_softcap, full_tiles, int8_to_dot, mask_scores,
                      pdl_release, q_block_program, to_dot)
 from .plan import Rotate
+from . import prefill_wgmma
 from .prefill_2d_int4 import _attn_int4_kernel
 from .rotate_query import rotated_query
 
@@ -202,6 +203,8 @@ def launch_2d(call, plan) -> None:
     ``plan.rotate`` TRITON / GLUON: the query is rotated first (``rotate_query``) and the kernel
     reads it (``Q_ROTATED``)."""
     tiling = plan.tiling
+    if tiling.wgmma:
+        return prefill_wgmma.launch(call, plan)
     q, k, v, out = call.q, call.k, call.v, call.out
     num_tokens, num_q_heads = q.shape[:2]
     num_seqs = call.num_seqs

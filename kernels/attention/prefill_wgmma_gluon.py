@@ -1,0 +1,226 @@
+"""Prefill attention over a 16-bit paged cache on sm_90: TMA block copies, warpgroup MMAs and
+warp specialization.
+
+The 2D path's kernel for chunks of new tokens over bf16 / fp16 caches and over the fp16 scratch
+a quantized context is dequantized into first (``prefill_dequant``), on Hopper GPUs. It computes
+what ``prefill_2d._attn_kernel`` computes without a split (causal or not, no sliding window, no
+soft cap):
+
+- **Program**: one tile of ``2 x 64`` query rows (``BLOCK_Q`` tokens x the ``GROUP`` query
+  heads of one KV head, packed as the Triton kernel packs them) x one KV head, in three
+  partitions: two consumer warpgroups, each owning 64 of the rows, and one producer warp.
+- **Producer**: for each tile of ``TILE`` keys, waits until both consumers released the ring
+  stage it goes to (an mbarrier per stage, two arrivals), then copies each of the tile's cache
+  blocks (``BLOCK_SIZE`` rows x ``HEAD`` dims of the KV head: one box of a 2D tensor
+  descriptor over the cache's slot rows) by TMA into its slice of the stage, counted on the
+  stage's ready mbarrier. A block id past the sequence's last block becomes a row past the
+  descriptor's end, which TMA fills with zeros.
+- **Consumers**: ``S = Q K^T`` (both operands in shared memory) and ``O += P V`` (``P`` in
+  registers) as warpgroup MMAs with fp32 accumulators; each step issues tile ``j``'s scores and
+  tile ``j - 1``'s values together and runs tile ``j``'s softmax while the values' MMA runs.
+  Masks only on tiles that cross the causal edge or the sequence's end; value rows past the
+  sequence's end (a block's unused slots may hold NaN, and 0 x NaN is NaN) are set to zero in
+  shared memory by each consumer before its ``P V`` of that tile (both write the same zeros).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+ROWS = gl.constexpr(64)         # query rows per consumer warpgroup (prefill_wgmma.BLOCK_M: two of them)
+
+
+@gluon.jit
+def _find_seq(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q: gl.constexpr):
+    """Sequence owning q block ``q_block_global``: sequence ``i`` owns the blocks from
+    ``cu_seqlens_q[i] // BLOCK_Q + i`` on (the Triton kernels' rule: no host sync)."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        mid_start = gl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= q_block_global:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_ring, v_ring, ready, empty, bt_row, past_end, row_pitch, col, n_tiles, seq_len,
+              BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the TMA copies of every tile's K and V blocks into the ring. Block ``b``'s rows
+    start at row ``b * row_pitch`` of both descriptors, its KV head's dims at column ``col``."""
+    NB: gl.constexpr = TILE // BLOCK_SIZE
+    ids_layout: gl.constexpr = gl.BlockedLayout([NB], [32], [1], [0])  # every lane holds the tile's ids
+    offs = gl.arange(0, NB, layout=ids_layout)
+    n_blocks = gl.cdiv(seq_len, BLOCK_SIZE)
+    nbytes: gl.constexpr = 2 * NB * k_desc.block_type.nbytes
+    idx = offs
+    ids = gl.load(bt_row + idx, mask=idx < n_blocks, other=past_end)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # the first round finds every stage free
+        bar = ready.index(stage)
+        mbarrier.expect(bar, nbytes)
+        k_stage = k_ring.index(stage)
+        v_stage = v_ring.index(stage)
+        for b in gl.static_range(NB):
+            row = gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
+        idx = (j + 1) * NB + offs
+        ids = gl.load(bt_row + idx, mask=idx < n_blocks, other=past_end)
+
+
+@gluon.jit
+def _softmax_tile(s, j, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL: gl.constexpr, TILE: gl.constexpr):
+    """Online softmax of score tile ``j`` ``[ROWS, TILE]``: masked where tile ``j`` crosses the
+    causal edge or the sequence's end; returns the probabilities, the accumulator's rescale
+    ``alpha`` and the new running max and sum (log2 units)."""
+    if j >= n_full:
+        k_pos = j * TILE + s_cols
+        keep = (k_pos < seq_len)[None, :]
+        if CAUSAL:
+            keep = keep & (k_pos[None, :] <= q_pos[:, None])
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _zero_tail(v_tile, j, seq_len, TILE: gl.constexpr, layout: gl.constexpr):
+    """Value rows of tile ``j`` past the sequence's end set to zero in shared memory."""
+    rows = j * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, layout))
+    v = v_tile.load(layout)
+    v_tile.store(gl.where((rows < seq_len)[:, None], v, 0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(q_ptr, out_ptr, k_desc, q_smem, k_ring, v_ring, ready, empty, n_tiles, n_full, seq_len, q_start, q_len,
+              q_block, ctx_before, kv_head, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+              GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_Q: gl.constexpr, TILE: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROW0: gl.constexpr):
+    """One warpgroup: rows ``ROW0 .. ROW0 + 63`` of the program's query tile over every tile."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = k_desc.dtype
+
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout)) + ROW0
+    dims = gl.arange(0, HEAD, layout=gl.SliceLayout(0, io_layout))
+    q_local = q_block * BLOCK_Q + rows // GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_local < q_len)
+    tok = (q_start + q_local).to(gl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    q = gl.load(q_ptr + (tok * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_mine = q_smem.slice(ROW0, ROWS)
+    q_mine.store(q.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    s_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) + ROW0
+    q_pos = ctx_before + q_block * BLOCK_Q + s_rows // GROUP
+    s_cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, TILE], gl.float32, layout=s_layout)
+
+    mbarrier.wait(ready.index(0), 0)
+    if TILE > seq_len:
+        _zero_tail(v_ring.index(0), 0, seq_len, TILE, io_layout)
+    s = warpgroup_mma(q_mine, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL, TILE)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        if (j + 1) * TILE > seq_len:
+            _zero_tail(v_ring.index(stage), j, seq_len, TILE, io_layout)
+        s_tok = warpgroup_mma(q_mine, k_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p, alpha, m_i, l_i = _softmax_tile(s, j, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL, TILE)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        mbarrier.arrive(empty.index(prev), count=1)  # this warpgroup is done with tile j - 1's stage
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = (n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    mbarrier.arrive(empty.index(last), count=1)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = gl.where(l_o[:, None] > 0, acc / l_o[:, None], 0.0)
+    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), io_layout)
+    gl.store(out_ptr + (tok * stride_o_t + head * stride_o_h)[:, None] + dims[None, :], o, mask=row_ok[:, None])
+
+
+@gluon.jit
+def _prefill_wgmma_kernel(
+    q_ptr, k_desc, v_desc, out_ptr,         # q, out [T, Hq, HEAD]; k_desc / v_desc: 2D [rows, Hkv * HEAD], boxes [BLOCK_SIZE, HEAD]
+    block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+    qk_scale,                               # softmax_scale * log2(e)
+    num_seqs, q_block_base,
+    past_end,                               # a block id whose rows lie past the descriptors' ends
+    row_pitch,                              # descriptor rows from one cache block to the next
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_bt_s,
+    GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_Q: gl.constexpr,
+    TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    q_block_global = gl.program_id(0) + q_block_base
+    kv_head = gl.program_id(1)
+    seq_idx = _find_seq(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = gl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = gl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = gl.load(seqused_k_ptr + seq_idx)
+    ctx_before = seq_len - q_len            # the queries are the sequence's last q_len tokens
+    q_pos_lo = ctx_before + q_block * BLOCK_Q
+    if CAUSAL:
+        k_hi = gl.minimum(seq_len, ctx_before + gl.minimum((q_block + 1) * BLOCK_Q, q_len))
+        n_full = gl.minimum(q_pos_lo + 1, seq_len) // TILE  # tiles every row sees whole
+    else:
+        k_hi = seq_len
+        n_full = seq_len // TILE
+    n_tiles = gl.cdiv(k_hi, TILE)
+    bt_row = block_table_ptr + seq_idx.to(gl.int64) * stride_bt_s
+
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2 * ROWS, HEAD], k_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD], k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    # the default partition (the launch's 4 warps) is consumer 0, the workers consumer 1 (4 warps) and
+    # the producer (1 warp); each argument tuple is written out whole (a tuple built by concatenation
+    # does not keep its constexprs constant in Triton 3.6's frontend)
+    gl.warp_specialize([
+        (_consumer, (q_ptr, out_ptr, k_desc, q_smem, k_ring, v_ring, ready, empty, n_tiles, n_full, seq_len, q_start,
+                     q_len, q_block, ctx_before, kv_head, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                     GROUP, HEAD, BLOCK_Q, TILE, STAGES, CAUSAL, 0)),
+        (_consumer, (q_ptr, out_ptr, k_desc, q_smem, k_ring, v_ring, ready, empty, n_tiles, n_full, seq_len, q_start,
+                     q_len, q_block, ctx_before, kv_head, qk_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                     GROUP, HEAD, BLOCK_Q, TILE, STAGES, CAUSAL, ROWS)),
+        (_producer, (k_desc, v_desc, k_ring, v_ring, ready, empty, bt_row, past_end, row_pitch, kv_head * HEAD, n_tiles,
+                     seq_len, BLOCK_SIZE, TILE, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
