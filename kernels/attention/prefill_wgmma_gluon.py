@@ -30,23 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .common import find_seq_idx  # a scalar @triton.jit helper: Gluon calls it as it is
+
 ROWS = gl.constexpr(64)         # query rows per consumer warpgroup (prefill_wgmma.BLOCK_M: two of them)
-
-
-@gluon.jit
-def _find_seq(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q: gl.constexpr):
-    """Sequence owning q block ``q_block_global``: sequence ``i`` owns the blocks from
-    ``cu_seqlens_q[i] // BLOCK_Q + i`` on (the Triton kernels' rule: no host sync)."""
-    left = 0
-    right = num_seqs
-    while left < right:
-        mid = (left + right) // 2
-        mid_start = gl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= q_block_global:
-            left = mid + 1
-        else:
-            right = mid
-    return left - 1
 
 
 @gluon.jit
@@ -181,9 +167,13 @@ def _prefill_wgmma_kernel(
     GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_Q: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
+    """Grid ``(q blocks - q_block_base + num_seqs, num_kv_heads)``, as ``prefill_2d._attn_kernel``
+    without segments: program ``(i, h)`` attends q block ``i + q_block_base`` (``BLOCK_Q``
+    tokens of one sequence) over KV head ``h`` and writes its rows of ``out``; a block past
+    its sequence's queries returns at once. ``CONSUMER_REGS``: registers per consumer thread."""
     q_block_global = gl.program_id(0) + q_block_base
     kv_head = gl.program_id(1)
-    seq_idx = _find_seq(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
+    seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = gl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = gl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
     q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
