@@ -410,7 +410,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
     if facts.cuda_sm90 and facts.gluon and tuning.wgmma_prefill and (call.mode == KVQuantMode.NONE or dequant) \
             and rows >= W.BLOCK_M:
         not_ok = W.eligible(call, dequant)
-        dtype = torch.float16 if dequant else call.k.dtype
+        dtype = D.scratch_dtype(interpreted=False) if dequant else call.k.dtype  # the probe runs on the GPU
         if not not_ok and facts.index is not None and not W.probe(
                 _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal):
             not_ok = ["its Gluon kernel does not compile with this Triton"]

@@ -215,7 +215,8 @@ def _blocks_per_seq(call) -> int:
     return min(call.block_table.shape[1], cdiv(call.max_seqlen_k, call.k.shape[1]))
 
 
-def _scratch_dtype(interpreted: bool) -> torch.dtype:
+def scratch_dtype(interpreted: bool) -> torch.dtype:
+    """The scratch's element type: fp16 on a GPU, fp32 under the interpreter (module docstring)."""
     return torch.float32 if interpreted else torch.float16
 
 
@@ -226,7 +227,7 @@ def scratch_bytes(call, interpreted: bool = False) -> int:
     in the scratch's type instead of that copy."""
     k = call.k
     rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
-    size = _scratch_dtype(interpreted).itemsize
+    size = scratch_dtype(interpreted).itemsize
     if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
         extra = (call.q.numel() + call.out.numel()) * size
     else:
@@ -248,7 +249,7 @@ def dequantized_call(call):
     per_seq = _blocks_per_seq(call)
     num_seqs = call.num_seqs
     interpreted = interpreting(call.q)
-    dtype = _scratch_dtype(interpreted)
+    dtype = scratch_dtype(interpreted)
     shape = (num_seqs * per_seq, block_size, num_kv_heads, call.head_size)
     k_out = torch.empty(shape, dtype=dtype, device=k.device)
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
