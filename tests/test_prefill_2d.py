@@ -545,7 +545,7 @@ def test_cuda_2d_variants_realistic(mode, head_size, num_q_heads):
 @pytest.mark.parametrize("head_size,num_q_heads", [(64, 32), (128, 32), (256, 16)])
 def test_cuda_default_long_chunks_match_oracle(mode, head_size, num_q_heads):
     """On the GPU: the default plan of two long chunks (300 and 129 tokens over 700 and 17 cached)
-    takes the device's big prefill tiling, or on sm_90 at head 128 the Gluon kernel's (INT4
+    takes the device's big prefill tiling, or on sm_90 at heads 128 / 256 the Gluon kernel's (INT4
     dequantized first), and matches the oracle."""
     from kernels.attention.plan import device_facts
     from kernels.attention.prefill_wgmma import BLOCK_M, TILINGS
@@ -580,8 +580,8 @@ def test_bench_sweeps_the_tilings_given(capsys):
 
 
 def _plan(c, device=H200, **kw):
-    v = c["views"]
-    args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"], c["max_q"],
+    v, out = c["views"], kw.pop("out", None)
+    args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]) if out is None else out, c["cu"], c["seqused_k"], c["max_q"],
             c["max_k"], c["q"].shape[-1] ** -0.5, kw.pop("causal", True), kw.pop("window", (-1, -1)),
             c["block_table"], kw.pop("softcap", 0.0))
     return attention_plan(*args, kv_quant_mode=c["mode"], k_scale_cache=v.k_scale_cache,
@@ -590,19 +590,20 @@ def _plan(c, device=H200, **kw):
 
 def test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies():
     """On an H200 (fake device facts) prefill chunks over 16-bit rows take the Gluon TMA /
-    warpgroup-MMA kernel (``Tiling.wgmma``) at head 128 and at head 64 from 2,048 keys: over a
-    bf16 cache in this project's layout (K and V halves of each block: rows of one TMA view) and
-    over the dequantized scratch of a quantized one. A soft cap, a sliding window, head 256, a
-    shorter head-64 context, ``Tuning(wgmma_prefill=False)``, a Triton without Gluon, another
-    GPU, and a value cache whose heads are not contiguous rows take the Triton kernel, and the
-    plan says why."""
+    warpgroup-MMA kernel (``Tiling.wgmma``) at heads 128 and 256 and at head 64 from 2,048 keys:
+    over a bf16 cache in this project's layout (K and V halves of each block: rows of one TMA
+    view) and over the dequantized scratch of a quantized one. A soft cap, a sliding window, a
+    shorter head-64 context, an fp32 output, ``Tuning(wgmma_prefill=False)``, a Triton without
+    Gluon, another GPU, and a value cache whose heads are not contiguous rows take the Triton
+    kernel, and the plan says why."""
     from kernels.attention import DeviceFacts
 
     def case(mode=KVQuantMode.NONE, head=128, k_len=3000):
         return make_case(mode, torch.bfloat16, [600, 600], [k_len, 600], num_q_heads=8, num_kv_heads=2,
                          head_size=head, block_size=16)
 
-    for c in (case(), case(head=64), case(KVQuantMode.INT4_PER_TOKEN_HEAD), case(KVQuantMode.INT8_PER_TOKEN_HEAD)):
+    for c in (case(), case(head=64), case(head=256), case(KVQuantMode.INT4_PER_TOKEN_HEAD),
+              case(KVQuantMode.INT8_PER_TOKEN_HEAD)):
         plan = _plan(c)
         assert plan.path == Path.PREFILL_2D and plan.tiling.wgmma and "prefill_wgmma_gluon" in plan.why, plan.why
         assert plan.tiling.dequant_first == (c["mode"] != KVQuantMode.NONE)
@@ -610,7 +611,7 @@ def test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies():
     c = case()
     not_wgmma = {
         "soft cap / sliding window": [_plan(c, softcap=10.0), _plan(c, causal=False, window=(64, 0))],
-        "head_size 256": [_plan(case(head=256))],
+        "float32 output": [_plan(c, out=torch.empty_like(c["q"], dtype=torch.float32))],
         "contexts under 2048 keys at head_size 64": [_plan(case(head=64, k_len=1000))],
         "": [_plan(c, tuning=Tuning(wgmma_prefill=False)), _plan(c, device=dataclasses.replace(H200, gluon=False)),
              _plan(c, device=DeviceFacts("cuda", 108, (8, 0), gluon=True)), _plan(c, device=CPU)],
@@ -630,7 +631,7 @@ def _sm90() -> bool:
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head", [128, 64])
+@pytest.mark.parametrize("head", [128, 64, 256])
 @pytest.mark.parametrize("mode,dtype", [(KVQuantMode.NONE, torch.bfloat16), (KVQuantMode.NONE, torch.float16),
                                         (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16),
                                         (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16)], ids=["bf16", "fp16", "int4", "int8"])

@@ -20,11 +20,10 @@ from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 from .common import LOG2E
 
 # head_size -> (keys per tile, ring stages, fewest keys of the longest context it is chosen for):
-# shared memory = query tile + stages x (K + V tiles) + the consumers' layout-conversion scratch
-# (sm_90 compile: head 128 176 KiB, head 64 160 KiB of the 227 available). Head 64 under 2,048
-# keys and head 256 (64-key tiles, 2 stages: 208 KiB) measured slower than the Triton kernel
-# (docs/BENCHMARKS.md, "Prefill over a quantized cache").
-TILINGS = {64: (128, 4, 2048), 128: (128, 2, 0)}
+# shared memory = query tile + stages x (K + V tiles) (sm_90 compile: head 64 144 KiB, head 128
+# 224 KiB, head 256 192 KiB of the 227 available). Head 64 under 2,048 keys measured slower than
+# the Triton kernel (docs/BENCHMARKS.md, "Prefill over a quantized cache").
+TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
 NUM_WARPS = 4                   # the default partition (a consumer); the other consumer and the producer are workers
 MAX_REGS = 168                  # per thread at launch: 12 warps x 32 x 168 <= 65,536 (the partitions then
@@ -59,6 +58,8 @@ def eligible(call, dequant: bool) -> list:
         why.append(f"{call.group} query heads per KV head > {BLOCK_M}")
     if call.q.stride(2) != 1 or call.out.stride(2) != 1:
         why.append("query / output head dims not contiguous")
+    if call.out.element_size() != 2:
+        why.append(f"{call.out.dtype} output: the kernel writes 16-bit rows")
     if not dequant and not (_tma_view_ok(call.k) and _tma_view_ok(call.v) and _pitch(call.k) == _pitch(call.v)):
         why.append("K / V not a 2D TMA view (16-bit, [blocks x slots, heads x dims], 16-byte aligned)")
     return why

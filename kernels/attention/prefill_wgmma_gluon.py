@@ -9,18 +9,23 @@ soft cap):
 - **Program**: one tile of ``2 x 64`` query rows (``BLOCK_Q`` tokens x the ``GROUP`` query
   heads of one KV head, packed as the Triton kernel packs them) x one KV head, in three
   partitions: two consumer warpgroups, each owning 64 of the rows, and one producer warp.
-- **Producer**: for each tile of ``TILE`` keys, waits until both consumers released the ring
-  stage it goes to (an mbarrier per stage, two arrivals), then copies each of the tile's cache
-  blocks (``BLOCK_SIZE`` rows x ``HEAD`` dims of the KV head: one box of a 2D tensor
-  descriptor over the cache's slot rows) by TMA into its slice of the stage, counted on the
-  stage's ready mbarrier. A block id past the sequence's last block becomes a row past the
-  descriptor's end, which TMA fills with zeros.
+- **Producer**: for each tile of ``TILE`` keys, the keys then the values: waits until both
+  consumers released that half of the ring stage it goes to (an "empty" mbarrier per stage and
+  half, two arrivals), then copies each of the tile's cache blocks (``BLOCK_SIZE`` rows x
+  ``HEAD`` dims of the KV head: one box of a 2D tensor descriptor over the cache's slot rows)
+  by TMA into its slice of the stage, counted on the half's "ready" mbarrier. A block id past
+  the sequence's last block becomes a row past the descriptor's end, which TMA fills with zeros.
 - **Consumers**: ``S = Q K^T`` (both operands in shared memory) and ``O += P V`` (``P`` in
   registers) as warpgroup MMAs with fp32 accumulators; each step issues tile ``j``'s scores and
   tile ``j - 1``'s values together and runs tile ``j``'s softmax while the values' MMA runs.
+  A consumer holds tile ``j``'s keys and tile ``j - 1``'s values at once, so keys and values
+  are released separately (the keys when their scores are in registers): with two stages the
+  next tile's keys load during this step, and the values a step before they are used.
   Masks only on tiles that cross the causal edge or the sequence's end; value rows past the
   sequence's end (a block's unused slots may hold NaN, and 0 x NaN is NaN) are set to zero in
   shared memory by each consumer before its ``P V`` of that tile (both write the same zeros).
+  The output rows go to global memory through the consumer's slice of the query tile: no
+  layout-conversion scratch, which at head 128 would not fit beside a third stage.
 """
 
 from __future__ import annotations
@@ -38,25 +43,33 @@ ROWS = gl.constexpr(64)         # query rows per consumer warpgroup (prefill_wgm
 @gluon.jit
 def _producer(k_desc, v_desc, k_ring, v_ring, ready, empty, bt_row, past_end, row_pitch, col, n_tiles, seq_len,
               BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the TMA copies of every tile's K and V blocks into the ring. Block ``b``'s rows
-    start at row ``b * row_pitch`` of both descriptors, its KV head's dims at column ``col``."""
+    """One warp: the TMA copies of every tile's K and V blocks into the ring (barriers
+    ``ready`` / ``empty`` ``[2 * STAGES]``: the keys' of stage ``s`` at ``s``, the values' at
+    ``STAGES + s``). Block ``b``'s rows start at row ``b * row_pitch`` of both descriptors, its
+    KV head's dims at column ``col``."""
     NB: gl.constexpr = TILE // BLOCK_SIZE
     ids_layout: gl.constexpr = gl.BlockedLayout([NB], [32], [1], [0])  # every lane holds the tile's ids
     offs = gl.arange(0, NB, layout=ids_layout)
     n_blocks = gl.cdiv(seq_len, BLOCK_SIZE)
-    nbytes: gl.constexpr = 2 * NB * k_desc.block_type.nbytes
+    nbytes: gl.constexpr = NB * k_desc.block_type.nbytes
     idx = offs
     ids = gl.load(bt_row + idx, mask=idx < n_blocks, other=past_end)
     for j in range(n_tiles):
         stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # the first round finds every stage free
+        free_phase = ((j // STAGES) & 1) ^ 1  # the first round finds every stage free
+        mbarrier.wait(empty.index(stage), free_phase)
         bar = ready.index(stage)
         mbarrier.expect(bar, nbytes)
         k_stage = k_ring.index(stage)
-        v_stage = v_ring.index(stage)
         for b in gl.static_range(NB):
             row = gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch
             tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
+        mbarrier.wait(empty.index(STAGES + stage), free_phase)
+        bar = ready.index(STAGES + stage)
+        mbarrier.expect(bar, nbytes)
+        v_stage = v_ring.index(stage)
+        for b in gl.static_range(NB):
+            row = gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch
             tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
         idx = (j + 1) * NB + offs
         ids = gl.load(bt_row + idx, mask=idx < n_blocks, other=past_end)
@@ -124,34 +137,44 @@ def _consumer(q_ptr, out_ptr, k_desc, q_smem, k_ring, v_ring, ready, empty, n_ti
     s_zero = gl.zeros([ROWS, TILE], gl.float32, layout=s_layout)
 
     mbarrier.wait(ready.index(0), 0)
-    if TILE > seq_len:
-        _zero_tail(v_ring.index(0), 0, seq_len, TILE, io_layout)
     s = warpgroup_mma(q_mine, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(empty.index(0), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL, TILE)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     for j in range(1, n_tiles):
         stage = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        if (j + 1) * TILE > seq_len:
-            _zero_tail(v_ring.index(stage), j, seq_len, TILE, io_layout)
+        mbarrier.wait(ready.index(STAGES + prev), ((j - 1) // STAGES) & 1)
+        if j * TILE > seq_len:
+            _zero_tail(v_ring.index(prev), j - 1, seq_len, TILE, io_layout)
         s_tok = warpgroup_mma(q_mine, k_ring.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        mbarrier.arrive(empty.index(stage), count=1)  # this warpgroup is done with tile j's keys
         p, alpha, m_i, l_i = _softmax_tile(s, j, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL, TILE)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
-        mbarrier.arrive(empty.index(prev), count=1)  # this warpgroup is done with tile j - 1's stage
+        mbarrier.arrive(empty.index(STAGES + prev), count=1)  # and with tile j - 1's values
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     last = (n_tiles - 1) % STAGES
+    mbarrier.wait(ready.index(STAGES + last), ((n_tiles - 1) // STAGES) & 1)
+    if n_tiles * TILE > seq_len:
+        _zero_tail(v_ring.index(last), n_tiles - 1, seq_len, TILE, io_layout)
     acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
     acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    mbarrier.arrive(empty.index(last), count=1)
+    mbarrier.arrive(empty.index(STAGES + last), count=1)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     o = gl.where(l_o[:, None] > 0, acc / l_o[:, None], 0.0)
-    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), io_layout)
+    # the rows go out through this warpgroup's query slice (its last score MMA has completed), as
+    # the output's type: no layout-conversion scratch, which would not fit beside 3 stages
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+    o_mine = q_smem._reinterpret(out_ty, [2 * ROWS, HEAD], q_smem.layout).slice(ROW0, ROWS)
+    o_mine.store(o.to(out_ty))
+    gl.thread_barrier()
+    o = o_mine.load(io_layout)
     gl.store(out_ptr + (tok * stride_o_t + head * stride_o_h)[:, None] + dims[None, :], o, mask=row_ok[:, None])
 
 
@@ -195,9 +218,9 @@ def _prefill_wgmma_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [2 * ROWS, HEAD], k_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, TILE, HEAD], k_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
