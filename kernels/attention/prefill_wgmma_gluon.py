@@ -191,10 +191,13 @@ def _prefill_wgmma_kernel(
     TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Grid ``(q blocks - q_block_base + num_seqs, num_kv_heads)``, as ``prefill_2d._attn_kernel``
-    without segments: program ``(i, h)`` attends q block ``i + q_block_base`` (``BLOCK_Q``
-    tokens of one sequence) over KV head ``h`` and writes its rows of ``out``; a block past
-    its sequence's queries returns at once. ``CONSUMER_REGS``: registers per consumer thread."""
-    q_block_global = gl.program_id(0) + q_block_base
+    without segments, the first axis in reverse: program ``(i, h)`` attends q block
+    ``n - 1 - i + q_block_base`` (``n`` the first axis's size; ``BLOCK_Q`` tokens of one
+    sequence) over KV head ``h`` and writes its rows of ``out``; a block past its sequence's
+    queries returns at once. ``CONSUMER_REGS``: registers per consumer thread."""
+    # the last q blocks first: under a causal mask a sequence's last blocks see the most keys, so
+    # the longest programs start in the first wave rather than trail in the last
+    q_block_global = gl.num_programs(0) - 1 - gl.program_id(0) + q_block_base
     kv_head = gl.program_id(1)
     seq_idx = find_seq_idx(cu_seqlens_q_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = gl.load(cu_seqlens_q_ptr + seq_idx)
