@@ -581,7 +581,8 @@ def test_bench_sweeps_the_tilings_given(capsys):
 
 def _plan(c, device=H200, **kw):
     v, out = c["views"], kw.pop("out", None)
-    args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]) if out is None else out, c["cu"], c["seqused_k"], c["max_q"],
+    out = torch.empty_like(c["q"]) if out is None else out
+    args = (c["q"], v.key_cache, v.value_cache, out, c["cu"], c["seqused_k"], c["max_q"],
             c["max_k"], c["q"].shape[-1] ** -0.5, kw.pop("causal", True), kw.pop("window", (-1, -1)),
             c["block_table"], kw.pop("softcap", 0.0))
     return attention_plan(*args, kv_quant_mode=c["mode"], k_scale_cache=v.k_scale_cache,

@@ -16,8 +16,8 @@ Order of the questions (each asked once):
    2D kernel (``prefill_2d``). Over a quantized cache, with many query tiles per sequence and a
    scratch within ``Tuning.dequant_max_bytes``, the context is dequantized first and the
    unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`). On sm_90,
-   16-bit rows (the cache's or the scratch's) at head sizes 64 / 128 take the Gluon kernel with
-   TMA copies and warpgroup MMAs (``Tiling.wgmma``: ``prefill_wgmma``) where it applies.
+   16-bit rows (the cache's or the scratch's) at head sizes 64 / 128 / 256 take the Gluon kernel
+   with TMA copies and warpgroup MMAs (``Tiling.wgmma``: ``prefill_wgmma``) where it applies.
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
    keys split into segments when the 2D grid would leave SMs idle (over a 16-bit cache on sm_90:
    as many as fill whole waves of its resident programs, :func:`whole_wave_segments`).
