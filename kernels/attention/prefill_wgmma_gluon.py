@@ -61,16 +61,16 @@ def _producer(k_desc, v_desc, k_ring, v_ring, ready, empty, bt_row, past_end, ro
         bar = ready.index(stage)
         mbarrier.expect(bar, nbytes)
         k_stage = k_ring.index(stage)
+        rows = ()  # the blocks' descriptor rows, extracted once for the keys' and the values' copies
         for b in gl.static_range(NB):
-            row = gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch
-            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
+            rows = rows + (gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch,)
+            tma.async_copy_global_to_shared(k_desc, [rows[b], col], bar, k_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
         mbarrier.wait(empty.index(STAGES + stage), free_phase)
         bar = ready.index(STAGES + stage)
         mbarrier.expect(bar, nbytes)
         v_stage = v_ring.index(stage)
         for b in gl.static_range(NB):
-            row = gl.sum(gl.where(offs == b, ids, 0), axis=0) * row_pitch
-            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
+            tma.async_copy_global_to_shared(v_desc, [rows[b], col], bar, v_stage.slice(b * BLOCK_SIZE, BLOCK_SIZE))
         idx = (j + 1) * NB + offs
         ids = gl.load(bt_row + idx, mask=idx < n_blocks, other=past_end)
 
