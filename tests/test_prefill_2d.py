@@ -185,20 +185,20 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     """``prefill_dequant.dequantized_call``: every context row of every sequence, K and V, equals
     the oracle's dequantized row to fp32 rounding (INT4: its rows stay rotated, ``r / d_b``, and
     are rotated back here), through the identity table; contexts longer than one program's
-    BLOCKS table entries and ending mid-block; 4 KV heads of 16 slots = 64 rows a block: several
+    BLOCKS table entries and ending mid-block; 8 KV heads of 16 slots = 128 rows a block: several
     row tiles at head_size 256, one below; the packed cache and four separate tensors."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import BLOCKS, MODE_INT4, dequantized_call, rotation_split, tile_rows
+    from kernels.attention.prefill_dequant import _MODES, BLOCKS, MODE_INT4, dequantized_call, rotation_split, tile_rows
     from kernels.reference.attention import dequantize_cache
 
     k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=4, num_kv_heads=4, head_size=head_size,
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
                   packed=packed)
     v = c["views"]
     call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
                      c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
                      v.v_scale_cache)
-    assert (tile_rows(head_size, 16, 4) < 64) == (head_size == 256)
+    assert (tile_rows(head_size, 16, 8, _MODES[mode]) < 128) == (head_size == 256)
     d = dequantized_call(call)
     assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
     k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
@@ -210,8 +210,8 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
         back = lambda r: r  # noqa: E731
     for i, n in enumerate(k_lens):
         for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = back(got[d.block_table[i].long()].reshape(-1, 4, head_size)[:n])
-            want = ref[c["block_table"][i].long()].reshape(-1, 4, head_size)[:n]
+            rows = back(got[d.block_table[i].long()].reshape(-1, 8, head_size)[:n])
+            want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n]
             torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
 

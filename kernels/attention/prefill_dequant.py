@@ -49,11 +49,12 @@ MODE_FP8 = tl.constexpr(2)
 MODE_INT4 = tl.constexpr(3)
 _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_TOKEN_HEAD: MODE_FP8.value,
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
-TILE_ELEMS = 4096   # output elements per row tile: 32 fp32 values a thread at 4 warps, K and V in flight without spills
-# table entries per program
-BLOCKS = {MODE_INT8.value: 4, MODE_FP8.value: 4, MODE_INT4.value: 16}
+# output elements per row tile (INT4: a whole 16-slot block of 8 KV heads at head 128)
+TILE_ELEMS = {MODE_INT8.value: 8192, MODE_FP8.value: 8192, MODE_INT4.value: 16384}
+# table entries per program: one, so that the grid fills the GPU on short contexts too
+BLOCKS = {MODE_INT8.value: 1, MODE_FP8.value: 1, MODE_INT4.value: 1}
 NUM_WARPS = 4
-NUM_STAGES = 2      # the next entry's codes load (cp.async) while this one's rows convert
+NUM_STAGES = 2      # with BLOCKS > 1: the next entry's codes load (cp.async) while this one's rows convert
 INT4_MAX_HEAD = 256  # the rotation kernel's operand: [head, head] up to ROT_WHOLE, one split in halves above
 ROT_WHOLE = tl.constexpr(128)  # _rotate_rows_kernel: largest head rotated with one [head, head] operand (32 KiB fp16)
 ROTATE_ROWS = 64     # _rotate_rows_kernel: (token, head) rows per program, one dot with the Hadamard operand
@@ -197,9 +198,9 @@ def _dequant_blocks_kernel(
                     v_out_ptr + out, r_ok, inv_db, stride_v_d, ROWS, HEAD, MODE)
 
 
-def tile_rows(head_size: int, block_size: int, num_kv_heads: int) -> int:
-    """Rows per tile: about :data:`TILE_ELEMS` output elements, at most a block's rows."""
-    return min(max(1, TILE_ELEMS // head_size), next_pow2(block_size * num_kv_heads))
+def tile_rows(head_size: int, block_size: int, num_kv_heads: int, mode: int) -> int:
+    """Rows per tile: about ``TILE_ELEMS[mode]`` output elements, at most a block's rows."""
+    return min(max(1, TILE_ELEMS[mode] // head_size), next_pow2(block_size * num_kv_heads))
 
 
 def reads(call) -> bool:
@@ -264,7 +265,7 @@ def dequantized_call(call):
     else:
         q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
     blocks = BLOCKS[mode]
-    rows = tile_rows(call.head_size, block_size, num_kv_heads)
+    rows = tile_rows(call.head_size, block_size, num_kv_heads, mode)
     groups = cdiv(per_seq, blocks)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
