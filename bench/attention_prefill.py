@@ -24,7 +24,8 @@ The mixed batch is one ``unified_attention`` call, so every row goes through the
 
 Quantized rows whose plan dequantizes the context first (``Tiling.dequant_first``) also time
 that pass alone (``prefill_dequant.dequantized_call``: codes and scales of every context block
-read, fp16 K/V rows written, the bf16 query copied to fp16; INT4: the query rotated into fp16
+read, fp16 K/V rows written, the bf16 query copied to fp16 where the Triton kernel reads it
+(the sm_90 kernel converts it as it loads); INT4: the query rotated into fp16
 and the output's rotation back, ``restore_output``, too), cold, with its GB/s (read + write)
 and the fraction of the copy bandwidth: the pass should run near copy speed.
 
@@ -146,14 +147,21 @@ def call(pb, tuning: Tuning):
     return unified_attention(*args, **kw, tuning=tuning)
 
 
-def dequant(pb) -> None:
-    """What a ``dequant_first`` plan runs besides the 2D kernel, alone: the dequantizing pass
-    (``prefill_dequant.dequantized_call``) and, for INT4, the query's and output's rotations
-    (the output's over the scratch as it lies: timed, not checked)."""
+def dequant(pb, plan: Plan) -> None:
+    """What ``plan`` (``dequant_first``) runs besides the 2D kernel, alone: the dequantizing pass
+    (``prefill_dequant.dequantized_call``, with the query's fp16 copy where the Triton kernel
+    reads it) and, for INT4, the query's and output's rotations (the output's over the scratch as
+    it lies: timed, not checked)."""
     args, _ = _args(pb)
     v = pb["views"]
     call = make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache)
-    restore_output(call, dequantized_call(call))
+    restore_output(call, dequantized_call(call, wgmma=plan.tiling.wgmma))
+
+
+def _dequant_bytes(pb, plan: Plan) -> int:
+    """Bytes :func:`dequant` moves: INT8 / FP8 under the sm_90 kernel do not copy the query."""
+    skip = pb["mode"] != KVQuantMode.INT4_PER_TOKEN_HEAD and plan.tiling.wgmma
+    return pb["dequant_bytes"] - (pb["q"].numel() * 4 if skip else 0)
 
 
 def plan_of(pb, tuning: Tuning) -> Plan:
@@ -322,12 +330,12 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILI
                         refs.append((shape, pb["flops"] / cold / 1e6, sdpa_reference(shape, device, timer)))
                 dq_us = float("nan")
                 if ran.tiling.dequant_first and tuning == Tuning() and pb["mode"] != KVQuantMode.NONE:
-                    dq_us = timer(lambda: dequant(pb))[1]
+                    dq_us = timer(lambda: dequant(pb, ran))[1]
                 row = dict(head=shape.head_size, shape=shape.name, mode=name, batch=len(shape.seqs), warm=warm,
                            cold=cold, ceiling=ceiling, bound=bound, err=err, plan=ran, swept=tuning != Tuning(),
                            vs_bf16=bf16_cold / cold if bf16_cold else float("nan"),
                            tflops=pb["flops"] / cold / 1e6, gbps=pb["bytes"] / cold / 1e3,
-                           dq_us=dq_us, dq_gbps=pb["dequant_bytes"] / dq_us / 1e3)
+                           dq_us=dq_us, dq_gbps=_dequant_bytes(pb, ran) / dq_us / 1e3)
                 log(f"{name} h{shape.head_size} {shape.name} {describe(ran)} err={err:.1e} warm={warm:.1f} "
                     f"cold={cold:.1f} ceiling={ceiling:.1f} ({bound})"
                     + (f" dequant={dq_us:.1f} ({row['dq_gbps']:.0f} GB/s, {100 * row['dq_gbps'] / copy:.0f}% of copy)"

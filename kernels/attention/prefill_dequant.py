@@ -236,13 +236,15 @@ def scratch_bytes(call, interpreted: bool = False) -> int:
     return 2 * rows * call.head_size * size + extra
 
 
-def dequantized_call(call):
+def dequantized_call(call, wgmma: bool = False):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
     head_size]`` fp16; fp32 under the interpreter) with an identity block table, mode NONE.
     INT8 / FP8: its query fp16 (a copy of a bf16 one; ``out`` is the caller's). INT4: rows,
     query and ``out`` in the rotated domain (the module docstring): the query rotated into a
     scratch, ``out`` a scratch that :func:`restore_output` rotates back into the caller's.
+    ``wgmma``: the sm_90 kernel (``prefill_wgmma``) attends: it converts the query as it loads it,
+    so INT8 / FP8 keep the caller's (no fp16 copy).
     Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
     (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
@@ -263,7 +265,7 @@ def dequantized_call(call):
         q = torch.empty(call.q.shape, dtype=dtype, device=k.device)
         rotate_rows(call.q, call.signs, q, 1.0 / d_a, True, call.first_token, call.cu_seqlens_q[-1:])
     else:
-        q = call.q if interpreted else call.q.to(torch.float16)  # the 2D kernel's dots take q's type
+        q = call.q if interpreted or wgmma else call.q.to(torch.float16)  # the Triton kernel's dots take q's type
     blocks = BLOCKS[mode]
     rows = tile_rows(call.head_size, block_size, num_kv_heads, mode)
     groups = cdiv(per_seq, blocks)
