@@ -188,10 +188,10 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     BLOCKS table entries and ending mid-block; 8 KV heads of 16 slots = 128 rows a block: several
     row tiles at head_size 256, one below; the packed cache and four separate tensors."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import _MODES, BLOCKS, MODE_INT4, dequantized_call, rotation_split, tile_rows
+    from kernels.attention.prefill_dequant import _MODES, BLOCKS, dequantized_call, rotation_split, tile_rows
     from kernels.reference.attention import dequantize_cache
 
-    k_lens = [16 * BLOCKS[MODE_INT4.value] + 37, 5]
+    k_lens = [16 * BLOCKS + 37, 5]
     c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
                   packed=packed)
     v = c["views"]

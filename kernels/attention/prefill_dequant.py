@@ -51,8 +51,7 @@ _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
 # output elements per row tile (INT4: a whole 16-slot block of 8 KV heads at head 128)
 TILE_ELEMS = {MODE_INT8.value: 8192, MODE_FP8.value: 8192, MODE_INT4.value: 16384}
-# table entries per program: one, so that the grid fills the GPU on short contexts too
-BLOCKS = {MODE_INT8.value: 1, MODE_FP8.value: 1, MODE_INT4.value: 1}
+BLOCKS = 1           # table entries per program: one, so that the grid fills the GPU on short contexts too
 NUM_WARPS = 4
 NUM_STAGES = 2      # with BLOCKS > 1: the next entry's codes load (cp.async) while this one's rows convert
 INT4_MAX_HEAD = 256  # the rotation kernel's operand: [head, head] up to ROT_WHOLE, one split in halves above
@@ -266,9 +265,8 @@ def dequantized_call(call, wgmma: bool = False):
         rotate_rows(call.q, call.signs, q, 1.0 / d_a, True, call.first_token, call.cu_seqlens_q[-1:])
     else:
         q = call.q if interpreted or wgmma else call.q.to(torch.float16)  # the Triton kernel's dots take q's type
-    blocks = BLOCKS[mode]
     rows = tile_rows(call.head_size, block_size, num_kv_heads, mode)
-    groups = cdiv(per_seq, blocks)
+    groups = cdiv(per_seq, BLOCKS)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
             k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb, inv_db=1.0 / d_b,
@@ -281,7 +279,7 @@ def dequantized_call(call, wgmma: bool = False):
             stride_ks_b=ksb.stride(0), stride_ks_s=ksb.stride(1), stride_ks_h=ksb.stride(2),
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
-            NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=blocks,
+            NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=BLOCKS,
             MODE=mode, KV_ALIGN=align, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
