@@ -24,10 +24,9 @@ The mixed batch is one ``unified_attention`` call, so every row goes through the
 
 Quantized rows whose plan dequantizes the context first (``Tiling.dequant_first``) also time
 that pass alone (``prefill_dequant.dequantized_call``: codes and scales of every context block
-read, fp16 K/V rows written, the bf16 query copied to fp16 where the Triton kernel reads it
-(the sm_90 kernel converts it as it loads); INT4: the query rotated into fp16
-and the output's rotation back, ``restore_output``, too), cold, with its GB/s (read + write)
-and the fraction of the copy bandwidth: the pass should run near copy speed.
+read, fp16 K/V rows written; INT4 rows kept rotated: the query rotated into fp16 and the
+output's rotation back, ``restore_output``, too), cold, with its GB/s (read + write) and the
+fraction of the copy bandwidth.
 
 ``--sdpa``: a second table, the same prefill rows run by torch's own attention
 (``torch.nn.functional.scaled_dot_product_attention``: on CUDA its cuDNN and flash backends, on
@@ -131,8 +130,7 @@ def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
                 seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 bytes=kv_bytes + 2 * q.numel() * q.element_size(),
                 flops=4 * shape.head_size * shape.num_q_heads * pairs,
-                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size) + q.numel() * 4
-                * (2 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 1))  # INT4: the output's rotation too
+                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size))  # the pass alone: K and V rows
 
 
 def _args(pb):
@@ -149,19 +147,19 @@ def call(pb, tuning: Tuning):
 
 def dequant(pb, plan: Plan) -> None:
     """What ``plan`` (``dequant_first``) runs besides the 2D kernel, alone: the dequantizing pass
-    (``prefill_dequant.dequantized_call``, with the query's fp16 copy where the Triton kernel
-    reads it) and, for INT4, the query's and output's rotations (the output's over the scratch as
-    it lies: timed, not checked)."""
+    (``prefill_dequant.dequantized_call``) and, for INT4 rows kept rotated, the query's and
+    output's rotations (the output's over the scratch as it lies: timed, not checked)."""
     args, _ = _args(pb)
     v = pb["views"]
     call = make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache)
-    restore_output(call, dequantized_call(call, wgmma=plan.tiling.wgmma))
+    restore_output(call, dequantized_call(call, unrotate=plan.tiling.unrotate))
 
 
 def _dequant_bytes(pb, plan: Plan) -> int:
-    """Bytes :func:`dequant` moves: INT8 / FP8 under the sm_90 kernel do not copy the query."""
-    skip = pb["mode"] != KVQuantMode.INT4_PER_TOKEN_HEAD and plan.tiling.wgmma
-    return pb["dequant_bytes"] - (pb["q"].numel() * 4 if skip else 0)
+    """Bytes :func:`dequant` moves: the pass, plus for INT4 rows kept rotated the query's and the
+    output's rotations (16-bit rows read and written)."""
+    rotated = pb["mode"] == KVQuantMode.INT4_PER_TOKEN_HEAD and not plan.tiling.unrotate
+    return pb["dequant_bytes"] + (2 * pb["q"].numel() * 4 if rotated else 0)
 
 
 def plan_of(pb, tuning: Tuning) -> Plan:
@@ -255,13 +253,14 @@ def matmul_tflops(device) -> float:
 # mode; a variant names the fields it turns on (VARIANT_FIELDS)
 SWEEP_TILINGS = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
 VARIANT_FIELDS = {"zp": "code_zp", "asm": "code_asm", "dq": "dequant_first", "mask": "mask_edges_only",
-                  "rot1": "rotate_q_once"}  # rot1 is a Tuning field, the others Tiling fields
+                  "unrot": "unrotate", "rot1": "rotate_q_once"}  # rot1 is a Tuning field, the others Tiling fields
 VARIANTS = {
     KVQuantMode.NONE: ((), ("mask",)),
     KVQuantMode.INT8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
     KVQuantMode.FP8_PER_TOKEN_HEAD: ((), ("mask",), ("dq",), ("dq", "mask")),
     KVQuantMode.INT4_PER_TOKEN_HEAD: ((), ("zp",), ("zp", "rot1"), ("asm",), ("zp", "rot1", "asm"), ("mask",),
-                                      ("zp", "rot1", "asm", "mask"), ("dq",), ("dq", "mask")),
+                                      ("zp", "rot1", "asm", "mask"), ("dq",), ("dq", "mask"),
+                                      ("dq", "mask", "unrot")),
 }
 
 
@@ -291,7 +290,8 @@ def describe(plan: Plan) -> str:
     t = plan.tiling
     groups = f"x{t.dequant_groups}" if t.dequant_groups > 1 else ""   # dequantized for KV-head groups in turn
     extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
-        (f" dequant-first{groups}" if t.dequant_first else "") + (" mask-edges" if t.mask_edges_only else "") + \
+        (f" dequant-first{groups}" if t.dequant_first else "") + (" unrotated" if t.unrotate else "") + \
+        (" mask-edges" if t.mask_edges_only else "") + \
         (" wgmma" if t.wgmma else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"

@@ -109,7 +109,8 @@ def cell(p: Plan) -> str:
                      + (" early" if p.reduce_early else ""))
     if p.tiling.dequant_first:
         groups = p.tiling.dequant_groups
-        extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else ""))
+        extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else "")
+                     + (", rows unrotated" if p.tiling.unrotate else ""))
     return f"`{p.path.value}`" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -141,7 +142,8 @@ def section() -> str:
            "applies the inverse rotation to each segment's rows, so its reduction does not rotate); "
            "`dequant first`: the 2D plan dequantizes a "
            "quantized context into a 16-bit scratch first (`Tiling.dequant_first`, see \"Prefill over a "
-           "quantized cache\" below).", "",
+           "quantized cache\" below; `rows unrotated`: INT4 rows written in the original domain, "
+           "`Tiling.unrotate`).", "",
            "### Decode and prefill, head_size 128, 32 query / 8 KV heads, packed cache", ""]
     out += table(128, 32, 8, [(b, c, 1) for b, c in DECODE] + [(1, 4096, 4096)])
     out += ["", "### Other head sizes (32 query / 8 KV heads)", ""]

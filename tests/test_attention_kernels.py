@@ -170,9 +170,10 @@ def launched(monkeypatch):
 
 def dequant_launches(mode, tiling=None) -> list:
     """The kernels of one ``dequant_first`` group, in launch order (``tiling.wgmma``: the sm_90
-    Gluon kernel attends over the scratch)."""
+    Gluon kernel attends over the scratch; INT4 rotates its query and output around them unless
+    ``tiling.unrotate``)."""
     attend = (WGMMA_2D if tiling is not None and tiling.wgmma else PATH_KERNELS[P2D])[1]
-    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not (tiling is not None and tiling.unrotate):
         return [ROTATE_ROWS[1], DEQUANT[1], attend, ROTATE_ROWS[1]]
     return [DEQUANT[1], attend]
 

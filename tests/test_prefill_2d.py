@@ -32,7 +32,7 @@ import triton.language as tl
 from bench import attention_prefill as AP
 from bench import kernels_table
 from kernels._jit import dual_jit
-from kernels.attention import CPU, H200, Path, Rotate, Tiling, Tuning, attention_plan
+from kernels.attention import CPU, H200, Path, Plan, Rotate, Tiling, Tuning, attention_plan
 from kernels.attention.common import full_tiles
 from kernels.attention.plan import BIG_PREFILL, BIG_PREFILL_SM90, DEQUANT_MIN_Q_TILES, big_prefill_tiling
 from layouts import KVQuantMode
@@ -186,7 +186,8 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     the oracle's dequantized row to fp32 rounding (INT4: its rows stay rotated, ``r / d_b``, and
     are rotated back here), through the identity table; contexts longer than one program's
     BLOCKS table entries and ending mid-block; 8 KV heads of 16 slots = 128 rows a block: several
-    row tiles at head_size 256, one below; the packed cache and four separate tensors."""
+    row tiles at head_size 256, one below; the packed cache and four separate tensors. INT4 also
+    with ``unrotate``: rows written in the original domain, the caller's query and output kept."""
     from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import _MODES, BLOCKS, dequantized_call, rotation_split, tile_rows
     from kernels.reference.attention import dequantize_cache
@@ -208,11 +209,45 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
         back = lambda r: single_rht(r, inverse=True) / d_a  # noqa: E731
     else:
         back = lambda r: r  # noqa: E731
+    checks = [(d, back)]
+    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # unrotate: the pass writes x = s * H(r) / d itself
+        assert (tile_rows(head_size, 16, 8, _MODES[mode], unrotate=True) < 128) == (head_size >= 128)
+        u = dequantized_call(call, unrotate=True)
+        assert u.q is call.q and u.out is call.out and u.k.dtype == torch.float32
+        checks.append((u, lambda r: r))
+    for got_call, undo in checks:
+        for i, n in enumerate(k_lens):
+            for got, ref in ((got_call.k, k_ref), (got_call.v, v_ref)):
+                rows = undo(got[got_call.block_table[i].long()].reshape(-1, 8, head_size)[:n])
+                want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n]
+                torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_size", [32, 64, 128, 256])
+def test_cuda_unrotated_int4_rows_are_the_oracle_rows_in_fp16(head_size):
+    """On the GPU, INT4 rows written unrotated (the pass's fp16 MMAs on exact code sums): every
+    context row equals the oracle's dequantized row to fp16 rounding."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import dequantized_call
+    from kernels.reference.attention import dequantize_cache
+
+    mode = KVQuantMode.INT4_PER_TOKEN_HEAD
+    k_lens = [16 * 5 + 7, 33]
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
+                  device="cuda")
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
+                     v.v_scale_cache)
+    d = dequantized_call(call, unrotate=True)
+    assert d.k.dtype == torch.float16 and d.q is call.q and d.out is call.out
+    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
     for i, n in enumerate(k_lens):
         for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = back(got[d.block_table[i].long()].reshape(-1, 8, head_size)[:n])
-            want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n]
-            torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+            rows = got[d.block_table[i].long()].reshape(-1, 8, head_size)[:n].float()
+            want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n].float()
+            torch.testing.assert_close(rows, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -228,15 +263,20 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
     assert long.path == Path.PREFILL_2D and long.tiling.mask_edges_only and long.tiling.num_segments == 1
     assert long.tiling.dequant_first == quantized, long
     assert ("dequantized first" in long.why) == quantized, long.why
+    int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    assert not long.tiling.unrotate and ("INT4 rows kept rotated" in long.why) == int4, long.why  # 4096 keys each
+    fresh = kernels_table.plan(mode, 2, tokens, facts, q_len=tokens)  # nothing cached: as many keys as queries
+    assert fresh.tiling.dequant_first == quantized and fresh.tiling.unrotate == int4, fresh
+    assert ("INT4 rows unrotated by the pass" in fresh.why) == int4, fresh.why
     short = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens - 1)
     assert short.tiling.mask_edges_only and not short.tiling.dequant_first
     if quantized:
         assert "query tiles per sequence <" in short.why, short.why
         # 2 sequences x 256 blocks x 16 slots x 8 KV heads x 128 dims, K and V, fp16 (fp32 interpreted);
-        # an fp16 query copy on a GPU, INT4: the rotated query and output in the scratch's type
+        # INT4 (kept rotated: 4096 keys each): the rotated query and output in the scratch's type
         size = 2 if facts is H200 else 4
         q_elems = 2 * tokens * 32 * 128
-        extra = 2 * q_elems * size if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else q_elems * 2 * (facts is H200)
+        extra = 2 * q_elems * size if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else 0
         need = 2 * 256 * 16 * 8 * 128 * 2 * size + extra
         fits = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need))
         halves = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(dequant_max_bytes=need - 1))
@@ -358,14 +398,22 @@ def test_default_dequant_first_matches_oracle(mode, launched):
     kw = dict(kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
     plan = attention_plan(*args, **kw)
     assert plan.tiling.dequant_first and plan.tiling.mask_edges_only, plan
-    run_and_check(c)
-    assert launched == expected_launches(plan, mode) == dequant_launches(mode)
+    int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    assert plan.tiling.unrotate == int4, plan  # 7 blocks x 16 x 2 KV heads, K and V: 448 <= 2 x 64 x 8 rows
+    out = run_and_check(c)
+    assert launched == expected_launches(plan, mode) == dequant_launches(mode, plan.tiling)
+    if int4:  # the rows kept rotated: the query and output rotated around the same pass, same result
+        launched.clear()
+        rotated = Tuning(tiling=dataclasses.replace(plan.tiling, unrotate=False))
+        torch.testing.assert_close(run_and_check(c, tuning=rotated), out, rtol=2e-3, atol=2e-3)
+        assert launched == dequant_launches(mode) and len(launched) == 4
     run_and_check(c, causal=False, window=(40, 3), softcap=10.0)
     m = make_case(mode, torch.bfloat16, [1, 1, 64], [30, 90, 64 + 21], num_q_heads=8, num_kv_heads=2, head_size=64,
                   seed=1)
     launched.clear()
     run_and_check(m, num_decode_seqs=2)
-    assert launched[-len(dequant_launches(mode)):] == dequant_launches(mode), launched
+    chunk = dequant_launches(mode, plan.tiling)
+    assert launched[-len(chunk):] == chunk, launched
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
@@ -377,23 +425,24 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
     batch too; a tiling asking for more groups than KV heads runs one head each; with the cap
     below one head's scratch: the fused kernel."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import scratch_bytes
+    from kernels.attention.prefill_dequant import scratch_bytes, unrotates
 
     c = make_case(mode, torch.bfloat16, [64], [64 + 37], num_q_heads=8, num_kv_heads=2, head_size=64)
     v = c["views"]
     args = (c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"], c["max_q"],
             c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0)
     kw = dict(kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache)
-    need = scratch_bytes(make_call(*args, mode, v.k_scale_cache, v.v_scale_cache), interpreted=True)
+    call = make_call(*args, mode, v.k_scale_cache, v.v_scale_cache)
+    need = scratch_bytes(call, interpreted=True, unrotate=unrotates(call))
     whole, halves = Tuning(dequant_max_bytes=need), Tuning(dequant_max_bytes=need // 2)
     plan = attention_plan(*args, **kw, tuning=halves)
     assert plan.tiling.dequant_first and plan.tiling.dequant_groups == 2 and "2 groups of 1 KV heads" in plan.why
     one = run_and_check(c, tuning=whole)
     assert launched == expected_launches(attention_plan(*args, **kw, tuning=whole), mode) == \
-        dequant_launches(mode)
+        dequant_launches(mode, plan.tiling)
     launched.clear()
     two = run_and_check(c, tuning=halves)
-    assert launched == expected_launches(plan, mode) == dequant_launches(mode) * 2
+    assert launched == expected_launches(plan, mode) == dequant_launches(mode, plan.tiling) * 2
     assert torch.equal(one, two)
     given = run_and_check(c, tuning=Tuning(tiling=dataclasses.replace(plan.tiling, dequant_groups=3)))
     assert torch.equal(one, given)  # more groups than KV heads: one head each
@@ -403,14 +452,15 @@ def test_dequant_first_in_head_groups_writes_what_one_group_writes(mode, launche
                   seed=1)
     launched.clear()
     run_and_check(m, num_decode_seqs=2, tuning=Tuning(dequant_max_bytes=need // 2))
-    assert launched[-2 * len(dequant_launches(mode)):] == dequant_launches(mode) * 2, launched
+    chunk = dequant_launches(mode, plan.tiling)
+    assert launched[-2 * len(chunk):] == chunk * 2, launched
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
     """``prefill_dequant.scratch_bytes``, which the planner caps, counts the K and V scratch that
-    ``dequantized_call`` allocates (fp32 under the interpreter, no query copy there; INT4: the
-    rotated query and output)."""
+    ``dequantized_call`` allocates (fp32 under the interpreter; INT4: the rotated query and
+    output, none with ``unrotate``)."""
     from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import dequantized_call, scratch_bytes
 
@@ -426,10 +476,14 @@ def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
         assert d.q is not call.q and d.out is not call.out and d.q.dtype == d.out.dtype == d.k.dtype
         assert scratch_bytes(call, interpreted=True) == (kv + d.q.numel() + d.out.numel()) * d.k.element_size()
         assert scratch_bytes(call) == (kv + 2 * c["q"].numel()) * 2
-    else:
+        u = dequantized_call(call, unrotate=True)  # rows unrotated: the caller's query and output, as INT8
+        assert u.q is call.q and u.out is call.out and u.k.shape == d.k.shape
+        assert scratch_bytes(call, interpreted=True, unrotate=True) == kv * d.k.element_size()
+        assert scratch_bytes(call, unrotate=True) == kv * 2
+    else:  # the caller's bf16 query: the 2D kernels convert it as they load it
         assert d.q is call.q and d.out is call.out
         assert scratch_bytes(call, interpreted=True) == kv * d.k.element_size()
-        assert scratch_bytes(call) == kv * 2 + c["q"].numel() * 2  # fp16 rows + an fp16 query on a GPU
+        assert scratch_bytes(call) == kv * 2  # fp16 rows on a GPU
 
 
 def test_rotate_q_once_plans_the_rotation_kernel():
@@ -470,11 +524,17 @@ def test_bench_counts_bytes_and_flops():
     row_bytes = 64 // 2 + 4
     assert pb["bytes"] == (5 + 7) * 2 * 2 * row_bytes + 2 * 3 * 4 * 64 * 2
     # the dequantizing pass: every slot of the 2 blocks (16 slots, 2 KV heads), K and V, read and
-    # written as fp16 rows; the query read as bf16 and written (rotated) as fp16, and the output's
-    # rotation: fp16 read, bf16 written
-    assert pb["dequant_bytes"] == 2 * 16 * 2 * 2 * (row_bytes + 64 * 2) + 2 * 3 * 4 * 64 * 4
-    pb8 = AP.make_problem(KVQuantMode.INT8_PER_TOKEN_HEAD, shape, 16, "cpu")  # no rotation: the query copy only
-    assert pb8["dequant_bytes"] == 2 * 16 * 2 * 2 * (64 + 4 + 64 * 2) + 3 * 4 * 64 * 4
+    # written as fp16 rows
+    pass_bytes = 2 * 16 * 2 * 2 * (row_bytes + 64 * 2)
+    assert pb["dequant_bytes"] == pass_bytes
+    q = 3 * 4 * 64 * 4  # a pass over the query (or the output): 16-bit rows read and written
+    rotated, unrot = Tiling(64, 64, dequant_first=True), Tiling(64, 64, dequant_first=True, unrotate=True)
+    # INT4 kept rotated: the query's rotation and the output's; unrotated rows and INT8: the pass alone
+    assert AP._dequant_bytes(pb, Plan(Path.PREFILL_2D, rotated)) == pass_bytes + 2 * q
+    assert AP._dequant_bytes(pb, Plan(Path.PREFILL_2D, unrot)) == pass_bytes
+    pb8 = AP.make_problem(KVQuantMode.INT8_PER_TOKEN_HEAD, shape, 16, "cpu")
+    assert pb8["dequant_bytes"] == AP._dequant_bytes(pb8, Plan(Path.PREFILL_2D, rotated)) == \
+        2 * 16 * 2 * 2 * (64 + 4 + 64 * 2)
 
 
 def test_bench_prefill_smoke(capsys):

@@ -114,6 +114,7 @@ class Tiling:
     code_asm: bool = False      # 2D INT4 kernel on a GPU: codes converted by PTX, 4 bytes per register
     dequant_first: bool = False  # 2D path, one segment, quantized cache: dequantize once, then the unquantized kernel
     dequant_groups: int = 1     # dequant_first: KV-head groups dequantized and attended in turn (one scratch at a time)
+    unrotate: bool = False      # dequant_first over INT4: rows written unrotated (no query / output rotation)
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
     wgmma: bool = False         # 2D path over 16-bit rows on sm_90: prefill_wgmma_gluon (TMA copies, warpgroup MMAs)
 
@@ -387,10 +388,10 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
     query tiles per sequence) and its scratch fits ``tuning.dequant_max_bytes``; ``why`` says which."""
     block_m = max(PREFILL_BLOCK_M, next_pow2(call.group))
     rows = (call.q.shape[0] - call.first_token) * call.group / call.num_seqs  # query rows per sequence
-    dequant, groups = False, 1
+    dequant, groups, unrotate = False, 1, D.unrotates(call)
     if call.mode != KVQuantMode.NONE:
         tiles = rows / block_m
-        need = D.scratch_bytes(call, interpreted=facts.type == "cpu")
+        need = D.scratch_bytes(call, interpreted=facts.type == "cpu", unrotate=unrotate)
         cap = tuning.dequant_max_bytes
         if tiles < DEQUANT_MIN_Q_TILES:
             why.append(f"fused kernel: {tiles:.1f} query tiles per sequence < {DEQUANT_MIN_Q_TILES}")
@@ -407,6 +408,11 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
                 turns = f", {groups} groups of {call.num_kv_heads // groups} KV heads in turn" if groups > 1 else ""
                 why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
                            f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch{turns})")
+                if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+                    why.append("INT4 rows unrotated by the pass (no more context rows than query rows)" if unrotate
+                               else "INT4 rows kept rotated, the query and output rotated (more context rows "
+                               "than query rows)")
+    unrotate = unrotate and dequant
     if facts.cuda_sm90 and facts.gluon and tuning.wgmma_prefill and (call.mode == KVQuantMode.NONE or dequant) \
             and rows >= W.BLOCK_M:
         not_ok = W.eligible(call, dequant)
@@ -419,7 +425,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
             why.append(f"prefill_wgmma_gluon: TMA copies, warpgroup MMAs, {tile}-key tiles, {stages} stages "
                        f"({rows:.0f} query rows per sequence)")
             return Tiling(W.BLOCK_M, tile, num_warps=W.NUM_WARPS, num_stages=stages, mask_edges_only=True,
-                          dequant_first=dequant, dequant_groups=groups, wgmma=True)
+                          dequant_first=dequant, dequant_groups=groups, unrotate=unrotate, wgmma=True)
         why.append("not prefill_wgmma_gluon: " + "; ".join(not_ok))
     big = big_prefill_tiling(call.head_size, facts)
     if big and (call.mode == KVQuantMode.NONE or dequant) and rows >= big[0] and block_m <= big[0]:
@@ -427,8 +433,9 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         why.append(f"{bm} x {tile} tiles, {warps} warps, {stages} stages over 16-bit rows "
                    f"({rows:.0f} query rows per sequence)")
         return Tiling(bm, tile, num_warps=warps, num_stages=stages, mask_edges_only=True, dequant_first=dequant,
-                      dequant_groups=groups)
-    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant, dequant_groups=groups)
+                      dequant_groups=groups, unrotate=unrotate)
+    return Tiling(block_m, PREFILL_TILE, mask_edges_only=True, dequant_first=dequant, dequant_groups=groups,
+                  unrotate=unrotate)
 
 
 def big_prefill_tiling(head_size: int, facts: DeviceFacts) -> Optional[tuple]:

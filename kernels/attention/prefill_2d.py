@@ -222,8 +222,9 @@ def launch_2d(call, plan) -> None:
         # truncates the rotated query and the probabilities to 10 mantissa bits, and over 8k keys
         # that measured 1.9e-2 relative L2 on the H200 (tf32x3: 1.6e-3)
         dot = DOT_FP32.value
-    else:
-        dot = (DOT_BF16 if q.dtype == torch.bfloat16 else DOT_FP16).value
+    else:  # the rows' 16-bit type (an fp16 scratch under a bf16 query: the query converts as it loads)
+        rows = k.dtype if k.element_size() == 2 else q.dtype
+        dot = (DOT_BF16 if rows == torch.bfloat16 else DOT_FP16).value
     ks, vs = call.ks, call.vs
     base = call.first_token // block_q  # the q block that cu_seqlens_q[0] falls in (host int, no sync)
     grid = (num_tokens // block_q - base + num_seqs, k.shape[2], tiling.num_segments)

@@ -7,24 +7,32 @@ the quantized blocks and one write of 16-bit rows; the attention then runs at th
 kernel's speed. Worth it where query tiles per sequence are many (long chunks), not for decode
 rows (``plan._prefill_tiling`` decides).
 
-INT8 / FP8 rows are dequantized to the original domain, ``c * scale``. INT4 rows stay in the
-rotated domain: ``r = (c - zp) * scale`` is ``H (s * x)`` (``H`` the Sylvester Hadamard matrix
-of order ``d``, ``s`` the signs), so ``q . x = (H (s * q) / d_a) . (r / d_b)`` with ``d_a * d_b =
-d`` and the output is ``s * H(o_r) / d_a`` where ``o_r`` is the attention over the ``r / d_b``
-rows. The pass writes ``r / d_b``; :func:`_rotate_rows_kernel` rotates the query once before
-the 2D kernel and the output once after it (:func:`restore_output`): two rotations per query
-row instead of one per context row and call. ``d_a = 2^floor(log2(d) / 2)`` keeps both sides
-within sqrt(2) of the original elements' range (``|r| / d_b <= |x|_2 / d_b``). The scratch is
-fp16, and the query is read as fp16 (a copy when it is bf16; INT4: the rotated copy): the
-operand type of the fused INT8 / FP8 kernels' dots.
+INT8 / FP8 rows are dequantized to the original domain, ``c * scale``. INT4 rows are stored
+rotated: ``r = (c - zp) * scale`` is ``H (s * x)`` (``H`` the Sylvester Hadamard matrix of
+order ``d``, ``s`` the signs), and the pass writes them in one of two forms (``unrotate``,
+:func:`unrotates` picks, ``Tiling.unrotate`` holds the choice):
+
+- *unrotated*, ``x = s * H(r) / d``: one Hadamard product per context row, as two MMAs of order
+  ``d / 2`` on the exact small integers ``lo +- hi`` of each byte's two codes; the call then runs
+  like an INT8 one. Cheaper where the context has no more rows than the chunk has query rows
+  (a chunk over little or nothing cached: GQA makes the context's K and V rows fewer).
+- *rotated*, ``r / d_b``: ``q . x = (H (s * q) / d_a) . (r / d_b)`` with ``d_a * d_b = d``, so
+  :func:`_rotate_rows_kernel` rotates the query once before the 2D kernel and the output once
+  after it (``s * H(o_r) / d_a``, :func:`restore_output`): two rotations per query row instead
+  of one per context row. ``d_a = 2^floor(log2(d) / 2)`` keeps both sides within sqrt(2) of the
+  original elements' range (``|r| / d_b <= |x|_2 / d_b``).
+
+The scratch is fp16 (the operand type of the fused INT8 / FP8 kernels' dots); a bf16 query
+converts to fp16 as the 2D kernels load it.
 bf16 rows would round every key and value to 8 bits of mantissa, fp16 keeps 11: on the prefill
 benchmark's random codes bf16 rows measured 4.9e-3 / 8.0e-3 relative L2 (INT8 / FP8) against
 the oracle where the fused kernels reach 1.7e-3. The price is fp16's range: a dequantized
 element beyond 65,504 becomes inf, as in an fp16 cache. Under the interpreter the scratch is
 fp32 (its 16-bit rounding is not the GPU's).
 
-Memory: :func:`scratch_bytes` (K and V rows of ``num_seqs * blocks_per_seq`` blocks, plus the
-fp16 query, and for INT4 the rotated output); allocated per call from torch's caching allocator; the planner caps it
+Memory: :func:`scratch_bytes` (K and V rows of ``num_seqs * blocks_per_seq`` blocks, and for
+INT4 kept rotated the rotated query and output); allocated per call from torch's caching
+allocator; the planner caps it
 (``Tuning.dequant_max_bytes``): above the cap the call is dequantized and attended for groups of
 KV heads in turn (``Tiling.dequant_groups``, one group's scratch at a time), and only where one
 KV head's scratch exceeds it does the fused kernel run.
@@ -51,6 +59,13 @@ _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
 # output elements per row tile (INT4: a whole 16-slot block of 8 KV heads at head 128)
 TILE_ELEMS = {MODE_INT8.value: 8192, MODE_FP8.value: 8192, MODE_INT4.value: 16384}
+UNROTATE_TILE_ELEMS = 8192  # INT4 rows written unrotated: output elements per row tile
+# unrotates(): INT4 rows are written unrotated up to this many context rows (K and V) per query
+# row (query and output), at head sizes up to UNROTATE_MAX_HEAD: on the H200 the unrotated
+# form is faster up to about 3 (heads 64 / 128), and at head 256 its order-128 products make
+# the pass slower than the two rotations it saves.
+UNROTATE_MAX_ROWS_PER_QUERY_ROW = 2.0
+UNROTATE_MAX_HEAD = 128
 BLOCKS = 1           # table entries per program: one, so that the grid fills the GPU on short contexts too
 NUM_WARPS = 4
 NUM_STAGES = 2      # with BLOCKS > 1: the next entry's codes load (cp.async) while this one's rows convert
@@ -127,11 +142,14 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor, scale: fl
 
 
 @triton.jit
-def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d,
-                ROWS: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr):
+def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d, h_half, signs,
+                ROWS: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr, UNROTATE: tl.constexpr,
+                DT: tl.constexpr):
     """Dequantize ``[ROWS, HEAD]`` rows (codes at ``src + rows_off``, scale bits at
-    ``scale_ptr + scale_off``) and store them at ``out`` [ROWS, HEAD] (row-major offsets);
-    INT4 rows in the rotated domain, times ``inv_db`` (``1 / d_b``, a power of two)."""
+    ``scale_ptr + scale_off``) and store them at ``out`` [ROWS, HEAD] (row-major offsets).
+    INT4 rows: in the rotated domain times ``inv_db`` (``1 / d_b``, a power of two), or with
+    ``UNROTATE`` in the original domain, ``s * scale * H(c - zp) / d`` (``inv_db`` then ``1 / d``,
+    ``h_half`` the order-``HEAD / 2`` Hadamard operand in ``DT``, ``signs`` [HEAD])."""
     offs_d = tl.arange(0, HEAD)
     bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
     if MODE == MODE_INT4:
@@ -140,9 +158,16 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d
         b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
         zp = (bits & 0xF)[:, None]
         sc = ((bits & -16).to(tl.float32, bitcast=True) * inv_db)[:, None]
-        lo = ((b & 0xF).to(tl.int32) - zp).to(tl.float32) * sc  # rotated dims 2i: [ROWS, HALF]
-        hi = ((b >> 4).to(tl.int32) - zp).to(tl.float32) * sc   # rotated dims 2i + 1
-        x = tl.reshape(tl.join(lo, hi), [ROWS, HEAD])
+        lo = (b & 0xF).to(tl.int32) - zp  # rotated dims 2i: [ROWS, HALF]
+        hi = (b >> 4).to(tl.int32) - zp   # rotated dims 2i + 1
+        if UNROTATE:
+            # H_d[2i + e, 2m + t] = H_{d/2}[i, m] (-1)^(e t): dims 2m / 2m + 1 of H(c - zp) are
+            # H_{d/2}(lo + hi) / H_{d/2}(lo - hi). |lo +- hi| <= 30 and the sums are exact.
+            even = tl.dot((lo + hi).to(DT), h_half)
+            odd = tl.dot((lo - hi).to(DT), h_half)
+            x = tl.reshape(tl.join(even, odd), [ROWS, HEAD]) * sc * signs[None, :]
+        else:
+            x = tl.reshape(tl.join(lo.to(tl.float32) * sc, hi.to(tl.float32) * sc), [ROWS, HEAD])
     else:
         c = tl.load(src + rows_off[:, None] + offs_d[None, :] * stride_d, mask=r_ok[:, None], other=0.0)
         if MODE == MODE_FP8:
@@ -161,7 +186,8 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d
 def _dequant_blocks_kernel(
     k_ptr, v_ptr,                   # [num_blocks, block_size, Hkv, data_head_size] codes
     k_scale_ptr, v_scale_ptr,       # [num_blocks, block_size, Hkv] int32 bits (fp32 scale; INT4: | zp)
-    inv_db,                         # INT4: 1 / d_b (rotation_split); unread otherwise
+    inv_db,                         # INT4: 1 / d_b (rotation_split), with UNROTATE 1 / HEAD; unread otherwise
+    signs_ptr,                      # INT4 with UNROTATE: [HEAD] the rotation's signs (+-1.0); unread otherwise
     block_table_ptr, seqused_k_ptr,
     k_out_ptr, v_out_ptr,           # [num_seqs * blocks_per_seq, block_size, Hkv, HEAD], written
     blocks_per_seq, groups_per_seq,
@@ -175,6 +201,8 @@ def _dequant_blocks_kernel(
     BLOCKS: tl.constexpr,           # table entries per program
     MODE: tl.constexpr,
     KV_ALIGN: tl.constexpr,         # K/V block/slot/head strides arrive divided by this (vector loads)
+    UNROTATE: tl.constexpr,         # INT4: rows written in the original domain (one Hadamard product each)
+    F32: tl.constexpr,              # fp32 dot operands (the interpreter)
 ):
     seq_idx = tl.program_id(0) // groups_per_seq
     j0 = (tl.program_id(0) % groups_per_seq) * BLOCKS
@@ -188,17 +216,27 @@ def _dequant_blocks_kernel(
     ks_rows = slot * stride_ks_s + head * stride_ks_h
     vs_rows = slot * stride_vs_s + head * stride_vs_h
     offs_out = r[:, None] * HEAD
+    DT: tl.constexpr = tl.float32 if F32 else tl.float16
+    if UNROTATE:
+        offs_c = tl.arange(0, HEAD // 2)
+        h_half = hadamard_sign(offs_c[:, None], offs_c[None, :]).to(DT)
+        signs = tl.load(signs_ptr + tl.arange(0, HEAD))
+    else:
+        h_half, signs = 0, 0
     for j in range(j0, tl.minimum(j0 + BLOCKS, seq_blocks)):
         blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s + j).to(tl.int64)
         out = (seq_idx * blocks_per_seq + j).to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD) + offs_out
         _store_rows(k_ptr + blk * (stride_k_b * KV_ALIGN), k_scale_ptr + blk * stride_ks_b, k_rows, ks_rows,
-                    k_out_ptr + out, r_ok, inv_db, stride_k_d, ROWS, HEAD, MODE)
+                    k_out_ptr + out, r_ok, inv_db, stride_k_d, h_half, signs, ROWS, HEAD, MODE, UNROTATE, DT)
         _store_rows(v_ptr + blk * (stride_v_b * KV_ALIGN), v_scale_ptr + blk * stride_vs_b, v_rows, vs_rows,
-                    v_out_ptr + out, r_ok, inv_db, stride_v_d, ROWS, HEAD, MODE)
+                    v_out_ptr + out, r_ok, inv_db, stride_v_d, h_half, signs, ROWS, HEAD, MODE, UNROTATE, DT)
 
 
-def tile_rows(head_size: int, block_size: int, num_kv_heads: int, mode: int) -> int:
-    """Rows per tile: about ``TILE_ELEMS[mode]`` output elements, at most a block's rows."""
+def tile_rows(head_size: int, block_size: int, num_kv_heads: int, mode: int, unrotate: bool = False) -> int:
+    """Rows per tile: about ``TILE_ELEMS[mode]`` output elements (INT4 ``unrotate``:
+    :data:`UNROTATE_TILE_ELEMS`, at least 16 rows for its dots), at most a block's rows."""
+    if unrotate:
+        return max(16, min(UNROTATE_TILE_ELEMS // head_size, next_pow2(block_size * num_kv_heads)))
     return min(max(1, TILE_ELEMS[mode] // head_size), next_pow2(block_size * num_kv_heads))
 
 
@@ -220,30 +258,43 @@ def scratch_dtype(interpreted: bool) -> torch.dtype:
     return torch.float32 if interpreted else torch.float16
 
 
-def scratch_bytes(call, interpreted: bool = False) -> int:
+def unrotates(call) -> bool:
+    """Whether INT4's pass should write ``call``'s rows in the original domain: where the context
+    rows it converts (K and V, ``num_seqs * blocks_per_seq`` blocks) number at most
+    :data:`UNROTATE_MAX_ROWS_PER_QUERY_ROW` per query row (query and output rows, from
+    ``first_token`` on), a Hadamard product per context row costs less than the two rotations per
+    query row that keeping them rotated needs; head sizes up to :data:`UNROTATE_MAX_HEAD`.
+    False for other modes."""
+    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD or call.head_size > UNROTATE_MAX_HEAD:
+        return False
+    k = call.k
+    context = 2 * call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
+    query = 2 * (call.q.shape[0] - call.first_token) * call.q.shape[1]
+    return context <= UNROTATE_MAX_ROWS_PER_QUERY_ROW * query
+
+
+def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False) -> int:
     """Bytes :func:`dequantized_call` allocates for ``call``: K and V rows of ``num_seqs *
     blocks_per_seq`` blocks (``blocks_per_seq`` from ``max_seqlen_k``), fp16 (fp32 when
-    ``interpreted``), an fp16 copy of a bf16 query, and for INT4 the rotated query and output
-    in the scratch's type instead of that copy."""
+    ``interpreted``), and for INT4 kept rotated (not ``unrotate``) the rotated query and output
+    in the scratch's type."""
     k = call.k
     rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
     size = scratch_dtype(interpreted).itemsize
-    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-        extra = (call.q.numel() + call.out.numel()) * size
-    else:
-        extra = 0 if interpreted or call.q.dtype == torch.float16 else call.q.numel() * 2
+    rotated = call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not unrotate
+    extra = (call.q.numel() + call.out.numel()) * size if rotated else 0
     return 2 * rows * call.head_size * size + extra
 
 
-def dequantized_call(call, wgmma: bool = False):
+def dequantized_call(call, unrotate: bool = False):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
     head_size]`` fp16; fp32 under the interpreter) with an identity block table, mode NONE.
-    INT8 / FP8: its query fp16 (a copy of a bf16 one; ``out`` is the caller's). INT4: rows,
-    query and ``out`` in the rotated domain (the module docstring): the query rotated into a
-    scratch, ``out`` a scratch that :func:`restore_output` rotates back into the caller's.
-    ``wgmma``: the sm_90 kernel (``prefill_wgmma``) attends: it converts the query as it loads it,
-    so INT8 / FP8 keep the caller's (no fp16 copy).
+    INT8 / FP8, and INT4 with ``unrotate`` (rows in the original domain): the caller's query and
+    ``out`` (the 2D kernels convert a bf16 query to the rows' fp16 as they load it). INT4
+    otherwise: rows, query and ``out`` in the rotated domain (the module docstring): the query
+    rotated into a scratch, ``out`` a scratch that :func:`restore_output` rotates back into the
+    caller's.
     Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
     (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
@@ -258,18 +309,20 @@ def dequantized_call(call, wgmma: bool = False):
     ksb, vsb = ks.view(torch.int32), vs.view(torch.int32)
     align = kv_align(k, v)
     mode = _MODES[call.mode]
-    int4 = mode == MODE_INT4.value
+    rotated = mode == MODE_INT4.value and not unrotate
     d_a, d_b = rotation_split(call.head_size)
-    if int4:  # the query once: H(s * q) / d_a
+    if rotated:  # the query once: H(s * q) / d_a
         q = torch.empty(call.q.shape, dtype=dtype, device=k.device)
         rotate_rows(call.q, call.signs, q, 1.0 / d_a, True, call.first_token, call.cu_seqlens_q[-1:])
     else:
-        q = call.q if interpreted or wgmma else call.q.to(torch.float16)  # the Triton kernel's dots take q's type
-    rows = tile_rows(call.head_size, block_size, num_kv_heads, mode)
+        q = call.q
+    unrotated = mode == MODE_INT4.value and unrotate
+    rows = tile_rows(call.head_size, block_size, num_kv_heads, mode, unrotated)
     groups = cdiv(per_seq, BLOCKS)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
-            k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb, inv_db=1.0 / d_b,
+            k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb,
+            inv_db=1.0 / (call.head_size if unrotated else d_b), signs_ptr=call.signs if unrotated else ksb,
             block_table_ptr=call.block_table, seqused_k_ptr=call.seqused_k.contiguous(),
             k_out_ptr=k_out, v_out_ptr=v_out, blocks_per_seq=per_seq, groups_per_seq=groups,
             stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
@@ -280,19 +333,21 @@ def dequantized_call(call, wgmma: bool = False):
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
             NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=BLOCKS,
-            MODE=mode, KV_ALIGN=align, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            MODE=mode, KV_ALIGN=align, UNROTATE=unrotated, F32=interpreted,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
-    out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if int4 else call.out
+    out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if rotated else call.out
     return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=dummy, vs=dummy, block_table=table, signs=None,
                                mode=KVQuantMode.NONE, out=out)
 
 
 def restore_output(call, dequantized) -> None:
-    """After the 2D kernel ran on ``dequantized = dequantized_call(call)``: INT4 writes
-    ``s * H(o_r) / d_a`` of its rotated output into the call's rows of ``call.out`` (from
-    ``first_token`` to ``cu_seqlens_q[-1]``: a mixed call's decode rows and rows past the last
-    sequence are left alone); other modes wrote ``call.out`` already (nothing launched)."""
-    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+    """After the 2D kernel ran on ``dequantized = dequantized_call(call, ...)``: INT4 kept rotated
+    (its output a scratch) writes ``s * H(o_r) / d_a`` of its rotated output into the call's rows
+    of ``call.out`` (from ``first_token`` to ``cu_seqlens_q[-1]``: a mixed call's decode rows and
+    rows past the last sequence are left alone); otherwise the kernel wrote ``call.out`` already
+    (nothing launched)."""
+    if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and dequantized.out is not call.out:
         rotate_rows(dequantized.out, call.signs, call.out, 1.0 / rotation_split(call.head_size)[0], False,
                     call.first_token, call.cu_seqlens_q[-1:])
