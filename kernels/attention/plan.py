@@ -15,7 +15,8 @@ Order of the questions (each asked once):
 2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
    2D kernel (``prefill_2d``). Over a quantized cache, with many query tiles per sequence and a
    scratch within ``Tuning.dequant_max_bytes``, the context is dequantized first and the
-   unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`). On sm_90,
+   unquantized 2D kernel reads it (``Tiling.dequant_first``, :func:`_prefill_tiling`; INT4 rows
+   unrotated by the pass where the context has few rows per query row, ``Tiling.unrotate``). On sm_90,
    16-bit rows (the cache's or the scratch's) at head sizes 64 / 128 / 256 take the Gluon kernel
    with TMA copies and warpgroup MMAs (``Tiling.wgmma``: ``prefill_wgmma``) where it applies.
 3. Decode on a bf16/fp16 cache, or a head size that is not a power of two: the 2D kernel, its
@@ -601,7 +602,7 @@ def _rotation(path, tiling, call, facts, tuning, pdl, why) -> tuple:
         return Rotate.NONE, 0, False
     parts, release = 4, False
     if path == Path.PREFILL_2D:
-        if tiling.dequant_first and tiling.num_segments == 1:  # the pass rotates query and output itself
+        if tiling.dequant_first and tiling.num_segments == 1:  # prefill_dequant unrotates, or rotates q / out itself
             return Rotate.NONE, 0, False
         if not tuning.rotate_q_once:
             return Rotate.IN_KERNEL, 0, False
