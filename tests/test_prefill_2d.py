@@ -189,10 +189,10 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     row tiles at head_size 256, one below; the packed cache and four separate tensors. INT4 also
     with ``unrotate``: rows written in the original domain, the caller's query and output kept."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import _MODES, BLOCKS, dequantized_call, rotation_split, tile_rows
+    from kernels.attention.prefill_dequant import _MODES, BLOCKS, UNROTATE, dequantized_call, rotation_split, tile_rows
     from kernels.reference.attention import dequantize_cache
 
-    k_lens = [16 * BLOCKS + 37, 5]
+    k_lens = [16 * max(BLOCKS, *(u.blocks for u in UNROTATE.values())) + 37, 5]
     c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
                   packed=packed)
     v = c["views"]

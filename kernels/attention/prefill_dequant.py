@@ -41,6 +41,7 @@ KV head's scratch exceeds it does the fused kernel run.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,14 +60,24 @@ _MODES = {KVQuantMode.INT8_PER_TOKEN_HEAD: MODE_INT8.value, KVQuantMode.FP8_PER_
           KVQuantMode.INT4_PER_TOKEN_HEAD: MODE_INT4.value}
 # output elements per row tile (INT4: a whole 16-slot block of 8 KV heads at head 128)
 TILE_ELEMS = {MODE_INT8.value: 8192, MODE_FP8.value: 8192, MODE_INT4.value: 16384}
-UNROTATE_TILE_ELEMS = 8192  # INT4 rows written unrotated: output elements per row tile
-# unrotates(): INT4 rows are written unrotated up to this many context rows (K and V) per query
-# row (query and output), at head sizes up to UNROTATE_MAX_HEAD: on the H200 the unrotated
-# form is faster up to about 3 (heads 64 / 128), and at head 256 its order-128 products make
-# the pass slower than the two rotations it saves.
-UNROTATE_MAX_ROWS_PER_QUERY_ROW = 2.0
-UNROTATE_MAX_HEAD = 128
-BLOCKS = 1           # table entries per program: one, so that the grid fills the GPU on short contexts too
+
+
+class Unrotate(NamedTuple):
+    """INT4 rows written unrotated at one head size: the pass's row tile (output elements), cache
+    blocks per program and warps, and the most context rows (K and V) per query row (query and
+    output) at which :func:`unrotates` picks that form."""
+
+    tile_elems: int
+    blocks: int
+    warps: int
+    max_rows_per_query_row: float
+
+
+# By head size (32 takes 64's). H200: the unrotated form is faster up to about 3 context rows
+# per query row at heads 64 / 128; at head 256 its order-128 products need more blocks per
+# program and 8 warps, and it stops paying near 1.
+UNROTATE = {64: Unrotate(8192, 1, 4, 2.0), 128: Unrotate(8192, 1, 4, 2.0), 256: Unrotate(16384, 4, 8, 1.0)}
+BLOCKS = 1           # table entries per program (INT4 unrotated: UNROTATE): one, so that the grid fills the GPU
 NUM_WARPS = 4
 NUM_STAGES = 2      # with BLOCKS > 1: the next entry's codes load (cp.async) while this one's rows convert
 INT4_MAX_HEAD = 256  # the rotation kernel's operand: [head, head] up to ROT_WHOLE, one split in halves above
@@ -233,10 +244,11 @@ def _dequant_blocks_kernel(
 
 
 def tile_rows(head_size: int, block_size: int, num_kv_heads: int, mode: int, unrotate: bool = False) -> int:
-    """Rows per tile: about ``TILE_ELEMS[mode]`` output elements (INT4 ``unrotate``:
-    :data:`UNROTATE_TILE_ELEMS`, at least 16 rows for its dots), at most a block's rows."""
+    """Rows per tile: about ``TILE_ELEMS[mode]`` output elements (INT4 ``unrotate``: its
+    :data:`UNROTATE` tile, at least 16 rows for its dots), at most a block's rows."""
     if unrotate:
-        return max(16, min(UNROTATE_TILE_ELEMS // head_size, next_pow2(block_size * num_kv_heads)))
+        elems = _unrotate(head_size).tile_elems
+        return max(16, min(elems // head_size, next_pow2(block_size * num_kv_heads)))
     return min(max(1, TILE_ELEMS[mode] // head_size), next_pow2(block_size * num_kv_heads))
 
 
@@ -258,19 +270,22 @@ def scratch_dtype(interpreted: bool) -> torch.dtype:
     return torch.float32 if interpreted else torch.float16
 
 
+def _unrotate(head_size: int) -> Unrotate:
+    return UNROTATE[max(64, head_size)]
+
+
 def unrotates(call) -> bool:
     """Whether INT4's pass should write ``call``'s rows in the original domain: where the context
     rows it converts (K and V, ``num_seqs * blocks_per_seq`` blocks) number at most
-    :data:`UNROTATE_MAX_ROWS_PER_QUERY_ROW` per query row (query and output rows, from
-    ``first_token`` on), a Hadamard product per context row costs less than the two rotations per
-    query row that keeping them rotated needs; head sizes up to :data:`UNROTATE_MAX_HEAD`.
-    False for other modes."""
-    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD or call.head_size > UNROTATE_MAX_HEAD:
+    ``max_rows_per_query_row`` (:data:`UNROTATE`, by head size) per query row (query and output
+    rows, from ``first_token`` on), a Hadamard product per context row costs less than the two
+    rotations per query row that keeping them rotated needs. False for other modes."""
+    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
         return False
     k = call.k
     context = 2 * call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
     query = 2 * (call.q.shape[0] - call.first_token) * call.q.shape[1]
-    return context <= UNROTATE_MAX_ROWS_PER_QUERY_ROW * query
+    return context <= _unrotate(call.head_size).max_rows_per_query_row * query
 
 
 def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False) -> int:
@@ -318,7 +333,9 @@ def dequantized_call(call, unrotate: bool = False):
         q = call.q
     unrotated = mode == MODE_INT4.value and unrotate
     rows = tile_rows(call.head_size, block_size, num_kv_heads, mode, unrotated)
-    groups = cdiv(per_seq, BLOCKS)
+    tuned = _unrotate(call.head_size) if unrotated else None
+    blocks, warps = (tuned.blocks, tuned.warps) if unrotated else (BLOCKS, NUM_WARPS)
+    groups = cdiv(per_seq, blocks)
     if num_seqs * per_seq > 0:
         _dequant_blocks_kernel[(num_seqs * groups, cdiv(block_size * num_kv_heads, rows))](
             k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb,
@@ -332,9 +349,9 @@ def dequantized_call(call, unrotate: bool = False):
             stride_ks_b=ksb.stride(0), stride_ks_s=ksb.stride(1), stride_ks_h=ksb.stride(2),
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
-            NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=BLOCKS,
+            NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=blocks,
             MODE=mode, KV_ALIGN=align, UNROTATE=unrotated, F32=interpreted,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            num_warps=warps, num_stages=NUM_STAGES)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
     out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if rotated else call.out
