@@ -264,10 +264,13 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
     assert long.tiling.dequant_first == quantized, long
     assert ("dequantized first" in long.why) == quantized, long.why
     int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
-    assert not long.tiling.unrotate and ("INT4 rows kept rotated" in long.why) == int4, long.why  # 4096 keys each
-    fresh = kernels_table.plan(mode, 2, tokens, facts, q_len=tokens)  # nothing cached: as many keys as queries
+    # 2 x 256 blocks x 16 slots x 8 KV heads, K and V, against 2 x 64 tokens x 32 query heads, q and out: 16
+    kept = "INT4 rows kept rotated, the query and output rotated (16.00 context rows per query row > 2.0)"
+    assert not long.tiling.unrotate and (kept in long.why) == int4, long.why
+    fresh = kernels_table.plan(mode, 2, tokens, facts, q_len=tokens)  # nothing cached: 4 blocks a sequence
     assert fresh.tiling.dequant_first == quantized and fresh.tiling.unrotate == int4, fresh
-    assert ("INT4 rows unrotated by the pass" in fresh.why) == int4, fresh.why
+    unrot = "INT4 rows unrotated by the pass (0.25 context rows per query row <= 2.0)"
+    assert (unrot in fresh.why) == int4, fresh.why
     short = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens - 1)
     assert short.tiling.mask_edges_only and not short.tiling.dequant_first
     if quantized:
@@ -298,6 +301,8 @@ def test_default_2d_plan_masks_edges_and_dequantizes_long_chunks(mode, facts):
         assert decode.tiling.mask_edges_only and decode.tiling.num_segments > 1, decode
     mixed = kernels_table.mixed_plan(mode, 16, 8192, 512, 8192, facts)
     assert mixed.parts[1].tiling.mask_edges_only and mixed.parts[1].tiling.dequant_first == quantized
+    # the chunk's rows only (not the 16 decode rows): 512 blocks x 16 x 8 x 2 / (512 x 32 x 2)
+    assert ("(4.00 context rows per query row > 2.0)" in mixed.parts[1].why) == int4, mixed.parts[1].why
     assert mixed.tiling == mixed.parts[1].tiling
     given = Tiling(64, 64)
     asked = kernels_table.plan(mode, 2, 4096, facts, q_len=tokens, tuning=Tuning(tiling=given))

@@ -410,9 +410,10 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
                 why.append(f"context dequantized first ({tiles:.0f} query tiles per sequence >= "
                            f"{DEQUANT_MIN_Q_TILES}; {need / groups / 2**20:.1f} MiB of scratch{turns})")
                 if call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
-                    why.append("INT4 rows unrotated by the pass (no more context rows than query rows)" if unrotate
-                               else "INT4 rows kept rotated, the query and output rotated (more context rows "
-                               "than query rows)")
+                    ratio, bound = D.rows_per_query_row(call), D.unrotate_bound(call.head_size)
+                    why.append(f"INT4 rows unrotated by the pass ({ratio:.2f} context rows per query row <= {bound})"
+                               if unrotate else f"INT4 rows kept rotated, the query and output rotated ({ratio:.2f} "
+                               f"context rows per query row > {bound})")
     unrotate = unrotate and dequant
     if facts.cuda_sm90 and facts.gluon and tuning.wgmma_prefill and (call.mode == KVQuantMode.NONE or dequant) \
             and rows >= W.BLOCK_M:

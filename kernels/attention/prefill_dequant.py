@@ -274,18 +274,28 @@ def _unrotate(head_size: int) -> Unrotate:
     return UNROTATE[max(64, head_size)]
 
 
-def unrotates(call) -> bool:
-    """Whether INT4's pass should write ``call``'s rows in the original domain: where the context
-    rows it converts (K and V, ``num_seqs * blocks_per_seq`` blocks) number at most
-    ``max_rows_per_query_row`` (:data:`UNROTATE`, by head size) per query row (query and output
-    rows, from ``first_token`` on), a Hadamard product per context row costs less than the two
-    rotations per query row that keeping them rotated needs. False for other modes."""
-    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
-        return False
+def rows_per_query_row(call) -> float:
+    """Context rows the pass converts (K and V of ``num_seqs * blocks_per_seq`` blocks) per query
+    row of ``call`` (query and output rows, from ``first_token`` on); inf without query rows."""
     k = call.k
     context = 2 * call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
     query = 2 * (call.q.shape[0] - call.first_token) * call.q.shape[1]
-    return context <= _unrotate(call.head_size).max_rows_per_query_row * query
+    return context / query if query else float("inf")
+
+
+def unrotates(call) -> bool:
+    """Whether INT4's pass should write ``call``'s rows in the original domain: where the context
+    has at most ``max_rows_per_query_row`` (:data:`UNROTATE`, by head size) rows per query row
+    (:func:`rows_per_query_row`), a Hadamard product per context row costs less than the two
+    rotations per query row that keeping them rotated needs. False for other modes."""
+    if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return False
+    return rows_per_query_row(call) <= _unrotate(call.head_size).max_rows_per_query_row
+
+
+def unrotate_bound(head_size: int) -> float:
+    """The most context rows per query row at which INT4 rows are written unrotated."""
+    return _unrotate(head_size).max_rows_per_query_row
 
 
 def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False) -> int:
