@@ -14,8 +14,9 @@ order ``d``, ``s`` the signs), and the pass writes them in one of two forms (``u
 
 - *unrotated*, ``x = s * H(r) / d``: one Hadamard product per context row, as two MMAs of order
   ``d / 2`` on the exact small integers ``lo +- hi`` of each byte's two codes; the call then runs
-  like an INT8 one. Cheaper where the context has no more rows than the chunk has query rows
-  (a chunk over little or nothing cached: GQA makes the context's K and V rows fewer).
+  like an INT8 one. Cheaper where the context has few K / V rows per query / output row (the
+  bounds in :data:`UNROTATE`: a chunk over little or nothing cached, where GQA makes the
+  context's rows the fewer).
 - *rotated*, ``r / d_b``: ``q . x = (H (s * q) / d_a) . (r / d_b)`` with ``d_a * d_b = d``, so
   :func:`_rotate_rows_kernel` rotates the query once before the 2D kernel and the output once
   after it (``s * H(o_r) / d_a``, :func:`restore_output`): two rotations per query row instead
