@@ -178,6 +178,34 @@ def test_2d_int4_head_256_rotates_in_chunks(tuning):
     run_and_check(c, tuning=tuning)
 
 
+def _scratch_case(mode, head_size, k_lens, **kw):
+    """A case of 8 query / 8 KV heads over contexts ``k_lens`` (chunks of 3 and 1 tokens), its
+    call and the oracle's dequantized K and V caches."""
+    from kernels.attention.call import make_call
+    from kernels.reference.attention import dequantize_cache
+
+    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size, **kw)
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
+                     v.v_scale_cache)
+    refs = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
+    return c, call, refs
+
+
+def _assert_context_rows(d, c, k_lens, refs, undo=lambda r: r, rtol=1e-5, atol=1e-5, atol_of_max=0.0):
+    """Every context row of every sequence of the dequantized call ``d``, K and V (through
+    ``undo``, as fp32), equals the oracle's row in ``refs`` within ``rtol`` and ``atol`` (or
+    ``atol_of_max`` times the largest magnitude of the sequence's rows compared)."""
+    head_size = d.k.shape[-1]
+    for i, n in enumerate(k_lens):
+        for got, ref in zip((d.k, d.v), refs):
+            rows = undo(got[d.block_table[i].long()].reshape(-1, 8, head_size)[:n].float())
+            want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n].float()
+            tol = atol_of_max * want.abs().max().item() if atol_of_max else atol
+            torch.testing.assert_close(rows, want, rtol=rtol, atol=tol)
+
+
 @pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("head_size,packed", [(32, True), (64, True), (64, False), (256, True)],
                          ids=["h32", "h64", "h64-separate", "h256"])
@@ -188,39 +216,25 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
     BLOCKS table entries and ending mid-block; 8 KV heads of 16 slots = 128 rows a block: several
     row tiles at head_size 256, one below; the packed cache and four separate tensors. INT4 also
     with ``unrotate``: rows written in the original domain, the caller's query and output kept."""
-    from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import _MODES, BLOCKS, UNROTATE, dequantized_call, rotation_split, tile_rows
-    from kernels.reference.attention import dequantize_cache
 
     k_lens = [16 * max(BLOCKS, *(u.blocks for u in UNROTATE.values())) + 37, 5]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
-                  packed=packed)
-    v = c["views"]
-    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
-                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
-                     v.v_scale_cache)
+    c, call, refs = _scratch_case(mode, head_size, k_lens, packed=packed)
     assert (tile_rows(head_size, 16, 8, _MODES[mode]) < 128) == (head_size == 256)
     d = dequantized_call(call)
     assert d.mode == KVQuantMode.NONE and d.k.dtype == torch.float32  # fp32 under the interpreter
-    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
-    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # rows r / d_b of the rotated domain: x = s * H(r / d_b) / d_a
+    int4 = mode == KVQuantMode.INT4_PER_TOKEN_HEAD
+    undo = lambda r: r  # noqa: E731
+    if int4:  # rows r / d_b of the rotated domain: x = s * H(r / d_b) / d_a
         from kernels.reference.quant import single_rht
         d_a, _ = rotation_split(head_size)
-        back = lambda r: single_rht(r, inverse=True) / d_a  # noqa: E731
-    else:
-        back = lambda r: r  # noqa: E731
-    checks = [(d, back)]
-    if mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # unrotate: the pass writes x = s * H(r) / d itself
+        undo = lambda r: single_rht(r, inverse=True) / d_a  # noqa: E731
+    _assert_context_rows(d, c, k_lens, refs, undo)  # default tolerances: fp32 sums in another order
+    if int4:  # unrotate: the pass writes x = s * H(r) / d itself
         assert (tile_rows(head_size, 16, 8, _MODES[mode], unrotate=True) < 128) == (head_size >= 128)
         u = dequantized_call(call, unrotate=True)
         assert u.q is call.q and u.out is call.out and u.k.dtype == torch.float32
-        checks.append((u, lambda r: r))
-    for got_call, undo in checks:
-        for i, n in enumerate(k_lens):
-            for got, ref in ((got_call.k, k_ref), (got_call.v, v_ref)):
-                rows = undo(got[got_call.block_table[i].long()].reshape(-1, 8, head_size)[:n])
-                want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n]
-                torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+        _assert_context_rows(u, c, k_lens, refs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -228,26 +242,13 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
 def test_cuda_unrotated_int4_rows_are_the_oracle_rows_in_fp16(head_size):
     """On the GPU, INT4 rows written unrotated (the pass's fp16 MMAs on exact code sums): every
     context row equals the oracle's dequantized row to fp16 rounding."""
-    from kernels.attention.call import make_call
     from kernels.attention.prefill_dequant import dequantized_call
-    from kernels.reference.attention import dequantize_cache
 
-    mode = KVQuantMode.INT4_PER_TOKEN_HEAD
     k_lens = [16 * 5 + 7, 33]
-    c = make_case(mode, torch.bfloat16, [3, 1], k_lens, num_q_heads=8, num_kv_heads=8, head_size=head_size,
-                  device="cuda")
-    v = c["views"]
-    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
-                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode, v.k_scale_cache,
-                     v.v_scale_cache)
+    c, call, refs = _scratch_case(KVQuantMode.INT4_PER_TOKEN_HEAD, head_size, k_lens, device="cuda")
     d = dequantized_call(call, unrotate=True)
     assert d.k.dtype == torch.float16 and d.q is call.q and d.out is call.out
-    k_ref, v_ref = dequantize_cache(v.key_cache, v.value_cache, v.k_scale_cache, v.v_scale_cache, mode, head_size)
-    for i, n in enumerate(k_lens):
-        for got, ref in ((d.k, k_ref), (d.v, v_ref)):
-            rows = got[d.block_table[i].long()].reshape(-1, 8, head_size)[:n].float()
-            want = ref[c["block_table"][i].long()].reshape(-1, 8, head_size)[:n].float()
-            torch.testing.assert_close(rows, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    _assert_context_rows(d, c, k_lens, refs, rtol=1e-3, atol_of_max=1e-3)
 
 
 @pytest.mark.parametrize("mode", MODES)
