@@ -912,7 +912,7 @@ def test_reduction_dim_split_and_unrotated_segments_in_the_plan():
     int4 = KVQuantMode.INT4_PER_TOKEN_HEAD
     for b, ctx, want in ((1, 32768, (STAGED4, True, 4)), (1, 8192, (STAGED4, True, 4)),
                          (2, 32768, (STAGED4, False, 1)), (8, 32768, (STAGED4, False, 1)),
-                         (1, 4096, (STAGED4, False, 1)), (1, 2048, (UNITS, False, 1))):
+                         (1, 4096, (STAGED4, False, 1)), (1, 2048, (STAGED4, False, 1)), (1, 128, (UNITS, False, 1))):
         p = plan_for(int4, b, ctx, H200)
         assert (p.path, p.unrotated, p.reduce_split) == want, (b, ctx, p)
         assert p.unrotated == ("unrotated in the kernel" in p.why)
@@ -944,11 +944,13 @@ def test_code_units_tiling_per_head_size_and_segments():
     # half: INT4 above ROTATE_Q_MAX_HEAD aims at half the slots (the prologue rotation's condition)
     assert v3_segments(132, 8, 4096, 64, 4) == 64 and v3_segments(132, 8, 4096, 64, 4, half=True) == 32
     assert v3_segments(132, 16, 2048, 64, 4, half=True) == 16   # 264 / 16 = 16.5 -> 16
-    # head_size 128, below the staged INT4 kernel's 4,096 keys: about 512 programs (4 per SM), at
-    # most one tile per segment
+    # head_size 128 (asked for: the staged INT4 kernel takes these batches from 256 keys): about 512
+    # programs (4 per SM), at most one tile per segment
     for b, ctx, segs in ((1, 2048, 32), (2, 1024, 16), (4, 512, 8), (8, 256, 4)):
-        plan = plan_for(int4, b, ctx, H200)
+        assert plan_for(int4, b, ctx, H200).path == STAGED4
+        plan = plan_for(int4, b, ctx, H200, tuning=Tuning(path=UNITS))
         assert (plan.path, plan.tiling.num_segments, plan.rotate) == (UNITS, segs, Rotate.PROLOGUE), (b, ctx, plan)
+    assert plan_for(int4, 1, 128, H200).path == UNITS  # below 256 keys
     for b, ctx, segs in ((1, 4096, 32), (2, 4096, 16), (2, 2048, 16), (8, 2048, 4)):  # H200's 132 SMs
         plan = plan_for(int4, b, ctx, H200, head_size=256)
         assert (plan.path, plan.tiling.num_segments) == (UNITS, segs) and 2 * b * 8 * segs <= 4 * 132
