@@ -853,13 +853,16 @@ def test_bf16_decode_segments_fill_whole_waves():
     per SM at head_size 128, 396 slots): segments fill the fewest whole waves to at least 90%,
     capped at 4 key tiles per segment, less the trailing ones left empty by ``ceil(tiles /
     segments)`` tiles each (b1@32k: 49 asked, 47 hold tiles); other head sizes, other GPUs and
-    the CPU keep 16 programs per SM (a power of two)."""
+    the CPU keep 16 programs per SM (a power of two). Short contexts take segments down to one
+    tile while the grid holds at most 2 programs per SM (4 at head_size 64): b1@512 8 segments
+    where 4 tiles each would make 2."""
     from kernels._jit import busy_segments
     from kernels.attention.plan import MIN_WAVE_FILL, whole_wave_segments
     bf16 = KVQuantMode.NONE
     for batch, ctx, segs in ((1, 32768, 47), (2, 32768, 24), (4, 32768, 12), (8, 32768, 6), (16, 32768, 3),
-                             (32, 32768, 3), (12, 16384, 4), (1, 4096, 16), (4, 4096, 11), (8, 4096, 6),
-                             (8, 1024, 4)):
+                             (32, 32768, 3), (12, 16384, 4), (1, 4096, 32), (4, 4096, 11), (8, 4096, 6),
+                             (8, 1024, 4), (1, 8192, 32), (2, 8192, 22), (1, 512, 8), (1, 2048, 32), (2, 2048, 16),
+                             (4, 1024, 8), (8, 512, 4), (32, 1024, 3)):
         plan = plan_for(bf16, batch, ctx, H200)
         assert (plan.path, plan.tiling.num_segments) == (P2D, segs), (batch, ctx, plan)
         tiles = -(-ctx // plan.tiling.tile)
@@ -870,6 +873,10 @@ def test_bf16_decode_segments_fill_whole_waves():
         waves = -(-pairs * segs // 396)
         assert segs >= 1 and pairs * segs / (waves * 396) >= (MIN_WAVE_FILL if pairs <= 256 else 0.8), pairs
     assert plan_for(bf16, 8, 32768, H200, head_size=64).tiling.num_segments == 32   # 16 * 132 // 64 = 33 -> 32
+    for batch, ctx, segs in ((1, 512, 8), (2, 4096, 32), (4, 2048, 16), (8, 1024, 8), (1, 8192, 64)):
+        assert plan_for(bf16, batch, ctx, H200, head_size=64).tiling.num_segments == segs   # <= 4 x 132 programs
+    for batch, ctx, segs in ((1, 2048, 32), (2, 2048, 16), (8, 512, 4), (1, 32768, 128)):
+        assert plan_for(bf16, batch, ctx, H200, head_size=256).tiling.num_segments == segs  # <= 2 x 132 programs
     assert plan_for(bf16, 1, 32768, CPU).tiling.num_segments == 8                  # 16 * 4 // 8
     ampere = dataclasses.replace(H200, capability=(8, 0))                         # slots not counted there
     assert plan_for(bf16, 8, 32768, ampere).tiling.num_segments == 32

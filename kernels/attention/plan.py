@@ -258,7 +258,15 @@ BIG_PREFILL_SM90 = {64: (128, 64, 4, 5), 128: BIG_PREFILL, 256: (128, 64, 8, 3)}
 # sequences (decode rows read their context once) on the fused kernel.
 DEQUANT_MIN_Q_TILES = 4
 TARGET_PROGRAMS_PER_SM = 16  # 2D split decode: segments until the grid holds about this many programs per SM
-MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in reduction than it saves
+MIN_TILES_PER_SEGMENT = 4    # 2D split decode: a shorter segment costs more in reduction than it saves ...
+# ... except in a small grid over a 16-bit cache: segments down to one tile while the grid holds
+# at most this many programs per SM, by padded head size (default 2). A short context is a few
+# tiles per program, so its time is the chain of each program's tile latencies, not the merge
+# (bf16, H200, cold L2, docs/BENCHMARKS.md): b1@512 at head 128 6.3 µs in 8 one-tile segments
+# against 10.5 in 2, b1@2k 8.9 in 32 against 11.3 in 8, b8@512 12.0 in 4 against 14.0 in 2; head
+# 64 runs its lighter programs best at 4 per SM (b2@4k 12.5 µs in 32 segments against 13.0-14.2
+# in 16), heads 128 / 256 at 2 (head 128 b1@4k 11.7 in 32 against 13.7 in 64).
+SHORT_SEGMENT_PROGRAMS_PER_SM = {64: 4}
 # The 2D kernel's split decode over a 16-bit cache on sm_90: resident programs per SM of its decode
 # tiling (16 x 64, 4 warps, 3 stages) by padded head size; other GPUs and head sizes keep the rule
 # above. H200 profiler at head_size 128: 156 registers x 128 threads and 38 KiB of shared memory
@@ -486,7 +494,9 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
     if path == Path.DECODE_SPLIT:  # about SPLIT_PROGRAMS_PER_SM programs per SM, one tile per segment at least
         want, cap = max(2, SPLIT_PROGRAMS_PER_SM * sms // pairs), max(1, ctx // tile)
     else:
-        cap = max(1, ctx // (tile * MIN_TILES_PER_SEGMENT))
+        tiles = max(1, cdiv(ctx, tile))
+        short = SHORT_SEGMENT_PROGRAMS_PER_SM.get(call.head_pad, 2) * sms // pairs if mode == KVQuantMode.NONE else 0
+        cap = max(1, ctx // (tile * MIN_TILES_PER_SEGMENT), min(tiles, short))
         # on sm_90, where the slots were counted
         resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.cuda_sm90 else None
         if resident and not given:
