@@ -16,6 +16,7 @@ import sys
 import torch
 
 from kernels.attention import CPU, H200, Path, Plan, attention_plan
+from kernels.attention.plan import OVERLAP_MAX_DECODE_KEYS, OVERLAP_MIN_QUANTIZED_DECODE_KEYS
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 
 MODES = {"bf16": KVQuantMode.NONE, "int8": KVQuantMode.INT8_PER_TOKEN_HEAD, "fp8": KVQuantMode.FP8_PER_TOKEN_HEAD,
@@ -96,9 +97,9 @@ def mixed_plan(mode, d, ctx, chunk, chunk_ctx, facts) -> Plan:
 
 def cell(p: Plan) -> str:
     """One plan as a table cell: the path, its segments, the INT4 rotation and the reduction (a
-    mixed plan: its two parts)."""
+    mixed plan: its two parts, "side by side" where they run on two CUDA streams)."""
     if p.parts:
-        return " + ".join(cell(part) for part in p.parts)
+        return " + ".join(cell(part) for part in p.parts) + (" (side by side)" if p.overlap else "")
     extra = [f"{p.tiling.num_segments} seg"] if p.tiling.num_segments > 1 else []
     if p.rotate.value not in ("none", "in_kernel"):
         extra.append(f"rot {p.rotate.value}")
@@ -150,7 +151,9 @@ def section() -> str:
     for head in (64, 256, 96, 32):
         out += [f"head_size {head}:", ""] + table(head, 32, 8, [(1, 4096, 1), (8, 32768, 1)]) + [""]
     out += ["### Mixed batches (`num_decode_seqs`), head_size 128, 32 query / 8 KV heads", "",
-            "Decode rows first, then one prefill chunk; the cell is the decode rows' plan + the chunk's.", "",
+            "Decode rows first, then one prefill chunk; the cell is the decode rows' plan + the chunk's, \"side by side\" "
+            f"where the decode part runs on a second CUDA stream alongside the chunk (up to {OVERLAP_MAX_DECODE_KEYS:,} decode "
+            f"keys; over a quantized cache from {OVERLAP_MIN_QUANTIZED_DECODE_KEYS:,}).", "",
             "| mode | decode rows x context + chunk @ context | H200 (132 SMs, sm_90, Gluon) | CPU (interpreter) |",
             "|---|---|---|---|"]
     for name, mode in MODES.items():

@@ -6,8 +6,10 @@ kernel's second q block, so its grid starts past program 0), one and two chunks,
 whose context is shorter than one cache block, chunks that start mid-block; the kernels launched
 are the decode plan's then the 2D kernel (recorded at launch); every output row is written
 (``out`` poisoned with NaN first); the plan's split and its validation; without
-``num_decode_seqs`` the plan is unchanged. CPU through Triton's interpreter (tiny shapes); the
-same cases on CUDA when a GPU is present.
+``num_decode_seqs`` the plan is unchanged; on CUDA the decode part on a second stream alongside the
+chunk part (the default for small decode parts) gives the serial call's output bit for bit, also
+replayed from a CUDA graph. CPU through Triton's interpreter (tiny shapes); the same cases on CUDA
+when a GPU is present.
 
 Run: ``python -m pytest tests/test_mixed_batches.py``.
 """
@@ -119,6 +121,20 @@ def test_plan_of_a_mixed_batch_on_an_h200():
     assert plan.path == Path.MIXED
     assert plan.parts[0].path not in (P2D, Path.EMPTY) and plan.parts[0].tiling.num_segments > 1, plan
     assert plan.parts[1].path == P2D and "16 decode rows" in plan.why and "prefill_2d" in plan.why
+    assert plan.overlap and "alongside (two streams)" in plan.why, plan.why  # on a CUDA device: two streams
+    from kernels.attention import CPU, Tuning
+    serial = _plan(c, H200, num_decode_seqs=16, tuning=Tuning(overlap_mixed=False))
+    assert not serial.overlap and "alongside" not in serial.why and serial.parts == plan.parts
+    assert not _plan(c, CPU, num_decode_seqs=16).overlap  # the interpreter has one stream
+    few = make_case(mode, torch.bfloat16, q_lens=[1, 64], k_lens=[1024, 1024], num_q_heads=32, num_kv_heads=8,
+                    head_size=128)
+    assert not _plan(few, H200, num_decode_seqs=1).overlap  # a quantized cache: from 4,096 decode keys
+    few_bf16 = make_case(KVQuantMode.NONE, torch.bfloat16, q_lens=[1, 64], k_lens=[1024, 1024], num_q_heads=32,
+                         num_kv_heads=8, head_size=128)
+    assert _plan(few_bf16, H200, num_decode_seqs=1).overlap
+    many = make_case(KVQuantMode.NONE, torch.bfloat16, q_lens=[1] * 64 + [64], k_lens=[4096] * 65, num_q_heads=32,
+                     num_kv_heads=8, head_size=128)
+    assert not _plan(many, H200, num_decode_seqs=64).overlap  # 262,144 decode keys fill the GPU
     assert _plan(c, H200, num_decode_seqs=0) == _plan(c, H200)
     dec = make_case(mode, torch.bfloat16, q_lens=[1] * 4, k_lens=[512] * 4, num_q_heads=32, num_kv_heads=8,
                     head_size=128)
@@ -163,3 +179,37 @@ def test_mixed_int4_chunk_with_the_query_rotated_once():
     plan = _plan(c, num_decode_seqs=3, tuning=tuning)
     assert plan.parts[1].rotate_parts == 2, plan.parts[1]
     run_and_check(c, num_decode_seqs=3, tuning=tuning)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_mixed_parts_on_two_streams_equal_the_serial_call(mode):
+    """On CUDA the decode part runs on a second stream alongside the chunk part (``Plan.overlap``):
+    the output equals, bit for bit, the same plan run one part after the other (disjoint rows,
+    the same kernels), read on the caller's stream straight after the call (the join); captured
+    in a CUDA graph (two branches) and replayed on new inputs, the same again."""
+    from kernels.attention import Tuning, unified_attention
+    c = _mixed_case(mode, [700, 1300, 3000, 1000], [(40, 700)], "cuda", seed=7)  # 4 x 3,000 decode keys
+    v, q = c["views"], c["q"]
+    d = 4
+
+    def run(out, tuning):
+        return unified_attention(q, v.key_cache, v.value_cache, out, c["cu"], c["seqused_k"], c["max_q"], c["max_k"],
+                                 q.shape[-1] ** -0.5, True, (-1, -1), c["block_table"], 0.0, None, None, None,
+                                 kv_quant_mode=mode, k_scale_cache=v.k_scale_cache, v_scale_cache=v.v_scale_cache,
+                                 num_decode_seqs=d, tuning=tuning)
+
+    assert _plan(c, num_decode_seqs=d).overlap
+    serial = run(torch.full_like(q, float("nan")), Tuning(overlap_mixed=False)).clone()
+    assert torch.isfinite(serial).all()
+    out = torch.full_like(q, float("nan"))
+    assert torch.equal(run(out, Tuning()), serial)
+    run(out, Tuning())  # compiled and warm before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        run(out, Tuning())
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert torch.equal(out, run(torch.full_like(q, float("nan")), Tuning(overlap_mixed=False)))

@@ -9,8 +9,9 @@ Order of the questions (each asked once):
 
 1. No query tokens: nothing runs (``empty``). A mixed batch whose decode rows the caller
    counted (``num_decode_seqs`` D, 0 < D < num_seqs: sequences ``[0, D)`` have one query token
-   each and come first): two plans run back to back (``mixed``), the first D sequences as a
-   decode batch of their own (these questions again), the others through the 2D kernel.
+   each and come first): two plans (``mixed``), the first D sequences as a decode batch of their
+   own (these questions again), the others through the 2D kernel; on a CUDA device the decode part
+   runs on a second stream alongside the chunk part where it is small (``Plan.overlap``).
    D == num_seqs: a decode batch; D == 0: as without it.
 2. Not a decode batch (``max_seqlen_q > 1``, or more sequences than ``seq_threshold_3D``): the
    2D kernel (``prefill_2d``). Over a quantized cache, with many query tiles per sequence and a
@@ -138,7 +139,8 @@ class Tuning:
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
     may allocate to dequantize a quantized context before attending (``Tiling.dequant_first``,
     ``prefill_dequant.scratch_bytes``); a call that would need more runs the fused kernel; 0:
-    never dequantize first."""
+    never dequantize first. ``overlap_mixed``: a mixed call on a CUDA device runs its decode part on
+    a second stream, alongside its chunk part (off: one after the other)."""
 
     path: Optional[Path] = None
     tiling: Optional[Tiling] = None
@@ -149,6 +151,7 @@ class Tuning:
     wgmma_prefill: bool = True
     rotate_q_once: bool = False
     dequant_max_bytes: int = 1 << 30
+    overlap_mixed: bool = True
 
     def __post_init__(self):
         if self.path is not None and not isinstance(self.path, Path):
@@ -209,7 +212,8 @@ class Plan:
     slot strides that the code-unit and block-tile kernels read (``units.code_units``), and
     ``why`` in words. A mixed call (``path`` MIXED) is two plans run back to back, ``parts`` =
     (the plan of its first ``num_decode_seqs`` sequences as a decode batch of their own, the 2D
-    plan of the others); its own tiling is the chunk part's."""
+    plan of the others); its own tiling is the chunk part's; ``overlap``: the decode part runs on
+    a second CUDA stream while the chunk part runs on the caller's."""
 
     path: Path
     tiling: Tiling
@@ -226,6 +230,7 @@ class Plan:
     reduce_split: int = 1           # Gluon reduction programs per (token, query head), each over 128 / it dims
     unrotated: bool = False         # the staged INT4 kernel unrotates its split output (the reduction does not)
     reduce_early: bool = False      # the split kernel lets the reduction be scheduled at its start (one wave)
+    overlap: bool = False           # MIXED: the two parts on two CUDA streams, side by side
 
 
 DEFAULT_TUNING = Tuning()
@@ -279,6 +284,17 @@ SHORT_SEGMENT_PROGRAMS_PER_SM = {64: 4}
 DECODE_2D_RESIDENT = {128: 3}
 MIN_WAVE_FILL = 0.9          # whole_wave_segments: the share of the waves' slots the grid must fill
 SPLIT_PROGRAMS_PER_SM = 2    # decode_split asked for without a tiling: segments for about this many per SM
+# A mixed call's decode part runs on a second CUDA stream alongside its chunk part up to this many
+# decode keys (rows x their longest context): a small decode grid leaves SMs to the chunk's, so the
+# two overlap (H200, cold L2, bf16: 1 row over 1k + a 128-token chunk 24.9 against 27.2 µs one
+# after the other, 8 rows over 4k + 256 tokens 90.2 against 95.9, 1 row over 32k + 512 tokens
+# 93.4 against 99.2, 1 row over 128k 178.5 against 187.5; INT4 1.00-1.03x); decode parts that
+# fill the GPU gained nothing and lost about 1% (bf16 16 rows x 32k + 2,048 tokens 2,337.6
+# against 2,306.8; 64 rows x 4k + two chunks 803.5 against 796.7).
+OVERLAP_MAX_DECODE_KEYS = 131072
+# ... and over a quantized cache from this many: INT4 with one decode row over 1k keys and a
+# 128-token chunk measured 0.93-0.95x side by side (43.0 against 40.8 µs), 1.00-1.03x from 4k keys.
+OVERLAP_MIN_QUANTIZED_DECODE_KEYS = 4096
 _STAGED = {KVQuantMode.INT4_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT4,
            KVQuantMode.INT8_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT8,
            KVQuantMode.FP8_PER_TOKEN_HEAD: Path.DECODE_STAGED_INT8}
@@ -346,8 +362,12 @@ def _plan_mixed(call, d, seq_threshold_3D, num_segments, tuning, facts) -> Plan:
     why = "; ".join([f"prefill rows of {rows} sequence{'s' * (rows > 1)} after {d} decode row{'s' * (d > 1)}"]
                     + whys)
     pre = Plan(Path.PREFILL_2D, tiling, rotate, rotate_parts, release, pdl=pdl, why=why)
-    return Plan(Path.MIXED, tiling, pdl=pdl, parts=(dec, pre), num_decode_seqs=d,
-                why=f"mixed batch: {d} decode rows -> {dec.path.value} ({dec.why}), then {why} -> prefill_2d")
+    keys = d * decode.max_seqlen_k
+    overlap = (tuning.overlap_mixed and facts.type == "cuda" and keys <= OVERLAP_MAX_DECODE_KEYS
+               and (call.mode == KVQuantMode.NONE or keys >= OVERLAP_MIN_QUANTIZED_DECODE_KEYS))
+    order = "alongside (two streams)" if overlap else "then"
+    return Plan(Path.MIXED, tiling, pdl=pdl, parts=(dec, pre), num_decode_seqs=d, overlap=overlap,
+                why=f"mixed batch: {d} decode rows -> {dec.path.value} ({dec.why}), {order} {why} -> prefill_2d")
 
 
 def _generic(call: AttnCall, block_m: int, segs: int) -> Tiling:

@@ -2,7 +2,8 @@
 
 Nothing here chooses: the launcher is looked up by ``plan.path`` in :data:`LAUNCHERS`, the
 rotation and reduction kernels are the plan's (``plan.rotate``, ``plan.reduce``); a mixed plan
-runs its two parts on the two halves of the call (``call.split_mixed``); a 2D plan with
+runs its two parts on the two halves of the call (``call.split_mixed``), with ``plan.overlap``
+the decode part on a second CUDA stream alongside the chunk part; a 2D plan with
 ``Tiling.dequant_first`` over a quantized cache dequantizes the context first
 (``prefill_dequant.dequantized_call``), runs the 2D kernel on the scratch cache and, for INT4,
 rotates its output back (``prefill_dequant.restore_output``), for ``Tiling.dequant_groups``
@@ -11,6 +12,9 @@ groups of KV heads in turn (``call.head_group``).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from triton.runtime.errors import OutOfResources
 
 from layouts import KVQuantMode
@@ -49,14 +53,39 @@ LAUNCHERS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of :func:`_side_by_side` (one per device, made once)."""
+    return torch.cuda.Stream(device=device)
+
+
+def _side_by_side(first, second, device: torch.device):
+    """Launch ``first`` on a side stream and ``second`` on the current one, both after the work
+    queued so far on the current stream, which then waits for both (a fork and a join: two
+    branches of a CUDA graph when captured). ``first`` launches first, so a short decode grid
+    takes its SMs before the chunk's grid fills the rest. Whatever ``first`` allocates belongs to
+    the side stream's pool, so the caching allocator reuses it only in that stream's order."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        first()
+    second()
+    main.wait_stream(side)
+
+
 def run_plan(call: AttnCall, plan: Plan):
     """Launch ``plan`` on ``call``; returns ``call.out`` (written in place)."""
     if plan.path == Path.EMPTY:
         return call.out
-    if plan.path == Path.MIXED:  # the decode rows' plan, then the chunk rows' (views of call, nothing copied)
+    if plan.path == Path.MIXED:  # the decode rows' plan and the chunk rows' (views of call, nothing copied)
         decode, chunk = split_mixed(call, plan.num_decode_seqs)
-        run_plan(decode, plan.parts[0])
-        run_plan(chunk, plan.parts[1])
+        if plan.overlap:
+            _side_by_side(lambda: run_plan(decode, plan.parts[0]), lambda: run_plan(chunk, plan.parts[1]),
+                          call.out.device)
+        else:
+            run_plan(decode, plan.parts[0])
+            run_plan(chunk, plan.parts[1])
         return call.out
     if plan.tiling.num_segments > 1:
         call = with_segment_buffers(call, plan.tiling.num_segments)
