@@ -34,13 +34,16 @@ FILES = {
 }
 WHY = {
     Path.MIXED: "A mixed batch whose decode rows the caller counts (`num_decode_seqs`; vLLM puts them first): "
-                "the decode rows run as a decode batch of their own (their plan is `parts[0]`), then the chunk "
-                "rows through the 2D kernel (`parts[1]`), on views of q and out: no copy, no device sync. "
-                "Without the count the whole batch takes the 2D kernel.",
+                "the decode rows run as a decode batch of their own (their plan is `parts[0]`), the chunk "
+                "rows through the 2D kernel (`parts[1]`), on views of q and out: no copy, no device sync. On "
+                "CUDA a small decode part (`Plan.overlap`) runs on a second stream alongside the chunk, joined "
+                "before the call returns; larger ones run first. Without the count the whole batch takes the "
+                "2D kernel.",
     Path.PREFILL_2D: "Several queries per sequence (prefill, a mixed batch's chunks): a program owns a tile of "
                      "query rows x the GQA group, so each K/V byte feeds every head of the group. Also the bf16/fp16 decode "
                      "(keys split into segments when the grid would leave SMs idle; on sm_90, as many as fill whole "
-                     "waves of its resident programs), quantized decode at head "
+                     "waves of its resident programs; short contexts down to one 64-key tile a segment while the "
+                     "grid holds at most 2 programs per SM, 4 at head_size 64), quantized decode at head "
                      "sizes that are not a power of two, and any decode that ends up with one segment.",
     Path.DECODE_SPLIT: "Portable split-KV decode for any quantized cache: reads through byte strides, so it "
                        "serves the caches the faster decode kernels cannot read (INT4 at head_size 32, rows that "
@@ -48,14 +51,15 @@ WHY = {
                        "query heads its N axis.",
     Path.DECODE_CODE_UNITS: "Split-KV decode reading rows as 16-bit code units, one loop per row-alignment class, "
                             "1-4 warps a program; an INT4 query is rotated in its prologue (no extra launch). "
-                            "Fastest for small INT4 batches, where a launch saved matters more than bandwidth.",
+                            "The INT4 default below the thresholds of the block-tile and staged kernels (at head_size 128: "
+                            "under 256 keys in the batch).",
     Path.DECODE_BLOCK_TILES: "Split-KV decode on tiles of whole cache blocks (one block id per tile, "
                              "loop-invariant offsets), one warp per KV head: INT8 / FP8 decode at head_size 64 / "
                              "128 / 256, INT4 from 8,192 (head 64) or 32,768 (128, 256) keys in the batch.",
     Path.DECODE_STAGED_INT4: "Gluon: each program copies whole cache blocks (every KV head, K and V) into a ring "
                              "in shared memory with bulk copies, one warp per KV head, MMA on raw nibble codes; "
                              "each program rotates its query in its prologue. "
-                             "The INT4 default on CUDA sm_80+ from 4,096 keys in the batch, one sequence included "
+                             "The INT4 default on CUDA sm_80+ from 256 keys in the batch, one sequence included "
                              "(1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
                              "head_size 128, block 16, <= 8 KV heads, <= 8 query heads per KV head.",
     Path.DECODE_STAGED_INT8: "The same design for INT8 / FP8 (132-byte rows): their default on CUDA sm_80+ (FP8: "

@@ -24,8 +24,9 @@ Order of the questions (each asked once):
    keys split into segments when the 2D grid would leave SMs idle (over a 16-bit cache on sm_90:
    as many as fill whole waves of its resident programs, :func:`whole_wave_segments`).
 4. Quantized decode, the first path that *wants* the batch (a shape rule measured on the H200):
-   ``decode_staged_int4`` / ``decode_staged_int8`` (Gluon; large batches, head_size 128, at most
-   8 KV heads and 8 query heads per KV head; a CUDA sm_80+ device whose Triton compiles it),
+   ``decode_staged_int4`` / ``decode_staged_int8`` (Gluon; from ``decode_staged.MIN_KEYS`` keys in
+   the batch, head_size 128, at most 8 KV heads and 8 query heads per KV head; a CUDA sm_80+ device
+   whose Triton compiles it),
    else ``decode_block_tiles`` (head_size 64 / 128 / 256; INT4 only from a number of keys on),
    else ``decode_code_units``. Its tiling sets the segment count; one segment: the 2D kernel.
 5. Whether that path *fits* the cache as laid out (strides, alignment, the packed layout of
