@@ -63,7 +63,7 @@ WHY = {
                              "(1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
                              "head_size 128, block 16, <= 8 KV heads, <= 8 query heads per KV head.",
     Path.DECODE_STAGED_INT8: "The same design for INT8 / FP8 (132-byte rows): their default on CUDA sm_80+ (FP8: "
-                             "sm_89+) from 32,768 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "
+                             "sm_89+) from 4,096 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "
                              "from 262,144 keys on the H200).",
 }
 

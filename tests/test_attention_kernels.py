@@ -644,7 +644,8 @@ def test_staged_is_the_default_for_large_batches_on_an_h200(mode):
     without Gluon, and (FP8) on an sm_80 device."""
     from kernels.attention import decode_staged
     staged = STAGED4 if mode == KVQuantMode.INT4_PER_TOKEN_HEAD else STAGED8
-    big = max(decode_staged.MIN_KEYS.values()) // 8     # both staged kernels take 8 x big
+    big = 4096                                          # both staged kernels take 8 x big
+    assert 8 * big >= max(decode_staged.MIN_KEYS.values())
     plan = plan_for(mode, 8, big)
     # one program per SM (8 x 16 segments): the spread ring depth; two per SM (b8@32k): the default
     assert plan.path == staged and plan.tiling.num_stages == decode_staged.SPREAD_STAGES[staged.value]
@@ -1103,7 +1104,7 @@ def test_plan_takes_the_triton_kernels_where_gluon_does_not_compile(mode, monkey
     monkeypatch.setattr(rotate_query, "probe", lambda *a: asked.append("rotate") or False)
     monkeypatch.setattr(reduce, "probe", lambda *a: asked.append("reduce") or False)
     real = DeviceFacts("cuda", 132, (9, 0), gluon=True, index=0)
-    big = max(decode_staged.MIN_KEYS.values()) // 8     # staged for either mode
+    big = 4096                                          # staged for either mode; block tiles below them
     plan = plan_for(mode, 8, big, real)
     assert plan.path == BLOCKS and plan.reduce == Reduce.TRITON
     no_gluon = dataclasses.replace(H200, gluon=False)
