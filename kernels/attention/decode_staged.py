@@ -11,17 +11,17 @@ query whose last dim is contiguous, FP8 an sm_89+ device (its conversion instruc
 
 They are the default from ``MIN_KEYS`` keys in the batch (sequences x context) on, one sequence
 included: INT4 from 256, INT8 / FP8 from 4,096. Against the kernel the plan takes below that,
-on the H200 (cold L2, read flush, call times): 1.24-1.50x ``decode_block_tiles`` from 262,144 keys,
-1.04-1.14x (INT4) at 131,072; at 65,536 keys b1@64k INT4 35.7-36.0 against 40.8-41.4 µs, INT8
-46.2-46.8 against 51.7-51.8; INT8 at 32,768 keys b1@32k 24.4-24.5 against 28.5-28.6, b2@16k 24.3
-against 29.3, b4@8k 24.2 against 29.2 (FP8 b1@32k 23.5-23.6 against 29.3-29.4); INT8 below that, in
-one later job: 16,384 keys b1@16k 17.7 against 20.0 (an earlier job: 21.7 against 18.8), b8@2k 16.7
-against 19.3, b32@512 16.9 against 19.7; 8,192 keys b8@1k 13.2 against 13.9, b1@8k 14.7 against
-14.3; 4,096 keys b2@2k 11.6 against 12.1, b8@512 10.5 against 10.8 (FP8 the same or better); but
-at 512 to 1,024 keys block tiles win (b1@512 8.0 against 8.8); INT4 against ``decode_code_units`` at 4,096 keys b1@4k 10.3 (64 segments) against
-11.8, b2@2k 9.8 against 12.1, b4@1k 9.5 against 11.7, and below: b1@2k 9.9 against 12.1, b1@1k 8.6
-against 10.5, b1@512 7.7 against 8.9, b8@512 8.5 against 12.4, b1@256 7.5 against 8.9, b8@256 8.4
-against 10.2 (each pair timed in one job). Up to 65,536 keys the programs run one per SM
+on the H200 (cold L2, read flush, call times, each pair timed in one job): 1.24-1.50x
+``decode_block_tiles`` from 262,144 keys, 1.04-1.14x (INT4) at 131,072; at 65,536 keys b1@64k INT4
+35.7-36.0 against 40.8-41.4 µs, INT8 46.2-46.8 against 51.7-51.8; INT8 at 32,768 keys b1@32k
+24.4-24.5 against 28.5-28.6, b2@16k 24.3 against 29.3, b4@8k 24.2 against 29.2 (FP8 b1@32k
+23.5-23.6 against 29.3-29.4). INT8 below that: b1@16k 17.7 against 20.0 (an earlier job: 21.7
+against 18.8), b8@2k 16.7 against 19.3, b32@512 16.9 against 19.7, b8@1k 13.2 against 13.9, b1@8k
+14.7 against 14.3, b2@2k 11.6 against 12.1, b8@512 10.5 against 10.8 (FP8 the same or better), and
+block tiles ahead below 4,096 keys (b1@512 8.0 against 8.8). INT4 against ``decode_code_units``:
+b1@4k 10.3 (64 segments) against 11.8, b2@2k 9.8 against 12.1, b4@1k 9.5 against 11.7, b1@2k 9.9
+against 12.1, b1@1k 8.6 against 10.5, b1@512 7.7 against 8.9, b8@512 8.5 against 12.4, b1@256 7.5
+against 8.9, b8@256 8.4 against 10.2. Up to 65,536 keys the programs run one per SM
 (:func:`segments`), launched so (:func:`_spread_shared`).
 Rings: INT4 4 blocks (3 and 4 within 1%, 2 up to 2% slower; 6-10 slower at one program per SM),
 INT8 / FP8 2 (3 was 1-4% slower), 4 at one program per SM (:func:`stages`); a 128-register cap

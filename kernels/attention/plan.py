@@ -211,7 +211,7 @@ class Plan:
     rotation kernel lets the next kernel start early), the reduction, programmatic dependent
     launch, bulk copies (staged kernels), the alignment (in 16-bit units) of the cache's block and
     slot strides that the code-unit and block-tile kernels read (``units.code_units``), and
-    ``why`` in words. A mixed call (``path`` MIXED) is two plans run back to back, ``parts`` =
+    ``why`` in words. A mixed call (``path`` MIXED) is two plans, ``parts`` =
     (the plan of its first ``num_decode_seqs`` sequences as a decode batch of their own, the 2D
     plan of the others); its own tiling is the chunk part's; ``overlap``: the decode part runs on
     a second CUDA stream while the chunk part runs on the caller's."""
