@@ -16,6 +16,7 @@ import sys
 import torch
 
 from kernels.attention import CPU, H200, Path, Plan, attention_plan
+from kernels.attention.decode_staged import MIN_KEYS
 from kernels.attention.plan import OVERLAP_MAX_DECODE_KEYS, OVERLAP_MIN_QUANTIZED_DECODE_KEYS
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
 
@@ -51,20 +52,21 @@ WHY = {
                        "query heads its N axis.",
     Path.DECODE_CODE_UNITS: "Split-KV decode reading rows as 16-bit code units, one loop per row-alignment class, "
                             "1-4 warps a program; an INT4 query is rotated in its prologue (no extra launch). "
-                            "The INT4 default below the thresholds of the block-tile and staged kernels (at head_size 128: "
-                            "under 256 keys in the batch).",
+                            "The INT4 default below the thresholds of the block-tile and staged kernels (at "
+                            f"head_size 128: under {MIN_KEYS[Path.DECODE_STAGED_INT4.value]:,} keys in the batch).",
     Path.DECODE_BLOCK_TILES: "Split-KV decode on tiles of whole cache blocks (one block id per tile, "
                              "loop-invariant offsets), one warp per KV head: INT8 / FP8 decode at head_size 64 / "
                              "128 / 256, INT4 from 8,192 (head 64) or 32,768 (128, 256) keys in the batch.",
     Path.DECODE_STAGED_INT4: "Gluon: each program copies whole cache blocks (every KV head, K and V) into a ring "
                              "in shared memory with bulk copies, one warp per KV head, MMA on raw nibble codes; "
                              "each program rotates its query in its prologue. "
-                             "The INT4 default on CUDA sm_80+ from 256 keys in the batch, one sequence included "
-                             "(1.24-1.39x decode_block_tiles from 262,144 keys on the H200); only the packed cache layout at "
+                             f"The INT4 default on CUDA sm_80+ from {MIN_KEYS[Path.DECODE_STAGED_INT4.value]:,} keys in "
+                             "the batch, one sequence included (1.24-1.39x decode_block_tiles from 262,144 keys on the "
+                             "H200); only the packed cache layout at "
                              "head_size 128, block 16, <= 8 KV heads, <= 8 query heads per KV head.",
     Path.DECODE_STAGED_INT8: "The same design for INT8 / FP8 (132-byte rows): their default on CUDA sm_80+ (FP8: "
-                             "sm_89+) from 4,096 keys in the batch, one sequence included (1.31-1.50x decode_block_tiles "
-                             "from 262,144 keys on the H200).",
+                             f"sm_89+) from {MIN_KEYS[Path.DECODE_STAGED_INT8.value]:,} keys in the batch, one sequence "
+                             "included (1.31-1.50x decode_block_tiles from 262,144 keys on the H200).",
 }
 
 

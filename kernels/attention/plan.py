@@ -515,14 +515,14 @@ def _tiling(path: Path, call: AttnCall, facts: DeviceFacts, decode: bool, given:
     if path == Path.DECODE_SPLIT:  # about SPLIT_PROGRAMS_PER_SM programs per SM, one tile per segment at least
         want, cap = max(2, SPLIT_PROGRAMS_PER_SM * sms // pairs), max(1, ctx // tile)
     else:
-        tiles = max(1, cdiv(ctx, tile))
+        tiles = cdiv(ctx, tile)
         short = SHORT_SEGMENT_PROGRAMS_PER_SM.get(call.head_pad, 2) * sms // pairs if mode == KVQuantMode.NONE else 0
         cap = max(1, ctx // (tile * MIN_TILES_PER_SEGMENT), min(tiles, short))
         # on sm_90, where the slots were counted
         resident = DECODE_2D_RESIDENT.get(call.head_pad) if mode == KVQuantMode.NONE and facts.cuda_sm90 else None
         if resident and not given:
             segs = min(whole_wave_segments(pairs, resident * sms), cap)
-            return _generic(call, block_m, busy_segments(segs, cdiv(ctx, tile)))
+            return _generic(call, block_m, busy_segments(segs, tiles))
         want = TARGET_PROGRAMS_PER_SM * sms // pairs
     return _generic(call, block_m, int(given or prev_pow2(max(1, min(want, cap)))))
 

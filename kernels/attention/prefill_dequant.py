@@ -291,7 +291,7 @@ def unrotates(call) -> bool:
     rotations per query row that keeping them rotated needs. False for other modes."""
     if call.mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
         return False
-    return rows_per_query_row(call) <= _unrotate(call.head_size).max_rows_per_query_row
+    return rows_per_query_row(call) <= unrotate_bound(call.head_size)
 
 
 def unrotate_bound(head_size: int) -> float:
