@@ -130,7 +130,8 @@ def make_problem(mode, shape: Shape, block_size, device, seed=0) -> dict:
                 seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=device),
                 bytes=kv_bytes + 2 * q.numel() * q.element_size(),
                 flops=4 * shape.head_size * shape.num_q_heads * pairs,
-                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size))  # the pass alone: K and V rows
+                dequant_bytes=rows * 2 * (geo.row_bytes + 2 * shape.head_size),  # the pass alone: K and V rows
+                dequant_rows=rows)
 
 
 def _args(pb):
@@ -152,14 +153,18 @@ def dequant(pb, plan: Plan) -> None:
     args, _ = _args(pb)
     v = pb["views"]
     call = make_call(*args[:13], pb["mode"], v.k_scale_cache, v.v_scale_cache)
-    restore_output(call, dequantized_call(call, unrotate=plan.tiling.unrotate))
+    restore_output(call, dequantized_call(call, unrotate=plan.tiling.unrotate, int8_keys=plan.tiling.int8_keys))
 
 
 def _dequant_bytes(pb, plan: Plan) -> int:
     """Bytes :func:`dequant` moves: the pass, plus for INT4 rows kept rotated the query's and the
     output's rotations (16-bit rows read and written)."""
     rotated = pb["mode"] == KVQuantMode.INT4_PER_TOKEN_HEAD and not plan.tiling.unrotate
-    return pb["dequant_bytes"] + (2 * pb["q"].numel() * 4 if rotated else 0)
+    moved = pb["dequant_bytes"]
+    if plan.tiling.int8_keys:  # key rows written as a byte a dim and an fp32 scale, not two bytes a dim
+        s = pb["shape"]
+        moved -= pb["dequant_rows"] * (s.head_size - 4)
+    return moved + (2 * pb["q"].numel() * 4 if rotated else 0)
 
 
 def plan_of(pb, tuning: Tuning) -> Plan:
@@ -292,7 +297,7 @@ def describe(plan: Plan) -> str:
     extra = (" code-zp" if t.code_zp else "") + (" code-asm" if t.code_asm else "") + \
         (f" dequant-first{groups}" if t.dequant_first else "") + (" unrotated" if t.unrotate else "") + \
         (" mask-edges" if t.mask_edges_only else "") + \
-        (" wgmma" if t.wgmma else "") + \
+        (" wgmma" if t.wgmma else "") + (" int8-keys" if t.int8_keys else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 

@@ -206,6 +206,14 @@ def _assert_context_rows(d, c, k_lens, refs, undo=lambda r: r, rtol=1e-5, atol=1
             torch.testing.assert_close(rows, want, rtol=rtol, atol=tol)
 
 
+def _used_rows(d, k_lens) -> torch.Tensor:
+    """Mask ``[blocks, block_size]`` of the scratch slots holding context rows (sequence ``i``'s
+    first ``k_lens[i]`` positions, ``d.block_table`` the identity)."""
+    per_seq, bs = d.block_table.shape[1], d.k.shape[1]
+    pos = torch.arange(per_seq * bs).view(per_seq, bs)
+    return torch.cat([pos < n for n in k_lens])
+
+
 @pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("head_size,packed", [(32, True), (64, True), (64, False), (256, True)],
                          ids=["h32", "h64", "h64-separate", "h256"])
@@ -230,6 +238,21 @@ def test_dequantized_call_holds_the_oracle_rows(mode, head_size, packed):
         d_a, _ = rotation_split(head_size)
         undo = lambda r: single_rht(r, inverse=True) / d_a  # noqa: E731
     _assert_context_rows(d, c, k_lens, refs, undo)  # default tolerances: fp32 sums in another order
+    if int4:  # int8 keys: codes c - zp times their scales are the same rotated key rows, V unchanged
+        e = dequantized_call(call, int8_keys=True)
+        assert e.k.dtype == torch.int8 and e.ks.shape == (8, e.k.shape[0] * 16) and e.ks.dtype == torch.float32
+        used = _used_rows(e, k_lens)
+        codes = e.k[used]
+        assert -15 <= codes.min().item() < 0 < codes.max().item() <= 15
+        keys = codes.float() * e.ks.t().reshape(e.k.shape[:3])[used][..., None]
+        torch.testing.assert_close(keys, d.k[used], rtol=0, atol=0)
+        torch.testing.assert_close(e.v[used], d.v[used], rtol=0, atol=0)
+        torch.testing.assert_close(e.q, d.q, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="int8 keys: INT4 rows kept rotated only"):
+            dequantized_call(call, unrotate=True, int8_keys=True)
+    else:
+        with pytest.raises(ValueError, match=f"int8 keys: INT4 rows kept rotated only, not {mode.name}"):
+            dequantized_call(call, int8_keys=True)
     if int4:  # unrotate: the pass writes x = s * H(r) / d itself
         assert (tile_rows(head_size, 16, 8, _MODES[mode], unrotate=True) < 128) == (head_size >= 128)
         u = dequantized_call(call, unrotate=True)
@@ -482,6 +505,8 @@ def test_scratch_bytes_is_what_dequantized_call_allocates(mode):
         assert d.q is not call.q and d.out is not call.out and d.q.dtype == d.out.dtype == d.k.dtype
         assert scratch_bytes(call, interpreted=True) == (kv + d.q.numel() + d.out.numel()) * d.k.element_size()
         assert scratch_bytes(call) == (kv + 2 * c["q"].numel()) * 2
+        e = dequantized_call(call, int8_keys=True)  # int8 keys: a byte a dim and an fp32 scale a row
+        assert scratch_bytes(call, int8_keys=True) == e.k.numel() + 4 * e.ks.numel() + (kv // 2 + 2 * c["q"].numel()) * 2
         u = dequantized_call(call, unrotate=True)  # rows unrotated: the caller's query and output, as INT8
         assert u.q is call.q and u.out is call.out and u.k.shape == d.k.shape
         assert scratch_bytes(call, interpreted=True, unrotate=True) == kv * d.k.element_size()
@@ -669,12 +694,25 @@ def test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies():
         return make_case(mode, torch.bfloat16, [600, 600], [k_len, 600], num_q_heads=8, num_kv_heads=2,
                          head_size=head, block_size=16)
 
-    for c in (case(), case(head=64), case(head=256), case(KVQuantMode.INT4_PER_TOKEN_HEAD),
+    k8 = Tuning(int8_key_prefill=True)
+    assert _plan(case(KVQuantMode.INT4_PER_TOKEN_HEAD, k_len=20000)).tiling.int8_keys is False  # opt-in
+    for c in (case(), case(head=64), case(head=256), case(KVQuantMode.INT4_PER_TOKEN_HEAD, k_len=20000),
               case(KVQuantMode.INT8_PER_TOKEN_HEAD)):
-        plan = _plan(c)
+        plan = _plan(c, tuning=k8)
         assert plan.path == Path.PREFILL_2D and plan.tiling.wgmma and "prefill_wgmma_gluon" in plan.why, plan.why
         assert plan.tiling.dequant_first == (c["mode"] != KVQuantMode.NONE)
         assert (plan.tiling.block_m, plan.tiling.num_warps) == (128, 4)
+        int8_keys = c["mode"] == KVQuantMode.INT4_PER_TOKEN_HEAD  # rows kept rotated (20,000 keys >= 16,384)
+        assert plan.tiling.int8_keys == int8_keys and ("int8 score MMAs" in plan.why) == int8_keys, plan.why
+    for c, tuning in ((case(KVQuantMode.FP8_PER_TOKEN_HEAD), k8),
+                      (case(KVQuantMode.INT4_PER_TOKEN_HEAD), k8),  # rows unrotated: not integers
+                      (case(KVQuantMode.INT4_PER_TOKEN_HEAD, k_len=20000), Tuning()),
+                      (case(KVQuantMode.INT4_PER_TOKEN_HEAD, k_len=8000), k8),  # head 128 from 16,384 keys
+                      (case(KVQuantMode.INT4_PER_TOKEN_HEAD, head=64, k_len=20000), k8)):  # slower at head 64
+        plan = _plan(c, tuning=tuning)
+        assert plan.tiling.wgmma and plan.tiling.dequant_first and not plan.tiling.int8_keys, plan.why
+        assert plan.tiling.unrotate == (c["mode"] == KVQuantMode.INT4_PER_TOKEN_HEAD and c["max_k"] < 8000)
+    assert _plan(case(KVQuantMode.INT4_PER_TOKEN_HEAD)).tiling.unrotate
     c = case()
     not_wgmma = {
         "soft cap / sliding window": [_plan(c, softcap=10.0), _plan(c, causal=False, window=(64, 0))],
@@ -703,21 +741,32 @@ def _sm90() -> bool:
                                         (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.bfloat16),
                                         (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.bfloat16)], ids=["bf16", "fp16", "int4", "int8"])
 @pytest.mark.parametrize("hq,hkv,bs", [(8, 2, 16), (4, 4, 32), (16, 2, 16)], ids=["gqa4-b16", "mha-b32", "gqa8-b16"])
-def test_cuda_wgmma_prefill_matches_oracle(head, mode, dtype, hq, hkv, bs, launched):
+@pytest.mark.parametrize("int8_keys", [True, False], ids=["int8-keys", "fp16-keys"])
+def test_cuda_wgmma_prefill_matches_oracle(head, mode, dtype, hq, hkv, bs, int8_keys, launched):
     """The sm_90 Gluon prefill kernel, chosen by the default plan, against the oracle: chunks of
     329 / 600 / 5 tokens over 2,300 / 2,648 / 2,100 keys (partial last tiles and blocks, a
     chunk shorter than a query tile; enough query tiles per sequence that a quantized context
     is dequantized first at every GQA group here), causal and not, in a cache whose unused
-    slots hold NaN; then as the chunk half of a mixed batch."""
+    slots hold NaN; then as the chunk half of a mixed batch. Over INT4 rows kept rotated with the
+    keys as int8 codes (``Tuning(int8_key_prefill=True)``) and as fp16 rows (the default)."""
+    if not int8_keys and mode != KVQuantMode.INT4_PER_TOKEN_HEAD:
+        pytest.skip("int8 keys are for INT4 contexts")
+    tuning = mixed = Tuning(int8_key_prefill=int8_keys)
     c = make_case(mode, dtype, [329, 600, 5], [2300, 600 + 2048, 2100], num_q_heads=hq, num_kv_heads=hkv,
                   head_size=head, block_size=bs, device="cuda", seed=head + hq)
-    plan = _plan(c, device=None)
-    assert plan.tiling.wgmma, plan.why
-    run_and_check(c)
+    plan = _plan(c, device=None, tuning=tuning)
+    want = (int8_keys and mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not plan.tiling.unrotate  # gqa8: unrotated
+            and head == 256)  # 2,648 keys: head 128 from 16,384, head 64 never
+    if int8_keys and head != 256 and mode == KVQuantMode.INT4_PER_TOKEN_HEAD:  # the kernel's int8-key form there
+        tuning = Tuning(tiling=dataclasses.replace(plan.tiling, int8_keys=not plan.tiling.unrotate))
+        plan = _plan(c, device=None, tuning=tuning)
+        want = not plan.tiling.unrotate
+    assert plan.tiling.wgmma and plan.tiling.int8_keys == want, plan.why
+    run_and_check(c, tuning=tuning)
     assert launched == expected_launches(plan, mode), launched
-    run_and_check(c, causal=False)
+    run_and_check(c, causal=False, tuning=tuning)
     m = make_case(mode, dtype, [1, 1, 600], [30, 90, 2400], num_q_heads=hq, num_kv_heads=hkv, head_size=head,
                   block_size=bs, device="cuda", seed=1)
     launched.clear()
-    run_and_check(m, num_decode_seqs=2)
+    run_and_check(m, num_decode_seqs=2, tuning=mixed)
     assert "_prefill_wgmma_kernel" in launched, launched

@@ -120,6 +120,7 @@ class Tiling:
     unrotate: bool = False      # dequant_first over INT4: rows written unrotated (no query / output rotation)
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
     wgmma: bool = False         # 2D path over 16-bit rows on sm_90: prefill_wgmma_gluon (TMA copies, warpgroup MMAs)
+    int8_keys: bool = False     # wgmma over INT4 rows kept rotated: keys as int8 codes, int8 score MMAs
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,10 @@ class Tuning:
     16-byte ``cp.async``). ``gluon_edges``: the
     Gluon query rotation and reduction where they apply (off: the Triton ones). ``wgmma_prefill``:
     prefill chunks over 16-bit rows on sm_90 take the Gluon TMA / warpgroup-MMA kernel
-    (``prefill_wgmma``) where it applies (off: the Triton 2D kernel). ``rotate_q_once``:
+    (``prefill_wgmma``) where it applies (off: the Triton 2D kernel); ``int8_key_prefill`` (opt-in:
+    the query's int8 rounding can exceed the 1e-2 accuracy bound on sharp attention): over INT4
+    rows kept rotated it reads the keys as int8 codes with an int8-quantized query
+    (``Tiling.int8_keys``; off: fp16 keys). ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
     may allocate to dequantize a quantized context before attending (``Tiling.dequant_first``,
@@ -150,6 +154,7 @@ class Tuning:
     bulk_copies: bool = True
     gluon_edges: bool = True
     wgmma_prefill: bool = True
+    int8_key_prefill: bool = False
     rotate_q_once: bool = False
     dequant_max_bytes: int = 1 << 30
     overlap_mixed: bool = True
@@ -448,15 +453,21 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
             and rows >= W.BLOCK_M:
         not_ok = W.eligible(call, dequant)
         dtype = D.scratch_dtype(interpreted=False) if dequant else call.k.dtype  # the probe runs on the GPU
+        int8_keys = dequant and tuning.int8_key_prefill and D.int8_keys_apply(call, unrotate) \
+            and call.max_seqlen_k >= W.INT8_KEY_MIN_KEYS.get(call.head_size, 1 << 62)
         if not not_ok and facts.index is not None and not W.probe(
-                _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal):
+                _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal, int8_keys):
             not_ok = ["its Gluon kernel does not compile with this Triton"]
         if not not_ok:
             tile, stages, _ = W.TILINGS[call.head_size]
             why.append(f"prefill_wgmma_gluon: TMA copies, warpgroup MMAs, {tile}-key tiles, {stages} stages "
                        f"({rows:.0f} query rows per sequence)")
+            if int8_keys:
+                why.append(f"keys as int8 codes, the query quantized per row: int8 score MMAs (head_size "
+                           f"{call.head_size}, {call.max_seqlen_k} keys >= {W.INT8_KEY_MIN_KEYS[call.head_size]})")
             return Tiling(W.BLOCK_M, tile, num_warps=W.NUM_WARPS, num_stages=stages, mask_edges_only=True,
-                          dequant_first=dequant, dequant_groups=groups, unrotate=unrotate, wgmma=True)
+                          dequant_first=dequant, dequant_groups=groups, unrotate=unrotate, wgmma=True,
+                          int8_keys=int8_keys)
         why.append("not prefill_wgmma_gluon: " + "; ".join(not_ok))
     big = big_prefill_tiling(call.head_size, facts)
     if big and (call.mode == KVQuantMode.NONE or dequant) and rows >= big[0] and block_m <= big[0]:

@@ -188,6 +188,21 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d
     tl.store(out + offs_d[None, :], x.to(out.dtype.element_ty), mask=r_ok[:, None])
 
 
+@triton.jit
+def _store_key_codes(src, scale_ptr, rows_off, scale_off, out, scale_out, r_ok, inv_db, stride_d,
+                     ROWS: tl.constexpr, HEAD: tl.constexpr):
+    """INT4 key rows kept rotated as int8 codes ``c - zp`` and one fp32 scale each (``scale *
+    inv_db``): ``out`` [ROWS, HEAD] (row-major offsets), ``scale_out`` [ROWS]."""
+    HALF: tl.constexpr = HEAD // 2
+    offs_c = tl.arange(0, HALF)
+    bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
+    b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
+    zp = (bits & 0xF)[:, None]
+    c = tl.reshape(tl.join((b & 0xF).to(tl.int32) - zp, (b >> 4).to(tl.int32) - zp), [ROWS, HEAD])
+    tl.store(out + tl.arange(0, HEAD)[None, :], c.to(tl.int8), mask=r_ok[:, None])
+    tl.store(scale_out, (bits & -16).to(tl.float32, bitcast=True) * inv_db, mask=r_ok)
+
+
 # Grid: (num_seqs * cdiv(blocks_per_seq, BLOCKS), cdiv(BLOCK_SIZE * NUM_KV_HEADS, ROWS)). One
 # program: up to BLOCKS consecutive entries of one sequence's block table, and in each cache
 # block the ROWS rows (slot, KV head) numbered ``slot * NUM_KV_HEADS + head`` from
@@ -202,6 +217,7 @@ def _dequant_blocks_kernel(
     signs_ptr,                      # INT4 with UNROTATE: [HEAD] the rotation's signs (+-1.0); unread otherwise
     block_table_ptr, seqused_k_ptr,
     k_out_ptr, v_out_ptr,           # [num_seqs * blocks_per_seq, block_size, Hkv, HEAD], written
+    ks_out_ptr, stride_kso_h,       # INT8_KEYS: [Hkv, num_seqs * blocks_per_seq * block_size] fp32, written
     blocks_per_seq, groups_per_seq,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -215,6 +231,7 @@ def _dequant_blocks_kernel(
     KV_ALIGN: tl.constexpr,         # K/V block/slot/head strides arrive divided by this (vector loads)
     UNROTATE: tl.constexpr,         # INT4: rows written in the original domain (one Hadamard product each)
     F32: tl.constexpr,              # fp32 dot operands (the interpreter)
+    INT8_KEYS: tl.constexpr = False,  # INT4 kept rotated: keys as int8 codes + scales (ks_out_ptr)
 ):
     seq_idx = tl.program_id(0) // groups_per_seq
     j0 = (tl.program_id(0) % groups_per_seq) * BLOCKS
@@ -238,8 +255,14 @@ def _dequant_blocks_kernel(
     for j in range(j0, tl.minimum(j0 + BLOCKS, seq_blocks)):
         blk = tl.load(block_table_ptr + seq_idx.to(tl.int64) * stride_bt_s + j).to(tl.int64)
         out = (seq_idx * blocks_per_seq + j).to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD) + offs_out
-        _store_rows(k_ptr + blk * (stride_k_b * KV_ALIGN), k_scale_ptr + blk * stride_ks_b, k_rows, ks_rows,
-                    k_out_ptr + out, r_ok, inv_db, stride_k_d, h_half, signs, ROWS, HEAD, MODE, UNROTATE, DT)
+        if INT8_KEYS:
+            pos = (seq_idx * blocks_per_seq + j).to(tl.int64) * BLOCK_SIZE + slot
+            _store_key_codes(k_ptr + blk * (stride_k_b * KV_ALIGN), k_scale_ptr + blk * stride_ks_b, k_rows, ks_rows,
+                             k_out_ptr + out, ks_out_ptr + head * stride_kso_h + pos, r_ok, inv_db, stride_k_d,
+                             ROWS, HEAD)
+        else:
+            _store_rows(k_ptr + blk * (stride_k_b * KV_ALIGN), k_scale_ptr + blk * stride_ks_b, k_rows, ks_rows,
+                        k_out_ptr + out, r_ok, inv_db, stride_k_d, h_half, signs, ROWS, HEAD, MODE, UNROTATE, DT)
         _store_rows(v_ptr + blk * (stride_v_b * KV_ALIGN), v_scale_ptr + blk * stride_vs_b, v_rows, vs_rows,
                     v_out_ptr + out, r_ok, inv_db, stride_v_d, h_half, signs, ROWS, HEAD, MODE, UNROTATE, DT)
 
@@ -299,20 +322,29 @@ def unrotate_bound(head_size: int) -> float:
     return _unrotate(head_size).max_rows_per_query_row
 
 
-def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False) -> int:
+def int8_keys_apply(call, unrotate: bool = False) -> bool:
+    """Whether the pass can write ``call``'s keys as int8 codes (``dequantized_call(int8_keys=True)``):
+    INT4 rows kept rotated (not ``unrotate``: unrotated rows are not integers). Not INT8: there
+    the query's int8 rounding measured 1.3e-2 - 1.7e-2 relative L2 against the oracle on the prefill
+    benchmark's random codes (bound 1e-2; INT4's rotated query 1.6e-3 - 1.8e-3)."""
+    return call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not unrotate
+
+
+def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False, int8_keys: bool = False) -> int:
     """Bytes :func:`dequantized_call` allocates for ``call``: K and V rows of ``num_seqs *
     blocks_per_seq`` blocks (``blocks_per_seq`` from ``max_seqlen_k``), fp16 (fp32 when
-    ``interpreted``), and for INT4 kept rotated (not ``unrotate``) the rotated query and output
-    in the scratch's type."""
+    ``interpreted``; with ``int8_keys`` the keys one byte a dim and an fp32 scale a row), and for
+    INT4 kept rotated (not ``unrotate``) the rotated query and output in the scratch's type."""
     k = call.k
     rows = call.num_seqs * _blocks_per_seq(call) * k.shape[1] * k.shape[2]
     size = scratch_dtype(interpreted).itemsize
     rotated = call.mode == KVQuantMode.INT4_PER_TOKEN_HEAD and not unrotate
     extra = (call.q.numel() + call.out.numel()) * size if rotated else 0
-    return 2 * rows * call.head_size * size + extra
+    keys = rows * (call.head_size + 4) if int8_keys else rows * call.head_size * size
+    return keys + rows * call.head_size * size + extra
 
 
-def dequantized_call(call, unrotate: bool = False):
+def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
     head_size]`` fp16; fp32 under the interpreter) with an identity block table, mode NONE.
@@ -320,7 +352,9 @@ def dequantized_call(call, unrotate: bool = False):
     ``out`` (the 2D kernels convert a bf16 query to the rows' fp16 as they load it). INT4
     otherwise: rows, query and ``out`` in the rotated domain (the module docstring): the query
     rotated into a scratch, ``out`` a scratch that :func:`restore_output` rotates back into the
-    caller's.
+    caller's. ``int8_keys`` (INT4 kept rotated, :func:`int8_keys_apply`): the keys as int8 codes
+    ``c - zp`` and ``ks`` their scales times ``1 / d_b``, ``[num_kv_heads, num_seqs *
+    blocks_per_seq * block_size]`` fp32, for ``prefill_wgmma``'s int8 score MMAs.
     Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
     (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
@@ -330,8 +364,13 @@ def dequantized_call(call, unrotate: bool = False):
     interpreted = interpreting(call.q)
     dtype = scratch_dtype(interpreted)
     shape = (num_seqs * per_seq, block_size, num_kv_heads, call.head_size)
-    k_out = torch.empty(shape, dtype=dtype, device=k.device)
+    if int8_keys and not int8_keys_apply(call, unrotate):
+        raise ValueError(f"int8 keys: INT4 rows kept rotated only, not {call.mode.name}"
+                         + (" rows unrotated" if unrotate else ""))
+    k_out = torch.empty(shape, dtype=torch.int8 if int8_keys else dtype, device=k.device)
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
+    ks_out = torch.empty((num_kv_heads, num_seqs * per_seq * block_size) if int8_keys else (1,), dtype=torch.float32,
+                         device=k.device)
     ksb, vsb = ks.view(torch.int32), vs.view(torch.int32)
     align = kv_align(k, v)
     mode = _MODES[call.mode]
@@ -352,7 +391,8 @@ def dequantized_call(call, unrotate: bool = False):
             k_ptr=k, v_ptr=v, k_scale_ptr=ksb, v_scale_ptr=vsb,
             inv_db=1.0 / (call.head_size if unrotated else d_b), signs_ptr=call.signs if unrotated else ksb,
             block_table_ptr=call.block_table, seqused_k_ptr=call.seqused_k.contiguous(),
-            k_out_ptr=k_out, v_out_ptr=v_out, blocks_per_seq=per_seq, groups_per_seq=groups,
+            k_out_ptr=k_out, v_out_ptr=v_out, ks_out_ptr=ks_out, stride_kso_h=ks_out.stride(0),
+            blocks_per_seq=per_seq, groups_per_seq=groups,
             stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
             stride_k_d=k.stride(3),
             stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align, stride_v_h=v.stride(2) // align,
@@ -361,13 +401,13 @@ def dequantized_call(call, unrotate: bool = False):
             stride_vs_b=vsb.stride(0), stride_vs_s=vsb.stride(1), stride_vs_h=vsb.stride(2),
             stride_bt_s=call.block_table.stride(0),
             NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=blocks,
-            MODE=mode, KV_ALIGN=align, UNROTATE=unrotated, F32=interpreted,
+            MODE=mode, KV_ALIGN=align, UNROTATE=unrotated, F32=interpreted, INT8_KEYS=int8_keys,
             num_warps=warps, num_stages=NUM_STAGES)
     table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
     out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if rotated else call.out
-    return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=dummy, vs=dummy, block_table=table, signs=None,
-                               mode=KVQuantMode.NONE, out=out)
+    return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=ks_out if int8_keys else dummy, vs=dummy,
+                               block_table=table, signs=None, mode=KVQuantMode.NONE, out=out)
 
 
 def restore_output(call, dequantized) -> None:

@@ -13,6 +13,8 @@ the slot stride, 16-byte aligned base and rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from layouts import CacheGeometry, KVQuantMode, split_kv_cache
@@ -24,6 +26,11 @@ from .common import LOG2E
 # 224 KiB, head 256 192 KiB of the 227 available). Head 64 under 2,048 keys measured slower than
 # the Triton kernel (docs/BENCHMARKS.md, "Prefill over a quantized cache").
 TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
+# head size -> fewest keys of the longest context at which INT4 rows kept rotated are read as int8
+# keys (``Tiling.int8_keys``, with ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys: head 256 1.10-1.20x from 4k cached keys;
+# head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64 0.80-0.87x (none: the scores' conversion costs
+# more than the int8 MMAs save). docs/BENCHMARKS.md, "Prefill over a quantized cache".
+INT8_KEY_MIN_KEYS = {128: 16384, 256: 0}
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
 NUM_WARPS = 4                   # the default partition (a consumer); the other consumer and the producer are workers
 MAX_REGS = 168                  # per thread at launch: 12 warps x 32 x 168 <= 65,536 (the partitions then
@@ -78,9 +85,20 @@ def _descriptor(x: torch.Tensor, layout):
     return TensorDescriptor(x, [(nb - 1) * _pitch(x) + bs, h * d], [x.stride(1), 1], [bs, d], layout)
 
 
-def probe(dev: torch.device, head: int, dtype: torch.dtype, group: int, block_size: int, causal: bool) -> bool:
+def _scales_descriptor(ks: torch.Tensor, tile: int):
+    """1D TMA descriptor over the int8 keys' scales (``ks`` contiguous), boxes of one tile's."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    flat = ks.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [tile], layout)
+
+
+def probe(dev: torch.device, head: int, dtype: torch.dtype, group: int, block_size: int, causal: bool,
+          int8_keys: bool = False) -> bool:
     """Whether the kernel compiles on ``dev`` for this shape class (``gluon_probe.compiles``: once
-    per process, on empty tensors: nothing is launched)."""
+    per process, on empty tensors: nothing is launched); ``int8_keys``: its int8-key form over
+    ``dtype`` values."""
     def compile_once():
         from .call import make_call
         from .plan import Path, Plan, Tiling
@@ -91,11 +109,16 @@ def probe(dev: torch.device, head: int, dtype: torch.dtype, group: int, block_si
         call = make_call(q, views.key_cache, views.value_cache, torch.empty_like(q), idx, idx[1:], 1, 32, 1.0,
                          causal, (-1, -1), idx.view(1, 2), 0.0, KVQuantMode.NONE, views.k_scale_cache,
                          views.v_scale_cache)
+        if int8_keys:
+            call = dataclasses.replace(call, k=torch.empty(call.k.shape, dtype=torch.int8, device=dev),
+                                       ks=torch.empty(call.k.shape[2], call.k.shape[0] * block_size,
+                                                      dtype=torch.float32, device=dev))
         tile, stages, _ = TILINGS[head]
         launch(call, Plan(Path.PREFILL_2D, Tiling(BLOCK_M, tile, num_warps=NUM_WARPS, num_stages=stages, wgmma=True)),
                compile_only=True)
     from . import gluon_probe
-    return gluon_probe.compiles("_prefill_wgmma_kernel", dev.index, (head, str(dtype), group, block_size, causal),
+    return gluon_probe.compiles("_prefill_wgmma_kernel", dev.index,
+                                (head, str(dtype), group, block_size, causal, int8_keys),
                                 compile_once, "the Triton 2D kernel runs instead")
 
 
@@ -109,16 +132,22 @@ def launch(call, plan, compile_only: bool = False) -> None:
     q, k, v, out = call.q, call.k, call.v, call.out
     bs, hkv, head = k.shape[1], k.shape[2], k.shape[3]
     tile, stages = plan.tiling.tile, plan.tiling.num_stages
-    layout = gl.NVMMASharedLayout.get_default_for([bs, head], gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16)
+    k8 = k.dtype == torch.int8
+    types = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8}
+    k_layout = gl.NVMMASharedLayout.get_default_for([bs, head], types[k.dtype])
+    v_layout = gl.NVMMASharedLayout.get_default_for([bs, head], types[v.dtype])
     block_q = BLOCK_M // call.group
     base = call.first_token // block_q
     grid = (q.shape[0] // block_q - base + call.num_seqs, hkv)
-    args = (q, _descriptor(k, layout), _descriptor(v, layout), out,
+    k_desc, v_desc = _descriptor(k, k_layout), _descriptor(v, v_layout)
+    ks = call.ks if k8 else None  # int8 keys: their scales [Hkv, num_seqs x blocks_per_seq x block_size]
+    args = (q, k_desc, v_desc, out, _scales_descriptor(ks, tile) if k8 else k_desc,
             call.block_table, call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous(),
             call.softmax_scale * LOG2E, call.num_seqs, base, k.shape[0], _pitch(k),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.block_table.stride(0))
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.block_table.stride(0),
+            ks.stride(0) if k8 else 0, k.shape[0] // max(1, call.num_seqs) * bs if k8 else 0)
     kw = dict(GROUP=call.group, HEAD=head, BLOCK_SIZE=bs, BLOCK_Q=block_q, TILE=tile, STAGES=stages,
-              CAUSAL=call.causal, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS)
+              CAUSAL=call.causal, CONSUMER_REGS=CONSUMER_REGS, K8=k8, num_warps=NUM_WARPS, maxnreg=MAX_REGS)
     if compile_only:
         kernel.warmup(*args, grid=grid, **kw)
     else:

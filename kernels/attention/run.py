@@ -94,7 +94,7 @@ def run_plan(call: AttnCall, plan: Plan):
         per = -(-heads // max(1, plan.tiling.dequant_groups))
         for h in range(0, heads, per):  # each group over its 16-bit scratch (mode NONE), freed before the next
             part = head_group(call, h, min(h + per, heads))
-            dequantized = dequantized_call(part, unrotate=plan.tiling.unrotate)
+            dequantized = dequantized_call(part, unrotate=plan.tiling.unrotate, int8_keys=plan.tiling.int8_keys)
             _launch(dequantized, plan)
             restore_output(part, dequantized)
         return call.out
