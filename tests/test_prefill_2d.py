@@ -713,6 +713,9 @@ def test_sm90_prefill_takes_the_wgmma_kernel_where_it_applies():
         assert plan.tiling.wgmma and plan.tiling.dequant_first and not plan.tiling.int8_keys, plan.why
         assert plan.tiling.unrotate == (c["mode"] == KVQuantMode.INT4_PER_TOKEN_HEAD and c["max_k"] < 8000)
     assert _plan(case(KVQuantMode.INT4_PER_TOKEN_HEAD)).tiling.unrotate
+    for bad in (dict(), dict(wgmma=True), dict(dequant_first=True), dict(wgmma=True, dequant_first=True, unrotate=True)):
+        with pytest.raises(ValueError, match="Tiling.int8_keys: only with wgmma and dequant_first"):
+            Tiling(128, 128, int8_keys=True, **bad)
     c = case()
     not_wgmma = {
         "soft cap / sliding window": [_plan(c, softcap=10.0), _plan(c, causal=False, window=(64, 0))],
