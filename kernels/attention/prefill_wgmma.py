@@ -27,9 +27,10 @@ from .common import LOG2E
 # the Triton kernel (docs/BENCHMARKS.md, "Prefill over a quantized cache").
 TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
 # head size -> fewest keys of the longest context at which INT4 rows kept rotated are read as int8
-# keys (``Tiling.int8_keys``, with ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys: head 256 1.10-1.20x from 4k cached keys;
-# head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64 0.80-0.87x (none: the scores' conversion costs
-# more than the int8 MMAs save). docs/BENCHMARKS.md, "Prefill over a quantized cache".
+# keys (``Tiling.int8_keys``, with ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys:
+# head 256 1.10-1.20x from 4k cached keys; head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64
+# 0.80-0.87x (none: the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
+# "Prefill over a quantized cache".
 INT8_KEY_MIN_KEYS = {128: 16384, 256: 0}
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
 NUM_WARPS = 4                   # the default partition (a consumer); the other consumer and the producer are workers
@@ -140,7 +141,7 @@ def launch(call, plan, compile_only: bool = False) -> None:
     base = call.first_token // block_q
     grid = (q.shape[0] // block_q - base + call.num_seqs, hkv)
     k_desc, v_desc = _descriptor(k, k_layout), _descriptor(v, v_layout)
-    ks = call.ks if k8 else None  # int8 keys: their scales [Hkv, num_seqs x blocks_per_seq x block_size]
+    ks = call.ks if k8 else None  # int8 keys' scales [Hkv, num_seqs x blocks_per_seq x block_size]
     args = (q, k_desc, v_desc, out, _scales_descriptor(ks, tile) if k8 else k_desc,
             call.block_table, call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous(),
             call.softmax_scale * LOG2E, call.num_seqs, base, k.shape[0], _pitch(k),

@@ -89,9 +89,9 @@ def _producer(k_desc, v_desc, ks_desc, k_ring, v_ring, ks_ring, ready, empty, bt
 
 @gluon.jit
 def _softmax_tile(s, j, n_full, seq_len, q_pos, s_cols, m_i, l_i, qk_scale, CAUSAL: gl.constexpr, TILE: gl.constexpr):
-    """Online softmax of score tile ``j`` ``[ROWS, TILE]`` (``qk_scale``: per row, log2 units): masked
-    where tile ``j`` crosses the causal edge or the sequence's end; returns the probabilities, the accumulator's rescale
-    ``alpha`` and the new running max and sum (log2 units)."""
+    """Online softmax of score tile ``j`` ``[ROWS, TILE]`` (``qk_scale``: per row, log2 units):
+    masked where tile ``j`` crosses the causal edge or the sequence's end; returns the
+    probabilities, the accumulator's rescale ``alpha`` and the new running max and sum (log2 units)."""
     if j >= n_full:
         k_pos = j * TILE + s_cols
         keep = (k_pos < seq_len)[None, :]
@@ -139,7 +139,7 @@ def _scores(s, ks, K8: gl.constexpr):
     if K8:
         # |s| < 2^22 (127 x 15 x 256): s in the low mantissa bits of f = 1.5 x 2^23 + s, exact; then
         # (f - 1.5 x 2^23) x ks as one FMA with 1.5 x 2^23 x ks rounded once per key (an offset of at
-        # most 0.375 x ks, the same for every row: far under the query's int8 rounding)
+        # most 0.75 x ks, the same for every row: far under the query's int8 rounding)
         f = (s + 0x4B400000).to(gl.float32, bitcast=True)
         return f * ks[None, :] - (ks * 12582912.0)[None, :]
     else:
@@ -241,7 +241,7 @@ def _consumer(q_ptr, out_ptr, ks_ring, q_smem, o_smem, k_ring, v_ring, ready, em
 @gluon.jit
 def _prefill_wgmma_kernel(
     q_ptr, k_desc, v_desc, out_ptr,         # q, out [T, Hq, HEAD]; k_desc / v_desc: 2D [rows, Hkv * HEAD], boxes [BLOCK_SIZE, HEAD]
-    ks_desc,                                # K8: 1D over the key scales [Hkv x num_seqs x ks_seq] fp32 (head, sequence, position), boxes [TILE]
+    ks_desc,                                # K8: 1D over the key scales, [Hkv, num_seqs x ks_seq] fp32 flat, boxes [TILE]
     block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
     qk_scale,                               # softmax_scale * log2(e)
     num_seqs, q_block_base,
@@ -251,7 +251,7 @@ def _prefill_wgmma_kernel(
     stride_ks_h, ks_seq,                    # K8: key scales from one KV head / sequence to the next
     GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_Q: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    K8: gl.constexpr = False,               # int8 keys (a quantized context's codes) and key scales
+    K8: gl.constexpr = False,               # int8 keys (INT4 codes c - zp) and their scales (ks_desc)
 ):
     """Grid ``(q blocks - q_block_base + num_seqs, num_kv_heads)``, as ``prefill_2d._attn_kernel``
     without segments, the first axis in reverse: program ``(i, h)`` attends q block
