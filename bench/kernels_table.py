@@ -117,7 +117,7 @@ def cell(p: Plan) -> str:
     if p.tiling.dequant_first:
         groups = p.tiling.dequant_groups
         extra.append("dequant first" + (f" in {groups} head groups" if groups > 1 else "")
-                     + (", rows unrotated" if p.tiling.unrotate else "") + (", int8 keys" if p.tiling.int8_keys else ""))
+                     + (", rows unrotated" if p.tiling.unrotate else ""))
     return f"`{p.path.value}`" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -150,8 +150,7 @@ def section() -> str:
            "`dequant first`: the 2D plan dequantizes a "
            "quantized context into a 16-bit scratch first (`Tiling.dequant_first`, see \"Prefill over a "
            "quantized cache\" below; `rows unrotated`: INT4 rows written in the original domain, "
-           "`Tiling.unrotate`; `int8 keys`: INT4 keys kept as int8 codes for int8 score MMAs, "
-           "`Tiling.int8_keys`).", "",
+           "`Tiling.unrotate`).", "",
            "### Decode and prefill, head_size 128, 32 query / 8 KV heads, packed cache", ""]
     out += table(128, 32, 8, [(b, c, 1) for b, c in DECODE] + [(1, 4096, 4096)])
     out += ["", "### Other head sizes (32 query / 8 KV heads)", ""]
