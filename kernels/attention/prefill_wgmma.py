@@ -28,8 +28,8 @@ from .common import LOG2E
 TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
 # head size -> fewest keys of the longest context at which INT4 rows kept rotated are read as int8
 # keys (``Tiling.int8_keys``, with ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys:
-# head 256 1.10-1.20x from 4k cached keys; head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64
-# 0.80-0.87x (none: the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
+# head 256 1.11-1.19x from 4k cached keys; head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64
+# 0.84-0.88x (none: the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
 # "Prefill over a quantized cache".
 INT8_KEY_MIN_KEYS = {128: 16384, 256: 0}
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
