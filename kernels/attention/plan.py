@@ -460,7 +460,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         not_ok = W.eligible(call, dequant)
         dtype = D.scratch_dtype(interpreted=False) if dequant else call.k.dtype  # the probe runs on the GPU
         int8_keys = dequant and tuning.int8_key_prefill and D.int8_keys_apply(call, unrotate) \
-            and call.max_seqlen_k >= W.INT8_KEY_MIN_KEYS.get(call.head_size, 1 << 62)
+            and call.head_size in W.INT8_KEY_HEADS
         if not not_ok and facts.index is not None and not W.probe(
                 _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal, int8_keys):
             not_ok = ["its Gluon kernel does not compile with this Triton"]
@@ -470,7 +470,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
                        f"({rows:.0f} query rows per sequence)")
             if int8_keys:
                 why.append(f"keys as int8 codes, the query quantized per row: int8 score MMAs (head_size "
-                           f"{call.head_size}, {call.max_seqlen_k} keys >= {W.INT8_KEY_MIN_KEYS[call.head_size]})")
+                           f"{call.head_size} in {W.INT8_KEY_HEADS})")
             return Tiling(W.BLOCK_M, tile, num_warps=W.NUM_WARPS, num_stages=stages, mask_edges_only=True,
                           dequant_first=dequant, dequant_groups=groups, unrotate=unrotate, wgmma=True,
                           int8_keys=int8_keys)

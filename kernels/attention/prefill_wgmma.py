@@ -26,12 +26,12 @@ from .common import LOG2E
 # 224 KiB, head 256 192 KiB of the 227 available). Head 64 under 2,048 keys measured slower than
 # the Triton kernel (docs/BENCHMARKS.md, "Prefill over a quantized cache").
 TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
-# head size -> fewest keys of the longest context at which INT4 rows kept rotated are read as int8
-# keys (``Tiling.int8_keys``, with ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys:
-# head 256 1.11-1.19x from 4k cached keys; head 128 1.02x at 32k, 0.95-0.99x at 4k; head 64
-# 0.84-0.88x (none: the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
+# head sizes at which INT4 rows kept rotated are read as int8 keys (``Tiling.int8_keys``, with
+# ``Tuning(int8_key_prefill=True)``). H200, against fp16 keys: head 256 1.11-1.19x from 4k cached
+# keys; head 128 0.99-1.02x from 8k to 32k (no gain past the machine's spread), 0.95-0.99x at 4k;
+# head 64 0.84-0.88x (the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
 # "Prefill over a quantized cache".
-INT8_KEY_MIN_KEYS = {128: 16384, 256: 0}
+INT8_KEY_HEADS = (256,)
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
 NUM_WARPS = 4                   # the default partition (a consumer); the other consumer and the producer are workers
 MAX_REGS = 168                  # per thread at launch: 12 warps x 32 x 168 <= 65,536 (the partitions then
