@@ -154,6 +154,18 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, y: torch.Tensor, scale: fl
 
 
 @triton.jit
+def _int4_rows(src, scale_ptr, rows_off, scale_off, r_ok, inv_db, stride_d, HEAD: tl.constexpr):
+    """INT4 rows as ``(lo, hi, scale)``: the codes of each byte's low / high nibble less the row's
+    zero point (rotated dims ``2i`` / ``2i + 1``, int32 ``[ROWS, HEAD / 2]``) and the row's scale
+    times ``inv_db`` (fp32 ``[ROWS]``)."""
+    offs_c = tl.arange(0, HEAD // 2)
+    bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
+    b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
+    zp = (bits & 0xF)[:, None]
+    return (b & 0xF).to(tl.int32) - zp, (b >> 4).to(tl.int32) - zp, (bits & -16).to(tl.float32, bitcast=True) * inv_db
+
+
+@triton.jit
 def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d, h_half, signs,
                 ROWS: tl.constexpr, HEAD: tl.constexpr, MODE: tl.constexpr, UNROTATE: tl.constexpr,
                 DT: tl.constexpr):
@@ -163,15 +175,9 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d
     ``UNROTATE`` in the original domain, ``s * scale * H(c - zp) / d`` (``inv_db`` then ``1 / d``,
     ``h_half`` the order-``HEAD / 2`` Hadamard operand in ``DT``, ``signs`` [HEAD])."""
     offs_d = tl.arange(0, HEAD)
-    bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
     if MODE == MODE_INT4:
-        HALF: tl.constexpr = HEAD // 2
-        offs_c = tl.arange(0, HALF)
-        b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
-        zp = (bits & 0xF)[:, None]
-        sc = ((bits & -16).to(tl.float32, bitcast=True) * inv_db)[:, None]
-        lo = (b & 0xF).to(tl.int32) - zp  # rotated dims 2i: [ROWS, HALF]
-        hi = (b >> 4).to(tl.int32) - zp   # rotated dims 2i + 1
+        lo, hi, sc = _int4_rows(src, scale_ptr, rows_off, scale_off, r_ok, inv_db, stride_d, HEAD)
+        sc = sc[:, None]
         if UNROTATE:
             # H_d[2i + e, 2m + t] = H_{d/2}[i, m] (-1)^(e t): dims 2m / 2m + 1 of H(c - zp) are
             # H_{d/2}(lo + hi) / H_{d/2}(lo - hi). |lo +- hi| <= 30 and the sums are exact.
@@ -181,6 +187,7 @@ def _store_rows(src, scale_ptr, rows_off, scale_off, out, r_ok, inv_db, stride_d
         else:
             x = tl.reshape(tl.join(lo.to(tl.float32) * sc, hi.to(tl.float32) * sc), [ROWS, HEAD])
     else:
+        bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
         c = tl.load(src + rows_off[:, None] + offs_d[None, :] * stride_d, mask=r_ok[:, None], other=0.0)
         if MODE == MODE_FP8:
             c = c.to(tl.float16)  # e4m3 -> fp16 is exact
@@ -193,14 +200,10 @@ def _store_key_codes(src, scale_ptr, rows_off, scale_off, out, scale_out, r_ok, 
                      ROWS: tl.constexpr, HEAD: tl.constexpr):
     """INT4 key rows kept rotated as int8 codes ``c - zp`` and one fp32 scale each (``scale *
     inv_db``): ``out`` [ROWS, HEAD] (row-major offsets), ``scale_out`` [ROWS]."""
-    HALF: tl.constexpr = HEAD // 2
-    offs_c = tl.arange(0, HALF)
-    bits = tl.load(scale_ptr + scale_off, mask=r_ok, other=0)
-    b = tl.load(src + rows_off[:, None] + offs_c[None, :] * stride_d, mask=r_ok[:, None], other=0)
-    zp = (bits & 0xF)[:, None]
-    c = tl.reshape(tl.join((b & 0xF).to(tl.int32) - zp, (b >> 4).to(tl.int32) - zp), [ROWS, HEAD])
+    lo, hi, sc = _int4_rows(src, scale_ptr, rows_off, scale_off, r_ok, inv_db, stride_d, HEAD)
+    c = tl.reshape(tl.join(lo, hi), [ROWS, HEAD])
     tl.store(out + tl.arange(0, HEAD)[None, :], c.to(tl.int8), mask=r_ok[:, None])
-    tl.store(scale_out, (bits & -16).to(tl.float32, bitcast=True) * inv_db, mask=r_ok)
+    tl.store(scale_out, sc, mask=r_ok)
 
 
 # Grid: (num_seqs * cdiv(blocks_per_seq, BLOCKS), cdiv(BLOCK_SIZE * NUM_KV_HEADS, ROWS)). One

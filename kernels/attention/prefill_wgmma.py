@@ -141,12 +141,14 @@ def launch(call, plan, compile_only: bool = False) -> None:
     base = call.first_token // block_q
     grid = (q.shape[0] // block_q - base + call.num_seqs, hkv)
     k_desc, v_desc = _descriptor(k, k_layout), _descriptor(v, v_layout)
-    ks = call.ks if k8 else None  # int8 keys' scales [Hkv, num_seqs x blocks_per_seq x block_size]
-    args = (q, k_desc, v_desc, out, _scales_descriptor(ks, tile) if k8 else k_desc,
+    if k8:  # the keys' scales [Hkv, num_seqs x blocks_per_seq x block_size], the scratch's identity table
+        ks_desc, ks_head, ks_seq = _scales_descriptor(call.ks, tile), call.ks.stride(0), call.block_table.shape[1] * bs
+    else:
+        ks_desc, ks_head, ks_seq = k_desc, 0, 0  # unread
+    args = (q, k_desc, v_desc, out, ks_desc,
             call.block_table, call.cu_seqlens_q.contiguous(), call.seqused_k.contiguous(),
             call.softmax_scale * LOG2E, call.num_seqs, base, k.shape[0], _pitch(k),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.block_table.stride(0),
-            ks.stride(0) if k8 else 0, k.shape[0] // max(1, call.num_seqs) * bs if k8 else 0)
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.block_table.stride(0), ks_head, ks_seq)
     kw = dict(GROUP=call.group, HEAD=head, BLOCK_SIZE=bs, BLOCK_Q=block_q, TILE=tile, STAGES=stages,
               CAUSAL=call.causal, CONSUMER_REGS=CONSUMER_REGS, K8=k8, num_warps=NUM_WARPS, maxnreg=MAX_REGS)
     if compile_only:
