@@ -7,7 +7,8 @@ always ZeroMQ. The payload bytes of a BLOCKS message travel on one of two data p
   prefill's buffers (docs/PROTOCOL.md, "BLOCKS").
 - ``nixl``: written by the prefill with NIXL (UCX: TCP here; RDMA where the fabric has it)
   straight into a receive region the decode side registered; the BLOCKS header then carries
-  ``at`` (where the frames start in the region, back to back) and no payload frames. The
+  ``at`` (where the frames start in the region, back to back) and no payload frames, and is sent
+  once its write is in the region (up to ``prefill.NIXL_INFLIGHT`` writes of a transfer in flight). The
   header still lists ``nbytes`` and checksums, and the decode side verifies them in the region
   before a byte reaches a cache, exactly as for frames (docs/PROTOCOL.md, "Data planes").
 
@@ -42,7 +43,10 @@ def _agent(role: str):
     except ImportError as e:
         raise TransferError(f"data_plane='nixl' needs the nixl package (pip install nixl): {e}") from e
     name = f"kvc-{role}-{os.getpid()}-{next(_ids)}"
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"])), name
+    # the decode side never calls into its agent after registering the region, so UCX's progress
+    # thread moves what arrives; the prefill's I/O thread polls its writes (NixlWrite.poll), which
+    # progresses its agent, and a second progress thread spinning beside it slowed the pulls 1.6-2x
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=role == "decode", backends=["UCX"])), name
 
 
 def check_plane(name: str) -> str:
@@ -115,11 +119,13 @@ class NixlReceiver:
 
 
 class NixlWriter:
-    """Prefill side: writes payload frames into a decode peer's region."""
+    """Prefill side: writes payload frames into a decode peer's region, several in flight
+    (:meth:`start`, then :meth:`NixlWrite.poll` from the I/O thread)."""
 
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.agent, self.name = _agent("prefill")
         self.timeout_s = timeout_s
+        self._orphans: list = []         # abandoned writes NIXL may still be performing
 
     def add_peer(self, offer: dict) -> tuple:
         """Register a peer from its HELLO ``nixl`` value; returns the peer handle ``(agent name,
@@ -131,32 +137,93 @@ class NixlWriter:
             raise TransferError(f"HELLO field 'nixl': expected {{agent: bytes, addr: int, len: int}} NIXL "
                                 f"metadata, got {type(e).__name__}: {e}") from e
 
-    def write(self, peer: tuple, frames: list, at: int) -> None:
-        """Write ``frames`` (host buffers) back to back at ``at`` of the peer's region; returns
-        once NIXL reports the transfer done (bounded by ``timeout_s``)."""
+    def start(self, peer: tuple, frames: list, at: int) -> "NixlWrite":
+        """Post a write of ``frames`` (host buffers) back to back at ``at`` of the peer's region and
+        return at once: the returned :class:`NixlWrite` says when it is in the region (``poll``)
+        and when the frames may be reused (``done``). Raises TransferError for a range outside the
+        region or a transfer NIXL refuses to post."""
         name, addr, size = peer
         total = sum(memoryview(f).nbytes for f in frames)
         if not 0 <= at <= size - total:
             raise TransferError(f"nixl write: expected [{at}, {at + total}) inside the peer's region of {size} bytes")
         tensors = [torch.from_numpy(f) if not isinstance(f, torch.Tensor) else f for f in frames]
         reg = self.agent.register_memory(tensors)
+        src, dst, off = [], [], addr + at
+        for t in tensors:
+            src.append((t.data_ptr(), t.numel(), 0))
+            dst.append((off, t.numel(), 0))
+            off += t.numel()
         try:
-            src, dst, off = [], [], addr + at
-            for t in tensors:
-                src.append((t.data_ptr(), t.numel(), 0))
-                dst.append((off, t.numel(), 0))
-                off += t.numel()
             handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(src, "DRAM"),
                                                 self.agent.get_xfer_descs(dst, "DRAM"), name)
-            try:
-                state, t_end = self.agent.transfer(handle), time.monotonic() + self.timeout_s
-                while state not in ("DONE", "ERR"):
-                    if time.monotonic() > t_end:
-                        raise TransferTimeoutError(f"nixl write of {total} bytes: not done after {self.timeout_s} s")
-                    state = self.agent.check_xfer_state(handle)
-                if state == "ERR":
-                    raise TransferError(f"nixl write of {total} bytes to {name}: transfer failed")
-            finally:
-                self.agent.release_xfer_handle(handle)
-        finally:
+        except Exception:
             self.agent.deregister_memory(reg)
+            raise
+        w = NixlWrite(self.agent, handle, reg, tensors, at, total, name, time.monotonic() + self.timeout_s)
+        w.state = self.agent.transfer(handle)
+        return w
+
+    def abandon(self, w: "NixlWrite") -> None:
+        """A write whose transfer was given up: its handle is released once NIXL is done with it
+        (:meth:`reap`)."""
+        if not w.done:
+            self._orphans.append(w)
+
+    def reap(self) -> None:
+        """Release the handles of abandoned writes NIXL has finished."""
+        self._orphans = [w for w in self._orphans if not w.finish_quietly()]
+
+    def close(self) -> None:
+        """Release what is left (abandoned writes still in flight included)."""
+        for w in self._orphans:
+            try:
+                w.release()
+            except Exception:  # NIXL refuses to release a transfer still running; the agent goes with the endpoint
+                pass
+        self._orphans = []
+
+
+class NixlWrite:
+    """One posted NIXL write (:meth:`NixlWriter.start`): its transfer handle, the registration of
+    its source buffers and the buffers themselves, held until NIXL reports the transfer finished."""
+
+    def __init__(self, agent, handle, reg, tensors: list, at: int, total: int, peer: str, deadline: float) -> None:
+        self._agent, self._handle, self._reg, self._tensors = agent, handle, reg, tensors
+        self.at, self.total, self.peer, self.deadline = at, total, peer, deadline
+        self.state = "PROC"
+
+    @property
+    def done(self) -> bool:
+        """The source buffers are free again (NIXL no longer reads them): the tracker a pooled
+        buffer is released with (``sender.BufferPool``)."""
+        return self._handle is None
+
+    def poll(self) -> bool:
+        """True once the payload is in the peer's region. Raises TransferError if NIXL reports the
+        transfer failed, TransferTimeoutError past the writer's ``timeout_s`` (the handle is then
+        left for :meth:`NixlWriter.abandon`)."""
+        if self._handle is None:
+            return True
+        if self.state not in ("DONE", "ERR"):
+            self.state = self._agent.check_xfer_state(self._handle)
+        if self.state == "DONE":
+            self.release()
+            return True
+        if self.state == "ERR":
+            self.release()
+            raise TransferError(f"nixl write of {self.total} bytes at {self.at} of {self.peer}'s region: transfer failed")
+        if time.monotonic() > self.deadline:
+            raise TransferTimeoutError(f"nixl write of {self.total} bytes: not done after the writer's timeout")
+        return False
+
+    def finish_quietly(self) -> bool:
+        """Poll without raising; True once released (done or failed)."""
+        if self._handle is not None and self._agent.check_xfer_state(self._handle) in ("DONE", "ERR"):
+            self.release()
+        return self._handle is None
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._agent.release_xfer_handle(self._handle)
+            self._agent.deregister_memory(self._reg)
+            self._handle, self._reg, self._tensors = None, None, []

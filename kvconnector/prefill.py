@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -49,6 +50,7 @@ from .trace import Trace
 from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 
+NIXL_INFLIGHT = 4   # NIXL writes a stream keeps in flight before it stages more
 PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
 PRESTAGE_BYTES = 64 << 20   # CUDA caches: pinned bytes of first messages staged at publish, not yet pulled
 
@@ -121,6 +123,7 @@ class PrefillEndpoint:
                  data_plane: str = ZMQ, prestage_bytes: int | None = None) -> None:
         check_caches(caches, descriptor)
         self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
+        self._nixl_pending: dict = {}    # stream -> deque of (NIXL write or None, header frames) not yet sent
         self.frame_ops = frame_ops
         self.prestage_bytes = int(default_prestage_bytes(caches[0].device) if prestage_bytes is None
                                   else prestage_bytes)
@@ -252,6 +255,8 @@ class PrefillEndpoint:
         if self._zap is not None:
             self._zap.stop()  # its socket must close before the loop terminates the context
         self._loop.close()
+        if self._nixl is not None:
+            self._nixl.close()
 
     def __enter__(self):
         return self
@@ -563,8 +568,32 @@ class PrefillEndpoint:
         if not self._end_lease(tid, "failed", ErrorCode.SERVE_FAILED, msg):   # lease already gone
             self._reply(ident, Header(MsgType.ERROR, tid=tid, code=ErrorCode.SERVE_FAILED, msg=msg))
 
+    def _flush_nixl(self, s: Stream) -> bool:
+        """Send the BLOCKS headers of stream ``s`` whose NIXL writes are in the peer's region, in
+        order; True if any went. Raises what a failed write raises."""
+        pending, sent = self._nixl_pending[s], False
+        while pending and (pending[0][0] is None or pending[0][0].poll()):
+            try:
+                self._send(s.ident, pending[0][1])
+            except zmq.Again:                      # the peer's queue is full: the header stays first
+                break
+            pending.popleft()
+            sent = True
+        return sent
+
+    def _drop_nixl(self) -> None:
+        """Writes of streams no longer served (failed, cancelled, peer gone) are abandoned: their
+        handles are released once NIXL has finished them."""
+        for s in [s for s in self._nixl_pending if s not in self._streams]:
+            for w, _ in self._nixl_pending.pop(s):
+                if w is not None:
+                    self._nixl.abandon(w)
+        self._nixl.reap()
+
     def _pump(self, now: float) -> float:
         """Send one message per stream, round-robin, until every stream is done or blocked."""
+        if self._nixl is not None:
+            self._drop_nixl()
         if not self._streams or now < self._blocked_until:
             return max(0.0, self._blocked_until - now) if self._streams else 1.0
         for _ in range(64):  # bounded (rounds and time) so ACK/PULL/PING and lease expiry keep being served
@@ -572,6 +601,14 @@ class PrefillEndpoint:
                 break
             progressed = False
             for s in list(self._streams):
+                if s in self._nixl_pending:
+                    try:
+                        progressed |= self._flush_nixl(s)
+                    except Exception as e:
+                        self._serve_failed(s.ident, s.tid, e, s)
+                        continue
+                    if len(self._nixl_pending[s]) >= NIXL_INFLIGHT:
+                        continue
                 try:
                     frames = s.next_frames()
                     if frames:
@@ -580,17 +617,20 @@ class PrefillEndpoint:
                     self._serve_failed(s.ident, s.tid, e, s)
                     continue
                 if frames is None:
-                    self._streams.remove(s)
+                    if not self._nixl_pending.get(s):  # every header sent
+                        self._streams.remove(s)
+                        self._nixl_pending.pop(s, None)
                     continue
                 if not frames:                     # its buffers are still queued in ZeroMQ
                     continue
                 try:
                     nixl = s.at_base is not None and self._peers.get(s.ident, {}).get("nixl")
-                    if nixl:   # payload into the peer's region first; the header says where it is
-                        if len(frames) > 1:
-                            self._nixl.write(nixl, frames[1:], decode_header(frames[0]).at)
-                            frames = frames[:1]
-                        s.sent(self._send(s.ident, frames))
+                    if nixl:   # payload into the peer's region first; the header follows once it is there
+                        write = self._nixl.start(nixl, frames[1:], decode_header(frames[0]).at) if len(frames) > 1 \
+                            else None
+                        s.sent(write)              # the pooled buffer is free once NIXL has read it
+                        self._nixl_pending.setdefault(s, deque()).append((write, frames[:1]))
+                        self._flush_nixl(s)
                     else:
                         t0 = time.perf_counter()
                         s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))

@@ -18,8 +18,9 @@ from connector_fakes import filled_caches, make_desc
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector import dataplane
+from kvconnector.prefill import NIXL_INFLIGHT
 from kvconnector.protocol import CHECKSUM, MIX64
-from layouts import CorruptFrameError, KVQuantMode
+from layouts import CorruptFrameError, KVQuantMode, PeerError, TransferError
 
 pytestmark = pytest.mark.timeout(120)
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
@@ -87,14 +88,16 @@ def test_payload_corrupted_in_flight_never_lands(plane, kernels, monkeypatch):
     ops = FRAME_OPS if kernels else None
     sent = []
     if plane == "nixl":
-        real = dataplane.NixlWriter.write
+        real = dataplane.NixlWrite.poll
 
-        def write(self, peer, frames, at):
-            real(self, peer, frames, at)
-            sent.append(at)
-            if len(sent) == 2:
-                dec_region[at + 5] ^= 0x20
-        monkeypatch.setattr(dataplane.NixlWriter, "write", write)
+        def poll(self):   # once a write is in the region, before its header goes
+            done = real(self)
+            if done and self.at not in sent:
+                sent.append(self.at)
+                if len(sent) == 2:
+                    dec_region[self.at + 5] ^= 0x20
+            return done
+        monkeypatch.setattr(dataplane.NixlWrite, "poll", poll)
     with PrefillEndpoint(src, desc, chunk_bytes=1, frame_ops=ops, data_plane=plane) as pre, \
             DecodeEndpoint(dst, desc, frame_ops=ops, data_plane=plane, nixl_region_bytes=1 << 20) as dec:
         dec_region = dec._nixl.region if plane == "nixl" else None
@@ -143,3 +146,45 @@ def test_unknown_plane_is_refused():
     desc = make_desc(num_layers=1, num_blocks=2)
     with pytest.raises(ValueError, match="data_plane: expected one of"):
         DecodeEndpoint(filled_caches(desc, 0), desc, data_plane="rdma")
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="needs the nixl package")
+def test_nixl_writes_overlap_and_a_failed_one_fails_the_pull(monkeypatch):
+    """The prefill keeps several NIXL writes of a transfer in flight (a BLOCKS header goes once its
+    write is in the region, in order), and a write NIXL reports failed fails that pull with the
+    prefill's typed error while the next pull still lands byte-exact."""
+    desc = make_desc(num_layers=2, num_blocks=12)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    posted, fail = [], []
+    real_start, real_poll = dataplane.NixlWriter.start, dataplane.NixlWrite.poll
+
+    def start(self, peer, frames, at):
+        posted.append(sum(not w.done for w in posted_writes))     # writes still in flight at this start
+        w = real_start(self, peer, frames, at)
+        posted_writes.append(w)
+        return w
+
+    def poll(self):
+        if fail and fail[0] < len(posted_writes) and self is posted_writes[fail[0]]:
+            raise TransferError("nixl write: transfer failed (injected)")
+        return real_poll(self)
+    posted_writes = []
+    monkeypatch.setattr(dataplane.NixlWriter, "start", start)
+    monkeypatch.setattr(dataplane.NixlWrite, "poll", poll)
+    with PrefillEndpoint(src, desc, chunk_bytes=1, data_plane="nixl") as pre, \
+            DecodeEndpoint(dst, desc, data_plane="nixl", nixl_region_bytes=1 << 20) as dec:
+        dec.connect(pre.endpoint, timeout_s=10)
+        pre.publish("ok", list(range(8)))
+        dec.pull("ok", list(range(4, 12)), deadline_s=30).result(timeout=30)
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[4:12], _b(s)[0:8])
+        assert 1 <= max(posted) < NIXL_INFLIGHT, posted    # posted while earlier ones were in flight, up to the bound
+        fail.append(len(posted_writes) + 1)   # the second write of the next pull
+        pre.publish("bad", [0, 1, 2])
+        with pytest.raises(PeerError, match="injected"):
+            dec.pull("bad", [0, 1, 2], deadline_s=30).result(timeout=30)
+        fail.clear()
+        pre.publish("again", [3, 2])
+        dec.pull("again", [0, 1], deadline_s=30).result(timeout=30)
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[[0, 1]], _b(s)[[3, 2]])
