@@ -612,4 +612,7 @@ class DecodeEndpoint:
                     f"pull {p.transfer_id!r}: peer silent for {now - self._last_seen:.2f} s"), "peer_timeout")
         nxt = min((p.deadline_at for p in self._pending.values()), default=now + self.heartbeat_s)
         wait = min(nxt - now, self.heartbeat_s - (now - self._last_ping))
+        if self._nixl is not None and self.plane == NIXL and self._pending:
+            self._nixl.progress()   # payloads may be on their way into the region: progressed every ms
+            return min(0.001, max(0.0, wait))
         return 0.001 if self._gpu_writes else max(0.0, wait)   # queued xxh3 device writes: polled every ms
