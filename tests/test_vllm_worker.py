@@ -10,6 +10,7 @@ Run::
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -74,17 +75,26 @@ def prefill_request(w, n, req_id, block_ids, num_tokens, seed):
             "layout_fingerprint": w.descriptor.fingerprint()}
 
 
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ops", [None, "kernels.transfer.FRAME_OPS"], ids=["host-checksums", "device-kernels"])
-def test_pull_lands_in_engine_order_and_releases_prefill_blocks(device, ops):
+@pytest.mark.parametrize("plane", ["zmq", pytest.param("nixl", marks=pytest.mark.skipif(
+    not HAVE_NIXL, reason="needs the nixl package"))])
+def test_pull_lands_in_engine_order_and_releases_prefill_blocks(device, ops, plane):
+    """A prompt's blocks pulled by a decode worker land in the engine's block order (config
+    ``frame_ops`` and ``data_plane`` on both workers), and the prefill's blocks free once acked."""
     n = 32
-    pre, dec = make_worker(device, n, True, frame_ops=ops), make_worker(device, n, False, frame_ops=ops)
+    pre = make_worker(device, n, True, frame_ops=ops, data_plane=plane)
+    dec = make_worker(device, n, False, frame_ops=ops, data_plane=plane, nixl_region_mb=4)
     try:
         params = prefill_request(pre, n, "r1", [3, 9, 4], 70, seed=1)
         dec.start_load(ConnectorMeta(loads=[LoadSpec("d1", params, [5, 6, 7, 8], 0)]))
         recving, failed = wait_results(dec)
         assert recving == {"d1"} and not failed
         assert dec._decoders[pre.prefill.endpoint].checksum == ("mix64" if ops else "xxh3_64")
+        assert dec._decoders[pre.prefill.endpoint].plane == plane
         for src, dst in zip(pre.caches, dec.caches):        # whole blocks, in the engine's own order
             assert torch.equal(dst[[5, 6, 7]], src[[3, 9, 4]])
             assert not dst[8].any() and not dst[[0, 1, 2, 3, 4]].any()
@@ -155,3 +165,8 @@ def test_frame_ops_config_names_what_cannot_load():
     for bad in ("kernels.transfer.NO_SUCH_OPS", "no_such_module.FRAME_OPS", "FRAME_OPS"):
         with pytest.raises(ValueError, match="kv_connector_extra_config 'frame_ops': cannot load"):
             frame_ops_from_config(bad)
+
+
+def test_unknown_data_plane_is_a_one_line_error():
+    with pytest.raises(ValueError, match="data_plane: expected one of"):
+        WorkerSide({"data_plane": "rdma"}, is_producer=True, is_consumer=False)

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvconnector.dataplane import ZMQ, check_plane
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
 from kvconnector.security import keys_from_config
@@ -105,7 +106,9 @@ class WorkerSide:
         ``curve`` (optional ZeroMQ CURVE keys, see :func:`kvconnector.security.keys_from_config`:
         prefill ``{"secret_file", "authorized"}``, decode ``{"secret_file", "server_key"}``),
         ``frame_ops`` (optional: the dotted name of the device frame kernels, see
-        :func:`frame_ops_from_config`).
+        :func:`frame_ops_from_config`), ``data_plane`` (``"zmq"``, the default, or ``"nixl"``
+        where the nixl package is installed on both sides: :mod:`kvconnector.dataplane`) and
+        ``nixl_region_mb`` (decode side, 256: its NIXL receive region).
     is_producer, is_consumer : bool
     """
 
@@ -115,6 +118,7 @@ class WorkerSide:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.stats = Stats(config.get("stats_path"))
         self.frame_ops = frame_ops_from_config(config.get("frame_ops"))
+        self.data_plane = check_plane(config.get("data_plane", ZMQ))
         self.prefill: PrefillEndpoint | None = None
         self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
         self._decoders_lock = threading.Lock()
@@ -151,7 +155,7 @@ class WorkerSide:
                                            on_release=self._on_release, lease_s=float(self.config.get("lease_s", 30.0)),
                                            peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
                                            curve=keys_from_config(self.config.get("curve"), "server"),
-                                           frame_ops=self.frame_ops)
+                                           frame_ops=self.frame_ops, data_plane=self.data_plane)
             log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
                      self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
 
@@ -230,7 +234,9 @@ class WorkerSide:
                 return ep
             ep = DecodeEndpoint(self.staging, self.descriptor,
                                 peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                curve=keys_from_config(self.config.get("curve"), "client"), frame_ops=self.frame_ops)
+                                curve=keys_from_config(self.config.get("curve"), "client"), frame_ops=self.frame_ops,
+                                data_plane=self.data_plane,
+                                nixl_region_bytes=int(self.config.get("nixl_region_mb", 256)) << 20)
             try:
                 ep.connect(endpoint, timeout_s=float(self.config.get("handshake_s", 3.0)))
             except BaseException:
@@ -267,7 +273,7 @@ class WorkerSide:
             if self.caches[0].is_cuda:    # done before vLLM is told the blocks are there
                 torch.cuda.current_stream(self.caches[0].device).synchronize()
         return {"bytes": result.nbytes, "blocks": len(keep), "t_start": t0, "t_ready": time.time(),
-                "checksum": ep.checksum,
+                "checksum": ep.checksum, "plane": ep.plane,
                 "tokens": min(int(p["remote_num_tokens"]), len(dst) * self.bmap.block_size)
                 - spec.num_local_blocks * self.bmap.block_size}
 
