@@ -109,6 +109,31 @@ def prefill(procs, prompts, cached=None):
     return params
 
 
+def pair_tokens_equal_alone(model_dir, prompts, extra: dict, lease_s: float, timeout_s: float) -> list:
+    """Start a prefill and a decode engine with connector config ``extra`` (``stats_path`` in it),
+    check that the decode engine's tokens with every prompt pulled equal its own without a
+    transfer and that every prompt token was loaded, and return the ``loaded`` stats events."""
+    stats = extra["stats_path"]
+    procs = {"prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK,
+                                   extra={**extra, "port": free_port(), "lease_s": lease_s}),
+             "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra=extra)}
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        reference = [ids for ids, _, _, _ in procs["decode"].generate(prompts, None, max_tokens=MAX_TOKENS)]
+        params = prefill(procs, prompts)
+        out = procs["decode"].generate(prompts, params, max_tokens=MAX_TOKENS, timeout_s=timeout_s)
+        assert [ids for ids, _, _, _ in out] == reference
+        assert [cached for _, cached, _, _ in out] == [len(p) for p in prompts]   # every prompt token pulled
+        loaded = read_stats(stats, "loaded")
+        assert sorted(e["tokens"] for e in loaded) == sorted(len(p) for p in prompts)
+        assert not read_stats(stats, "load_failed")
+        return loaded
+    finally:
+        for p in procs.values():
+            p.close()
+
+
 def test_disaggregated_tokens_equal_single_engine(engines, prompts, reference):
     procs, stats = engines
     params = prefill(procs, prompts)

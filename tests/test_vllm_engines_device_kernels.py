@@ -19,34 +19,16 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from test_vllm_engines import BLOCK, MAX_TOKENS, model_dir, prefill, prompts, read_stats  # noqa: E402,F401
-from vllm_engines import EngineProc, free_port  # noqa: E402
+from test_vllm_engines import model_dir, pair_tokens_equal_alone, prompts  # noqa: E402,F401
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def test_device_kernels_both_ends_tokens_equal(model_dir, prompts, tmp_path):  # noqa: F811
     prompts = prompts[:3]     # 5, 25 and 161 tokens: the interpreter gathers and verifies every byte
-    stats = str(tmp_path / "stats.jsonl")
     # the interpreter takes seconds per message (the 161-token pull over a minute on 2 cores):
     # the prefill gathers on its gather thread and keeps answering heartbeats meanwhile
-    extra = {"stats_path": stats, "pull_deadline_s": 300, "handshake_s": 5, "peer_timeout_s": 10,
-             "frame_ops": "kernels.transfer.FRAME_OPS"}
-    procs = {"prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK,
-                                   extra={**extra, "port": free_port(), "lease_s": 300}),
-             "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra=extra)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
-        reference = [ids for ids, _, _, _ in procs["decode"].generate(prompts, None, max_tokens=MAX_TOKENS)]
-        params = prefill(procs, prompts)
-        out = procs["decode"].generate(prompts, params, max_tokens=MAX_TOKENS, timeout_s=600)
-        assert [ids for ids, _, _, _ in out] == reference
-        assert [cached for _, cached, _, _ in out] == [len(p) for p in prompts]   # every prompt token pulled
-        loaded = read_stats(stats, "loaded")
-        assert sorted(e["tokens"] for e in loaded) == sorted(len(p) for p in prompts)
-        assert {e["checksum"] for e in loaded} == {"mix64"}
-        assert not read_stats(stats, "load_failed")
-    finally:
-        for p in procs.values():
-            p.close()
+    extra = {"stats_path": str(tmp_path / "stats.jsonl"), "pull_deadline_s": 300, "handshake_s": 5,
+             "peer_timeout_s": 10, "frame_ops": "kernels.transfer.FRAME_OPS"}
+    loaded = pair_tokens_equal_alone(model_dir, prompts, extra, lease_s=300, timeout_s=600)
+    assert {e["checksum"] for e in loaded} == {"mix64"}

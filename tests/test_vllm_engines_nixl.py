@@ -20,31 +20,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("nixl", reason="needs the nixl package (pip install nixl)")
 
-from test_vllm_engines import BLOCK, MAX_TOKENS, model_dir, prefill, prompts, read_stats  # noqa: E402,F401
-from vllm_engines import EngineProc, free_port  # noqa: E402
+from test_vllm_engines import model_dir, pair_tokens_equal_alone, prompts  # noqa: E402,F401
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def test_nixl_plane_both_ends_tokens_equal(model_dir, prompts, tmp_path):  # noqa: F811
-    stats = str(tmp_path / "stats.jsonl")
-    extra = {"stats_path": stats, "pull_deadline_s": 60, "handshake_s": 5, "peer_timeout_s": 5,
-             "data_plane": "nixl", "nixl_region_mb": 64}
-    procs = {"prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK,
-                                   extra={**extra, "port": free_port(), "lease_s": 60}),
-             "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra=extra)}
-    try:
-        for p in procs.values():
-            p.wait_ready()
-        reference = [ids for ids, _, _, _ in procs["decode"].generate(prompts, None, max_tokens=MAX_TOKENS)]
-        params = prefill(procs, prompts)
-        out = procs["decode"].generate(prompts, params, max_tokens=MAX_TOKENS, timeout_s=300)
-        assert [ids for ids, _, _, _ in out] == reference
-        assert [cached for _, cached, _, _ in out] == [len(p) for p in prompts]   # every prompt token pulled
-        loaded = read_stats(stats, "loaded")
-        assert sorted(e["tokens"] for e in loaded) == sorted(len(p) for p in prompts)
-        assert {e["plane"] for e in loaded} == {"nixl"}
-        assert not read_stats(stats, "load_failed")
-    finally:
-        for p in procs.values():
-            p.close()
+    extra = {"stats_path": str(tmp_path / "stats.jsonl"), "pull_deadline_s": 60, "handshake_s": 5,
+             "peer_timeout_s": 5, "data_plane": "nixl", "nixl_region_mb": 64}
+    loaded = pair_tokens_equal_alone(model_dir, prompts, extra, lease_s=60, timeout_s=300)
+    assert {e["plane"] for e in loaded} == {"nixl"}
