@@ -164,9 +164,8 @@ class NixlWriter:
         except Exception:
             self.agent.deregister_memory(reg)
             raise
-        w = NixlWrite(self.agent, handle, reg, tensors, at, total, name, time.monotonic() + self.timeout_s)
-        w.state = self.agent.transfer(handle)
-        return w
+        return NixlWrite(self.agent, handle, reg, tensors, at, total, name, time.monotonic() + self.timeout_s,
+                         self.agent.transfer(handle))
 
     def abandon(self, w: "NixlWrite") -> None:
         """A write whose transfer was given up: its handle is released once NIXL is done with it
@@ -192,10 +191,11 @@ class NixlWrite:
     """One posted NIXL write (:meth:`NixlWriter.start`): its transfer handle, the registration of
     its source buffers and the buffers themselves, held until NIXL reports the transfer finished."""
 
-    def __init__(self, agent, handle, reg, tensors: list, at: int, total: int, peer: str, deadline: float) -> None:
+    def __init__(self, agent, handle, reg, tensors: list, at: int, total: int, peer: str, deadline: float,
+                 state: str) -> None:
         self._agent, self._handle, self._reg, self._tensors = agent, handle, reg, tensors
         self.at, self.total, self.peer, self.deadline = at, total, peer, deadline
-        self.state = "PROC"
+        self.state = state              # NIXL's: "PROC" while running, then "DONE" or "ERR"
 
     @property
     def done(self) -> bool:
@@ -209,23 +209,28 @@ class NixlWrite:
         left for :meth:`NixlWriter.abandon`)."""
         if self._handle is None:
             return True
-        if self.state not in ("DONE", "ERR"):
-            self.state = self._agent.check_xfer_state(self._handle)
-        if self.state == "DONE":
-            self.release()
+        if self._settle():
+            if self.state == "ERR":
+                raise TransferError(f"nixl write of {self.total} bytes at {self.at} of {self.peer}'s region: "
+                                    "transfer failed")
             return True
-        if self.state == "ERR":
-            self.release()
-            raise TransferError(f"nixl write of {self.total} bytes at {self.at} of {self.peer}'s region: transfer failed")
         if time.monotonic() > self.deadline:
             raise TransferTimeoutError(f"nixl write of {self.total} bytes: not done after the writer's timeout")
         return False
 
     def finish_quietly(self) -> bool:
         """Poll without raising; True once released (done or failed)."""
-        if self._handle is not None and self._agent.check_xfer_state(self._handle) in ("DONE", "ERR"):
+        return self._handle is None or self._settle()
+
+    def _settle(self) -> bool:
+        """Ask NIXL for the transfer's state; once it is finished (done or failed), release the
+        handle and the registration and return True."""
+        if self.state not in ("DONE", "ERR"):
+            self.state = self._agent.check_xfer_state(self._handle)
+        if self.state in ("DONE", "ERR"):
             self.release()
-        return self._handle is None
+            return True
+        return False
 
     def release(self) -> None:
         if self._handle is not None:
