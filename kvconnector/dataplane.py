@@ -205,18 +205,16 @@ class NixlWrite:
 
     def poll(self) -> bool:
         """True once the payload is in the peer's region. Raises TransferError if NIXL reports the
-        transfer failed, TransferTimeoutError past the writer's ``timeout_s`` (the handle is then
-        left for :meth:`NixlWriter.abandon`)."""
-        if self._handle is None:
-            return True
-        if self._settle():
-            if self.state == "ERR":
-                raise TransferError(f"nixl write of {self.total} bytes at {self.at} of {self.peer}'s region: "
-                                    "transfer failed")
-            return True
-        if time.monotonic() > self.deadline:
-            raise TransferTimeoutError(f"nixl write of {self.total} bytes: not done after the writer's timeout")
-        return False
+        transfer failed (on every call after that too), TransferTimeoutError past the writer's
+        ``timeout_s`` (the handle is then left for :meth:`NixlWriter.abandon`)."""
+        if self._handle is not None and not self._settle():
+            if time.monotonic() > self.deadline:
+                raise TransferTimeoutError(f"nixl write of {self.total} bytes: not done after the writer's timeout")
+            return False
+        if self.state == "ERR":
+            raise TransferError(f"nixl write of {self.total} bytes at {self.at} of {self.peer}'s region: "
+                                "transfer failed")
+        return True
 
     def finish_quietly(self) -> bool:
         """Poll without raising; True once released (done or failed)."""

@@ -188,3 +188,38 @@ def test_nixl_writes_overlap_and_a_failed_one_fails_the_pull(monkeypatch):
         dec.pull("again", [0, 1], deadline_s=30).result(timeout=30)
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[[0, 1]], _b(s)[[3, 2]])
+
+
+class _Agent:
+    """The three NIXL agent calls a posted write makes (``check_xfer_state``, ``release_xfer_handle``,
+    ``deregister_memory``), answering a fixed state and recording the releases."""
+
+    def __init__(self, state):
+        self.state, self.released, self.deregistered = state, [], []
+
+    def check_xfer_state(self, handle):
+        return self.state
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+
+    def deregister_memory(self, reg):
+        self.deregistered.append(reg)
+
+
+@pytest.mark.parametrize("state", ["ERR", "DONE"])
+def test_nixl_write_keeps_its_verdict_after_release(state):
+    """A write NIXL reports failed raises TransferError at every poll, not only the first (its
+    handle and registration are released once); a finished one polls True every time."""
+    agent = _Agent("PROC")
+    w = dataplane.NixlWrite(agent, "h", "reg", [], at=64, total=128, peer="p", deadline=float("inf"), state="PROC")
+    assert w.poll() is False and not w.done
+    agent.state = state
+    for _ in range(3):
+        if state == "ERR":
+            with pytest.raises(TransferError, match="transfer failed"):
+                w.poll()
+        else:
+            assert w.poll() is True
+    assert w.done and agent.released == ["h"] and agent.deregistered == ["reg"]
+    assert w.finish_quietly() is True
