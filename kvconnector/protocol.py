@@ -202,7 +202,8 @@ def checksum_stream():
 
 
 def encode_header(h: Header) -> bytes:
-    """Encode a header to its msgpack frame (only the keys its type uses, plus ``v, t, seq``)."""
+    """Encode a header to its msgpack frame (the keys its type uses, plus ``v, t, seq`` and
+    ``tid`` where set)."""
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
     optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code),
                                      ("desc", h.desc), ("xfers", h.xfers), ("sums", h.sums),
@@ -212,7 +213,7 @@ def encode_header(h: Header) -> bytes:
         attr = _KEYS[key][0]
         val = getattr(h, attr)
         out[key] = list(val) if key == "heads" else val
-    if h.type == MsgType.ERROR and h.tid:
+    if h.tid:   # any type may name a transfer (ERROR does when it is about one): sent as decoded
         out["tid"] = h.tid
     return msgpack.packb(out, use_bin_type=True)
 
@@ -284,14 +285,14 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
                 or not 0 <= hd[0] <= hd[1] < (1 << 31):
             raise _fail("heads", "[lo, hi] ints with 0 <= lo <= hi", hd)
         h.heads = (hd[0], hd[1])
+    for i, v in enumerate(h.nbytes):   # in any message that carries them, not only BLOCKS
+        _check_int(f"nbytes[{i}]", v, 0, MAX_PAYLOAD_BYTES)
+    for i, v in enumerate(h.checksums):
+        _check_int(f"xxh[{i}]", v, 0, (1 << 64) - 1)
     if mtype == MsgType.BLOCKS:
         _check_int("nlay", h.nlay, 1, MAX_LIST_LEN)
         if len(h.nbytes) != len(h.checksums):
             raise _fail("xxh", f"{len(h.nbytes)} checksums (one per nbytes entry)", len(h.checksums))
-        for i, v in enumerate(h.nbytes):
-            _check_int(f"nbytes[{i}]", v, 0, MAX_PAYLOAD_BYTES)
-        for i, v in enumerate(h.checksums):
-            _check_int(f"xxh[{i}]", v, 0, (1 << 64) - 1)
     if len(h.sums) > 16 or not all(isinstance(x, str) and len(x) <= 64 for x in h.sums):
         raise _fail("sums", "at most 16 algorithm names (str)", h.sums)
     return h

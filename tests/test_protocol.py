@@ -43,6 +43,17 @@ def test_header_round_trip(h):
         assert getattr(got, name) == getattr(h, name), name
 
 
+def test_a_transfer_id_in_any_header_is_sent_again_as_decoded():
+    """What a receiver accepts it can re-send unchanged: a ``tid`` on a type that does not need one
+    (a PING here, from the long fuzz run) survives a decode / encode / decode round trip."""
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.PING), "seq": 1, "tid": "abc", "nblk": 4,
+                         "heads": [0, 2]})
+    h = decode_header(raw)
+    again = decode_header(encode_header(h))
+    assert (again.type, again.seq, again.tid) == (MsgType.PING, 1, "abc")
+    assert "tid" not in msgpack.unpackb(encode_header(Header(MsgType.PING)))   # none set: none sent
+
+
 def test_blocks_message_fills_counts_and_checksums():
     payloads = [bytes(range(7)), bytearray(b"xyz")]
     frames = encode_message(Header(MsgType.BLOCKS, tid="t", layer=2, nlay=3, first=4, nblk=2, heads=(0, 1),
@@ -78,9 +89,12 @@ def _raw(**over):
     (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[4], xxh=[-1], last=True), r"xxh\[0\]"),
     (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=0, first=0, nbytes=[4], xxh=[1], last=True), "field 'nlay'"),
     (_raw(t=int(MsgType.BLOCKS), layer=0, first=0, nbytes=[4], xxh=[1], last=True), r"missing field\(s\) \['nlay'\]"),
+    # found by the long fuzz run: the lists were checked only in BLOCKS headers
+    (_raw(t=int(MsgType.HELLO), desc={}, nbytes=[{"a": 1}, 1 << 62]), r"nbytes\[0\]"),
+    (_raw(nbytes=[4], xxh=["x"]), r"xxh\[0\]"),
 ], ids=["garbage", "array", "bad-type", "type-str", "neg-nblk", "str-nblk", "bool-nblk", "int-tid",
         "long-tid", "heads-reversed", "heads-3", "missing", "version-str", "xxh-count", "hostile-nbytes",
-        "neg-checksum", "zero-nlay", "v1-blocks-without-nlay"])
+        "neg-checksum", "zero-nlay", "v1-blocks-without-nlay", "hello-nbytes-map", "pull-xxh-str"])
 def test_decode_rejects_bad_headers(raw, match):
     with pytest.raises(CorruptFrameError, match=match):
         decode_header(raw)
