@@ -44,8 +44,9 @@ from layouts import CorruptFrameError, KeyOffsets, LayoutDescriptor, LayoutError
 MAGIC = b"\x93KVDUMP\n"          # high bit and newline catch 7-bit and text-mode mangling
 END_MAGIC = b"\nPMUDVK\x93"
 DUMP_FORMAT_VERSION = 1
-# Protocol versions a dump may follow: their BLOCKS framing is the same (3 added DESCRIBE only).
-READABLE_PROTOCOLS = (2, 3)
+# Protocol versions a dump may follow: their BLOCKS framing is the same (3 added DESCRIBE only;
+# 4 the BLOCKS header's placement checksum, checked wherever a header carries one).
+READABLE_PROTOCOLS = (2, 3, 4)
 MAX_FILE_HEADER_BYTES = 64 << 20  # a header lists layers and block ids: 64 MiB is ~10M ids
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 

@@ -32,6 +32,7 @@ key       type                       meaning
 ``nixl``  map                        HELLO: NIXL agent metadata + receive region (data plane)
 ``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
 ``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
+``hxx``   int (u64)                  BLOCKS: checksum of the placement fields (:func:`placement_checksum`, v4)
 ``last``  bool                       BLOCKS: final message of the transfer
 ``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor
 ``ok``    bool                       HELLO_ACK / ACK: accepted / succeeded
@@ -47,7 +48,7 @@ the same list; the full protocol, message numbers and a worked example are docum
 Compatibility rule: a peer whose ``v`` differs is refused with :class:`ProtocolVersionError`
 (no negotiation). Unknown header keys are ignored so that a later version may
 add optional keys without a bump; any change to an existing key's meaning bumps the version.
-The checksum algorithm is negotiated inside v3 by optional keys: a decode side lists what it
+The checksum algorithm is negotiated by optional keys (since v3): a decode side lists what it
 accepts in HELLO ``sums``; the prefill answers its choice in HELLO_ACK ``sum`` and names it in
 every BLOCKS ``sum``. A peer that sends no ``sums`` gets xxh3_64 and never sees ``sum``.
 """
@@ -63,11 +64,12 @@ import xxhash
 from layouts import CorruptFrameError, ProtocolVersionError
 from layouts import checksum as mix64_ref
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PROTOCOL_HISTORY = {
     1: "HELLO/HELLO_ACK, PULL, BLOCKS, ACK, ABORT, ERROR, PING/PONG; xxh3_64 per payload frame",
     2: "BLOCKS key 'nlay': one message carries nlay consecutive layers (layer-major payload)",
     3: "DESCRIBE: ask a prefill endpoint for its descriptor and published transfers (no handshake)",
+    4: "BLOCKS key 'hxx' (required): a checksum of the fields that say where the payload goes",
 }
 
 MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to parse more
@@ -138,6 +140,7 @@ class Header:
     nixl: dict | None = None
     plane: str = ""
     at: int | None = None
+    placement: int | None = None     # BLOCKS ``hxx`` as received (encode_header computes its own)
     version: int = PROTOCOL_VERSION
 
     @property
@@ -171,6 +174,16 @@ _REQUIRED = {
 }
 _DEFAULTS = Header(MsgType.PING)
 _MAX_TYPE = max(MsgType)
+
+
+def placement_checksum(h: Header) -> int:
+    """``hxx`` of a BLOCKS header: xxh3_64 (seed 0) of the msgpack array ``[tid, layer, nlay,
+    first, nblk, [lo, hi], nbytes, xxh, sum, at]`` (``sum`` "" and ``at`` nil where absent). The
+    payload checksums say the bytes are intact; this says the header that places them is: a
+    corrupted ``first``, ``layer`` or ``tid`` would otherwise put intact bytes in the wrong blocks."""
+    fields = [h.tid, h.layer, h.nlay, h.first, h.nblk, [h.heads[0], h.heads[1]], list(h.nbytes),
+              list(h.checksums), h.sum, h.at]
+    return xxhash.xxh3_64_intdigest(msgpack.packb(fields, use_bin_type=True))
 
 
 def checksum(buf, algorithm: str = CHECKSUM) -> int:
@@ -213,6 +226,8 @@ def encode_header(h: Header) -> bytes:
         attr = _KEYS[key][0]
         val = getattr(h, attr)
         out[key] = list(val) if key == "heads" else val
+    if h.type == MsgType.BLOCKS and h.version >= 4:
+        out["hxx"] = placement_checksum(h)
     if h.tid:   # any type may name a transfer (ERROR does when it is about one): sent as decoded
         out["tid"] = h.tid
     return msgpack.packb(out, use_bin_type=True)
@@ -293,6 +308,15 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
         _check_int("nlay", h.nlay, 1, MAX_LIST_LEN)
         if len(h.nbytes) != len(h.checksums):
             raise _fail("xxh", f"{len(h.nbytes)} checksums (one per nbytes entry)", len(h.checksums))
+        if "hxx" in raw or version >= 4:   # required from v4; older dumps' headers have none
+            if "hxx" not in raw:
+                raise CorruptFrameError("BLOCKS header: missing field(s) ['hxx']")
+            h.placement = _check_int("hxx", raw["hxx"], 0, (1 << 64) - 1)
+            want = placement_checksum(h)
+            if h.placement != want:
+                raise CorruptFrameError(
+                    f"BLOCKS {h.tid!r} header field 'hxx': expected {want:#018x} (the checksum of tid, layer, "
+                    f"nlay, first, nblk, heads, nbytes, xxh, sum, at), got {h.placement:#018x}")
     if len(h.sums) > 16 or not all(isinstance(x, str) and len(x) <= 64 for x in h.sums):
         raise _fail("sums", "at most 16 algorithm names (str)", h.sums)
     return h

@@ -13,6 +13,7 @@ Run: python -m pytest tests/test_connector.py -q
 import threading
 import time
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -269,6 +270,24 @@ def test_multi_layer_message_overlapping_a_received_layer_fails():
     assert torch.equal(_bytes(dst[0]), _bytes(before[0]))
 
 
+def _exact_pull(desc, src, script, settle_s: float = 0.0):
+    """Pull transfer "t" into blocks [3, 1] from a FakePrefill running ``script`` over ``src``; the
+    pull must succeed byte exact. Returns the closed decode endpoint (its stats and errors stay
+    readable), ``settle_s`` after the pull so that late messages were handled."""
+    fake = FakePrefill(desc, src, script)
+    dst = filled_caches(desc, 1)
+    try:
+        with DecodeEndpoint(dst, desc) as dec:
+            dec.connect(fake.endpoint, timeout_s=5)
+            dec.pull("t", [3, 1], deadline_s=5).result()
+            for s, d in zip(src, dst):
+                assert torch.equal(_bytes(d)[3], _bytes(s)[0]) and torch.equal(_bytes(d)[1], _bytes(s)[1])
+            time.sleep(settle_s)
+        return dec
+    finally:
+        fake.close()
+
+
 def test_duplicate_reordered_and_late_frames_are_ignored():
     desc = make_desc(num_layers=2, num_blocks=4)
     src = filled_caches(desc, 0)
@@ -279,19 +298,39 @@ def test_duplicate_reordered_and_late_frames_are_ignored():
         send(fake.blocks(h.tid, 0, 0, 2, seq=0))       # duplicate
         send(fake.blocks(h.tid, 1, 0, 1, seq=2, last=True))
         send(fake.blocks(h.tid, 1, 0, 1, seq=2))       # late: transfer already complete
-    fake = FakePrefill(desc, src, script)
-    dst = filled_caches(desc, 1)
-    try:
-        with DecodeEndpoint(dst, desc) as dec:
-            dec.connect(fake.endpoint, timeout_s=5)
-            dec.pull("t", [3, 1], deadline_s=5).result()
-            for s, d in zip(src, dst):
-                assert torch.equal(_bytes(d)[3], _bytes(s)[0]) and torch.equal(_bytes(d)[1], _bytes(s)[1])
-            time.sleep(0.2)
-            ignored = dec.stats()["ignored"]
-            assert ignored.get("duplicate") == 1 and ignored.get("late") == 1
-    finally:
-        fake.close()
+    dec = _exact_pull(desc, src, script, settle_s=0.2)
+    ignored = dec.stats()["ignored"]
+    assert ignored.get("duplicate") == 1 and ignored.get("late") == 1
+
+
+def _placed_elsewhere(frames, **fields):
+    """A copy of a BLOCKS message with header ``fields`` changed and its placement checksum not:
+    what a corrupted header frame looks like (the payload and its checksums intact)."""
+    raw = msgpack.unpackb(frames[0], raw=False)
+    raw.update(fields)
+    return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
+
+
+def test_intact_payload_under_a_corrupted_placement_is_refused():
+    """A BLOCKS message whose header says another position (``first``), layer or transfer than
+    the one it was made for, payload and payload checksums intact, arriving before the real
+    messages: the decode side refuses it (CorruptFrameError naming 'hxx', counted as a corrupt
+    header) and the pull lands byte exact. Without the header's placement checksum position 1's
+    bytes landed in position 0's block, the real position 0 was ignored as a duplicate, and the
+    pull succeeded with the wrong bytes (found by a long run of the live fuzzer)."""
+    desc = make_desc(num_layers=2, num_blocks=4)
+    src = filled_caches(desc, 0)
+
+    def script(send, h, fake):
+        send(_placed_elsewhere(fake.blocks(h.tid, 0, 1, 1), first=0))          # position 1's bytes at 0
+        send(_placed_elsewhere(fake.blocks(h.tid, 1, 0, 1), layer=0))          # layer 1's bytes as layer 0
+        send(_placed_elsewhere(fake.blocks("other", 0, 1, 1), tid=h.tid, first=1))
+        for layer in range(2):
+            send(fake.blocks(h.tid, layer, 0, 2, last=layer == 1))
+    dec = _exact_pull(desc, src, script)
+    assert dec.stats()["ignored"].get("corrupt_header") == 3
+    hxx = [e for e in dec.errors if isinstance(e, CorruptFrameError) and "'hxx'" in str(e)]
+    assert len(hxx) == 3, dec.errors
 
 
 def test_lease_expiry_abort_duplicate_ack_and_unknown_transfer():

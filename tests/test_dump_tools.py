@@ -349,10 +349,12 @@ def test_dump_from_endpoint_needs_no_layout_flags(files, tmp_path, capsys):
             assert bytes(rec.payload) == _bytes(f["caches"][rec.layer][[5, 0][rec.block_id]]).numpy().tobytes()
 
 
-@pytest.mark.parametrize("version, readable", [(2, True), (1, False)], ids=["protocol-2", "protocol-1"])
+@pytest.mark.parametrize("version, readable", [(3, True), (2, True), (1, False)],
+                         ids=["protocol-3", "protocol-2", "protocol-1"])
 def test_dumps_of_older_protocols(files, tmp_path, monkeypatch, version, readable):
-    """A dump written under protocol 2 (the same BLOCKS framing as 3) reads back byte-exact;
-    protocol 1's is refused with ProtocolVersionError before any block is read."""
+    """A dump written under protocol 3 or 2 (the same BLOCKS framing as 4, without its headers'
+    placement checksum) reads back byte-exact; protocol 1's is refused with ProtocolVersionError
+    before any block is read."""
     from kvconnector import dumpfile
     from layouts import ProtocolVersionError
 

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnector.protocol import (MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, Header, MsgType, checksum,
-                                  decode_header, encode_header, encode_message, verify_payloads)
+                                  decode_header, encode_header, encode_message, placement_checksum, verify_payloads)
 from layouts import CorruptFrameError, LayoutDescriptor, LayoutError, ProtocolVersionError
 from kvconnector.testing import fuzz
 
@@ -155,8 +155,12 @@ def test_descriptor_from_msgpack_field_values(name, value):
 
 # --------------------------------------------------------------- hostile length fields
 def _blocks_header(**over) -> bytes:
+    """A raw BLOCKS header with its placement checksum right, so the hostile field is what fails."""
     raw = {"v": PROTOCOL_VERSION, "t": 4, "seq": 0, "tid": "a", "layer": 0, "nlay": 1, "first": 0, "nblk": 1,
            "heads": [0, 1], "nbytes": [96], "xxh": [0], "last": True, **over}
+    raw["hxx"] = placement_checksum(Header(MsgType.BLOCKS, tid=raw["tid"], layer=raw["layer"], nlay=raw["nlay"],
+                                           first=raw["first"], nblk=raw["nblk"], heads=tuple(raw["heads"]),
+                                           nbytes=raw["nbytes"], checksums=raw["xxh"]))
     return msgpack.packb(raw)
 
 
@@ -202,10 +206,17 @@ def _run_dump(blob):
         raise errors[-1]
 
 
+def _truncated(h):
+    """The header decodes (its claim is in range); the 3-byte frame is refused as truncated."""
+    with pytest.raises(CorruptFrameError, match="truncated"):
+        verify_payloads(h, [b"abc"])
+    raise CorruptFrameError("refused as truncated")
+
+
 HOSTILE = [
     ("header-nbytes-2^62", lambda: decode_header(_blocks_header(nbytes=[2**62]))),
     ("header-nbytes-2^64-1", lambda: decode_header(_blocks_header(nbytes=[2**64 - 1]))),
-    ("payload-claims-2^31", lambda: verify_payloads(decode_header(_blocks_header(nbytes=[MAX_PAYLOAD_BYTES])), [b"abc"])),
+    ("payload-claims-2^31", lambda: _truncated(decode_header(_blocks_header(nbytes=[MAX_PAYLOAD_BYTES])))),
     ("msgpack-array32-claim", lambda: decode_header(b"\x81\xa1v\xdd\xff\xff\xff\xff" + b"\x00" * 16)),
     ("msgpack-str32-claim", lambda: decode_header(b"\x81\xa1v\xdb\x7f\xff\xff\xff" + b"a" * 16)),
     ("msgpack-bin32-claim", lambda: decode_header(b"\x81\xa1v\xc6\xff\xff\xff\xff" + b"a" * 16)),

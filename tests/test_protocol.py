@@ -7,6 +7,8 @@ byte-exact gather/scatter of whole blocks and head slices for every cache mode.
 Run: python -m pytest tests/test_protocol.py -q
 """
 
+import dataclasses
+
 import msgpack
 import pytest
 import torch
@@ -14,7 +16,7 @@ import torch
 from kvconnector.blocks import gather_blocks, runs, scatter_blocks, slice_bytes
 from kvconnector.protocol import (MAX_HEADER_BYTES, PROTOCOL_HISTORY, PROTOCOL_VERSION, ErrorCode, Header,
                                   MsgType, checksum, decode_header, encode_header, encode_message,
-                                  verify_payloads)
+                                  placement_checksum, verify_payloads)
 from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutError, ProtocolVersionError
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,6 +54,26 @@ def test_a_transfer_id_in_any_header_is_sent_again_as_decoded():
     again = decode_header(encode_header(h))
     assert (again.type, again.seq, again.tid) == (MsgType.PING, 1, "abc")
     assert "tid" not in msgpack.unpackb(encode_header(Header(MsgType.PING)))   # none set: none sent
+
+
+def test_placement_checksum_vectors_and_refusals():
+    """``hxx`` matches docs/PROTOCOL.md's vectors; a BLOCKS header whose placement fields changed
+    after it was made (tid, layer, nlay, first, nblk, heads, sum, at), or that lacks ``hxx``, is
+    refused at decode; a version-3 header (a dump's) without one is read as before."""
+    h = Header(MsgType.BLOCKS, tid="req-1", layer=1, nlay=2, first=4, nblk=2, heads=(0, 8), nbytes=[4352, 4352],
+               checksums=[0x0123456789abcdef, 0xfedcba9876543210])
+    assert placement_checksum(h) == 0xe7da8f05abcb9b88
+    assert placement_checksum(dataclasses.replace(h, sum="mix64", at=1048576)) == 0xb474357730ed93ca
+    good = msgpack.unpackb(encode_header(h), raw=False)
+    assert decode_header(msgpack.packb(good)).placement == good["hxx"] == 0xe7da8f05abcb9b88
+    for key, value in (("tid", "req-2"), ("layer", 0), ("nlay", 1), ("first", 5), ("nblk", 1), ("heads", [0, 4]),
+                       ("sum", "xxh3_64"), ("at", 0)):
+        with pytest.raises(CorruptFrameError, match="header field 'hxx'"):
+            decode_header(msgpack.packb({**good, key: value}))
+    with pytest.raises(CorruptFrameError, match=r"missing field\(s\) \['hxx'\]"):
+        decode_header(msgpack.packb({k: v for k, v in good.items() if k != "hxx"}))
+    old = {k: v for k, v in good.items() if k != "hxx"} | {"v": 3}
+    assert decode_header(msgpack.packb(old), versions=(3, 4)).first == 4
 
 
 def test_blocks_message_fills_counts_and_checksums():

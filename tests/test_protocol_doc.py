@@ -87,6 +87,9 @@ def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0):
             assert m["t"] == T["BLOCKS"], m
             assert m["tid"] == tid and m["heads"] == list(heads)
             assert len(payload) == len(m["nbytes"]) == len(m["xxh"])
+            placement = [m["tid"], m["layer"], m["nlay"], m["first"], m["nblk"], m["heads"], m["nbytes"], m["xxh"],
+                         m.get("sum", ""), m.get("at")]   # "Placement checksum"
+            assert xxhash.xxh3_64_intdigest(msgpack.packb(placement, use_bin_type=True)) == m["hxx"], "hxx"
             for f, n, x in zip(payload, m["nbytes"], m["xxh"]):
                 assert len(f) == n and n % per_block == 0
                 assert xxhash.xxh3_64_intdigest(f) == x, "checksum"   # XXH3-64, seed 0, unsigned

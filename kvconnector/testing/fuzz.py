@@ -13,7 +13,8 @@ target          decoder                                                         
 ==============  ==================================================================  ===========================
 
 An accepted ``blocks`` case must carry exactly the original payload bytes (a mutated
-payload that passes verification would be written into a cache).
+payload that passes verification would be written into a cache), under the original placement
+(transfer, layers, positions, heads: intact bytes in the wrong blocks are as wrong).
 
 Run: ``python -m kvconnector.testing.fuzz --seconds 60`` or ``--cases 100000``; prints cases tried,
 accepted, typed errors, failures and the slowest case per target; exit code 1 on any failure.
@@ -223,6 +224,9 @@ def run_blocks(case, original) -> bool:
     verify_payloads(h, case[1:], expected)
     if [bytes(p) for p in case[1:]] != [bytes(p) for p in original[1:]]:
         raise AssertionError("verify_payloads accepted payload bytes that differ from the sent ones")
+    placed = lambda x: (x.tid, x.layer, x.nlay, x.first, x.nblk, x.heads, x.sum, x.at)  # where the bytes go
+    if placed(h) != placed(o):
+        raise AssertionError(f"accepted intact payload bytes under another placement: {placed(h)} for {placed(o)}")
     if sum(expected) != slice_bytes(GEO, o.nblk, range(*o.heads)):
         raise AssertionError("seed case inconsistent with the layout")
     return True
