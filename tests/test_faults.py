@@ -1,6 +1,6 @@
 """Fault matrix: real prefill and decode endpoints with a fault-injecting proxy between them.
 
-For each fault (drop, duplicate, delay, reorder, truncate, corrupt, kill, restart, slow
+For each fault (drop, duplicate, delay, reorder, truncate, corrupt, misplace, kill, restart, slow
 consumer; see docs/RELIABILITY.md for the table) the test checks what the decode side sees
 (success, or the expected typed error within its deadline), that no cache is corrupted
 (every (layer, destination block) holds either the source bytes or its old bytes, and every
@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 
+import msgpack
 import pytest
 import torch
 
@@ -56,6 +57,15 @@ def swap_first_two_blocks():
 DROP = lambda fr: []                                   # noqa: E731
 TWICE = lambda fr: [(0.0, fr), (0.0, fr)]             # noqa: E731
 GARBLE_HEADER = lambda fr: [(0.0, [b"\xc1" * 8, *fr[1:]])]  # noqa: E731
+
+
+def misplace(frames):
+    """The same BLOCKS message one position on (``first + 1``, modulo the pull's blocks), its
+    payload, payload checksums and placement checksum untouched: a header corrupted in a way
+    that still decodes."""
+    raw = msgpack.unpackb(bytes(frames[0]), raw=False)
+    raw["first"] = (raw["first"] + 1) % len(SRC_IDS)
+    return [(0.0, [msgpack.packb(raw, use_bin_type=True), *frames[1:]])]
 
 
 class Rig:
@@ -131,6 +141,7 @@ MATRIX = {
     "corrupt-payload": (lambda: nth(MsgType.BLOCKS, "down", 5, lambda fr: [(0.0, corrupt(fr))]), {},
                         CorruptFrameError, "aborted"),
     "corrupt-header": (lambda: nth(MsgType.BLOCKS, "down", 1, GARBLE_HEADER), {}, TransferTimeoutError, "aborted"),
+    "misplaced-header": (lambda: nth(MsgType.BLOCKS, "down", 1, misplace), {}, TransferTimeoutError, "aborted"),
 }
 
 
