@@ -334,3 +334,28 @@ def test_live_prefill_endpoint_under_mutated_messages():
             dec.connect(pre.endpoint, timeout_s=5)
             dec.pull("real", [4, 6], deadline_s=5).result(timeout=6)
         _typed_only(pre.errors)
+
+
+def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch):
+    """``kvconnector.testing.live_fuzz`` (mutated BLOCKS / PULL / ACK copies between real
+    endpoints): 600 pulls end byte exact or typed with nothing misplaced. With the placement
+    checksum neutralized (0 on both sides) and every BLOCKS copy moved one position on, the
+    same checks report blocks holding another position's bytes: the tool can fail."""
+    from kvconnector import protocol
+    from kvconnector.testing import live_fuzz
+
+    logs = []
+    assert live_fuzz.run(120, seed=3, rate=0.3, log=logs.append, max_pulls=600) == 0, logs[-5:]
+    assert "ok" in logs[-1] and "CorruptFrameError" in logs[-1], logs[-1]
+
+    def one_on(rng, target, frames, rounds):
+        if target != "blocks":
+            return frames
+        raw = msgpack.unpackb(frames[0], raw=False)
+        raw["first"] = (raw["first"] + 1) % live_fuzz.PULLED
+        return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
+
+    monkeypatch.setattr(protocol, "placement_checksum", lambda h: 0)
+    logs = []
+    assert live_fuzz.run(120, seed=3, rate=1.0, log=logs.append, max_pulls=20, mutate=one_on) > 0
+    assert any("not the source bytes, yet the pull succeeded" in m for m in logs), logs[-3:]
