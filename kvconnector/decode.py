@@ -49,7 +49,8 @@ from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
 from .device_frames import frame_views, warm
 from .host_writes import HostWrites
 from .landing import Lander, LandJob
-from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, check_frames, decode_header, encode_header
+from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, blocks_tid, check_frames, decode_header,
+                       encode_header)
 from .staging import PinnedPool, stage_verified
 from .trace import Trace
 from .transport import CurveKeys, IOLoop, make_socket
@@ -391,6 +392,10 @@ class DecodeEndpoint:
             if not self._hs_done.is_set():
                 self._hs_error = e
                 self._hs_done.set()
+            p = self._pending.get(blocks_tid(frames[0].buffer) or "")
+            if p is not None:   # a message of that pull is lost (nothing is sent twice): fail it now, not at its deadline
+                self._fail(p, CorruptFrameError(f"pull {p.transfer_id!r}: one of its BLOCKS headers arrived corrupt, "
+                                                f"so its blocks cannot all land: {e}"), "corrupt_frame")
             return
         if h.type == MsgType.BLOCKS:
             return self._blocks(h, frames[1:], None if rx is None else rx[0])

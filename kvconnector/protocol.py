@@ -322,6 +322,23 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
     return h
 
 
+def blocks_tid(buf) -> str | None:
+    """The transfer a header frame that :func:`decode_header` refused names, where it still
+    parses as a BLOCKS header with a ``tid`` string (same bounds as decode_header); else None.
+    A receiver uses it only to fail that transfer early: its message is lost either way."""
+    if len(buf) > MAX_HEADER_BYTES:
+        return None
+    try:
+        raw = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True, max_str_len=1 << 16, max_bin_len=1 << 16,
+                              max_array_len=MAX_LIST_LEN, max_map_len=256)
+    except Exception:
+        return None
+    if not isinstance(raw, dict) or raw.get("t") != int(MsgType.BLOCKS) or type(raw.get("t")) is not int:
+        return None
+    tid = raw.get("tid")
+    return tid if isinstance(tid, str) and 0 < len(tid) <= MAX_TID_CHARS else None
+
+
 def encode_message(h: Header, payloads=()) -> list:
     """Frames of one message: the header, then each payload buffer as is (zero copy).
 

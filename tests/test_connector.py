@@ -311,26 +311,32 @@ def _placed_elsewhere(frames, **fields):
     return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
 
 
-def test_intact_payload_under_a_corrupted_placement_is_refused():
+@pytest.mark.parametrize("misplace", ["position", "layer", "transfer"])
+def test_intact_payload_under_a_corrupted_placement_is_refused(misplace):
     """A BLOCKS message whose header says another position (``first``), layer or transfer than
-    the one it was made for, payload and payload checksums intact, arriving before the real
-    messages: the decode side refuses it (CorruptFrameError naming 'hxx', counted as a corrupt
-    header) and the pull lands byte exact. Without the header's placement checksum position 1's
-    bytes landed in position 0's block, the real position 0 was ignored as a duplicate, and the
-    pull succeeded with the wrong bytes (found by a long run of the live fuzzer)."""
+    the one it was made for, payload and payload checksums intact: the decode side refuses it
+    at decode (its placement checksum 'hxx' differs) and, as nothing is sent twice, fails the
+    pull it names at once (CorruptFrameError, not at the deadline), the destination untouched.
+    Without the placement checksum position 1's bytes landed in position 0's block, the true
+    position 0 was ignored as a duplicate, and the pull succeeded with the wrong bytes (found by a
+    long run of the live fuzzer)."""
     desc = make_desc(num_layers=2, num_blocks=4)
-    src = filled_caches(desc, 0)
 
     def script(send, h, fake):
-        send(_placed_elsewhere(fake.blocks(h.tid, 0, 1, 1), first=0))          # position 1's bytes at 0
-        send(_placed_elsewhere(fake.blocks(h.tid, 1, 0, 1), layer=0))          # layer 1's bytes as layer 0
-        send(_placed_elsewhere(fake.blocks("other", 0, 1, 1), tid=h.tid, first=1))
+        if misplace == "position":
+            send(_placed_elsewhere(fake.blocks(h.tid, 0, 1, 1), first=0))       # position 1's bytes at 0
+        elif misplace == "layer":
+            send(_placed_elsewhere(fake.blocks(h.tid, 1, 0, 1), layer=0))       # layer 1's bytes as layer 0
+        else:
+            send(_placed_elsewhere(fake.blocks("other", 0, 0, 1), tid=h.tid))   # another transfer's message
         for layer in range(2):
             send(fake.blocks(h.tid, layer, 0, 2, last=layer == 1))
-    dec = _exact_pull(desc, src, script)
-    assert dec.stats()["ignored"].get("corrupt_header") == 3
-    hxx = [e for e in dec.errors if isinstance(e, CorruptFrameError) and "'hxx'" in str(e)]
-    assert len(hxx) == 3, dec.errors
+    t0 = time.monotonic()
+    err, dst, before = refused_pull(desc, script, "BLOCKS headers arrived corrupt.*'hxx'")
+    assert time.monotonic() - t0 < 3.0                    # the pull's deadline is 5 s
+    assert sorted(err.failed_block_ids) == [2, 3]
+    for d, b in zip(dst, before):
+        assert torch.equal(_bytes(d), _bytes(b))
 
 
 def test_lease_expiry_abort_duplicate_ack_and_unknown_transfer():

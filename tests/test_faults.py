@@ -141,7 +141,7 @@ MATRIX = {
     "corrupt-payload": (lambda: nth(MsgType.BLOCKS, "down", 5, lambda fr: [(0.0, corrupt(fr))]), {},
                         CorruptFrameError, "aborted"),
     "corrupt-header": (lambda: nth(MsgType.BLOCKS, "down", 1, GARBLE_HEADER), {}, TransferTimeoutError, "aborted"),
-    "misplaced-header": (lambda: nth(MsgType.BLOCKS, "down", 1, misplace), {}, TransferTimeoutError, "aborted"),
+    "misplaced-header": (lambda: nth(MsgType.BLOCKS, "down", 1, misplace), {}, CorruptFrameError, "aborted"),
 }
 
 

@@ -1,7 +1,7 @@
 """Live fuzzing: mutated messages between a real decode and a real prefill endpoint.
 
 A :class:`~kvconnector.testing.faultproxy.FaultProxy` between the two forwards every message
-and, with probability ``--rate``, sends a mutated copy of a BLOCKS (down), PULL or ACK (up)
+and, with probability ``--rate`` (0.3), sends a mutated copy of a BLOCKS (down), PULL or ACK (up)
 message first (:func:`kvconnector.testing.fuzz.mutate_case`, 1-3 edits: bytes, lengths, header
 fields, frames). Each pull takes 2 layers x 4 published blocks into 4 random distinct
 destination blocks of 16, one BLOCKS message per layer and block (so a mutated header can name
