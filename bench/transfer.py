@@ -95,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "ZeroMQ frames, or NIXL writes into the decode side's registered region (pip install nixl)")
     p.add_argument("--kernels", action="store_true", help="device kernels on both ends (mix64, gather / "
                    "verify + scatter on the device, the decode side's landing thread)")
-    p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8 + int4, 16/64/256 blocks x 32 layers, "
-                   "8 KV heads, head size 128, block size 16, caches on the GPU, --kernels")
+    p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8_per_token_head + "
+                   "int4_per_token_head, 16/64/256 blocks x 32 layers, 8 KV heads, head size 128, block size 16, "
+                   "caches on the GPU, --kernels")
     p.add_argument("--layerwise-tokens", type=int, default=None, help="also measure the exposed time of a layer-wise "
                    "INT4 pull of this many tokens (0: off, the default; --cuda: 32768 unless given)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
