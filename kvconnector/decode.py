@@ -393,7 +393,7 @@ class DecodeEndpoint:
                 self._hs_error = e
                 self._hs_done.set()
             p = self._pending.get(blocks_tid(frames[0].buffer) or "")
-            if p is not None:   # a message of that pull is lost (nothing is sent twice): fail it now, not at its deadline
+            if p is not None:   # a message of that pull is lost (nothing is sent twice): fail it now
                 self._fail(p, CorruptFrameError(f"pull {p.transfer_id!r}: one of its BLOCKS headers arrived corrupt, "
                                                 f"so its blocks cannot all land: {e}"), "corrupt_frame")
             return
