@@ -245,6 +245,20 @@ def _check_int(name: str, v, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
     return v
 
 
+def _unpack(buf):
+    """The msgpack value of a header frame, within the header's bounds (size, string, list and
+    map lengths); CorruptFrameError otherwise."""
+    n = len(buf)
+    if n > MAX_HEADER_BYTES:
+        raise CorruptFrameError(f"header frame: expected <= {MAX_HEADER_BYTES} bytes, got {n}")
+    try:
+        return msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True,
+                               max_str_len=1 << 16, max_bin_len=1 << 16, max_array_len=MAX_LIST_LEN,
+                               max_map_len=256)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise CorruptFrameError(f"header frame: not valid msgpack ({type(e).__name__}: {e})") from e
+
+
 def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
     """Decode and validate one header frame whose ``v`` is one of ``versions`` (the live
     protocol: only this version; dump files accept older versions with the same BLOCKS framing).
@@ -257,15 +271,7 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
     ProtocolVersionError
         The header's ``v`` is not in ``versions``.
     """
-    n = len(buf)
-    if n > MAX_HEADER_BYTES:
-        raise CorruptFrameError(f"header frame: expected <= {MAX_HEADER_BYTES} bytes, got {n}")
-    try:
-        raw = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True,
-                              max_str_len=1 << 16, max_bin_len=1 << 16, max_array_len=MAX_LIST_LEN,
-                              max_map_len=256)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise CorruptFrameError(f"header frame: not valid msgpack ({type(e).__name__}: {e})") from e
+    raw = _unpack(buf)
     if not isinstance(raw, dict):
         raise _fail("<header>", "a map", raw)
     version = raw.get("v")
@@ -324,14 +330,11 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
 
 def blocks_tid(buf) -> str | None:
     """The transfer a header frame that :func:`decode_header` refused names, where it still
-    parses as a BLOCKS header with a ``tid`` string (same bounds as decode_header); else None.
+    parses (within a header's bounds) as a BLOCKS header with a ``tid`` string; else None.
     A receiver uses it only to fail that transfer early: its message is lost either way."""
-    if len(buf) > MAX_HEADER_BYTES:
-        return None
     try:
-        raw = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True, max_str_len=1 << 16, max_bin_len=1 << 16,
-                              max_array_len=MAX_LIST_LEN, max_map_len=256)
-    except Exception:
+        raw = _unpack(buf)
+    except CorruptFrameError:
         return None
     if not isinstance(raw, dict) or raw.get("t") != int(MsgType.BLOCKS) or type(raw.get("t")) is not int:
         return None

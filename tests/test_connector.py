@@ -13,7 +13,6 @@ Run: python -m pytest tests/test_connector.py -q
 import threading
 import time
 
-import msgpack
 import pytest
 import torch
 import zmq
@@ -21,6 +20,7 @@ import zmq
 from connector_fakes import FakePrefill, filled_caches, make_desc, refused_pull
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.protocol import PROTOCOL_VERSION, Header, MsgType, decode_header, encode_header, encode_message
+from kvconnector.testing.faultproxy import reheader
 from layouts import (CorruptFrameError, KVQuantMode, LayoutMismatchError, PeerError, ProtocolVersionError,
                      TransferTimeoutError)
 
@@ -303,14 +303,6 @@ def test_duplicate_reordered_and_late_frames_are_ignored():
     assert ignored.get("duplicate") == 1 and ignored.get("late") == 1
 
 
-def _placed_elsewhere(frames, **fields):
-    """A copy of a BLOCKS message with header ``fields`` changed and its placement checksum not:
-    what a corrupted header frame looks like (the payload and its checksums intact)."""
-    raw = msgpack.unpackb(frames[0], raw=False)
-    raw.update(fields)
-    return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
-
-
 @pytest.mark.parametrize("misplace", ["position", "layer", "transfer"])
 def test_intact_payload_under_a_corrupted_placement_is_refused(misplace):
     """A BLOCKS message whose header says another position (``first``), layer or transfer than
@@ -324,11 +316,11 @@ def test_intact_payload_under_a_corrupted_placement_is_refused(misplace):
 
     def script(send, h, fake):
         if misplace == "position":
-            send(_placed_elsewhere(fake.blocks(h.tid, 0, 1, 1), first=0))       # position 1's bytes at 0
+            send(reheader(fake.blocks(h.tid, 0, 1, 1), first=0))       # position 1's bytes at 0
         elif misplace == "layer":
-            send(_placed_elsewhere(fake.blocks(h.tid, 1, 0, 1), layer=0))       # layer 1's bytes as layer 0
+            send(reheader(fake.blocks(h.tid, 1, 0, 1), layer=0))       # layer 1's bytes as layer 0
         else:
-            send(_placed_elsewhere(fake.blocks("other", 0, 0, 1), tid=h.tid))   # another transfer's message
+            send(reheader(fake.blocks("other", 0, 0, 1), tid=h.tid))   # another transfer's message
         for layer in range(2):
             send(fake.blocks(h.tid, layer, 0, 2, last=layer == 1))
     t0 = time.monotonic()

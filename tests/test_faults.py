@@ -14,15 +14,14 @@ import threading
 import time
 from collections import Counter
 
-import msgpack
 import pytest
 import torch
 
 from connector_fakes import filled_caches, make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
-from kvconnector.protocol import MsgType
+from kvconnector.protocol import MsgType, decode_header
 from layouts import CorruptFrameError, TransferTimeoutError
-from kvconnector.testing.faultproxy import FaultProxy, corrupt, truncate
+from kvconnector.testing.faultproxy import FaultProxy, corrupt, reheader, truncate
 
 pytestmark = pytest.mark.timeout(60)
 SRC_IDS, DST_IDS = [7, 2, 3, 4, 9, 0], [1, 5, 6, 8, 10, 11]
@@ -60,12 +59,9 @@ GARBLE_HEADER = lambda fr: [(0.0, [b"\xc1" * 8, *fr[1:]])]  # noqa: E731
 
 
 def misplace(frames):
-    """The same BLOCKS message one position on (``first + 1``, modulo the pull's blocks), its
-    payload, payload checksums and placement checksum untouched: a header corrupted in a way
-    that still decodes."""
-    raw = msgpack.unpackb(bytes(frames[0]), raw=False)
-    raw["first"] = (raw["first"] + 1) % len(SRC_IDS)
-    return [(0.0, [msgpack.packb(raw, use_bin_type=True), *frames[1:]])]
+    """The same BLOCKS message one position on (``first + 1``, modulo the pull's blocks), every
+    checksum as sent (``reheader``): a header corrupted in a way that still parses."""
+    return [(0.0, reheader(frames, first=(decode_header(frames[0]).first + 1) % len(SRC_IDS)))]
 
 
 class Rig:

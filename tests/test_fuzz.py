@@ -343,6 +343,7 @@ def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch):
     same checks report blocks holding another position's bytes: the tool can fail."""
     from kvconnector import protocol
     from kvconnector.testing import live_fuzz
+    from kvconnector.testing.faultproxy import reheader
 
     logs = []
     assert live_fuzz.run(120, seed=3, rate=0.3, log=logs.append, max_pulls=600) == 0, logs[-5:]
@@ -351,9 +352,7 @@ def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch):
     def one_on(rng, target, frames, rounds):
         if target != "blocks":
             return frames
-        raw = msgpack.unpackb(frames[0], raw=False)
-        raw["first"] = (raw["first"] + 1) % live_fuzz.PULLED
-        return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
+        return reheader(frames, first=(decode_header(frames[0]).first + 1) % live_fuzz.PULLED)
 
     monkeypatch.setattr(protocol, "placement_checksum", lambda h: 0)
     logs = []

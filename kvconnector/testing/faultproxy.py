@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, deque
 
+import msgpack
 import zmq
 
 from kvconnector.protocol import MsgType, decode_header
@@ -48,6 +49,14 @@ def corrupt(frames, rng=random):
         b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
     out[i] = bytes(b)
     return out
+
+
+def reheader(frames, **fields):
+    """The same message with header ``fields`` set and nothing else changed: its payload, payload
+    checksums and BLOCKS placement checksum as sent (a header corrupted so that it still parses)."""
+    raw = msgpack.unpackb(bytes(frames[0]), raw=False)
+    raw.update(fields)
+    return [msgpack.packb(raw, use_bin_type=True), *frames[1:]]
 
 
 def random_policy(rate: float, seed: int, counts: Counter, faults=FAULTS, max_delay_s: float = 0.05):
