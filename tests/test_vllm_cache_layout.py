@@ -126,6 +126,50 @@ def test_scheduler_prefill_then_decode_bookkeeping():
     assert dec.get_num_new_matched_tokens(plain, 0) == (0, False)
 
 
+GOOD = {"do_remote_prefill": True, "remote_endpoint": "tcp://10.0.0.1:15500", "remote_request_id": "r1",
+        "remote_block_ids": [4, 9, 2], "remote_num_tokens": 70, "remote_block_size": 32, "layout_fingerprint": "f"}
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"remote_num_tokens": "abc"}, "remote_num_tokens"), ({"remote_num_tokens": None}, "remote_num_tokens"),
+    ({"remote_num_tokens": True}, "remote_num_tokens"), ({"remote_num_tokens": 0}, "remote_num_tokens"),
+    ({"remote_block_ids": 7}, "remote_block_ids"), ({"remote_block_ids": []}, "remote_block_ids"),
+    ({"remote_block_ids": [4, "9", 2]}, "remote_block_ids"), ({"remote_block_ids": [4, -9, 2]}, "remote_block_ids"),
+    ({"remote_block_ids": [4, 9]}, "2 remote_block_ids do not hold 70 tokens"),
+    ({"remote_block_size": 0}, "remote_block_size"), ({"remote_block_size": 16.0}, "remote_block_size"),
+    ({"remote_endpoint": 5}, "remote_endpoint"), ({"remote_endpoint": "10.0.0.1"}, "remote_endpoint"),
+    ({"remote_request_id": ""}, "remote_request_id"), ({"layout_fingerprint": None}, "layout_fingerprint"),
+    ({"remote_request_id": KeyError}, "missing remote_request_id"),
+])
+def test_malformed_remote_params_fail_the_load_not_the_scheduler(change, named):
+    """Malformed ``kv_transfer_params`` on a decode engine: the scheduler claims the prompt and
+    hands the workers a load that carries a one-line error (they fail it without connecting, vLLM's
+    ``kv_load_failure_policy`` decides), never an exception in vLLM's scheduler; nothing is
+    released on the named prefill endpoint."""
+    params = {k: v for k, v in {**GOOD, **change}.items() if v is not KeyError}
+    dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", is_producer=False, is_consumer=True)
+    req = _request("d1", 70, params)
+    assert dec.get_num_new_matched_tokens(req, 0) == (70, True)
+    assert dec.get_num_new_matched_tokens(_request("d2", 70, params), 64) == (6, True)
+    dec.update_state_after_alloc(req, [7, 8, 11], 0, 70)
+    meta = dec.build_meta({}, None)
+    assert [(x.req_id, x.block_ids) for x in meta.loads] == [("d1", [7, 8, 11])]
+    assert named in meta.loads[0].error and meta.loads[0].error.startswith("kv_transfer_params: ")
+    assert "\n" not in meta.loads[0].error
+    dec2 = SchedulerSide(block_size=N, endpoint="tcp://x:1", is_producer=False, is_consumer=True)
+    dec2.update_state_after_alloc(_request("d3", 70, dict(params)), [7, 8, 11], 3, 0)   # all cached locally
+    assert not dec2.build_meta({}, None).remote_releases
+
+
+def test_well_formed_remote_params_carry_no_error():
+    dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", is_producer=False, is_consumer=True)
+    for change in ({}, {"remote_endpoint": "tcp://[::1]:15500"}, {"remote_num_tokens": 33, "remote_block_ids": [4, 9, 2],
+                                                                   "remote_block_size": 16}):
+        req = _request("d1", 70, {**GOOD, **change, "extra_key_from_vllm": 1})
+        dec.update_state_after_alloc(req, [7, 8, 11], 0, 70)
+        assert dec.build_meta({}, None).loads[0].error == ""
+
+
 def test_package_import_does_not_import_vllm():
     """``import kvconnector.integrations.vllm`` stays free of vLLM; the class resolves lazily."""
     import subprocess

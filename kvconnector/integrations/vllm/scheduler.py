@@ -24,6 +24,7 @@ testable without vLLM.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 PARAM_KEYS = ("remote_endpoint", "remote_request_id", "remote_block_ids", "remote_num_tokens",
@@ -55,6 +56,7 @@ class LoadSpec:
     params: dict             # the prefill side's kv_transfer_params
     block_ids: list          # local engine blocks, in token order (at least len(remote) of them)
     num_local_blocks: int    # leading blocks already computed locally (prefix cache): not overwritten
+    error: str = ""          # what is wrong with ``params`` (:func:`params_error`): the load fails without a pull
 
 
 @dataclass
@@ -74,9 +76,39 @@ def decode_params(params: dict | None) -> dict | None:
     """The prefill side's parameters when ``params`` ask for a remote prefill, else None."""
     if not params or not params.get("do_remote_prefill"):
         return None
-    if any(k not in params for k in PARAM_KEYS) or not params["remote_block_ids"]:
-        return None
     return params
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def params_error(params: dict) -> str:
+    """What is wrong with remote-prefill ``params`` (from a client or a router), in one line; ''
+    when they are well formed. Malformed parameters fail the request's load (vLLM's
+    ``kv_load_failure_policy`` decides) instead of raising in vLLM's scheduler, which would end
+    the engine."""
+    missing = [k for k in PARAM_KEYS if k not in params]
+    if missing:
+        return f"kv_transfer_params: missing {', '.join(missing)}"
+    endpoint, rid, ids = params["remote_endpoint"], params["remote_request_id"], params["remote_block_ids"]
+    tokens, size = params["remote_num_tokens"], params["remote_block_size"]
+    if not (isinstance(endpoint, str) and re.fullmatch(r"[a-z]+://\S+:\d{1,5}", endpoint)):
+        return f"kv_transfer_params: remote_endpoint: expected 'tcp://host:port', got {endpoint!r:.80}"
+    if not (isinstance(rid, str) and rid):
+        return f"kv_transfer_params: remote_request_id: expected a non-empty string, got {rid!r:.80}"
+    if not (isinstance(ids, list) and ids and all(_is_int(b) and b >= 0 for b in ids)):
+        return f"kv_transfer_params: remote_block_ids: expected a non-empty list of block ids, got {ids!r:.80}"
+    if not (_is_int(tokens) and tokens > 0):
+        return f"kv_transfer_params: remote_num_tokens: expected a positive integer, got {tokens!r:.80}"
+    if not (_is_int(size) and size > 0):
+        return f"kv_transfer_params: remote_block_size: expected a positive integer, got {size!r:.80}"
+    if len(ids) != -(-tokens // size):
+        return (f"kv_transfer_params: {len(ids)} remote_block_ids do not hold {tokens} tokens in blocks of "
+                f"{size} (expected {-(-tokens // size)})")
+    if not isinstance(params["layout_fingerprint"], str):
+        return f"kv_transfer_params: layout_fingerprint: expected a string, got {params['layout_fingerprint']!r:.80}"
+    return ""
 
 
 class SchedulerSide:
@@ -109,7 +141,10 @@ class SchedulerSide:
         params = decode_params(request.kv_transfer_params) if self.is_consumer else None
         if params is None:
             return 0, False
-        remote = min(int(params["remote_num_tokens"]), request.num_prompt_tokens)
+        if params_error(params):     # claimed, so the load fails in the worker and vLLM's policy decides
+            remote = request.num_prompt_tokens
+        else:
+            remote = min(params["remote_num_tokens"], request.num_prompt_tokens)
         count = remote - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -124,10 +159,12 @@ class SchedulerSide:
         if remote is None:
             return
         params["do_remote_prefill"] = False          # one transfer per request, even if rescheduled
+        error = params_error(remote)
         if num_external_tokens > 0:
-            self._meta.loads.append(LoadSpec(request.request_id, dict(remote), list(block_ids), num_hashed_blocks))
+            self._meta.loads.append(LoadSpec(request.request_id, dict(remote), list(block_ids), num_hashed_blocks,
+                                             error))
             self._loading[request.request_id] = request
-        else:                                        # all cached locally: let the prefill side release now
+        elif not error:                              # all cached locally: let the prefill side release now
             self._meta.remote_releases.append(dict(remote))
 
     # ---- prefill side ----------------------------------------------------------------

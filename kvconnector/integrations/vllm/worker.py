@@ -252,6 +252,8 @@ class WorkerSide:
             ep.close()
 
     def _load(self, spec) -> dict:
+        if spec.error:                # malformed kv_transfer_params: failed before any connection
+            raise ValueError(spec.error)
         p = spec.params
         remote_ids = list(p["remote_block_ids"])
         dst = spec.block_ids[:len(remote_ids)]
