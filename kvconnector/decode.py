@@ -47,6 +47,7 @@ from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
 from .device_frames import frame_views, warm
+from .error_log import ErrorLog
 from .host_writes import HostWrites
 from .landing import Lander, LandJob
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, blocks_tid, check_frames, decode_header,
@@ -143,7 +144,7 @@ class DecodeEndpoint:
         self.max_frame_bytes, self.curve = max_frame_bytes, curve
         self.metrics = Metrics("decode")
         self.trace = Trace()                 # per-message spans while trace.enabled (kvconnector.trace)
-        self.errors: list[Exception] = []
+        self.errors = ErrorLog()   # recorded failures (mismatches, bad frames), typed: the most recent
         self.remote: LayoutDescriptor | None = None
         self.shared_heads: range | None = None
         self._pending: dict[str, PullHandle] = {}

@@ -13,7 +13,8 @@ Nothing fails silently. Any exception while serving a pull (reading, hashing or 
 blocks) sends the peer ERROR ``serve_failed`` naming the cause and ends the lease
 (``"failed"``); a lease that expires or is released mid-transfer stops its stream and sends
 ERROR ``lease_expired`` / ``released``; a message handler that raises answers ERROR
-``internal``. Errors are recorded in :attr:`PrefillEndpoint.errors` (typed), exceptions of the
+``internal``. Errors are recorded in :attr:`PrefillEndpoint.errors` (typed; the most recent
+ones and a count, :mod:`kvconnector.error_log`), exceptions of the
 application's ``on_release`` in :attr:`PrefillEndpoint.callback_errors` (they change nothing).
 
 A lease is reported ended (``on_release``, :meth:`~PrefillEndpoint.held`) only once no byte of
@@ -41,6 +42,7 @@ from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
 from .dataplane import NIXL, ZMQ, NixlWriter, check_plane
 from .device_frames import warm
+from .error_log import ErrorLog
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
@@ -135,7 +137,7 @@ class PrefillEndpoint:
         self.on_release, self.lease_s, self.chunk_bytes = on_release, lease_s, chunk_bytes
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self.metrics = Metrics("prefill")
-        self.errors: list[Exception] = []        # recorded failures (mismatches, bad frames), typed
+        self.errors = ErrorLog()   # recorded failures (mismatches, bad frames), typed: the most recent
         self.callback_errors: list[tuple] = []   # (transfer_id, exception) raised by on_release
         self._fault_hook = None                  # tests: callable(stage) that may raise, see _hook
         self._leases = LeaseTable()

@@ -250,6 +250,7 @@ def test_hostile_length_field_allocates_nothing_big(make):
 def _typed_only(errors):
     """Handlers' exceptions land in ``endpoint.errors``; a non-KVCacheError there is a bug."""
     from layouts import KVCacheError
+    assert errors.total == len(errors), "errors dropped before they were checked"
     bad = [e for e in errors if not isinstance(e, KVCacheError)]
     assert not bad, f"untyped errors inside the endpoint: {bad[:3]!r}"
 
@@ -301,9 +302,11 @@ def test_live_prefill_endpoint_under_mutated_messages():
     import zmq
     from connector_fakes import filled_caches, make_desc
     from kvconnector import DecodeEndpoint, PrefillEndpoint
+    from kvconnector.error_log import ErrorLog
     desc = make_desc(num_layers=1, num_blocks=8)
     rng = random.Random(11)
     with PrefillEndpoint(filled_caches(desc, 0), desc) as pre:
+        pre.errors = ErrorLog(keep=1000)      # every error of the 300 messages kept, so every one is checked
         pre.publish("real", [1, 2])
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)

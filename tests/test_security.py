@@ -124,7 +124,7 @@ def test_refused_client_never_reaches_the_handshake(keys, who, caplog):
     assert isinstance(err, TransferTimeoutError), "a refused client must fail its connect deadline"
     assert elapsed < REFUSE_TIMEOUT_S + 2.0
     st = pre.stats()
-    assert st["messages_received"] == 0 and pre.errors == []  # no HELLO (no frame at all) arrived
+    assert st["messages_received"] == 0 and not pre.errors  # no HELLO (no frame at all) arrived
     assert all(untouched)
     if who == "unlisted-key":  # the only case where the server learns a client key to log
         stranger = load_keypair(paths["stranger"][0])[0].decode()

@@ -56,8 +56,17 @@ def _caches(seed: int) -> list:
     return [torch.randint(0, 256, GEO.shape(BLOCKS), dtype=torch.uint8, generator=g) for _ in range(LAYERS)]
 
 
-def _typed(errors) -> list:
-    return [e for e in errors if not isinstance(e, KVCacheError)]
+def _untyped(endpoints, seen: list) -> list:
+    """What the endpoints recorded since the counts in ``seen`` (updated) that is not a typed
+    error, or could not be checked (dropped from the endpoint's bounded log first)."""
+    out = []
+    for i, ep in enumerate(endpoints):
+        errors, total = ep.errors.since(seen[i])
+        if total - seen[i] > len(errors):
+            out.append(f"{total - seen[i] - len(errors)} errors dropped before they were checked")
+        out += [repr(e) for e in errors if not isinstance(e, KVCacheError)]
+        seen[i] = total
+    return out
 
 
 def check_pull(src, dst, before, src_ids, dst_ids, err, failed) -> list:
@@ -89,7 +98,7 @@ def run(seconds: float, seed: int, rate: float, log=print, max_pulls: int | None
         try:
             with DecodeEndpoint(dst, desc, peer_timeout_s=2.0) as dec:
                 dec.connect(proxy.endpoint, timeout_s=5)
-                end, k = time.monotonic() + seconds, 0
+                end, k, seen = time.monotonic() + seconds, 0, [0, 0]
                 while time.monotonic() < end and (max_pulls is None or k < max_pulls):
                     src_ids, dst_ids = rng.sample(range(BLOCKS), PULLED), rng.sample(range(BLOCKS), PULLED)
                     pre.publish(f"t{k}", src_ids)
@@ -101,14 +110,14 @@ def run(seconds: float, seed: int, rate: float, log=print, max_pulls: int | None
                     problems = check_pull(src, dst, before, src_ids, dst_ids, err, failed)
                     if err is not None and not isinstance(err, KVCacheError):
                         problems.append(f"untyped error: {err!r}")
+                    problems += [f"inside an endpoint: {e}" for e in _untyped((dec, pre), seen)]
                     for p in problems:
                         failures += 1
                         log(f"FAILURE pull {k} (seed {seed}): {p}")
                     k += 1
-                bad = _typed(dec.errors) + _typed(pre.errors)
-                for e in bad:
+                for e in _untyped((dec, pre), seen):
                     failures += 1
-                    log(f"FAILURE untyped error inside an endpoint: {e!r}")
+                    log(f"FAILURE inside an endpoint: {e}")
         finally:
             proxy.close()
     log(f"pulls {sum(outcomes.values())}: {dict(outcomes)}; mutated copies sent {dict(mutated)}; failures {failures}")

@@ -293,11 +293,14 @@ class WorkerSide:
                     self._published.discard(rid)
                     self._ended.pop(rid, None)
         if self.prefill is not None:      # refusals and bad frames the endpoint recorded
-            errors = self.prefill.errors
-            for e in errors[self._errors_seen:]:
+            errors, total = self.prefill.errors.since(self._errors_seen)
+            if total - self._errors_seen > len(errors):
+                log.warning("kvconnector prefill endpoint: %d more errors, not kept",
+                            total - self._errors_seen - len(errors))
+            for e in errors:
                 self.stats.event("endpoint_error", error=f"{type(e).__name__}: {e}")
                 log.warning("kvconnector prefill endpoint: %s: %s", type(e).__name__, e)
-            self._errors_seen = len(errors)
+            self._errors_seen = total
         recving, failed = set(), set()
         for rid, fut in list(self._loads.items()):
             if not fut.done():
