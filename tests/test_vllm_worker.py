@@ -170,3 +170,33 @@ def test_frame_ops_config_names_what_cannot_load():
 def test_unknown_data_plane_is_a_one_line_error():
     with pytest.raises(ValueError, match="data_plane: expected one of"):
         WorkerSide({"data_plane": "rdma"}, is_producer=True, is_consumer=False)
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"lease_seconds": 5}, "unknown key 'lease_seconds' (known: host, "),
+    ({"lease_s": "soon"}, "lease_s: expected a positive number of seconds, got 'soon'"),
+    ({"pull_deadline_s": 0}, "pull_deadline_s: expected a positive number"),
+    ({"handshake_s": True}, "handshake_s: expected a positive number"),
+    ({"peer_timeout_s": float("inf")}, "peer_timeout_s: expected a positive number"),
+    ({"port": "15500"}, "port: expected an integer in [0, 65535]"), ({"port": 65536}, "port: expected an integer"),
+    ({"nixl_region_mb": 0.5}, "nixl_region_mb: expected an integer"),
+    ({"host": ""}, "host: expected a non-empty string"), ({"curve": "on"}, "curve: expected a map"),
+    ({"data_plane": "rdma"}, "data_plane: expected one of ['zmq', 'nixl'], got 'rdma'"),
+])
+def test_bad_extra_config_is_a_one_line_error_naming_the_key(extra, says):
+    """What vLLM raises when it builds the connector (the engine does not start) for a typo'd key
+    or a bad value, instead of a default silently used or every load failing later."""
+    for role in ({"is_producer": True, "is_consumer": False}, {"is_producer": False, "is_consumer": True}):
+        with pytest.raises(ValueError) as e:
+            WorkerSide(dict(extra), **role)
+        msg = str(e.value)
+        assert msg.startswith("kv_connector_extra_config: ") and says in msg and "\n" not in msg, msg
+
+
+def test_extra_config_defaults_and_values():
+    from kvconnector.integrations.vllm.config import connector_config
+    c = connector_config({"port": 15500, "lease_s": 60, "frame_ops": "", "curve": None})
+    assert (c["port"], c["lease_s"], c["pull_deadline_s"], c["handshake_s"], c["peer_timeout_s"]) == (15500, 60.0, 10.0, 3.0, 3.0)
+    assert (c["host"], c["advertise_host"], c["frame_ops"], c["curve"], c["data_plane"], c["nixl_region_mb"]) == \
+        ("127.0.0.1", None, None, None, "zmq", 256)
+    assert connector_config(c) == c           # checking twice changes nothing (connector, then worker)

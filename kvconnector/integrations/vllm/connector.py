@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.request import RequestStatus
 
 from .cache_layout import probe_block_map
+from .config import connector_config
 from .scheduler import ConnectorMeta, SchedulerSide
 from .worker import WorkerSide, engine_descriptor
 
@@ -62,24 +63,23 @@ class KVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
-        self.extra = dict(tc.kv_connector_extra_config or {})
+        self.extra = connector_config({"port": tc.kv_port, **(tc.kv_connector_extra_config or {})})
         spec, self.layer_names = _spec(kv_cache_config)
         self.block_size = spec.block_size
         pc = vllm_config.parallel_config
         self.tp_size = pc.tensor_parallel_size
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            host = self.extra.get("advertise_host", self.extra.get("host", "127.0.0.1"))
+            host = self.extra["advertise_host"] or self.extra["host"]
             desc = engine_descriptor(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                      head_size=spec.head_size, dtype=spec.dtype, num_layers=len(self.layer_names),
                                      num_blocks=kv_cache_config.num_blocks, tp_size=self.tp_size)
             self.scheduler = SchedulerSide(block_size=spec.block_size,
-                                           endpoint=f"tcp://{host}:{int(self.extra.get('port', tc.kv_port))}",
+                                           endpoint=f"tcp://{host}:{self.extra['port']}",
                                            fingerprint=desc.fingerprint(), is_producer=tc.is_kv_producer,
                                            is_consumer=tc.is_kv_consumer)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            self.extra.setdefault("port", tc.kv_port)
             self.worker = WorkerSide(self.extra, is_producer=tc.is_kv_producer, is_consumer=tc.is_kv_consumer,
                                      tp_rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size)
             self._spec = spec

@@ -37,12 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvconnector.dataplane import ZMQ, check_plane
+from kvconnector.dataplane import check_plane
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
 from kvconnector.security import keys_from_config
 from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor, TransferTimeoutError
 from .cache_layout import BlockMap, gather_packed, scatter_packed
+from .config import connector_config
 from .scheduler import ConnectorMeta
 
 log = logging.getLogger("vllm.kvconnector")  # a child of vLLM's logger: printed with its handlers
@@ -114,11 +115,12 @@ class WorkerSide:
 
     def __init__(self, config: dict, *, is_producer: bool, is_consumer: bool, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
-        self.config, self.is_producer, self.is_consumer = config, is_producer, is_consumer
+        self.config = connector_config(config)
+        self.is_producer, self.is_consumer = is_producer, is_consumer
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.stats = Stats(config.get("stats_path"))
-        self.frame_ops = frame_ops_from_config(config.get("frame_ops"))
-        self.data_plane = check_plane(config.get("data_plane", ZMQ))
+        self.stats = Stats(self.config["stats_path"])
+        self.frame_ops = frame_ops_from_config(self.config["frame_ops"])
+        self.data_plane = check_plane(self.config["data_plane"])
         self.prefill: PrefillEndpoint | None = None
         self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
         self._decoders_lock = threading.Lock()
@@ -150,11 +152,11 @@ class WorkerSide:
         self.stats.event("registered", layout=bmap.name, fingerprint=self.descriptor.fingerprint(),
                          num_blocks=num_blocks, num_layers=len(caches))
         if self.is_producer:
-            self.prefill = PrefillEndpoint(self.staging, self.descriptor, host=self.config.get("host", "127.0.0.1"),
-                                           port=int(self.config.get("port", 0)) + (self.tp_rank if self.config.get("port") else 0),
-                                           on_release=self._on_release, lease_s=float(self.config.get("lease_s", 30.0)),
-                                           peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                           curve=keys_from_config(self.config.get("curve"), "server"),
+            self.prefill = PrefillEndpoint(self.staging, self.descriptor, host=self.config["host"],
+                                           port=self.config["port"] + (self.tp_rank if self.config["port"] else 0),
+                                           on_release=self._on_release, lease_s=self.config["lease_s"],
+                                           peer_timeout_s=self.config["peer_timeout_s"],
+                                           curve=keys_from_config(self.config["curve"], "server"),
                                            frame_ops=self.frame_ops, data_plane=self.data_plane)
             log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
                      self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
@@ -233,12 +235,12 @@ class WorkerSide:
             if ep is not None:
                 return ep
             ep = DecodeEndpoint(self.staging, self.descriptor,
-                                peer_timeout_s=float(self.config.get("peer_timeout_s", 3.0)),
-                                curve=keys_from_config(self.config.get("curve"), "client"), frame_ops=self.frame_ops,
+                                peer_timeout_s=self.config["peer_timeout_s"],
+                                curve=keys_from_config(self.config["curve"], "client"), frame_ops=self.frame_ops,
                                 data_plane=self.data_plane,
-                                nixl_region_bytes=int(self.config.get("nixl_region_mb", 256)) << 20)
+                                nixl_region_bytes=self.config["nixl_region_mb"] << 20)
             try:
-                ep.connect(endpoint, timeout_s=float(self.config.get("handshake_s", 3.0)))
+                ep.connect(endpoint, timeout_s=self.config["handshake_s"])
             except BaseException:
                 ep.close()
                 raise
@@ -258,7 +260,7 @@ class WorkerSide:
         remote_ids = list(p["remote_block_ids"])
         dst = spec.block_ids[:len(remote_ids)]
         t0 = time.time()
-        deadline = float(self.config.get("pull_deadline_s", 10.0))
+        deadline = self.config["pull_deadline_s"]
         endpoint = rank_endpoint(p["remote_endpoint"], self.tp_rank)
         try:
             ep = self._decoder(endpoint)
