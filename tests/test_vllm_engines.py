@@ -235,3 +235,16 @@ def test_prefill_killed_before_pull_decode_recomputes(engines, prompts, referenc
     assert elapsed < 20 + 60      # pull deadline + recompute, far below the test timeout
     again = procs["decode"].generate(prompts[:1], None, max_tokens=MAX_TOKENS)   # still serving
     assert again[0][0] == reference[0]
+
+
+def test_bad_extra_config_stops_the_engine_start_naming_the_key(model_dir, capfd):
+    """A typo'd key in ``kv_connector_extra_config``: the engine does not start, and its error is
+    one line naming the key (not a default silently used)."""
+    proc = EngineProc(model_dir, "kv_consumer", block_size=BLOCK, extra={"lease_seconds": 60})
+    try:
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            proc.wait_ready()
+    finally:
+        proc.close()
+    err = capfd.readouterr().err
+    assert "ValueError: kv_connector_extra_config: unknown key 'lease_seconds' (known: host," in err

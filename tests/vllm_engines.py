@@ -97,7 +97,11 @@ class EngineProc:
                 raise RuntimeError(f"engine process exited with code {self.proc.exitcode}")
             if time.monotonic() > end:
                 raise TimeoutError(f"engine: no {want!r} within {timeout_s} s")
-        kind, payload = self.conn.recv()
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:             # the process ended (its error went to stderr)
+            self.proc.join(10)
+            raise RuntimeError(f"engine process exited with code {self.proc.exitcode}") from None
         if kind != want:
             raise RuntimeError(f"engine: expected {want!r}, got {kind!r}")
         return payload
