@@ -94,10 +94,18 @@ def make_handler(router: Router):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             except ValueError as e:
                 return self._reply(400, {"error": f"request body is not JSON: {e}"})
+            if not isinstance(body, dict):
+                return self._reply(400, {"error": f"request body: expected a JSON object, got {type(body).__name__}"})
+            # kv_transfer_params are the router's: a client's own would name a prefill endpoint for
+            # the decode server to pull from, so they are never forwarded
+            body.pop("kv_transfer_params", None)
             pre_url, dec_url = router.pick()
             try:
                 with _post(pre_url + self.path, prefill_request(body), router.timeout) as r:
-                    params = json.loads(r.read()).get("kv_transfer_params")
+                    answer = json.loads(r.read())
+                params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+                if not isinstance(params, dict):
+                    raise ValueError(f"no kv_transfer_params object in its answer (got {params!r:.80})")
             except (urllib.error.URLError, OSError, ValueError) as e:
                 self.log_message("prefill %s failed (%s); decode computes the prompt", pre_url, e)
                 params = None
