@@ -1,6 +1,6 @@
 """Leases of the prefill side: published source blocks, held until the transfer ends.
 
-A lease ends on ACK (``"acked"``), ABORT (``"aborted"``), its deadline (``"expired"``), the
+A lease ends on ACK (``"acked"``: of each of its ``pulls`` head ranges), ABORT (``"aborted"``), its deadline (``"expired"``), the
 application's release (``"released"``) or a failure while serving it (``"failed"``). An ended
 lease first *drains*: it stays listed by :meth:`LeaseTable.held` until none of its streams
 may still read the blocks (a staging job running, a zero-copy frame still queued in ZeroMQ;
@@ -27,7 +27,10 @@ class Lease:
     expires_at: float                             # time.monotonic() deadline
     ids_dev: tuple = None      # CUDA caches: (block_ids on the device, event after their copy), made at publish
     streams: list = field(default_factory=list)   # every Stream started for it (retried pulls too)
-    peers: dict = field(default_factory=dict)     # idents that pulled it (an ordered set)
+    peers: dict = field(default_factory=dict)     # ident that pulled it -> the heads (lo, hi) it pulled
+    pulls: int = 1                                # pulls of distinct head ranges it serves (decode TP ranks)
+    acked: set = field(default_factory=set)       # head ranges whose pull was acknowledged
+    waiting: set = field(default_factory=set)     # idents whose latest pull is not acknowledged yet
     reason: str = ""                              # why it ended, once it has
     layers_ready: int | None = None               # layers written so far (layer-wise publish); None: all
     prestaged: object = None   # a Stream whose first message was staged at publish, until a pull takes it

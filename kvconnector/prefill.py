@@ -144,7 +144,7 @@ class PrefillEndpoint:
         self._outbox: list = []                  # (ident, frames, give_up_at): ERRORs the pipe refused
         self._peers: dict[bytes, dict] = {}      # ident -> {"ok": bool, "seen": t, "heads": range}
         self._streams: list[Stream] = []
-        self._started: dict[str, tuple] = {}     # tid -> (pull time, payload bytes) for metrics
+        self._started: dict[tuple, tuple] = {}   # (tid, ident) -> (pull time, payload bytes, blocks) for metrics
         self._blocked_until = 0.0
         self._pool = BufferPool()
         self._stage_s = {"stage": 0.0, "copy_wait": 0.0, "send": 0.0, "sent": 0}   # see stage_times
@@ -161,8 +161,13 @@ class PrefillEndpoint:
 
     # ---- application API (any thread) -------------------------------------------------
     def publish(self, transfer_id: str, block_ids, lease_s: float | None = None, *,
-                layers_ready: int | None = None) -> None:
+                layers_ready: int | None = None, pulls: int = 1) -> None:
         """Hold ``block_ids`` (source blocks, in transfer order) under ``transfer_id``.
+
+        ``pulls``: how many pulls of distinct head ranges the transfer serves, e.g. 2 when two
+        decode ranks each pull their half of the heads; the lease ends once each has been
+        acknowledged (or on ABORT, expiry, release). A PULL of a further head range is refused
+        (ERROR ``already_pulled``); a PULL of heads already pulled restarts that pull (a retry).
 
         With ``frame_ops``, the first message is staged now (``prestage_bytes``): a serving engine
         publishes when the prompt's forward has written the blocks, some time before the decode
@@ -178,13 +183,16 @@ class PrefillEndpoint:
             raise ValueError(f"transfer_id: expected a non-empty str of <= 256 chars, got {transfer_id!r}")
         if not ids or min(ids) < 0 or max(ids) >= self.descriptor.num_blocks:
             raise LayoutError(f"block_ids: expected a non-empty list in [0, {self.descriptor.num_blocks}), got {ids[:8]}")
+        if isinstance(pulls, bool) or not isinstance(pulls, int) or not 1 <= pulls <= 1024:
+            raise ValueError(f"pulls: expected an integer in [1, 1024], got {pulls!r}")
         ids_dev = None
         if self.cuda:   # off the pull's critical path; the copy stream waits for the event
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
         ready = None if layers_ready is None else max(0, min(int(layers_ready), self.descriptor.num_layers))
-        lease = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev, layers_ready=ready)
+        lease = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev, layers_ready=ready,
+                      pulls=pulls)
         self._leases.add(lease)
         if ready is None and self.frame_ops is not None and self.checksums[0] == MIX64 and self.prestage_bytes > 0:
             self._loop.call_soon(self._prestage, lease)
@@ -317,15 +325,17 @@ class PrefillEndpoint:
                 pass
         self._outbox = keep
 
-    def _end_lease(self, tid: str, reason: str, code: ErrorCode | None = None, msg: str = "") -> bool:
+    def _end_lease(self, tid: str, reason: str, code: ErrorCode | None = None, msg: str = "",
+                   by: bytes | None = None) -> bool:
         """End the lease of ``tid``: its streams stop; peers still being served get ERROR
-        ``code`` (default: from the reason); ``on_release`` runs once no byte of the blocks can
-        still be read (:meth:`_drain`). False when ``tid`` holds no lease."""
+        ``code`` (default: from the reason; on ACK / ABORT from peer ``by``, the other peers whose
+        pull was not acknowledged); ``on_release`` runs once no byte of the blocks can still be
+        read (:meth:`_drain`). False when ``tid`` holds no lease."""
         lease = self._leases.end(tid, reason)
         if lease is None:
             return False
-        if reason != "acked":
-            self._started.pop(tid, None)
+        for key in [k for k in self._started if k[0] == tid]:
+            del self._started[key]
         unpulled = self._detach_prestaged(lease)   # staged at publish and never pulled
         if unpulled is not None:
             unpulled.cancel()
@@ -337,6 +347,11 @@ class PrefillEndpoint:
             for ident in lease.peers:
                 self._reply(ident, Header(MsgType.ERROR, tid=tid, code=code,
                                           msg=msg or f"transfer {tid!r}: lease ended ({reason}) before it was sent"))
+        else:                  # ACK / ABORT from ``by``: the other pulls not acknowledged cannot complete
+            code = ErrorCode.ALREADY_PULLED if reason == "acked" else ErrorCode.ABORTED
+            for ident in lease.waiting - {by}:
+                self._reply(ident, Header(MsgType.ERROR, tid=tid, code=code,
+                                          msg=f"transfer {tid!r}: {reason} by another peer before it was sent"))
         if reason == "expired":
             self.metrics.fail("lease_expired")
         self._drain()
@@ -411,15 +426,29 @@ class PrefillEndpoint:
             except Exception as e:
                 e.tid = h.tid   # _on_message names the transfer in its ERROR
                 raise
-        if h.type in (MsgType.ACK, MsgType.ABORT):
-            reason = "acked" if h.type == MsgType.ACK else "aborted"
-            if not self._end_lease(h.tid, reason):
-                self.metrics.ignore(f"duplicate_{reason}")
-            elif reason == "acked" and h.tid in self._started:
-                t0, nbytes, num_blocks = self._started.pop(h.tid)
-                self.metrics.completed(nbytes, time.monotonic() - t0, num_blocks)
+        if h.type == MsgType.ACK:
+            return self._ack(ident, h.tid)
+        if h.type == MsgType.ABORT:
+            if not self._end_lease(h.tid, "aborted", by=ident):
+                self.metrics.ignore("duplicate_aborted")
             return None
         self.metrics.ignore(f"unexpected_{h.type.name}")
+
+    def _ack(self, ident: bytes, tid: str) -> None:
+        """Peer ``ident`` has every block of its pull of ``tid``: the lease ends once every
+        head range it was published for (``pulls``) is acknowledged."""
+        lease = self._leases.get(tid)
+        heads = None if lease is None else lease.peers.get(ident)
+        if heads is None:      # the lease ended already (a duplicate), or this peer never pulled it
+            return self.metrics.ignore("duplicate_acked" if lease is None else "ack_without_pull")
+        started = self._started.pop((tid, ident), None)
+        if started is not None:
+            t0, nbytes, num_blocks = started
+            self.metrics.completed(nbytes, time.monotonic() - t0, num_blocks)
+        lease.acked.add(heads)
+        lease.waiting.discard(ident)
+        if len(lease.acked) >= lease.pulls:
+            self._end_lease(tid, "acked", by=ident)
 
     def _hello(self, ident: bytes, peer: dict, h: Header) -> None:
         mine = self.descriptor.to_dict()
@@ -464,11 +493,23 @@ class PrefillEndpoint:
         if not (shared.start <= h.heads[0] < h.heads[1] <= shared.stop):
             return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.BAD_HEADS,
                                              msg=f"heads: expected a range inside [{shared.start}, {shared.stop}), got {list(h.heads)}"))
-        for s in [s for s in self._streams if s.tid == h.tid]:   # a retried pull restarts
+        heads = tuple(h.heads)
+        taken = set(lease.peers.values()) | lease.acked
+        if heads not in taken and len(taken) >= lease.pulls:
+            return self._reply(ident, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.ALREADY_PULLED,
+                                             msg=f"transfer {h.tid!r}: published for {lease.pulls} pull(s), taken "
+                                                 f"by heads {sorted(map(list, taken))}"))
+        for s in [s for s in self._streams if s.tid == h.tid and s.global_heads == heads]:   # a retried pull restarts
             self._streams.remove(s)
             s.cancel()
+        for other in [i for i, hd in lease.peers.items() if hd == heads and i != ident]:   # another peer's: taken over
+            del lease.peers[other]
+            lease.waiting.discard(other)
+            self._reply(other, Header(MsgType.ERROR, tid=h.tid, code=ErrorCode.ALREADY_PULLED,
+                                      msg=f"transfer {h.tid!r}: a newer pull of the same heads took over"))
         local = range(h.heads[0] - d.head_start, h.heads[1] - d.head_start)
-        lease.peers[ident] = None
+        lease.peers[ident] = heads
+        lease.waiting.add(ident)
         algorithm = peer.get("sum", CHECKSUM)
         stream = self._take_prestaged(lease, ident, local, algorithm, peer)
         try:
@@ -482,7 +523,7 @@ class PrefillEndpoint:
         self._streams.append(stream)
         self.metrics.add("transfers_started")
         nbytes = len(self.caches) * slice_bytes(self.geometry, len(lease.block_ids), local)
-        self._started[h.tid] = (time.monotonic(), nbytes, len(lease.block_ids) * len(self.caches))
+        self._started[(h.tid, ident)] = (time.monotonic(), nbytes, len(lease.block_ids) * len(self.caches))
 
     def _prestage(self, lease: Lease) -> None:
         """I/O thread, after :meth:`publish`: stage the first message of every head in ``mix64``

@@ -111,6 +111,8 @@ class ErrorCode(str, enum.Enum):
     SERVE_FAILED = "serve_failed"              # reading, hashing or sending the blocks failed; lease ended
     LEASE_EXPIRED = "lease_expired"            # the lease ran out while the transfer was being served
     RELEASED = "released"                      # the prefill application released the lease mid-transfer
+    ALREADY_PULLED = "already_pulled"          # PULL: every pull the transfer was published for is taken, or
+                                               # a newer PULL of the same heads (another peer) took this one over
     INTERNAL = "internal"                      # handling the peer's message raised (msg names the error)
 
 

@@ -23,7 +23,7 @@ import zmq
 from connector_fakes import make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.protocol import ErrorCode, Header, MsgType, decode_header, encode_header
-from layouts import KVQuantMode, LayoutError, LayoutMismatchError, check_compatible
+from layouts import KVQuantMode, LayoutError, LayoutMismatchError, PeerError, check_compatible
 
 pytestmark = pytest.mark.timeout(60)
 TOTAL = 4
@@ -105,6 +105,128 @@ def test_decode_ranks_each_pull_their_slice_from_a_full_prefill(mode, name):
                 pre.publish(f"req{r}", SRC_IDS)
                 dec.pull(f"req{r}", DST_IDS, deadline_s=10).result(timeout=10)
             assert _heads_equal(dst, _slice(ref, lo, hi), DST_IDS, SRC_IDS)
+
+
+def _until(cond, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+class _Ranks:
+    """One prefill with all heads, its transfer published layer by layer with no layer written
+    yet (so every pull waits inside it until :meth:`write_all`), and decode endpoints for the
+    given head ranges, each over its own slice of a destination cache."""
+
+    def __init__(self, ranges, pulls=None):
+        self.mode = KVQuantMode.INT4_PER_TOKEN_HEAD
+        self.ref = _full_reference(self.mode, 0)
+        self.released = []
+        self.pre = PrefillEndpoint(self.ref, _desc(self.mode, 0, TOTAL),
+                                   on_release=lambda tid, ids, reason: self.released.append(reason))
+        self.dsts, self.decs = [], []
+        for lo, hi in ranges:
+            dst = _slice(_full_reference(self.mode, 1), lo, hi)
+            self.dsts.append((dst, [c.clone() for c in dst], lo, hi))
+            self.decs.append(DecodeEndpoint(dst, _desc(self.mode, lo, hi)))
+            self.decs[-1].connect(self.pre.endpoint)
+        kw = {} if pulls is None else {"pulls": pulls}
+        self.pre.publish("req", SRC_IDS, layers_ready=0, **kw)
+
+    def pull(self, i):
+        """Rank ``i`` pulls; returns once the prefill serves its pull or it has failed."""
+        n = self.pre.stats()["transfers_started"]
+        h = self.decs[i].pull("req", DST_IDS, deadline_s=10)
+        assert _until(lambda: self.pre.stats()["transfers_started"] > n or h.done())
+        return h
+
+    def write_all(self):
+        self.pre.publish_layers("req", 2)
+
+    def exact(self, i):
+        dst, _, lo, hi = self.dsts[i]
+        return _heads_equal(dst, _slice(self.ref, lo, hi), DST_IDS, SRC_IDS)
+
+    def untouched(self, i):
+        dst, before, _, _ = self.dsts[i]
+        return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst, before))
+
+    def close(self):
+        for e in self.decs + [self.pre]:
+            e.close()
+
+
+def test_decode_ranks_pull_one_transfer_published_for_two_pulls():
+    """Two decode ranks pull their halves of one transfer id concurrently (``pulls=2``): both
+    land byte exact, and the lease ends (once, ``acked``) only when both acknowledged."""
+    r = _Ranks(_ranks(2), pulls=2)
+    try:
+        h0 = r.pull(0)
+        h1 = r.pull(1)
+        r.write_all()
+        h0.result(timeout=10)
+        assert r.exact(0)
+        h1.result(timeout=10)
+        assert r.exact(1)
+        assert _until(lambda: r.released == ["acked"]) and r.pre.held() == []
+    finally:
+        r.close()
+
+
+def test_a_third_head_range_or_a_second_pull_beyond_pulls_fails_at_once():
+    """A pull beyond what the transfer was published for fails at once with ``already_pulled``
+    (not at its deadline), its destination untouched; the pulls it was published for complete."""
+    r = _Ranks([(0, 2), (2, 4), (1, 3)], pulls=2)
+    try:
+        h0, h1 = r.pull(0), r.pull(1)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="already_pulled: transfer 'req': published for 2 pull"):
+            r.pull(2).result(timeout=10)
+        assert time.monotonic() - t0 < 2 and r.untouched(2)
+        r.write_all()
+        h0.result(timeout=10), h1.result(timeout=10)
+        assert r.exact(0) and r.exact(1)
+    finally:
+        r.close()
+    r = _Ranks(_ranks(2))                       # default: one pull
+    try:
+        h0 = r.pull(0)
+        with pytest.raises(PeerError, match="already_pulled: transfer 'req': published for 1 pull"):
+            r.pull(1).result(timeout=10)
+        r.write_all()
+        h0.result(timeout=10)
+        assert r.exact(0) and r.untouched(1) and _until(lambda: r.released == ["acked"])
+    finally:
+        r.close()
+
+
+def test_a_newer_pull_of_the_same_heads_takes_over_and_the_older_fails_at_once():
+    r = _Ranks([(0, 4), (0, 4)])
+    try:
+        h0 = r.pull(0)
+        h1 = r.pull(1)
+        with pytest.raises(PeerError, match="already_pulled: transfer 'req': a newer pull of the same heads took over"):
+            h0.result(timeout=2)
+        r.write_all()
+        h1.result(timeout=10)
+        assert r.exact(1) and r.untouched(0) and _until(lambda: r.released == ["acked"])
+    finally:
+        r.close()
+
+
+def test_an_abort_from_one_rank_fails_the_others_at_once():
+    r = _Ranks(_ranks(2), pulls=2)
+    try:
+        h0, h1 = r.pull(0), r.pull(1)
+        r.decs[0].abort("req")
+        with pytest.raises(PeerError, match="aborted: transfer 'req': aborted by another peer"):
+            h1.result(timeout=2)
+        with pytest.raises(PeerError):
+            h0.result(timeout=2)
+        assert r.untouched(0) and r.untouched(1) and _until(lambda: r.released == ["aborted"])
+    finally:
+        r.close()
 
 
 def test_partially_overlapping_splits_and_a_subset_of_heads():
