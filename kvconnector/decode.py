@@ -248,6 +248,11 @@ class DecodeEndpoint:
         s["pending"] = len(self._pending)
         return s
 
+    def peer_silent_s(self) -> float:
+        """Seconds since the prefill was last heard from (a PONG every ``heartbeat_s`` while it
+        lives, pulls pending or not)."""
+        return time.monotonic() - self._last_seen
+
     def stage_times(self) -> dict:
         """Seconds spent so far per stage of receiving (``bench.transfer --threads``): ``receive``
         (I/O thread: receive and check messages, hand them off), and for ``mix64`` messages on the

@@ -200,3 +200,32 @@ def test_extra_config_defaults_and_values():
     assert (c["host"], c["advertise_host"], c["frame_ops"], c["curve"], c["data_plane"], c["nixl_region_mb"]) == \
         ("127.0.0.1", None, None, None, "zmq", 256)
     assert connector_config(c) == c           # checking twice changes nothing (connector, then worker)
+
+
+def test_decoders_of_prefills_gone_silent_are_closed_at_the_next_load():
+    """A decode worker keeps one DecodeEndpoint per prefill address; one whose prefill has been
+    silent for ``peer_timeout_s`` (gone, or moved) is closed at the next load, so the worker
+    does not keep a socket and threads for every address it ever pulled from. A live one stays."""
+    n = 32
+    pres = [make_worker("cpu", n, True) for _ in range(3)]
+    dec = make_worker("cpu", n, False)
+    try:
+        for i, pre in enumerate(pres[:2]):
+            params = prefill_request(pre, n, f"r{i}", [3, 9], 40, seed=i)
+            dec.start_load(ConnectorMeta(loads=[LoadSpec(f"d{i}", params, [5, 6], 0)]))
+            recving, failed = wait_results(dec)
+            assert recving == {f"d{i}"} and not failed
+        assert set(dec._decoders) == {pres[0].prefill.endpoint, pres[1].prefill.endpoint}
+        gone = dec._decoders[pres[0].prefill.endpoint]
+        pres[0].close()                                   # prefill 0 goes away; prefill 1 lives on
+        time.sleep(1.5)                                   # > peer_timeout_s (1 s in make_worker)
+        params = prefill_request(pres[2], n, "r2", [3, 9], 40, seed=2)
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("d2", params, [5, 6], 0)]))
+        recving, failed = wait_results(dec)
+        assert recving == {"d2"} and not failed
+        assert set(dec._decoders) == {pres[1].prefill.endpoint, pres[2].prefill.endpoint}
+        assert gone._loop.sock.closed                     # the gone prefill's endpoint is closed
+        assert dec.stats.counts.get("decoders_closed") == 1
+    finally:
+        for w in pres[1:] + [dec]:
+            w.close()

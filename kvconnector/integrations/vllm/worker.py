@@ -124,6 +124,7 @@ class WorkerSide:
         self.prefill: PrefillEndpoint | None = None
         self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
         self._decoders_lock = threading.Lock()
+        self._in_use: dict = {}                   # remote endpoint -> loads using its DecodeEndpoint now
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvc-vllm-load") if is_consumer else None
         self._loads: dict = {}                    # req_id -> Future
         self._lock = threading.Lock()
@@ -230,9 +231,23 @@ class WorkerSide:
             self._loads[spec.req_id] = self._pool.submit(self._load, spec)
 
     def _decoder(self, endpoint: str) -> DecodeEndpoint:
+        """The decode endpoint connected to ``endpoint`` (connected now if there is none), in use
+        until :meth:`_done_with`. Endpoints not in use whose prefill has been silent for
+        ``peer_timeout_s`` (gone, or moved to another address) are closed first, so a decode worker
+        does not keep a socket, threads and reconnect attempts for every prefill address it ever
+        pulled from."""
+        with self._decoders_lock:
+            gone = [a for a, ep in self._decoders.items()
+                    if not self._in_use.get(a) and ep.peer_silent_s() > self.config["peer_timeout_s"]]
+            closing = [self._decoders.pop(a) for a in gone]
+        for old in closing:
+            old.close()
+        if closing:
+            self.stats.event("decoders_closed", endpoints=gone)
         with self._decoders_lock:
             ep = self._decoders.get(endpoint)
             if ep is not None:
+                self._in_use[endpoint] = self._in_use.get(endpoint, 0) + 1
                 return ep
             ep = DecodeEndpoint(self.staging, self.descriptor,
                                 peer_timeout_s=self.config["peer_timeout_s"],
@@ -245,7 +260,14 @@ class WorkerSide:
                 ep.close()
                 raise
             self._decoders[endpoint] = ep
+            self._in_use[endpoint] = self._in_use.get(endpoint, 0) + 1
             return ep
+
+    def _done_with(self, endpoint: str) -> None:
+        with self._decoders_lock:
+            n = self._in_use.pop(endpoint, 0) - 1
+            if n > 0:
+                self._in_use[endpoint] = n
 
     def _drop_decoder(self, endpoint: str) -> None:
         with self._decoders_lock:
@@ -262,13 +284,15 @@ class WorkerSide:
         t0 = time.time()
         deadline = self.config["pull_deadline_s"]
         endpoint = rank_endpoint(p["remote_endpoint"], self.tp_rank)
+        ep = self._decoder(endpoint)
         try:
-            ep = self._decoder(endpoint)
             handle = ep.pull(p["remote_request_id"], dst, deadline_s=deadline)
             result = handle.result(timeout=deadline + 5.0)
         except TimeoutError:          # TransferTimeoutError too: a dead or silent peer, reconnect next time
             self._drop_decoder(endpoint)
             raise
+        finally:
+            self._done_with(endpoint)
         keep = [i for i in range(len(dst)) if i >= spec.num_local_blocks]
         if keep:
             ids = [dst[i] for i in keep]
