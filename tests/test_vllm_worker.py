@@ -229,3 +229,22 @@ def test_decoders_of_prefills_gone_silent_are_closed_at_the_next_load():
     finally:
         for w in pres[1:] + [dec]:
             w.close()
+
+
+def test_a_prompt_aborted_before_it_completes_leaves_no_state():
+    """A prefill request aborted after some of its steps were staged (vLLM's scheduler lists it
+    in ``released``): nothing is published and the worker keeps nothing of it (a server sees many
+    such requests: client disconnects)."""
+    n = 32
+    pre = make_worker("cpu", n, True)
+    try:
+        meta = ConnectorMeta(saves=[SaveSpec("r1", [3, 9, 4], 0, 64, 70)])    # 64 of 70 prompt tokens
+        for i, cache in enumerate(pre.caches):
+            pre.save_layer(f"layer.{i}", cache, meta)
+        pre.wait_for_save(meta)
+        assert "r1" in pre._stage_s and "r1" in pre._first_layer_t
+        pre.wait_for_save(ConnectorMeta(released=["r1"]))
+        assert not (pre._stage_s or pre._first_layer_t or pre._last_layer_t or pre._published)
+        assert pre.prefill.held() == [] and "published" not in pre.stats.counts
+    finally:
+        pre.close()

@@ -196,15 +196,15 @@ class WorkerSide:
                     try:
                         self.prefill.publish(s.req_id, ids)
                     except ValueError as e:   # e.g. published already: never fail vLLM's step for it
+                        self._forget_staging(s.req_id)
                         self.stats.event("publish_failed", req=s.req_id, error=f"{type(e).__name__}: {e}")
                         log.warning("kvconnector: cannot publish %s: %s", s.req_id, e)
                         continue
                     self._published.add(s.req_id)
                     self.stats.event("published", req=s.req_id, blocks=len(ids), tokens=s.num_prompt_tokens,
-                                     t_first_layer=self._first_layer_t.pop(s.req_id, None),
-                                     t_last_layer=self._last_layer_t.pop(s.req_id, None),
-                                     stage_s=self._stage_s.pop(s.req_id, 0.0))
+                                     **self._forget_staging(s.req_id))
             for rid in meta.released:
+                self._forget_staging(rid)    # e.g. aborted before its prompt was complete
                 if rid in self._published:
                     # start the release and go on: vLLM frees the blocks once ``on_release`` has
                     # run (get_finished), so the step never waits for a transfer still reading them
@@ -217,6 +217,11 @@ class WorkerSide:
             ep = self._decoders.get(rank_endpoint(params["remote_endpoint"], self.tp_rank))
             if ep is not None:
                 ep.abort(params["remote_request_id"])
+
+    def _forget_staging(self, req_id: str) -> dict:
+        """Drop (and return) what :meth:`save_layer` recorded for ``req_id``'s staging."""
+        return {"t_first_layer": self._first_layer_t.pop(req_id, None),
+                "t_last_layer": self._last_layer_t.pop(req_id, None), "stage_s": self._stage_s.pop(req_id, 0.0)}
 
     def _on_release(self, tid: str, block_ids, reason: str) -> None:
         with self._lock:
