@@ -248,3 +248,23 @@ def test_a_prompt_aborted_before_it_completes_leaves_no_state():
         assert pre.prefill.held() == [] and "published" not in pre.stats.counts
     finally:
         pre.close()
+
+
+def test_a_published_prompt_released_by_vllm_leaves_no_state():
+    """vLLM lists a published request in ``released`` (aborted after its prompt completed, so not
+    delayed): its lease ends ``released``, it is never reported in ``finished_sending`` (vLLM
+    freed its blocks itself), and the worker keeps nothing of it."""
+    n = 32
+    pre = make_worker("cpu", n, True)
+    try:
+        prefill_request(pre, n, "r1", [3, 9, 4], 70, seed=1)
+        assert pre.prefill.held() == ["r1"]
+        pre.wait_for_save(ConnectorMeta(released=["r1"]))
+        end = time.monotonic() + 5
+        while "lease_end" not in pre.stats.counts and time.monotonic() < end:
+            time.sleep(0.01)
+        sending, _, _ = pre.transfer_results({"r1"})
+        assert not sending and pre.prefill.held() == []
+        assert not (pre._published or pre._ended or pre._finished_seen or pre._delayed or pre._stage_s)
+    finally:
+        pre.close()

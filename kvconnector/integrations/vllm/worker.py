@@ -212,6 +212,8 @@ class WorkerSide:
                         self.prefill.release(rid, timeout_s=0.05)
                     except TransferTimeoutError:
                         self.stats.event("release_pending", req=rid)
+                    with self._lock:         # never reported in finished_sending: vLLM did not delay it
+                        self._published.discard(rid)
             self._delayed.update(meta.delayed)
         for params in meta.remote_releases:      # loads skipped: tell the prefill side now
             ep = self._decoders.get(rank_endpoint(params["remote_endpoint"], self.tp_rank))
@@ -323,6 +325,8 @@ class WorkerSide:
                     self._finished_seen.discard(rid)
                     self._published.discard(rid)
                     self._ended.pop(rid, None)
+            for rid in [r for r in self._ended if r not in self._delayed and r not in self._published]:
+                del self._ended[rid]         # a released request's lease end: nobody waits for it
         if self.prefill is not None:      # refusals and bad frames the endpoint recorded
             errors, total = self.prefill.errors.since(self._errors_seen)
             if total - self._errors_seen > len(errors):
