@@ -222,3 +222,24 @@ def test_blocks_interleaved_across_layers():
     assert bmap.is_identity()
     _roundtrip_on(packed_writer, layer1, bmap)
     assert not both[:, 0].any()                                       # the other layer untouched
+
+
+def test_kv_of_another_model_is_refused_by_the_decode_side():
+    """The prefill names its model (``remote_model``); a decode engine running another model fails
+    the load (policy decides) rather than attending over another model's KV of the same shape."""
+    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", model="org/llama-ft-a", is_producer=True,
+                        is_consumer=False)
+    req = _request("r1", 70, {"do_remote_decode": True}, computed=70)
+    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
+    _, params = pre.request_finished(req, [4, 9, 2], finished_ok=True)
+    assert params["remote_model"] == "org/llama-ft-a"
+    for model, changed, error in [("org/llama-ft-a", {}, ""), ("org/llama-ft-b", {}, "the prefill ran model "
+                                  "'org/llama-ft-a', this engine runs 'org/llama-ft-b'"),
+                                  ("org/llama-ft-b", {"remote_model": None}, ""),     # a prefill that does not say
+                                  ("", {}, ""), ("m", {"remote_model": 3}, "remote_model: expected a string")]:
+        dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", model=model, is_producer=False, is_consumer=True)
+        d = _request("d1", 70, {**params, **changed})
+        assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
+        dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
+        got = dec.build_meta({}, None).loads[0].error
+        assert (error in got and got.startswith("kv_transfer_params: ")) if error else got == "", (model, changed, got)

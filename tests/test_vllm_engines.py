@@ -101,6 +101,7 @@ def prefill(procs, prompts, cached=None):
     params = []
     for ids, _, p, _ in out:
         assert p is not None and p["do_remote_prefill"] and len(ids) == 1, p
+        assert p["remote_model"] == procs["prefill"].model_dir, p
         p = dict(p)
         hits = p.pop("remote_prefill_cached_tokens", None)   # so vLLM reports the decode side's own cached tokens
         if cached is not None:
@@ -201,22 +202,25 @@ def test_mismatched_decode_refused_both_ends(engines, prompts):
 
 def test_malformed_transfer_params_fail_the_request_not_the_engine(engines, prompts, reference):
     """A client's malformed ``kv_transfer_params`` (an exception in vLLM's scheduler would end the
-    engine): the load fails with a one-line error before any connection and vLLM's policy decides,
+    engine), or a prefill of another model: the load fails with a one-line error before any
+    connection and vLLM's policy decides,
     ``fail`` ends the request with an error, ``recompute`` computes the prompt; both engines keep
     serving."""
     procs, stats = engines
     good = {"do_remote_prefill": True, "remote_endpoint": "tcp://127.0.0.1:9", "remote_request_id": "none",
             "remote_block_ids": [0], "remote_num_tokens": len(prompts[0]), "remote_block_size": BLOCK,
             "layout_fingerprint": ""}
-    bad = [{**good, "remote_num_tokens": "abc"}, {**good, "remote_block_ids": 7}, {**good, "remote_endpoint": None}]
+    bad = [{**good, "remote_num_tokens": "abc"}, {**good, "remote_block_ids": 7}, {**good, "remote_endpoint": None},
+           {**good, "remote_model": "another/model"}]       # well formed, but another model's KV
     t0 = time.time()
-    out = procs["decode64"].generate([prompts[0]] * 3, bad, max_tokens=MAX_TOKENS)
-    assert [(ids, reason) for ids, _, _, reason in out] == [([], "error")] * 3
-    out = procs["decode"].generate([prompts[0]] * 3, [dict(p) for p in bad], max_tokens=MAX_TOKENS)
-    assert [ids for ids, _, _, _ in out] == [reference[0]] * 3
+    out = procs["decode64"].generate([prompts[0]] * 4, bad, max_tokens=MAX_TOKENS)
+    assert [(ids, reason) for ids, _, _, reason in out] == [([], "error")] * 4
+    out = procs["decode"].generate([prompts[0]] * 4, [dict(p) for p in bad], max_tokens=MAX_TOKENS)
+    assert [ids for ids, _, _, _ in out] == [reference[0]] * 4
     failed = [e["error"] for e in read_stats(stats, "load_failed") if e["t"] >= t0]
-    assert len(failed) == 6 and all(e.startswith("ValueError: kv_transfer_params: ") for e in failed), failed
+    assert len(failed) == 8 and all(e.startswith("ValueError: kv_transfer_params: ") for e in failed), failed
     assert sum("remote_num_tokens" in e for e in failed) == 2 and sum("remote_endpoint" in e for e in failed) == 2
+    assert sum("the prefill ran model 'another/model', this engine runs '" in e for e in failed) == 2
     assert not [e for e in read_stats(stats, "loaded") if e["t"] >= t0]
     again = procs["decode64"].generate(prompts[:1], None, max_tokens=MAX_TOKENS)
     assert again[0][3] == "length" and len(again[0][0]) == MAX_TOKENS

@@ -81,6 +81,7 @@ class EngineProc:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         ctx = mp.get_context("spawn")
+        self.model_dir = model_dir
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, prefix_caching, env),
                                 daemon=True)

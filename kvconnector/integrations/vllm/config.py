@@ -61,6 +61,7 @@ SETTINGS = {
     "data_plane": (_plane, ZMQ),
     "nixl_region_mb": (lambda x, k: _count(x, k, 1, 1 << 20), 256),
     "curve": (_table, None),
+    "model_id": (_optional_text, None),    # the model name both engines compare (default: vLLM's model)
 }
 
 

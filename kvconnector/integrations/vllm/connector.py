@@ -76,7 +76,9 @@ class KVConnector(KVConnectorBase_V1):
                                      num_blocks=kv_cache_config.num_blocks, tp_size=self.tp_size)
             self.scheduler = SchedulerSide(block_size=spec.block_size,
                                            endpoint=f"tcp://{host}:{self.extra['port']}",
-                                           fingerprint=desc.fingerprint(), is_producer=tc.is_kv_producer,
+                                           fingerprint=desc.fingerprint(),
+                                           model=self.extra["model_id"] or str(vllm_config.model_config.model),
+                                           is_producer=tc.is_kv_producer,
                                            is_consumer=tc.is_kv_consumer)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -10,7 +10,7 @@ Flow of one disaggregated request (``kv_transfer_params`` travel through the rou
 2. :meth:`SchedulerSide.request_finished` keeps the blocks (returns True: the workers report
    the request in ``finished_sending`` when the decode side acknowledged, aborted, or the lease
    ran out) and returns the parameters the decode side needs: endpoint, request id, block
-   ids, token count, block size, layout fingerprint (:func:`decode_params`).
+   ids, token count, block size, layout fingerprint, model (:func:`decode_params`).
 3. The router sends the prompt to the decode engine with those parameters. The scheduler
    asks :meth:`SchedulerSide.get_num_new_matched_tokens`: the prompt tokens not cached
    locally, loaded asynchronously. After allocation a :class:`LoadSpec` goes to the workers,
@@ -83,11 +83,12 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def params_error(params: dict) -> str:
+def params_error(params: dict, model: str = "") -> str:
     """What is wrong with remote-prefill ``params`` (from a client or a router), in one line; ''
-    when they are well formed. Malformed parameters fail the request's load (vLLM's
-    ``kv_load_failure_policy`` decides) instead of raising in vLLM's scheduler, which would end
-    the engine."""
+    when they are well formed and, where both name it, the prefill ran this engine's ``model``.
+    Such parameters fail the request's load (vLLM's ``kv_load_failure_policy`` decides) instead
+    of raising in vLLM's scheduler, which would end the engine, or of loading another model's KV
+    into a cache of the same shape."""
     missing = [k for k in PARAM_KEYS if k not in params]
     if missing:
         return f"kv_transfer_params: missing {', '.join(missing)}"
@@ -108,6 +109,11 @@ def params_error(params: dict) -> str:
                 f"{size} (expected {-(-tokens // size)})")
     if not isinstance(params["layout_fingerprint"], str):
         return f"kv_transfer_params: layout_fingerprint: expected a string, got {params['layout_fingerprint']!r:.80}"
+    remote_model = params.get("remote_model")
+    if remote_model is not None and not isinstance(remote_model, str):
+        return f"kv_transfer_params: remote_model: expected a string, got {remote_model!r:.80}"
+    if model and remote_model and remote_model != model:
+        return f"kv_transfer_params: the prefill ran model {remote_model!r:.120}, this engine runs {model!r:.120}"
     return ""
 
 
@@ -123,13 +129,16 @@ class SchedulerSide:
     fingerprint : str
         Layout fingerprint of this engine's wire format, carried in ``kv_transfer_params`` for
         operators and logs (the layouts themselves are checked on both ends by the pull's handshake).
+    model : str
+        The model this engine runs (vLLM's model name or path, or the ``model_id`` setting):
+        sent as ``remote_model`` by a prefill engine; a decode engine refuses KV of another model.
     is_producer, is_consumer : bool
         The engine's ``kv_role``.
     """
 
-    def __init__(self, *, block_size: int, endpoint: str, fingerprint: str = "",
+    def __init__(self, *, block_size: int, endpoint: str, fingerprint: str = "", model: str = "",
                  is_producer: bool = True, is_consumer: bool = True) -> None:
-        self.block_size, self.endpoint, self.fingerprint = block_size, endpoint, fingerprint
+        self.block_size, self.endpoint, self.fingerprint, self.model = block_size, endpoint, fingerprint, model
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._saving: dict = {}       # req_id -> request, until its prompt is fully computed
         self._started: set = set()    # req ids with at least one SaveSpec sent
@@ -141,7 +150,7 @@ class SchedulerSide:
         params = decode_params(request.kv_transfer_params) if self.is_consumer else None
         if params is None:
             return 0, False
-        if params_error(params):     # claimed, so the load fails in the worker and vLLM's policy decides
+        if params_error(params, self.model):   # claimed, so the load fails in the worker and vLLM's policy decides
             remote = request.num_prompt_tokens
         else:
             remote = min(params["remote_num_tokens"], request.num_prompt_tokens)
@@ -159,7 +168,7 @@ class SchedulerSide:
         if remote is None:
             return
         params["do_remote_prefill"] = False          # one transfer per request, even if rescheduled
-        error = params_error(remote)
+        error = params_error(remote, self.model)
         if num_external_tokens > 0:
             self._meta.loads.append(LoadSpec(request.request_id, dict(remote), list(block_ids), num_hashed_blocks,
                                              error))
@@ -214,4 +223,5 @@ class SchedulerSide:
             "remote_endpoint": self.endpoint, "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids[:num_blocks]), "remote_num_tokens": request.num_prompt_tokens,
             "remote_block_size": self.block_size, "layout_fingerprint": self.fingerprint,
+            **({"remote_model": self.model} if self.model else {}),
         }
