@@ -1,7 +1,8 @@
 """Leases of the prefill side: published source blocks, held until the transfer ends.
 
-A lease ends on ACK (``"acked"``: of each of its ``pulls`` head ranges), ABORT (``"aborted"``), its deadline (``"expired"``), the
-application's release (``"released"``) or a failure while serving it (``"failed"``). An ended
+A lease ends on ACK (``"acked"``: of each of its ``pulls`` head ranges), ABORT (``"aborted"``),
+its deadline (``"expired"``), the application's release (``"released"``) or a failure while
+serving it (``"failed"``). An ended
 lease first *drains*: it stays listed by :meth:`LeaseTable.held` until none of its streams
 may still read the blocks (a staging job running, a zero-copy frame still queued in ZeroMQ;
 see :meth:`kvconnector.sender.Stream.busy`). Only then is it *released*: the endpoint calls

@@ -49,19 +49,19 @@ def _table(x, key: str) -> dict:
 
 # key -> (check, default); None: not set (each place that reads it says what that means)
 SETTINGS = {
-    "host": (_text, "127.0.0.1"),          # prefill bind address
-    "advertise_host": (_optional_text, None),       # address the decode side is given (default: host)
+    "host": (_text, "127.0.0.1"),                       # prefill bind address
+    "advertise_host": (_optional_text, None),           # address the decode side is given (default: host)
     "port": (lambda x, k: _count(x, k, 0, 65535), 0),   # prefill rank 0's port (the connector passes vLLM's kv_port)
     "lease_s": (_number, 30.0),
     "pull_deadline_s": (_number, 10.0),
     "handshake_s": (_number, 3.0),
     "peer_timeout_s": (_number, 3.0),
     "stats_path": (_optional_text, None),
-    "frame_ops": (_optional_text, None),            # "kernels.transfer.FRAME_OPS"
+    "frame_ops": (_optional_text, None),                # "kernels.transfer.FRAME_OPS"
     "data_plane": (_plane, ZMQ),
     "nixl_region_mb": (lambda x, k: _count(x, k, 1, 1 << 20), 256),
     "curve": (_table, None),
-    "model_id": (_optional_text, None),    # the model name both engines compare (default: vLLM's model)
+    "model_id": (_optional_text, None),                 # the model both engines compare (default: vLLM's)
 }
 
 

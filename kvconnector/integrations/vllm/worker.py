@@ -37,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvconnector.dataplane import check_plane
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
 from kvconnector.security import keys_from_config
@@ -120,7 +119,7 @@ class WorkerSide:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.stats = Stats(self.config["stats_path"])
         self.frame_ops = frame_ops_from_config(self.config["frame_ops"])
-        self.data_plane = check_plane(self.config["data_plane"])
+        self.data_plane = self.config["data_plane"]
         self.prefill: PrefillEndpoint | None = None
         self._decoders: dict = {}                 # remote endpoint -> DecodeEndpoint
         self._decoders_lock = threading.Lock()
