@@ -28,8 +28,10 @@ building and DESCRIBE are their own modules.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Callable
 
@@ -65,10 +67,13 @@ def default_prestage_bytes(device) -> int:
 
 
 def _typed(e: Exception, what: str) -> KVCacheError:
-    """``e`` itself when typed, else a TransferError naming ``what`` failed and why (from ``e``)."""
+    """``e`` itself when typed, else a TransferError naming ``what`` failed, why and where (the
+    innermost frame of ``e``'s traceback, which the endpoint's error log does not keep)."""
     if isinstance(e, KVCacheError):
         return e
-    err = TransferError(f"{what}: {type(e).__name__}: {e}")
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    err = TransferError(f"{what}: {type(e).__name__}: {e}{where}")
     err.__cause__ = e
     return err
 

@@ -152,6 +152,7 @@ def test_fault_sweep_pull_fails_fast_with_the_cause(stage, path):
         assert isinstance(err, PeerError), repr(err)
         assert elapsed < FAST_S, f"{stage}: error after {elapsed:.2f} s"
         assert f"injected at {stage}" in str(err) and "Injected" in str(err)
+        assert " (at test_no_silent_waits.py:" in str(err) and " in hook)" in str(err)   # where it was raised
         assert err.code == ("internal" if SERVE_STAGES[stage] is None else "serve_failed")
         assert err.failed_block_ids and set(err.failed_block_ids) <= set(dst_ids)
         rig.landed_exact(h, src_ids, dst_ids)
