@@ -47,7 +47,7 @@ from .handle import PullHandle
 from .metrics import Metrics
 from .dataplane import NIXL, ZMQ, NixlReceiver, check_plane
 from .device_frames import frame_views, warm
-from .error_log import ErrorLog
+from .error_log import ErrorLog, raised_at
 from .host_writes import HostWrites
 from .landing import Lander, LandJob
 from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, blocks_tid, check_frames, decode_header,
@@ -468,7 +468,7 @@ class DecodeEndpoint:
     def _write_failed(self, p: PullHandle, h: Header, e: Exception) -> None:
         """A failure handling or completing this pull's blocks fails it now, not by its deadline."""
         err = TransferError(f"pull {p.transfer_id!r}: handling BLOCKS layer {h.layer} failed: "
-                            f"{type(e).__name__}: {e}")
+                            f"{type(e).__name__}: {e}{raised_at(e)}")
         err.__cause__ = e
         self.errors.append(err)
         self._fail(p, err, "write_error")

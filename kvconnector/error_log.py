@@ -10,10 +10,19 @@ counts every one recorded.
 
 from __future__ import annotations
 
+import os
 import threading
+import traceback
 from collections import deque
 
 KEEP = 256
+
+
+def raised_at(e: BaseException) -> str:
+    """`` (at file.py:LINE in function)``: where ``e`` was raised (its traceback's innermost
+    frame), for the message of an error that wraps it; '' without a traceback."""
+    tb = traceback.extract_tb(e.__traceback__)
+    return f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
 
 
 class ErrorLog:

@@ -28,10 +28,8 @@ building and DESCRIBE are their own modules.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import traceback
 from collections import deque
 from typing import Callable
 
@@ -44,7 +42,7 @@ from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
 from .dataplane import NIXL, ZMQ, NixlWriter, check_plane
 from .device_frames import warm
-from .error_log import ErrorLog
+from .error_log import ErrorLog, raised_at
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
 from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
@@ -71,9 +69,7 @@ def _typed(e: Exception, what: str) -> KVCacheError:
     innermost frame of ``e``'s traceback, which the endpoint's error log does not keep)."""
     if isinstance(e, KVCacheError):
         return e
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
-    err = TransferError(f"{what}: {type(e).__name__}: {e}{where}")
+    err = TransferError(f"{what}: {type(e).__name__}: {e}{raised_at(e)}")
     err.__cause__ = e
     return err
 

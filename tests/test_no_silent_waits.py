@@ -16,6 +16,7 @@ Run: python -m pytest tests/test_no_silent_waits.py
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -26,7 +27,7 @@ import zmq
 from connector_fakes import filled_caches, make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from kvconnector.protocol import Header, MsgType, checksum, decode_header, encode_header
-from layouts import KVCacheError, KVQuantMode, LayoutError, PeerError
+from layouts import KVCacheError, KVQuantMode, LayoutError, PeerError, TransferError
 
 pytestmark = pytest.mark.timeout(120)
 DEADLINE_S = 30.0     # a pull that waited for its deadline would be obvious
@@ -195,7 +196,8 @@ def test_fault_at_release_leaves_the_transfer_and_lease_exact():
         h.result(timeout=FAST_S * 5)
         rig.landed_exact(h)
         assert rig.wait_released() == [("t", "acked")]     # on_release still ran, once
-        assert [str(e) for e in rig.pre.errors] == ["releasing transfer 't': Injected: injected at release"]
+        assert [re.sub(r":\d+ in ", ":N in ", str(e)) for e in rig.pre.errors] == \
+            ["releasing transfer 't': Injected: injected at release (at test_no_silent_waits.py:N in hook)"]
         assert rig.pre.held() == [] and rig.pre.stats()["transfers_completed"] == 1
         assert rig.pre.callback_errors == []
     finally:
@@ -359,3 +361,24 @@ def test_release_from_another_thread_returns_after_on_release():
         order.append("returned")
         assert order == ["on_release", "returned"] and pre.held() == []
         assert pre.release("t") is False
+
+
+def test_a_failing_write_on_the_decode_side_fails_the_pull_at_once_naming_where():
+    """Writing a checked message into the destination raises (a bug, a broken device): the pull
+    fails at once with a TransferError naming the cause and where it was raised (the decode's
+    error log keeps no tracebacks), and the decode side tells the prefill (ABORT)."""
+    rig = Rig()
+    try:
+        rig.dec.connect(rig.pre.endpoint, timeout_s=5)
+        rig.pre.publish("t", SRC_IDS)
+
+        def broken(*a, **k):
+            raise RuntimeError("destination unwritable")
+        rig.dec._host.write_cpu = broken
+        t0 = time.monotonic()
+        err = rig.dec.pull("t", DST_IDS, deadline_s=DEADLINE_S).exception(timeout=DEADLINE_S + 5)
+        assert isinstance(err, TransferError) and time.monotonic() - t0 < FAST_S, repr(err)
+        assert "RuntimeError: destination unwritable (at test_no_silent_waits.py:" in str(err) and " in broken)" in str(err)
+        assert rig.wait_released() == [("t", "aborted")]
+    finally:
+        rig.close()
