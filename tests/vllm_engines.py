@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy: str, prefix_caching: bool,
-           env: dict) -> None:
+           env: dict, max_num_batched_tokens: int = 1024) -> None:
     os.environ.update(env)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -49,13 +49,16 @@ def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy
     tc = KVTransferConfig(kv_connector="KVConnector", kv_connector_module_path="kvconnector.integrations.vllm",
                           kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=1024, enforce_eager=True, block_size=block_size,
-              max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=prefix_caching, kv_transfer_config=tc,
+              max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching, kv_transfer_config=tc,
               seed=0)
     conn.send(("ready", None))
     while True:
         cmd, args = conn.recv()
         if cmd == "exit":
             break
+        if cmd == "churn":
+            conn.send(("ok", _churn(llm, *args)))
+            continue
         prompts, params, max_tokens = args
         sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
                               extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
@@ -63,6 +66,51 @@ def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy
         conn.send(("ok", [(list(o.outputs[0].token_ids), o.num_cached_tokens, o.kv_transfer_params,
                            o.outputs[0].finish_reason) for o in outs]))
     conn.send(("bye", None))
+
+
+def _churn(llm, prompts: list, seed: int, settle_s: float) -> dict:
+    """Prefill engine: every prompt with ``do_remote_decode`` (half with ``max_tokens`` 1, half
+    50), stepped by hand; after each step a running request is aborted with probability 0.4
+    mid-prompt and 0.5 once its prompt is complete. Then the engine idles ``settle_s`` (the
+    leases of the prompts nobody pulls expire). Returns vLLM's free blocks before and after, its
+    requests left, the worker connector's per-request state sizes and its event counts."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    rng = random.Random(seed)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    pool = core.scheduler.kv_cache_manager.block_pool
+    worker = get_kv_transfer_group().worker
+    free_start = pool.get_num_free_blocks()
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(temperature=0.0, max_tokens=1 if i % 2 else 50,
+                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        eng.add_request(f"c{i}", {"prompt_token_ids": p}, sp)
+    aborted = {"mid": 0, "after": 0}
+    while eng.has_unfinished_requests():
+        eng.step()
+        ids = []
+        for r in list(core.scheduler.requests.values()):
+            if r.is_finished():
+                continue
+            kind = "mid" if 0 < r.num_computed_tokens < r.num_prompt_tokens else "after" \
+                if r.num_computed_tokens >= r.num_prompt_tokens else None
+            if kind and rng.random() < {"mid": 0.4, "after": 0.5}[kind]:
+                ids.append(r.request_id)
+                aborted[kind] += 1
+        if ids:
+            eng.abort_request(ids, internal=True)
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        core.step()                  # the connector reports ended leases; vLLM frees their blocks
+        time.sleep(0.1)
+    state = {k: len(getattr(worker, k)) for k in ("_published", "_ended", "_finished_seen", "_delayed", "_stage_s",
+                                                  "_first_layer_t", "_last_layer_t")}
+    return {"free_start": free_start, "free_end": pool.get_num_free_blocks(), "requests": len(core.scheduler.requests),
+            "aborted": aborted, "state": state, "counts": dict(worker.stats.counts), "held": worker.prefill.held()}
 
 
 class EngineProc:
@@ -74,16 +122,19 @@ class EngineProc:
     extra : the connector's ``kv_connector_extra_config``
     policy : vLLM's ``kv_load_failure_policy`` ("recompute" or "fail")
     prefix_caching : vLLM's ``enable_prefix_caching``
+    max_num_batched_tokens : vLLM's token budget per step (a longer prompt is computed in chunks)
     """
 
     def __init__(self, model_dir: str, role: str, *, block_size: int = 32, extra: dict | None = None,
-                 policy: str = "recompute", prefix_caching: bool = False, start_timeout_s: float = 420.0) -> None:
+                 policy: str = "recompute", prefix_caching: bool = False, start_timeout_s: float = 420.0,
+                 max_num_batched_tokens: int = 1024) -> None:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         ctx = mp.get_context("spawn")
         self.model_dir = model_dir
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, prefix_caching, env),
+        self.proc = ctx.Process(target=_serve, args=(child, model_dir, role, block_size, extra or {}, policy, prefix_caching, env,
+                                      max_num_batched_tokens),
                                 daemon=True)
         self.proc.start()
         self.start_timeout_s = start_timeout_s
@@ -110,6 +161,11 @@ class EngineProc:
     def generate(self, prompts: list, params: list | None = None, max_tokens: int = 8, timeout_s: float = 300.0):
         """``[(token_ids, num_cached_tokens, kv_transfer_params, finish_reason)]`` per prompt."""
         self.conn.send(("generate", (prompts, params or [None] * len(prompts), max_tokens)))
+        return self._recv(timeout_s, "ok")
+
+    def churn(self, prompts: list, seed: int = 0, settle_s: float = 6.0, timeout_s: float = 300.0) -> dict:
+        """See :func:`_churn` (a prefill engine)."""
+        self.conn.send(("churn", (prompts, seed, settle_s)))
         return self._recv(timeout_s, "ok")
 
     def kill(self) -> None:
