@@ -255,21 +255,32 @@ def test_bad_extra_config_stops_the_engine_start_naming_the_key(model_dir, capfd
     assert "ValueError: kv_connector_extra_config: unknown key 'lease_seconds' (known: host," in err
 
 
-def test_prefill_engine_under_aborts_frees_every_block_and_keeps_no_state(model_dir):
-    """24 prompts of 300-700 tokens with remote decode on a prefill engine (chunks of 256 tokens a
-    step), requests aborted mid-prompt and after their prompt was published, nobody pulling: once
-    the leases expired, vLLM has every block back, no request is left, and the connector keeps
-    nothing of any request."""
+def test_engines_under_aborts_free_every_block_and_keep_no_state(model_dir):
+    """A prefill engine (chunks of 256 tokens a step) gets 24 prompts of 300-700 tokens with remote
+    decode and aborts mid-prompt and after publishing; a decode engine gets the 12 published ones
+    to load, with aborts while waiting for the load and after it. Once leases expired and loads
+    ended, each engine has every block back and no request left, and its connector keeps nothing
+    of any request."""
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 5000) for _ in range(rng.randrange(300, 700))] for _ in range(24)]
-    proc = EngineProc(model_dir, "kv_producer", block_size=BLOCK, extra={"port": free_port(), "lease_s": 2.0},
-                      max_num_batched_tokens=256)
+    port = free_port()
+    procs = {"prefill": EngineProc(model_dir, "kv_producer", block_size=BLOCK,
+                                   extra={"port": port, "lease_s": 8.0}, max_num_batched_tokens=256),
+             "decode": EngineProc(model_dir, "kv_consumer", block_size=BLOCK,
+                                  extra={"pull_deadline_s": 5, "handshake_s": 3, "peer_timeout_s": 2})}
     try:
-        proc.wait_ready()
-        out = proc.churn(prompts, seed=0, settle_s=6.0)
+        for p in procs.values():
+            p.wait_ready()
+        pre = procs["prefill"].churn(prompts, [{"do_remote_decode": True}] * 24, seed=0, settle_s=0.5)
+        published = sorted(pre["params"].items())
+        assert pre["aborted"]["before"] > 0 and pre["aborted"]["after"] > 0 and len(published) >= 4, pre
+        dec = procs["decode"].churn([prompts[i] for i, _ in published], [kv for _, kv in published], seed=1,
+                                    settle_s=8.0)
+        pre_after = procs["prefill"].churn([], [], settle_s=4.0)
     finally:
-        proc.close()
-    assert out["aborted"]["mid"] > 0 and out["aborted"]["after"] > 0, out
-    assert out["counts"]["published"] == out["counts"]["lease_end"] > 0, out
-    assert out["free_end"] == out["free_start"] and out["requests"] == 0 and out["held"] == [], out
-    assert not any(out["state"].values()), out
+        for p in procs.values():
+            p.close()
+    assert dec["aborted"]["before"] > 0 and dec["counts"].get("loaded", 0) > 0, dec
+    for out, start in ((dec, dec["free_start"]), (pre_after, pre["free_start"])):
+        assert out["free_end"] == start and out["requests"] == 0 and out["held"] == [], out
+        assert not any(out["state"].values()), out

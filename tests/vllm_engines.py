@@ -68,16 +68,18 @@ def _serve(conn, model_dir: str, role: str, block_size: int, extra: dict, policy
     conn.send(("bye", None))
 
 
-def _churn(llm, prompts: list, seed: int, settle_s: float) -> dict:
-    """Prefill engine: every prompt with ``do_remote_decode`` (half with ``max_tokens`` 1, half
-    50), stepped by hand; after each step a running request is aborted with probability 0.4
-    mid-prompt and 0.5 once its prompt is complete. Then the engine idles ``settle_s`` (the
-    leases of the prompts nobody pulls expire). Returns vLLM's free blocks before and after, its
-    requests left, the worker connector's per-request state sizes and its event counts."""
+def _churn(llm, prompts: list, params: list, seed: int, settle_s: float) -> dict:
+    """Every prompt with its ``kv_transfer_params`` (half with ``max_tokens`` 1, half 50), the
+    engine stepped by hand; after each step an unfinished request is aborted with probability 0.3
+    while its prompt is partly computed or waits for its load, and after its prompt is computed. Then the engine idles ``settle_s`` (leases nobody pulls expire, loads end). Returns
+    vLLM's free blocks before and after, its requests left, the aborts, the worker connector's
+    per-request state sizes, its event counts, the ``kv_transfer_params`` finished requests
+    returned (by prompt index) and (prefill) the leases it holds."""
     import random
 
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
     eng = llm.llm_engine
@@ -85,32 +87,35 @@ def _churn(llm, prompts: list, seed: int, settle_s: float) -> dict:
     pool = core.scheduler.kv_cache_manager.block_pool
     worker = get_kv_transfer_group().worker
     free_start = pool.get_num_free_blocks()
-    for i, p in enumerate(prompts):
-        sp = SamplingParams(temperature=0.0, max_tokens=1 if i % 2 else 50,
-                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    for i, (p, kv) in enumerate(zip(prompts, params)):
+        sp = SamplingParams(temperature=0.0, max_tokens=1 if i % 2 else 50, extra_args={"kv_transfer_params": kv})
         eng.add_request(f"c{i}", {"prompt_token_ids": p}, sp)
-    aborted = {"mid": 0, "after": 0}
+    aborted, returned = {"before": 0, "after": 0}, {}
     while eng.has_unfinished_requests():
-        eng.step()
+        for out in eng.step():
+            if out.finished and out.kv_transfer_params:
+                returned[int(out.request_id[1:])] = out.kv_transfer_params
         ids = []
         for r in list(core.scheduler.requests.values()):
             if r.is_finished():
                 continue
-            kind = "mid" if 0 < r.num_computed_tokens < r.num_prompt_tokens else "after" \
-                if r.num_computed_tokens >= r.num_prompt_tokens else None
-            if kind and rng.random() < {"mid": 0.4, "after": 0.5}[kind]:
+            kind = ("before" if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    or 0 < r.num_computed_tokens < r.num_prompt_tokens
+                    else "after" if r.num_computed_tokens >= r.num_prompt_tokens else None)
+            if kind and rng.random() < 0.3:
                 ids.append(r.request_id)
                 aborted[kind] += 1
         if ids:
             eng.abort_request(ids, internal=True)
     end = time.monotonic() + settle_s
     while time.monotonic() < end:
-        core.step()                  # the connector reports ended leases; vLLM frees their blocks
+        core.step()                  # the connector reports ended leases and loads; vLLM frees their blocks
         time.sleep(0.1)
-    state = {k: len(getattr(worker, k)) for k in ("_published", "_ended", "_finished_seen", "_delayed", "_stage_s",
-                                                  "_first_layer_t", "_last_layer_t")}
+    state = {k: len(getattr(worker, k, ())) for k in ("_published", "_ended", "_finished_seen", "_delayed", "_stage_s",
+                                                  "_first_layer_t", "_last_layer_t", "_loads", "_in_use")}
     return {"free_start": free_start, "free_end": pool.get_num_free_blocks(), "requests": len(core.scheduler.requests),
-            "aborted": aborted, "state": state, "counts": dict(worker.stats.counts), "held": worker.prefill.held()}
+            "aborted": aborted, "state": state, "counts": dict(worker.stats.counts), "params": returned,
+            "held": worker.prefill.held() if worker.prefill is not None else []}
 
 
 class EngineProc:
@@ -163,9 +168,10 @@ class EngineProc:
         self.conn.send(("generate", (prompts, params or [None] * len(prompts), max_tokens)))
         return self._recv(timeout_s, "ok")
 
-    def churn(self, prompts: list, seed: int = 0, settle_s: float = 6.0, timeout_s: float = 300.0) -> dict:
-        """See :func:`_churn` (a prefill engine)."""
-        self.conn.send(("churn", (prompts, seed, settle_s)))
+    def churn(self, prompts: list, params: list, seed: int = 0, settle_s: float = 6.0,
+              timeout_s: float = 300.0) -> dict:
+        """See :func:`_churn`."""
+        self.conn.send(("churn", (prompts, params, seed, settle_s)))
         return self._recv(timeout_s, "ok")
 
     def kill(self) -> None:
