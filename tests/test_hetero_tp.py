@@ -174,7 +174,7 @@ def test_decode_ranks_pull_one_transfer_published_for_two_pulls():
         r.close()
 
 
-def test_a_third_head_range_or_a_second_pull_beyond_pulls_fails_at_once():
+def test_a_third_head_range_beyond_pulls_fails_at_once():
     """A pull beyond what the transfer was published for fails at once with ``already_pulled``
     (not at its deadline), its destination untouched; the pulls it was published for complete."""
     r = _Ranks([(0, 2), (2, 4), (1, 3)], pulls=2)
@@ -189,28 +189,24 @@ def test_a_third_head_range_or_a_second_pull_beyond_pulls_fails_at_once():
         assert r.exact(0) and r.exact(1)
     finally:
         r.close()
-    r = _Ranks(_ranks(2))                       # default: one pull
-    try:
-        h0 = r.pull(0)
-        with pytest.raises(PeerError, match="already_pulled: transfer 'req': published for 1 pull"):
-            r.pull(1).result(timeout=10)
-        r.write_all()
-        h0.result(timeout=10)
-        assert r.exact(0) and r.untouched(1) and _until(lambda: r.released == ["acked"])
-    finally:
-        r.close()
 
 
-def test_a_newer_pull_of_the_same_heads_takes_over_and_the_older_fails_at_once():
-    r = _Ranks([(0, 4), (0, 4)])
+@pytest.mark.parametrize("ranges, loser, says", [
+    (_ranks(2), 1, "published for 1 pull"),                                   # another rank: refused
+    ([(0, 4), (0, 4)], 0, "a newer pull of the same heads took over")],        # the same heads: taken over
+    ids=["second-rank", "same-heads"])
+def test_a_second_pull_under_the_default_one_pull_fails_at_once(ranges, loser, says):
+    """Published for one pull (the default), two peers pull: a second head range is refused, a
+    second pull of the same heads takes over from the first; the pull left out fails at once
+    (``already_pulled``), its blocks untouched, and the other completes."""
+    r = _Ranks(ranges)
     try:
-        h0 = r.pull(0)
-        h1 = r.pull(1)
-        with pytest.raises(PeerError, match="already_pulled: transfer 'req': a newer pull of the same heads took over"):
-            h0.result(timeout=2)
+        hs = [r.pull(0), r.pull(1)]
+        with pytest.raises(PeerError, match=f"already_pulled: transfer 'req': {says}"):
+            hs[loser].result(timeout=2)
         r.write_all()
-        h1.result(timeout=10)
-        assert r.exact(1) and r.untouched(0) and _until(lambda: r.released == ["acked"])
+        hs[1 - loser].result(timeout=10)
+        assert r.exact(1 - loser) and r.untouched(loser) and _until(lambda: r.released == ["acked"])
     finally:
         r.close()
 
