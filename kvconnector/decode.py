@@ -42,6 +42,7 @@ import zmq
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
+from .args import count, seconds
 from .blocks import check_caches, device_ids, slice_bytes
 from .handle import PullHandle
 from .metrics import Metrics
@@ -125,6 +126,8 @@ class DecodeEndpoint:
                  checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20,
                  recv_into: bool | None = None) -> None:
         check_caches(caches, descriptor)
+        seconds("heartbeat_s", heartbeat_s), seconds("peer_timeout_s", peer_timeout_s)
+        count("max_frame_bytes", max_frame_bytes, 1), count("nixl_region_bytes", nixl_region_bytes, 1)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
         self.plane = ZMQ              # what the prefill said it uses (HELLO_ACK ``plane``)
         self.frame_ops = frame_ops
@@ -179,6 +182,7 @@ class DecodeEndpoint:
         TransferTimeoutError
             No HELLO_ACK within ``timeout_s``.
         """
+        seconds("timeout_s", timeout_s)
         if self._loop is not None:
             raise TransferError("already connected; use a new DecodeEndpoint per prefill peer")
         ctx = zmq.Context()
@@ -219,6 +223,7 @@ class DecodeEndpoint:
         before this call (e.g. kernels still reading the blocks' old contents), not after work
         queued later.
         """
+        seconds("deadline_s", deadline_s)
         if self.shared_heads is None:
             raise PeerError("pull before a successful connect()")
         ids = [int(b) for b in dst_block_ids]

@@ -38,6 +38,7 @@ import zmq
 
 from layouts import (KVCacheError, LayoutDescriptor, LayoutError, LayoutMismatchError, ProtocolVersionError,
                      TransferError, TransferTimeoutError, check_compatible)
+from .args import count, seconds
 from .blocks import check_caches, device_ids, slice_bytes
 from .describe import MAX_LISTED, describe_reply
 from .dataplane import NIXL, ZMQ, NixlWriter, check_plane
@@ -125,6 +126,11 @@ class PrefillEndpoint:
                  curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
                  data_plane: str = ZMQ, prestage_bytes: int | None = None) -> None:
         check_caches(caches, descriptor)
+        count("port", port, 0, 65535), count("chunk_bytes", chunk_bytes, 1), count("max_frame_bytes", max_frame_bytes, 1)
+        seconds("lease_s", lease_s, infinite=True), seconds("heartbeat_s", heartbeat_s)
+        seconds("peer_timeout_s", peer_timeout_s)
+        if prestage_bytes is not None:
+            count("prestage_bytes", prestage_bytes, 0)
         self._nixl = NixlWriter() if check_plane(data_plane) == NIXL else None
         self._nixl_pending: dict = {}    # stream -> deque of (NIXL write or None, header frames) not yet sent
         self.frame_ops = frame_ops
@@ -184,15 +190,17 @@ class PrefillEndpoint:
             raise ValueError(f"transfer_id: expected a non-empty str of <= 256 chars, got {transfer_id!r}")
         if not ids or min(ids) < 0 or max(ids) >= self.descriptor.num_blocks:
             raise LayoutError(f"block_ids: expected a non-empty list in [0, {self.descriptor.num_blocks}), got {ids[:8]}")
-        if isinstance(pulls, bool) or not isinstance(pulls, int) or not 1 <= pulls <= 1024:
-            raise ValueError(f"pulls: expected an integer in [1, 1024], got {pulls!r}")
+        count("pulls", pulls, 1, 1024)
+        if lease_s is not None:
+            seconds("lease_s", lease_s, infinite=True)
         ids_dev = None
         if self.cuda:   # off the pull's critical path; the copy stream waits for the event
             ready = torch.cuda.Event()
             ids_dev = (device_ids(ids, self.caches[0].device), ready)
             ready.record(torch.cuda.current_stream(self.caches[0].device))
         ready = None if layers_ready is None else max(0, min(int(layers_ready), self.descriptor.num_layers))
-        lease = Lease(transfer_id, ids, time.monotonic() + (lease_s or self.lease_s), ids_dev, layers_ready=ready,
+        lease = Lease(transfer_id, ids, time.monotonic() + (self.lease_s if lease_s is None else lease_s), ids_dev,
+                      layers_ready=ready,
                       pulls=pulls)
         self._leases.add(lease)
         if ready is None and self.frame_ops is not None and self.checksums[0] == MIX64 and self.prestage_bytes > 0:

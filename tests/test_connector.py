@@ -447,3 +447,38 @@ def test_hostile_header_does_not_kill_the_endpoint():
         ctx.term()
         assert MsgType.PONG in types   # the I/O thread survived and still answers
         assert pre._loop._thread.is_alive()
+
+
+@pytest.mark.parametrize("side, kw, says", [
+    ("prefill", {"lease_s": float("nan")}, "lease_s: expected a positive number of seconds (or inf), got nan"),
+    ("prefill", {"lease_s": 0}, "lease_s: expected a positive number"),
+    ("prefill", {"peer_timeout_s": 0}, "peer_timeout_s: expected a positive number of seconds, got 0"),
+    ("prefill", {"heartbeat_s": -1}, "heartbeat_s: expected a positive number"),
+    ("prefill", {"port": 70000}, "port: expected an integer in [0, 65535], got 70000"),
+    ("prefill", {"chunk_bytes": 0}, "chunk_bytes: expected an integer >= 1, got 0"),
+    ("prefill", {"prestage_bytes": -1}, "prestage_bytes: expected an integer >= 0"),
+    ("decode", {"peer_timeout_s": float("inf")}, "peer_timeout_s: expected a positive number of seconds, got inf"),
+    ("decode", {"max_frame_bytes": 0}, "max_frame_bytes: expected an integer >= 1"),
+    ("publish", {"lease_s": float("nan")}, "lease_s: expected a positive number of seconds (or inf), got nan"),
+    ("publish", {"lease_s": -5}, "lease_s: expected a positive number"),
+    ("publish", {"pulls": 0}, "pulls: expected an integer in [1, 1024], got 0"),
+    ("pull", {"deadline_s": float("nan")}, "deadline_s: expected a positive number of seconds, got nan"),
+    ("connect", {"timeout_s": 0}, "timeout_s: expected a positive number of seconds, got 0"),
+])
+def test_bad_numeric_arguments_are_one_line_errors(side, kw, says):
+    """A NaN lease would never expire, a zero peer timeout drop every peer at once, port 70000 bind
+    another port than the endpoint string says: each is refused where it is given, naming it, and
+    nothing is published or started."""
+    desc = make_desc(num_layers=1, num_blocks=8)
+    with PrefillEndpoint(filled_caches(desc, 0), desc) as pre, DecodeEndpoint(filled_caches(desc, 1), desc) as dec:
+        calls = {"prefill": lambda: PrefillEndpoint(filled_caches(desc, 0), desc, **kw),
+                 "decode": lambda: DecodeEndpoint(filled_caches(desc, 1), desc, **kw),
+                 "publish": lambda: pre.publish("t", [1], **kw),
+                 "connect": lambda: dec.connect(pre.endpoint, **kw)}
+        if side == "pull":
+            dec.connect(pre.endpoint, timeout_s=5)
+            calls["pull"] = lambda: dec.pull("t", [2], **kw)
+        with pytest.raises(ValueError) as e:
+            calls[side]()
+        assert says in str(e.value) and "\n" not in str(e.value)
+        assert pre.held() == [] and dec.stats()["pending"] == 0

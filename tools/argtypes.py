@@ -34,6 +34,14 @@ non_negative_int = _bounded(int, 0, "an integer >= 0")
 non_negative_float = _bounded(float, 0.0, "a number >= 0")     # durations, timeouts
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (leases, deadlines, sizes), else one line."""
+    x = non_negative_float(text)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return x
+
+
 def cache_mode(text: str) -> str:
     """A vLLM ``--kv-cache-dtype`` string the layouts accept (checked here, kept as the string)."""
     from layouts import get_kv_quant_mode

@@ -24,7 +24,7 @@ from layouts import CorruptFrameError, KVCacheError, LayoutDescriptor, LayoutErr
 
 from kvconnector.dumpfile import DumpInfo, write_dump
 
-from .argtypes import cache_mode, non_negative_float, positive_int
+from .argtypes import cache_mode, positive_float, positive_int
 from .errors import EXIT_USAGE, UsageError, error_line
 
 CACHE_FILE_FORMAT = "kvconnector-cache"
@@ -240,7 +240,7 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-id", help="published transfer to pull (default: the only one published)")
     g.add_argument("--num-transfer-blocks", type=positive_int,
                    help="optional: the transfer's block count, checked against what the endpoint announces")
-    g.add_argument("--timeout", type=non_negative_float, default=30.0, help="handshake and pull deadline, seconds")
+    g.add_argument("--timeout", type=positive_float, default=30.0, help="handshake and pull deadline, seconds")
     o = p.add_argument_group("override the announced layout (optional; the handshake refuses a mismatch)")
     o.add_argument("--kv-cache-dtype", type=cache_mode, help="local cache dtype (vLLM string)")
     o.add_argument("--model-dtype", choices=("bfloat16", "float16"))

@@ -32,7 +32,7 @@ import torch
 
 from layouts import CacheGeometry, LayoutDescriptor, LayoutError, get_kv_quant_mode
 
-from .argtypes import cache_mode, non_negative_float, port_number, positive_int
+from .argtypes import cache_mode, non_negative_float, port_number, positive_float, positive_int
 from .synthetic_cache import WRITERS, describe_writer, random_byte_caches, resolve_writer, written_caches
 
 EXAMPLES = """\
@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfers", type=positive_int, default=1, help="transfer ids t0..t{N-1} to publish")
     p.add_argument("--blocks-per-transfer", type=positive_int, default=16)
     p.add_argument("--contiguous", action="store_true", help="consecutive source blocks per transfer")
-    p.add_argument("--lease-s", type=non_negative_float, default=3600.0)
-    p.add_argument("--chunk-mb", type=non_negative_float, default=8.0, help="target payload MiB per BLOCKS message")
+    p.add_argument("--lease-s", type=positive_float, default=3600.0)
+    p.add_argument("--chunk-mb", type=positive_float, default=8.0, help="target payload MiB per BLOCKS message")
     p.add_argument("--duration-s", type=non_negative_float, default=0.0,
                    help="stop after this long (0: run until stopped)")
     p.add_argument("--until-stdin-eof", action="store_true", help="stop when stdin closes (for a parent process)")
