@@ -7,26 +7,19 @@ stops the engine's start with one line naming the key. docs/DEPLOY.md explains e
 
 from __future__ import annotations
 
-import math
-
+from kvconnector.args import count, seconds
 from kvconnector.dataplane import ZMQ, check_plane
+
+P = "kv_connector_extra_config: "
 
 
 def _number(x, key: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"kv_connector_extra_config: {key}: expected a positive number of seconds, got {x!r:.80}")
-    return float(x)
-
-
-def _count(x, key: str, low: int, high: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or not low <= x <= high:
-        raise ValueError(f"kv_connector_extra_config: {key}: expected an integer in [{low}, {high}], got {x!r:.80}")
-    return x
+    return seconds(P + key, x)
 
 
 def _text(x, key: str) -> str:
     if not isinstance(x, str) or not x:
-        raise ValueError(f"kv_connector_extra_config: {key}: expected a non-empty string, got {x!r:.80}")
+        raise ValueError(f"{P}{key}: expected a non-empty string, got {x!r:.80}")
     return x
 
 
@@ -38,12 +31,12 @@ def _plane(x, key: str) -> str:
     try:
         return check_plane(x)
     except ValueError as e:
-        raise ValueError(f"kv_connector_extra_config: {e}") from None
+        raise ValueError(f"{P}{e}") from None
 
 
 def _table(x, key: str) -> dict:
     if not isinstance(x, dict):
-        raise ValueError(f"kv_connector_extra_config: {key}: expected a map, got {x!r:.80}")
+        raise ValueError(f"{P}{key}: expected a map, got {x!r:.80}")
     return x
 
 
@@ -51,7 +44,7 @@ def _table(x, key: str) -> dict:
 SETTINGS = {
     "host": (_text, "127.0.0.1"),                       # prefill bind address
     "advertise_host": (_optional_text, None),           # address the decode side is given (default: host)
-    "port": (lambda x, k: _count(x, k, 0, 65535), 0),   # prefill rank 0's port (the connector passes vLLM's kv_port)
+    "port": (lambda x, k: count(P + k, x, 0, 65535), 0),   # prefill rank 0's port (the connector passes vLLM's kv_port)
     "lease_s": (_number, 30.0),
     "pull_deadline_s": (_number, 10.0),
     "handshake_s": (_number, 3.0),
@@ -59,7 +52,7 @@ SETTINGS = {
     "stats_path": (_optional_text, None),
     "frame_ops": (_optional_text, None),                # "kernels.transfer.FRAME_OPS"
     "data_plane": (_plane, ZMQ),
-    "nixl_region_mb": (lambda x, k: _count(x, k, 1, 1 << 20), 256),
+    "nixl_region_mb": (lambda x, k: count(P + k, x, 1, 1 << 20), 256),
     "curve": (_table, None),
     "model_id": (_optional_text, None),                 # the model both engines compare (default: vLLM's)
 }
@@ -71,6 +64,6 @@ def connector_config(extra: dict | None) -> dict:
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in SETTINGS)
     if unknown:
-        raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r} (known: {', '.join(SETTINGS)})")
+        raise ValueError(f"{P}unknown key {unknown[0]!r} (known: {', '.join(SETTINGS)})")
     return {k: (check(extra[k], k) if extra.get(k) is not None else default)
             for k, (check, default) in SETTINGS.items()}
