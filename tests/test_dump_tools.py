@@ -370,3 +370,43 @@ def test_dumps_of_older_protocols(files, tmp_path, monkeypatch, version, readabl
     assert desc == f["desc"] and sorted(caches) == [1]
     for b in (3, 2):
         assert torch.equal(_bytes(caches[1][b]), _bytes(f["caches"][1][b]))
+
+
+def test_a_failed_dump_write_leaves_no_file_and_keeps_the_old_one(files, tmp_path, monkeypatch):
+    """The dump is written beside its path and renamed into place once complete: a write that
+    fails midway (here: disk full after the header) leaves nothing under the path, no part file,
+    and a dump already there untouched."""
+    import kvconnector.dumpfile as dumpfile
+
+    f = files["int4"]
+    out = tmp_path / "d.kvd"
+    write_dump(out, f["caches"], f["desc"], layers=[1], block_ids=[3])
+    good = out.read_bytes()
+    calls = []
+
+    def full_disk(self, layer, block_id, payload):
+        calls.append(layer)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(dumpfile.DumpWriter, "write_block", full_disk)
+    for path in (out, tmp_path / "new.kvd"):
+        with pytest.raises(OSError, match="No space left"):
+            write_dump(path, f["caches"], f["desc"], layers=[0, 2], block_ids=[4, 0])
+    assert calls and out.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["d.kvd"]
+    assert verify(out).startswith("OK")
+
+
+def test_dump_to_a_missing_directory_does_not_use_the_transfer_up(files, tmp_path, capsys):
+    """``-o`` in a directory that does not exist: one line naming the path, before the pull, so
+    the transfer is still published and a second dump with a good path gets it."""
+    from kvconnector import PrefillEndpoint
+
+    f = files["int8"]
+    with PrefillEndpoint(f["caches"], f["desc"]) as pe:
+        pe.publish("req-3", [5, 0])
+        bad = tmp_path / "no" / "such" / "x.kvd"
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--no-progress", "-o", bad)
+        assert rc == 1 and "no writable directory for the dump" in err and str(bad) in err and len(err.splitlines()) == 1
+        assert pe.held() == ["req-3"]
+        rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--no-progress", "-o", tmp_path / "ok.kvd")
+        assert rc == 0, err
+    assert verify(tmp_path / "ok.kvd").startswith("OK")

@@ -15,6 +15,7 @@ dict (no pickled classes; read back with ``torch.load(weights_only=True)``)::
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -159,7 +160,8 @@ def dump_from_endpoint(endpoint: str, transfer_id: str, num_transfer_blocks: int
     The pull is an ordinary decode-side pull (handshake, checksums, deadline) into fresh
     zeroed CPU caches laid out as ``desc`` (its ``num_blocks`` is replaced by
     ``num_transfer_blocks``; transfer position ``i`` lands in block ``i``). Like any
-    completed pull it ACKs, so the prefill side releases the transfer's lease.
+    completed pull it ACKs, so the prefill side releases the transfer's lease: the output's
+    directory is checked first, so a mistyped path does not use the transfer up.
 
     Parameters
     ----------
@@ -171,6 +173,9 @@ def dump_from_endpoint(endpoint: str, transfer_id: str, num_transfer_blocks: int
     """
     from kvconnector import DecodeEndpoint
 
+    folder = os.path.dirname(os.path.abspath(os.fspath(out_path)))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before the pull consumes the transfer
+        raise FileNotFoundError(errno.ENOENT, "no writable directory for the dump", os.fspath(out_path))
     desc = desc.with_(num_blocks=int(num_transfer_blocks))
     desc.validate()
     geo = desc.geometry()
