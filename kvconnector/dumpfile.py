@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import operator
 import os
-import secrets
 import struct
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ import msgpack
 import torch
 
 from kvconnector.blocks import gather_blocks
+from kvconnector.files import PartFile
 from kvconnector.protocol import (CHECKSUM, MAX_HEADER_BYTES, PROTOCOL_VERSION, Header, MsgType,
                                   checksum, decode_header, encode_message, verify_payloads)
 from layouts import CorruptFrameError, KeyOffsets, LayoutDescriptor, LayoutError, ProtocolVersionError
@@ -111,10 +111,8 @@ def _check_selection(desc: LayoutDescriptor, layers, block_ids) -> tuple[list[in
 class DumpWriter:
     """Write a dump file block by block (context manager; the footer is written on close).
 
-    Blocks must come in the header's order: for each layer, each block id. The bytes go to a
-    hidden ``.NAME.*.part`` file beside ``path``, renamed to ``path`` once the footer is written
-    and the file flushed to disk, so a failed write (disk full, an error in between) leaves no
-    partial dump under ``path``, nor replaces a dump that was there; the part file is removed.
+    Blocks must come in the header's order: for each layer, each block id. The file is written
+    whole or not at all (:mod:`kvconnector.files`): it appears at ``path`` on close.
     """
 
     def __init__(self, path, desc: LayoutDescriptor, layers, block_ids, tid: str = "dump",
@@ -124,17 +122,12 @@ class DumpWriter:
         self.info = DumpInfo(desc, layers, block_ids, tid, dict(meta or {}), key_offsets=key_offsets)
         self.geo = desc.geometry()
         self._offsets: list[int] = []
-        self.path = os.fspath(path)
-        self._part = os.path.join(os.path.dirname(os.path.abspath(self.path)),
-                                  f".{os.path.basename(self.path)}.{os.getpid()}.{secrets.token_hex(4)}.part")
-        try:
-            self._f = open(self._part, "xb")
-        except OSError as e:      # named by the path asked for, not the part file's
-            raise OSError(e.errno, e.strerror, self.path) from None
+        self._file = PartFile(path)
+        self._f = self._file.f
         try:
             self._write_header(desc, layers, block_ids, tid, key_offsets)
         except BaseException:
-            self._discard()
+            self._file.discard()
             raise
 
     def _write_header(self, desc, layers, block_ids, tid, key_offsets) -> None:
@@ -185,21 +178,10 @@ class DumpWriter:
             footer_at = self._f.tell()
             footer = msgpack.packb({"n": len(self._offsets), "offsets": self._offsets}, use_bin_type=True)
             self._f.write(_U64.pack(len(footer)) + footer + _U64.pack(footer_at) + END_MAGIC)
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self._part, self.path)
         except BaseException:
-            self._discard()
+            self._file.discard()
             raise
-
-    def _discard(self) -> None:
-        """Close and remove the part file (nothing is written under ``path``)."""
-        self._f.close()
-        try:
-            os.unlink(self._part)
-        except FileNotFoundError:
-            pass
+        self._file.commit()
 
     def __enter__(self):
         return self
@@ -208,7 +190,7 @@ class DumpWriter:
         if exc_type is None:
             self.close()
         else:
-            self._discard()
+            self._file.discard()
 
 
 def _check_key_offsets(desc: LayoutDescriptor, key_offsets, error) -> None:

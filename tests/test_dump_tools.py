@@ -410,3 +410,22 @@ def test_dump_to_a_missing_directory_does_not_use_the_transfer_up(files, tmp_pat
         rc, _, err = _main(capsys, "dump", "--endpoint", pe.endpoint, "--no-progress", "-o", tmp_path / "ok.kvd")
         assert rc == 0, err
     assert verify(tmp_path / "ok.kvd").startswith("OK")
+
+
+def test_a_failed_cache_file_write_keeps_the_old_file(files, tmp_path, monkeypatch):
+    """Cache files are written whole or not at all too (``kvconnector.files``)."""
+    f = files["int8"]
+    path = tmp_path / "c.pt"
+    save_cache_file(path, f["caches"], f["desc"])
+    good = path.read_bytes()
+
+    def half_then_full(obj, fh):
+        fh.write(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_cache_file(path, f["caches"][:1], f["desc"], layers=[0])
+    assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+    monkeypatch.undo()
+    desc, caches = load_cache_file(path)
+    assert desc == f["desc"] and all(torch.equal(_bytes(caches[i]), _bytes(c)) for i, c in enumerate(f["caches"]))

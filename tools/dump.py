@@ -24,6 +24,7 @@ import torch
 from layouts import CorruptFrameError, KVCacheError, LayoutDescriptor, LayoutError
 
 from kvconnector.dumpfile import DumpInfo, write_dump
+from kvconnector.files import written_whole
 
 from .argtypes import cache_mode, positive_float, positive_int
 from .errors import EXIT_USAGE, UsageError, error_line
@@ -45,8 +46,9 @@ def save_cache_file(path, caches, desc: LayoutDescriptor, layers=None) -> None:
     layers = list(range(len(caches))) if layers is None else [int(i) for i in layers]
     if len(layers) != len(caches):
         raise LayoutError(f"cache file: expected one layer index per cache, got {len(layers)} for {len(caches)}")
-    torch.save({"format": CACHE_FILE_FORMAT, "version": CACHE_FILE_VERSION, "desc": desc.to_dict(),
-                "layers": layers, "caches": [c.detach().cpu().contiguous() for c in caches]}, path)
+    with written_whole(path) as f:
+        torch.save({"format": CACHE_FILE_FORMAT, "version": CACHE_FILE_VERSION, "desc": desc.to_dict(),
+                    "layers": layers, "caches": [c.detach().cpu().contiguous() for c in caches]}, f)
 
 
 def load_cache_file(path) -> tuple[LayoutDescriptor, dict[int, torch.Tensor]]:
