@@ -243,3 +243,23 @@ def test_kv_of_another_model_is_refused_by_the_decode_side():
         dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
         got = dec.build_meta({}, None).loads[0].error
         assert (error in got and got.startswith("kv_transfer_params: ")) if error else got == "", (model, changed, got)
+
+
+def test_a_prefill_of_another_tensor_parallel_size_fails_the_load_at_once():
+    """The prefill sends its TP size; a decode engine of another size fails the load at once with
+    one line (its rank r would pull from a prefill rank r that holds other heads, or none),
+    instead of timing out a handshake per request."""
+    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", tp_size=1, is_producer=True, is_consumer=False)
+    req = _request("r1", 70, {"do_remote_decode": True}, computed=70)
+    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
+    _, params = pre.request_finished(req, [4, 9, 2], finished_ok=True)
+    assert params["remote_tp_size"] == 1
+    for tp, changed, error in [(1, {}, ""), (2, {}, "the prefill runs tensor parallel size 1, this engine 2"),
+                               (2, {"remote_tp_size": None}, ""), (0, {}, ""),
+                               (1, {"remote_tp_size": "1"}, "remote_tp_size: expected a positive integer")]:
+        dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", tp_size=tp, is_producer=False, is_consumer=True)
+        d = _request("d1", 70, {**params, **changed})
+        assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
+        dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
+        got = dec.build_meta({}, None).loads[0].error
+        assert (error in got and got.startswith("kv_transfer_params: ")) if error else got == "", (tp, changed, got)

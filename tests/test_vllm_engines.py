@@ -102,7 +102,7 @@ def prefill(procs, prompts, cached=None):
     params = []
     for ids, _, p, _ in out:
         assert p is not None and p["do_remote_prefill"] and len(ids) == 1, p
-        assert p["remote_model"] == procs["prefill"].model_dir, p
+        assert p["remote_model"] == procs["prefill"].model_dir and p["remote_tp_size"] == 1, p
         p = dict(p)
         hits = p.pop("remote_prefill_cached_tokens", None)   # so vLLM reports the decode side's own cached tokens
         if cached is not None:

@@ -78,6 +78,7 @@ class KVConnector(KVConnectorBase_V1):
                                            endpoint=f"tcp://{host}:{self.extra['port']}",
                                            fingerprint=desc.fingerprint(),
                                            model=self.extra["model_id"] or str(vllm_config.model_config.model),
+                                           tp_size=self.tp_size,
                                            is_producer=tc.is_kv_producer,
                                            is_consumer=tc.is_kv_consumer)
         else:

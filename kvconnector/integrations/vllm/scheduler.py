@@ -83,9 +83,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def params_error(params: dict, model: str = "") -> str:
+def params_error(params: dict, model: str = "", tp_size: int = 0) -> str:
     """What is wrong with remote-prefill ``params`` (from a client or a router), in one line; ''
-    when they are well formed and, where both name it, the prefill ran this engine's ``model``.
+    when they are well formed and, where both name them, the prefill ran this engine's ``model``
+    at its tensor-parallel size ``tp_size`` (decode rank r pulls from prefill rank r).
     Such parameters fail the request's load (vLLM's ``kv_load_failure_policy`` decides) instead
     of raising in vLLM's scheduler, which would end the engine, or of loading another model's KV
     into a cache of the same shape."""
@@ -114,6 +115,12 @@ def params_error(params: dict, model: str = "") -> str:
         return f"kv_transfer_params: remote_model: expected a string, got {remote_model!r:.80}"
     if model and remote_model and remote_model != model:
         return f"kv_transfer_params: the prefill ran model {remote_model!r:.120}, this engine runs {model!r:.120}"
+    remote_tp = params.get("remote_tp_size")
+    if remote_tp is not None and not (_is_int(remote_tp) and remote_tp > 0):
+        return f"kv_transfer_params: remote_tp_size: expected a positive integer, got {remote_tp!r:.80}"
+    if tp_size and remote_tp and remote_tp != tp_size:
+        return (f"kv_transfer_params: the prefill runs tensor parallel size {remote_tp}, this engine {tp_size}; "
+                f"the connector pulls rank r from rank r, so both engines need the same size")
     return ""
 
 
@@ -132,13 +139,17 @@ class SchedulerSide:
     model : str
         The model this engine runs (vLLM's model name or path, or the ``model_id`` setting):
         sent as ``remote_model`` by a prefill engine; a decode engine refuses KV of another model.
+    tp_size : int
+        This engine's tensor-parallel size: sent as ``remote_tp_size``; a decode engine of
+        another size fails the load at once (no rank would find its peer's heads).
     is_producer, is_consumer : bool
         The engine's ``kv_role``.
     """
 
-    def __init__(self, *, block_size: int, endpoint: str, fingerprint: str = "", model: str = "",
+    def __init__(self, *, block_size: int, endpoint: str, fingerprint: str = "", model: str = "", tp_size: int = 0,
                  is_producer: bool = True, is_consumer: bool = True) -> None:
         self.block_size, self.endpoint, self.fingerprint, self.model = block_size, endpoint, fingerprint, model
+        self.tp_size = tp_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._saving: dict = {}       # req_id -> request, until its prompt is fully computed
         self._started: set = set()    # req ids with at least one SaveSpec sent
@@ -150,7 +161,7 @@ class SchedulerSide:
         params = decode_params(request.kv_transfer_params) if self.is_consumer else None
         if params is None:
             return 0, False
-        if params_error(params, self.model):   # claimed, so the load fails in the worker and vLLM's policy decides
+        if params_error(params, self.model, self.tp_size):   # claimed: the load fails in the worker, the policy decides
             remote = request.num_prompt_tokens
         else:
             remote = min(params["remote_num_tokens"], request.num_prompt_tokens)
@@ -168,7 +179,7 @@ class SchedulerSide:
         if remote is None:
             return
         params["do_remote_prefill"] = False          # one transfer per request, even if rescheduled
-        error = params_error(remote, self.model)
+        error = params_error(remote, self.model, self.tp_size)
         if num_external_tokens > 0:
             self._meta.loads.append(LoadSpec(request.request_id, dict(remote), list(block_ids), num_hashed_blocks,
                                              error))
@@ -224,4 +235,5 @@ class SchedulerSide:
             "remote_block_ids": list(block_ids[:num_blocks]), "remote_num_tokens": request.num_prompt_tokens,
             "remote_block_size": self.block_size, "layout_fingerprint": self.fingerprint,
             **({"remote_model": self.model} if self.model else {}),
+            **({"remote_tp_size": self.tp_size} if self.tp_size else {}),
         }
