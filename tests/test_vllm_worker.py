@@ -11,6 +11,7 @@ Run::
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 
 import pytest
@@ -27,23 +28,23 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                  reason="needs a CUDA GPU"))]
 
 
-def cpu_like_writer(n):
-    """A writer with vLLM's CPU-backend block interior, for engine tensors ``[num_blocks, H, n, 2D]``."""
+def cpu_like_writer(n, h=H):
+    """A writer with vLLM's CPU-backend block interior, for engine tensors ``[num_blocks, h, n, 2D]``."""
     def write(key, value, cache, slots):
-        v = cache.view(cache.shape[0], H, 2, n * D)
-        kreg, vreg = v[:, :, 0].view(-1, H, D, n), v[:, :, 1].view(-1, H, n, D)
+        v = cache.view(cache.shape[0], h, 2, n * D)
+        kreg, vreg = v[:, :, 0].view(-1, h, D, n), v[:, :, 1].view(-1, h, n, D)
         b, t = slots // n, slots % n
         kreg[b, :, :, t] = key
         vreg[b, :, t, :] = value
     return write
 
 
-def make_worker(device, n, producer: bool, **config):
+def make_worker(device, n, producer: bool, heads=H, tp_rank=0, tp_size=1, **config):
     w = WorkerSide({"handshake_s": 2, "peer_timeout_s": 1, "pull_deadline_s": 5, "lease_s": 10, **config},
-                   is_producer=producer, is_consumer=not producer)
-    shape = (NBLK, H, n, 2 * D)
+                   is_producer=producer, is_consumer=not producer, tp_rank=tp_rank, tp_size=tp_size)
+    shape = (NBLK, heads, n, 2 * D)
     caches = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
-    bmap = probe_block_map(cpu_like_writer(n), shape, torch.bfloat16, n, H, D, device=device)
+    bmap = probe_block_map(cpu_like_writer(n, heads), shape, torch.bfloat16, n, heads, D, device=device)
     w.register(caches, [f"layer.{i}" for i in range(LAYERS)], bmap, torch.bfloat16)
     return w
 
@@ -59,13 +60,13 @@ def wait_results(w, finished=(), want="recving", timeout_s=20.0):
     raise TimeoutError(f"no {want} within {timeout_s} s")
 
 
-def prefill_request(w, n, req_id, block_ids, num_tokens, seed):
+def prefill_request(w, n, req_id, block_ids, num_tokens, seed, heads=H):
     gen = torch.Generator().manual_seed(seed)
     slots = (torch.tensor(block_ids)[:, None] * n + torch.arange(n)).reshape(-1)[:num_tokens]
     for cache in w.caches:      # what vLLM's forward writes, layer by layer
-        k = torch.randn(num_tokens, H, D, generator=gen).bfloat16().to(cache.device)
-        v = torch.randn(num_tokens, H, D, generator=gen).bfloat16().to(cache.device)
-        cpu_like_writer(n)(k, v, cache, slots.to(cache.device))
+        k = torch.randn(num_tokens, heads, D, generator=gen).bfloat16().to(cache.device)
+        v = torch.randn(num_tokens, heads, D, generator=gen).bfloat16().to(cache.device)
+        cpu_like_writer(n, heads)(k, v, cache, slots.to(cache.device))
     meta = ConnectorMeta(saves=[SaveSpec(req_id, list(block_ids), 0, num_tokens, num_tokens)])
     for i, cache in enumerate(w.caches):
         w.save_layer(f"layer.{i}", cache, meta)
@@ -268,3 +269,24 @@ def test_a_published_prompt_released_by_vllm_leaves_no_state():
         assert not (pre._published or pre._ended or pre._finished_seen or pre._delayed or pre._stage_s)
     finally:
         pre.close()
+
+
+def test_a_prefill_rank_holding_part_of_the_heads_is_refused_not_half_loaded(tmp_path):
+    """Decode at tensor parallelism 1 (all 4 KV heads) against prefill rank 0 of 2 (heads 0-1):
+    the handshake passes (the ranges overlap) but only half of each block could land, so the
+    load fails naming both head ranges, and nothing is written into the engine's blocks."""
+    n = 32
+    pre = make_worker("cpu", n, True, heads=2, tp_rank=0, tp_size=2)
+    stats = tmp_path / "stats.jsonl"
+    dec = make_worker("cpu", n, False, heads=4, stats_path=str(stats))
+    try:
+        params = prefill_request(pre, n, "r1", [3, 9], 40, seed=1, heads=2)
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("d1", params, [5, 6], 0)]))
+        recving, failed = wait_results(dec)
+        assert recving == {"d1"} and failed == {"d1"}
+        assert not any(c.any() for c in dec.caches)
+        errors = [e["error"] for e in map(json.loads, stats.read_text().splitlines()) if e["event"] == "load_failed"]
+        assert len(errors) == 1 and "holds KV heads [0, 2) of 4, this worker needs [0, 4) of 4" in errors[0], errors
+    finally:
+        pre.close()
+        dec.close()

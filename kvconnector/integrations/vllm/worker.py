@@ -40,7 +40,7 @@ import torch
 from kvconnector.decode import DecodeEndpoint
 from kvconnector.prefill import PrefillEndpoint
 from kvconnector.security import keys_from_config
-from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor, TransferTimeoutError
+from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor, LayoutError, TransferTimeoutError
 from .cache_layout import BlockMap, gather_packed, scatter_packed
 from .config import connector_config
 from .scheduler import ConnectorMeta
@@ -54,6 +54,10 @@ def engine_descriptor(*, block_size: int, num_kv_heads: int, head_size: int, dty
     geo = CacheGeometry(KVQuantMode.NONE, head_size, num_kv_heads, block_size, dtype)
     return LayoutDescriptor.from_geometry(geo, num_layers=num_layers, num_blocks=num_blocks,
                                           head_start=tp_rank * num_kv_heads, total_num_kv_heads=tp_size * num_kv_heads)
+
+
+def _span(d: LayoutDescriptor) -> str:
+    return f"[{d.head_start}, {d.head_start + d.num_kv_heads}) of {d.total_num_kv_heads}"
 
 
 def rank_endpoint(endpoint: str, tp_rank: int) -> str:
@@ -292,6 +296,10 @@ class WorkerSide:
         endpoint = rank_endpoint(p["remote_endpoint"], self.tp_rank)
         ep = self._decoder(endpoint)
         try:
+            d = self.descriptor
+            if ep.shared_heads != range(d.head_start, d.head_start + d.num_kv_heads):
+                raise LayoutError(f"prefill {endpoint} holds KV heads {_span(ep.remote)}, this worker needs "
+                                  f"{_span(d)}: both engines need the same tensor parallelism")
             handle = ep.pull(p["remote_request_id"], dst, deadline_s=deadline)
             result = handle.result(timeout=deadline + 5.0)
         except TimeoutError:          # TransferTimeoutError too: a dead or silent peer, reconnect next time
