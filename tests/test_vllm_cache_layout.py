@@ -224,24 +224,33 @@ def test_blocks_interleaved_across_layers():
     assert not both[:, 0].any()                                       # the other layer untouched
 
 
+def _published(**side) -> dict:
+    """The ``kv_transfer_params`` a prefill scheduler (``side``: its model, TP size) returns."""
+    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", is_producer=True, is_consumer=False, **side)
+    req = _request("r1", 70, {"do_remote_decode": True}, computed=70)
+    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
+    return pre.request_finished(req, [4, 9, 2], finished_ok=True)[1]
+
+
+def _load_error(params: dict, **side) -> str:
+    """The error a decode scheduler (``side``) gives the load of ``params`` ('' for none)."""
+    dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", is_producer=False, is_consumer=True, **side)
+    d = _request("d1", 70, params)
+    assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
+    dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
+    return dec.build_meta({}, None).loads[0].error
+
+
 def test_kv_of_another_model_is_refused_by_the_decode_side():
     """The prefill names its model (``remote_model``); a decode engine running another model fails
     the load (policy decides) rather than attending over another model's KV of the same shape."""
-    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", model="org/llama-ft-a", is_producer=True,
-                        is_consumer=False)
-    req = _request("r1", 70, {"do_remote_decode": True}, computed=70)
-    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
-    _, params = pre.request_finished(req, [4, 9, 2], finished_ok=True)
+    params = _published(model="org/llama-ft-a")
     assert params["remote_model"] == "org/llama-ft-a"
     for model, changed, error in [("org/llama-ft-a", {}, ""), ("org/llama-ft-b", {}, "the prefill ran model "
                                   "'org/llama-ft-a', this engine runs 'org/llama-ft-b'"),
                                   ("org/llama-ft-b", {"remote_model": None}, ""),     # a prefill that does not say
                                   ("", {}, ""), ("m", {"remote_model": 3}, "remote_model: expected a string")]:
-        dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", model=model, is_producer=False, is_consumer=True)
-        d = _request("d1", 70, {**params, **changed})
-        assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
-        dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
-        got = dec.build_meta({}, None).loads[0].error
+        got = _load_error({**params, **changed}, model=model)
         assert (error in got and got.startswith("kv_transfer_params: ")) if error else got == "", (model, changed, got)
 
 
@@ -249,17 +258,10 @@ def test_a_prefill_of_another_tensor_parallel_size_fails_the_load_at_once():
     """The prefill sends its TP size; a decode engine of another size fails the load at once with
     one line (its rank r would pull from a prefill rank r that holds other heads, or none),
     instead of timing out a handshake per request."""
-    pre = SchedulerSide(block_size=N, endpoint="tcp://10.0.0.1:15500", tp_size=1, is_producer=True, is_consumer=False)
-    req = _request("r1", 70, {"do_remote_decode": True}, computed=70)
-    pre.update_state_after_alloc(req, [4, 9, 2], 0, 0)
-    _, params = pre.request_finished(req, [4, 9, 2], finished_ok=True)
+    params = _published(tp_size=1)
     assert params["remote_tp_size"] == 1
     for tp, changed, error in [(1, {}, ""), (2, {}, "the prefill runs tensor parallel size 1, this engine 2"),
                                (2, {"remote_tp_size": None}, ""), (0, {}, ""),
                                (1, {"remote_tp_size": "1"}, "remote_tp_size: expected a positive integer")]:
-        dec = SchedulerSide(block_size=N, endpoint="tcp://x:1", tp_size=tp, is_producer=False, is_consumer=True)
-        d = _request("d1", 70, {**params, **changed})
-        assert dec.get_num_new_matched_tokens(d, 0) == (70, True)
-        dec.update_state_after_alloc(d, [7, 8, 11], 0, 70)
-        got = dec.build_meta({}, None).loads[0].error
+        got = _load_error({**params, **changed}, tp_size=tp)
         assert (error in got and got.startswith("kv_transfer_params: ")) if error else got == "", (tp, changed, got)
