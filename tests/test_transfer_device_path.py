@@ -499,3 +499,21 @@ def test_verdict_buffer_layout_with_the_kernels(bad):
         assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))
     else:
         assert err is None and all(torch.equal(_b(d)[[1, 2]], _b(s)[[1, 2]]) for d, s in zip(dst, src))
+
+
+def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
+    """bench.transfer_floor_cuda: the plain kind's messages are bench.transfer's burst (whole blocks up to
+    the chunk size), the pieces kinds cut the same bytes finer, and a CPU-destination run receives every
+    kind end to end, checking the destination byte for byte each round."""
+    import argparse
+    from bench import transfer_floor_cuda as F
+    assert F.burst_sizes(32 * 16 * 17408, 17408, 8 << 20) == [481 * 17408, 32 * 16 * 17408 - 481 * 17408]
+    assert F.burst_sizes(1000, 4096, 8 << 20) == [1000]
+    for total, piece in ((8912896, 1 << 20), (34 << 20, 2 << 20), (100, 1 << 20)):
+        sizes = F.piece_sizes(total, piece)
+        assert sum(sizes) == total and max(sizes) - min(sizes[:-1] or sizes) == 0
+        assert abs(len(sizes) - total / piece) <= 1
+    args = argparse.Namespace(chunk_mb=0.25, pieces=[0.1], rounds=3, device="cpu")
+    r = F.run_row(40 * 17408, 17408, args)
+    assert r["msgs"] == {"plain": 3, "pinned": 3, "pageable": 3, "pinned-0.1": 7}
+    assert all(r[k] > 0 for k in ("plain", "pinned", "pageable", "pinned-0.1"))
