@@ -298,14 +298,25 @@ def describe(plan: Plan) -> str:
         (f" dequant-first{groups}" if t.dequant_first else "") + (" unrotated" if t.unrotate else "") + \
         (" mask-edges" if t.mask_edges_only else "") + \
         (" wgmma" if t.wgmma else "") + (" int8-keys" if t.int8_keys else "") + \
+        (" tile-blocks" if t.tile_blocks else "") + \
         (f" q-rot-{plan.rotate.value}" if plan.rotate in (Rotate.TRITON, Rotate.GLUON) else "")
     return f"{plan.path.value} ({t.block_m}, {t.tile}, {t.num_warps}w, {t.num_stages}s){extra}"
 
 
+def tile_blocks_tuning(plan: Plan):
+    """``--tile-blocks``: the plan with its dequantized scratch read as tile-sized blocks
+    (``Tiling.tile_blocks``) where it dequantizes first and does not already; else None."""
+    t = plan.tiling
+    if not t.dequant_first or t.tile_blocks:
+        return None
+    return Tuning(path=plan.path, tiling=dataclasses.replace(t, tile_blocks=True))
+
+
 def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS, flush="read",
-          refs=None) -> tuple:
+          refs=None, tile_blocks=False) -> tuple:
     """Time every row; ``refs`` (a list): append ``(shape, bf16 TFLOP/s cold, sdpa_reference(...))``
-    for each prefill row (``--sdpa``)."""
+    for each prefill row (``--sdpa``); ``tile_blocks``: also the default plan with
+    ``Tiling.tile_blocks`` flipped on, where it dequantizes first."""
     copy = copy_gbps(device)
     tflops = matmul_tflops(device)
     log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
@@ -320,6 +331,8 @@ def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILI
             ceiling, bound = (bytes_us, "bytes") if bytes_us >= flops_us else (flops_us, "FLOPs")
             big = shape.seqs[-1][1] - shape.seqs[-1][0] >= max(p["cached"])
             tunings = sweep_tunings(plan_of(pb, Tuning()), pb["mode"], tilings) if sweep and big else [Tuning()]
+            if tile_blocks and (extra := tile_blocks_tuning(plan_of(pb, Tuning()))) is not None:
+                tunings.append(extra)
             for tuning in tunings:
                 ran = plan_of(pb, tuning)
                 try:
@@ -408,6 +421,8 @@ def main(argv=None) -> int:
     parser.add_argument("--log", default=None, help="append every timed configuration to this file")
     parser.add_argument("--sdpa", action="store_true",
                         help="also time torch SDPA (cuDNN / flash; CPU: math) on contiguous K / V of the prefill rows")
+    parser.add_argument("--tile-blocks", action="store_true",
+                        help="also time each quantized row's default plan with its scratch read as tile-sized blocks")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     p = dict(SMOKE if args.smoke else FULL)
@@ -435,7 +450,7 @@ def main(argv=None) -> int:
             parser.error(f"--tilings: expected 'block_m,tile,warps,stages' separated by ';', got {args.tilings!r}")
     refs = [] if args.sdpa else None
     rows, copy, tflops = bench(p, device, modes, heads, args.sweep, tee(args.log), args.rep_ms, tilings, args.flush,
-                               refs)
+                               refs, args.tile_blocks)
     print(table(rows, copy, tflops, device, list(argv), args.flush))
     if refs is not None:
         print(sdpa_table(refs, tflops))

@@ -773,3 +773,40 @@ def test_cuda_wgmma_prefill_matches_oracle(head, mode, dtype, hq, hkv, bs, int8_
     launched.clear()
     run_and_check(m, num_decode_seqs=2, tuning=mixed)
     assert "_prefill_wgmma_kernel" in launched, launched
+
+
+@pytest.mark.parametrize("mode,unrotate", [(KVQuantMode.INT8_PER_TOKEN_HEAD, False), (KVQuantMode.FP8_PER_TOKEN_HEAD, False),
+                                           (KVQuantMode.INT4_PER_TOKEN_HEAD, False), (KVQuantMode.INT4_PER_TOKEN_HEAD, True)])
+def test_scratch_read_as_tile_blocks_writes_what_block_size_blocks_write(mode, unrotate):
+    """``Tiling.tile_blocks``: the dequantized scratch viewed as blocks of up to a tile's keys (no
+    copy; ``f`` consecutive blocks of a sequence, ``f`` the largest power of two dividing its blocks
+    with ``f x block_size <= tile``) and the 2D kernel over that view write exactly what they write
+    over 16-slot blocks, which matches the oracle, on sequences whose lengths are no tile multiple."""
+    from kernels.attention.call import make_call
+    from kernels.attention.prefill_dequant import dequantized_call, tile_blocks
+
+    for per_seq, tile, want_f in ((8, 64, 4), (6, 64, 2), (7, 64, 1), (8, 128, 8), (16, 32, 2)):
+        c = make_case(mode, torch.bfloat16, [40, 23], [16 * per_seq, 23 + 9], num_q_heads=8,
+                      num_kv_heads=2, head_size=64)
+        c["block_table"] = c["block_table"][:, :per_seq].contiguous()
+        v = c["views"]
+        call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                         c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode,
+                         v.k_scale_cache, v.v_scale_cache)
+        scratch = dequantized_call(call, unrotate=unrotate)
+        viewed = tile_blocks(scratch, tile)
+        assert viewed.block_table.shape == (2, per_seq // want_f), (per_seq, tile)
+        assert viewed.k.shape[1] == 16 * want_f and viewed.k.data_ptr() == scratch.k.data_ptr()
+        if want_f > 1:
+            assert viewed.k.shape[0] * want_f == scratch.k.shape[0] and viewed.k.is_contiguous()
+            assert viewed.v.shape == viewed.k.shape and viewed.v.data_ptr() == scratch.v.data_ptr()
+            assert torch.equal(viewed.block_table.flatten(), torch.arange(2 * per_seq // want_f, dtype=torch.int32))
+        else:
+            assert viewed is scratch
+    c = make_case(mode, torch.bfloat16, [70, 45], [70 + 150, 45 + 9], num_q_heads=8, num_kv_heads=2, head_size=64)
+    base = Tiling(64, 64, num_warps=4, num_stages=2, mask_edges_only=True, dequant_first=True, unrotate=unrotate)
+    plain = run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=base))
+    tiles = run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=dataclasses.replace(base, tile_blocks=True)))
+    assert torch.equal(tiles, plain)
+    with pytest.raises(ValueError, match="tile_blocks: only with dequant_first"):
+        Tiling(64, 64, tile_blocks=True)

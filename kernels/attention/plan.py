@@ -121,8 +121,11 @@ class Tiling:
     mask_edges_only: bool = False  # 2D kernels: mask only the key tiles that cross a causal / window / length edge
     wgmma: bool = False         # 2D path over 16-bit rows on sm_90: prefill_wgmma_gluon (TMA copies, warpgroup MMAs)
     int8_keys: bool = False     # wgmma over INT4 rows kept rotated: keys as int8 codes, int8 score MMAs
+    tile_blocks: bool = False   # dequant_first: the scratch read as blocks of up to `tile` keys (one TMA box a tile)
 
     def __post_init__(self):
+        if self.tile_blocks and not self.dequant_first:
+            raise ValueError("Tiling.tile_blocks: only with dequant_first (it views the dequantized scratch)")
         if self.int8_keys and not (self.wgmma and self.dequant_first and not self.unrotate):
             raise ValueError("Tiling.int8_keys: only with wgmma and dequant_first over rows kept rotated "
                              f"(unrotate False), got wgmma={self.wgmma}, dequant_first={self.dequant_first}, "

@@ -413,6 +413,25 @@ def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
                                block_table=table, signs=None, mode=KVQuantMode.NONE, out=out)
 
 
+def tile_blocks(dequantized, tile: int):
+    """The scratch of :func:`dequantized_call` read as blocks of up to ``tile`` keys: its identity
+    table puts a sequence's blocks one after another, so ``f`` consecutive scratch blocks of
+    ``block_size`` rows are one block of ``f x block_size`` rows (``[n, bs, H, D]`` viewed as
+    ``[n / f, f x bs, H, D]``, the table ``arange(n / f)`` per sequence), ``f`` the largest power
+    of two that divides the blocks per sequence with ``f x bs <= tile``. The Gluon prefill kernel
+    then copies a tile of keys or values with one TMA box instead of ``tile / bs``. Nothing is
+    copied; ``dequantized`` itself when ``f`` is 1."""
+    k, table = dequantized.k, dequantized.block_table
+    num_seqs, per_seq = table.shape
+    bs = k.shape[1]
+    f = min(max(1, tile // bs), per_seq & -per_seq if per_seq else 1)
+    if f <= 1:
+        return dequantized
+    shape = (k.shape[0] // f, f * bs) + tuple(k.shape[2:])
+    table = torch.arange(num_seqs * (per_seq // f), dtype=table.dtype, device=table.device).view(num_seqs, -1)
+    return dataclasses.replace(dequantized, k=k.view(shape), v=dequantized.v.view(shape), block_table=table)
+
+
 def restore_output(call, dequantized) -> None:
     """After the 2D kernel ran on ``dequantized = dequantized_call(call, ...)``: INT4 kept rotated
     (its output a scratch) writes ``s * H(o_r) / d_a`` of its rotated output into the call's rows
