@@ -810,3 +810,22 @@ def test_scratch_read_as_tile_blocks_writes_what_block_size_blocks_write(mode, u
     assert torch.equal(tiles, plain)
     with pytest.raises(ValueError, match="tile_blocks: only with dequant_first"):
         Tiling(64, 64, tile_blocks=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD])
+@pytest.mark.parametrize("head_size,num_q_heads", [(64, 32), (128, 32), (256, 16)])
+def test_cuda_scratch_as_tile_blocks_writes_what_16_slot_blocks_write(mode, head_size, num_q_heads):
+    """On the GPU, the Gluon kernel (sm_90) or the Triton 2D kernel over a dequantized scratch read as
+    tile-sized blocks (``Tiling.tile_blocks``) writes exactly what it writes over the scratch's
+    16-slot blocks, within the oracle's bound; INT4 at head 256 with int8 keys too."""
+    c = make_case(mode, torch.bfloat16, [300, 129], [300 + 2100, 129 + 17], num_q_heads=num_q_heads,
+                  num_kv_heads=8, head_size=head_size, device="cuda")
+    tunings = [Tuning()] + ([Tuning(int8_key_prefill=True)] if head_size == 256 and mode != KVQuantMode.INT8_PER_TOKEN_HEAD
+                            else [])
+    for tuning in tunings:
+        plan = _plan(c, device=None, tuning=tuning)
+        assert plan.tiling.dequant_first, plan
+        outs = [run_and_check(c, tuning=Tuning(path=plan.path, tiling=dataclasses.replace(plan.tiling, tile_blocks=tb)))
+                for tb in (False, True)]
+        assert torch.equal(outs[0], outs[1]), (plan, (outs[0].float() - outs[1].float()).abs().max())
