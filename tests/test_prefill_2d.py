@@ -778,36 +778,37 @@ def test_cuda_wgmma_prefill_matches_oracle(head, mode, dtype, hq, hkv, bs, int8_
 @pytest.mark.parametrize("mode,unrotate", [(KVQuantMode.INT8_PER_TOKEN_HEAD, False), (KVQuantMode.FP8_PER_TOKEN_HEAD, False),
                                            (KVQuantMode.INT4_PER_TOKEN_HEAD, False), (KVQuantMode.INT4_PER_TOKEN_HEAD, True)])
 def test_scratch_read_as_tile_blocks_writes_what_block_size_blocks_write(mode, unrotate):
-    """``Tiling.tile_blocks``: the dequantized scratch viewed as blocks of up to a tile's keys (no
-    copy; ``f`` consecutive blocks of a sequence, ``f`` the largest power of two dividing its blocks
-    with ``f x block_size <= tile``) and the 2D kernel over that view write exactly what they write
-    over 16-slot blocks, which matches the oracle, on sequences whose lengths are no tile multiple."""
+    """``Tiling.tile_blocks``: ``dequantized_call(..., block_rows=tile)`` pads each sequence's scratch
+    blocks to a multiple of ``tile / block_size`` and views them as blocks of ``tile`` slots (no
+    copy: the 16-slot blocks' rows in the same memory, read through a table of the bigger blocks);
+    the 2D kernel over that view writes exactly what it writes over 16-slot blocks, which matches
+    the oracle, on sequences whose lengths are no tile multiple; a block_rows that is no multiple
+    of the block size is refused."""
     from kernels.attention.call import make_call
-    from kernels.attention.prefill_dequant import dequantized_call, tile_blocks
+    from kernels.attention.prefill_dequant import dequantized_call
 
-    for per_seq, tile, want_f in ((8, 64, 4), (6, 64, 2), (7, 64, 1), (8, 128, 8), (16, 32, 2)):
-        c = make_case(mode, torch.bfloat16, [40, 23], [16 * per_seq, 23 + 9], num_q_heads=8,
-                      num_kv_heads=2, head_size=64)
-        c["block_table"] = c["block_table"][:, :per_seq].contiguous()
-        v = c["views"]
-        call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
-                         c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode,
-                         v.k_scale_cache, v.v_scale_cache)
-        scratch = dequantized_call(call, unrotate=unrotate)
-        viewed = tile_blocks(scratch, tile)
-        assert viewed.block_table.shape == (2, per_seq // want_f), (per_seq, tile)
-        assert viewed.k.shape[1] == 16 * want_f and viewed.k.data_ptr() == scratch.k.data_ptr()
-        if want_f > 1:
-            assert viewed.k.shape[0] * want_f == scratch.k.shape[0] and viewed.k.is_contiguous()
-            assert viewed.v.shape == viewed.k.shape and viewed.v.data_ptr() == scratch.v.data_ptr()
-            assert torch.equal(viewed.block_table.flatten(), torch.arange(2 * per_seq // want_f, dtype=torch.int32))
-        else:
-            assert viewed is scratch
     c = make_case(mode, torch.bfloat16, [70, 45], [70 + 150, 45 + 9], num_q_heads=8, num_kv_heads=2, head_size=64)
+    v = c["views"]
+    call = make_call(c["q"], v.key_cache, v.value_cache, torch.empty_like(c["q"]), c["cu"], c["seqused_k"],
+                     c["max_q"], c["max_k"], 0.125, True, (-1, -1), c["block_table"], 0.0, mode,
+                     v.k_scale_cache, v.v_scale_cache)
+    plain = dequantized_call(call, unrotate=unrotate)
+    per_seq = plain.block_table.shape[1]
+    assert per_seq == 14  # 220 keys in 16-slot blocks
+    for rows, f in ((64, 4), (128, 8), (16, 1), (0, 1)):
+        tiled = dequantized_call(call, unrotate=unrotate, block_rows=rows)
+        pitch = -(-per_seq // f) * f
+        assert tiled.k.shape == (2 * pitch // f, 16 * f, 2, 64) == tiled.v.shape, (rows, tiled.k.shape)
+        assert torch.equal(tiled.block_table.flatten(), torch.arange(2 * pitch // f, dtype=torch.int32))
+        flat, ref = tiled.k.reshape(2, pitch * 16, 2, 64), plain.k.reshape(2, per_seq * 16, 2, 64)
+        for s, n in enumerate((220, 54)):   # every slot a sequence reads holds the same row
+            assert torch.equal(flat[s, :n], ref[s, :n]), (rows, s)
+    with pytest.raises(ValueError, match="block_rows 24: expected a multiple of the block size 16"):
+        dequantized_call(call, block_rows=24)
     base = Tiling(64, 64, num_warps=4, num_stages=2, mask_edges_only=True, dequant_first=True, unrotate=unrotate)
-    plain = run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=base))
+    out = run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=base))
     tiles = run_and_check(c, tuning=Tuning(path=Path.PREFILL_2D, tiling=dataclasses.replace(base, tile_blocks=True)))
-    assert torch.equal(tiles, plain)
+    assert torch.equal(tiles, out)
     with pytest.raises(ValueError, match="tile_blocks: only with dequant_first"):
         Tiling(64, 64, tile_blocks=True)
 
@@ -829,3 +830,18 @@ def test_cuda_scratch_as_tile_blocks_writes_what_16_slot_blocks_write(mode, head
         outs = [run_and_check(c, tuning=Tuning(path=plan.path, tiling=dataclasses.replace(plan.tiling, tile_blocks=tb)))
                 for tb in (False, True)]
         assert torch.equal(outs[0], outs[1]), (plan, (outs[0].float() - outs[1].float()).abs().max())
+
+
+def test_sm90_plan_reads_the_scratch_as_tile_blocks_when_asked():
+    """``Tuning.tile_blocks_prefill``: on an H200 (fake facts) a chunk over a quantized cache that
+    takes the Gluon kernel reads its scratch as blocks of the kernel's tile (``Tiling.tile_blocks``,
+    said in ``why``); a bf16 cache has no scratch, so nothing changes there."""
+    from kernels.attention.prefill_wgmma import TILINGS
+    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.NONE):
+        c = make_case(mode, torch.bfloat16, [600, 600], [3000, 600], num_q_heads=8, num_kv_heads=2, head_size=128)
+        off = _plan(c)
+        on = _plan(c, tuning=Tuning(tile_blocks_prefill=True))
+        assert on.tiling.wgmma and not off.tiling.tile_blocks, (off, on)
+        assert on.tiling.tile_blocks == (mode != KVQuantMode.NONE), on
+        assert (f"the scratch read as {TILINGS[128][0]}-slot blocks" in on.why) == on.tiling.tile_blocks, on.why
+        assert on.tiling == dataclasses.replace(off.tiling, tile_blocks=on.tiling.tile_blocks)

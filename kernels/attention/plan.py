@@ -148,7 +148,9 @@ class Tuning:
     (``prefill_wgmma``) where it applies (off: the Triton 2D kernel); ``int8_key_prefill`` (opt-in:
     the query's int8 rounding measured up to 1.02e-2 relative L2 on SmolLM2's activations): over INT4
     rows kept rotated it reads the keys as int8 codes with an int8-quantized query
-    (``Tiling.int8_keys``; off: fp16 keys). ``rotate_q_once``:
+    (``Tiling.int8_keys``; off: fp16 keys). ``tile_blocks_prefill``: that kernel reads a
+    dequantized scratch as blocks of a tile's keys (``Tiling.tile_blocks``; off: 16-slot blocks).
+    ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
     may allocate to dequantize a quantized context before attending (``Tiling.dequant_first``,
@@ -164,6 +166,7 @@ class Tuning:
     gluon_edges: bool = True
     wgmma_prefill: bool = True
     int8_key_prefill: bool = False
+    tile_blocks_prefill: bool = False
     rotate_q_once: bool = False
     dequant_max_bytes: int = 1 << 30
     overlap_mixed: bool = True
@@ -464,19 +467,23 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         dtype = D.scratch_dtype(interpreted=False) if dequant else call.k.dtype  # the probe runs on the GPU
         int8_keys = dequant and tuning.int8_key_prefill and D.int8_keys_apply(call, unrotate) \
             and call.head_size in W.INT8_KEY_HEADS
+        tile_blocks = dequant and tuning.tile_blocks_prefill
+        block_rows = W.TILINGS[call.head_size][0] if tile_blocks and not not_ok else call.k.shape[1]
         if not not_ok and facts.index is not None and not W.probe(
-                _device(facts), call.head_size, dtype, call.group, call.k.shape[1], call.causal, int8_keys):
+                _device(facts), call.head_size, dtype, call.group, block_rows, call.causal, int8_keys):
             not_ok = ["its Gluon kernel does not compile with this Triton"]
         if not not_ok:
             tile, stages, _ = W.TILINGS[call.head_size]
             why.append(f"prefill_wgmma_gluon: TMA copies, warpgroup MMAs, {tile}-key tiles, {stages} stages "
                        f"({rows:.0f} query rows per sequence)")
+            if tile_blocks:
+                why.append(f"the scratch read as {tile}-slot blocks: one TMA box a tile")
             if int8_keys:
                 why.append(f"keys as int8 codes, the query quantized per row: int8 score MMAs (head_size "
                            f"{call.head_size} in {W.INT8_KEY_HEADS})")
             return Tiling(W.BLOCK_M, tile, num_warps=W.NUM_WARPS, num_stages=stages, mask_edges_only=True,
                           dequant_first=dequant, dequant_groups=groups, unrotate=unrotate, wgmma=True,
-                          int8_keys=int8_keys)
+                          int8_keys=int8_keys, tile_blocks=tile_blocks)
         why.append("not prefill_wgmma_gluon: " + "; ".join(not_ok))
     big = big_prefill_tiling(call.head_size, facts)
     if big and (call.mode == KVQuantMode.NONE or dequant) and rows >= big[0] and block_m <= big[0]:

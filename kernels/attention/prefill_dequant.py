@@ -347,7 +347,7 @@ def scratch_bytes(call, interpreted: bool = False, unrotate: bool = False, int8_
     return keys + rows * call.head_size * size + extra
 
 
-def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
+def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False, block_rows: int = 0):
     """``call`` over a quantized cache -> the same call over a scratch unquantized cache holding
     every block its sequences read (``[num_seqs * blocks_per_seq, block_size, num_kv_heads,
     head_size]`` fp16; fp32 under the interpreter) with an identity block table, mode NONE.
@@ -358,21 +358,30 @@ def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
     caller's. ``int8_keys`` (INT4 kept rotated, :func:`int8_keys_apply`): the keys as int8 codes
     ``c - zp`` and ``ks`` their scales times ``1 / d_b``, ``[num_kv_heads, num_seqs *
     blocks_per_seq * block_size]`` fp32, for ``prefill_wgmma``'s int8 score MMAs.
+    ``block_rows`` (``Tiling.tile_blocks``: a multiple of ``block_size``): each sequence's blocks
+    padded to a multiple of ``f = block_rows / block_size`` and the scratch returned viewed as
+    blocks of ``block_rows`` slots (``[n, bs, H, D]`` as ``[n / f, f x bs, H, D]``, its identity
+    table ``arange(n / f)``): its rows lie one after another, so nothing moves, and the Gluon
+    prefill kernel copies a tile of keys or values with one TMA box instead of ``f``.
     Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
     (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
     block_size, num_kv_heads = k.shape[1], k.shape[2]
     per_seq = _blocks_per_seq(call)
+    f = block_rows // block_size if block_rows > block_size else 1
+    if f * block_size != max(block_rows, block_size):
+        raise ValueError(f"block_rows {block_rows}: expected a multiple of the block size {block_size}")
+    pitch = cdiv(per_seq, f) * f   # scratch blocks per sequence: the blocks past per_seq are never read
     num_seqs = call.num_seqs
     interpreted = interpreting(call.q)
     dtype = scratch_dtype(interpreted)
-    shape = (num_seqs * per_seq, block_size, num_kv_heads, call.head_size)
+    shape = (num_seqs * pitch, block_size, num_kv_heads, call.head_size)
     if int8_keys and not int8_keys_apply(call, unrotate):
         raise ValueError(f"int8 keys: INT4 rows kept rotated only, not {call.mode.name}"
                          + (" rows unrotated" if unrotate else ""))
     k_out = torch.empty(shape, dtype=torch.int8 if int8_keys else dtype, device=k.device)
     v_out = torch.empty(shape, dtype=dtype, device=k.device)
-    ks_out = torch.empty((num_kv_heads, num_seqs * per_seq * block_size) if int8_keys else (1,), dtype=torch.float32,
+    ks_out = torch.empty((num_kv_heads, num_seqs * pitch * block_size) if int8_keys else (1,), dtype=torch.float32,
                          device=k.device)
     ksb, vsb = ks.view(torch.int32), vs.view(torch.int32)
     align = kv_align(k, v)
@@ -395,7 +404,7 @@ def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
             inv_db=1.0 / (call.head_size if unrotated else d_b), signs_ptr=call.signs if unrotated else ksb,
             block_table_ptr=call.block_table, seqused_k_ptr=call.seqused_k.contiguous(),
             k_out_ptr=k_out, v_out_ptr=v_out, ks_out_ptr=ks_out, stride_kso_h=ks_out.stride(0),
-            blocks_per_seq=per_seq, groups_per_seq=groups,
+            blocks_per_seq=pitch, groups_per_seq=groups,
             stride_k_b=k.stride(0) // align, stride_k_s=k.stride(1) // align, stride_k_h=k.stride(2) // align,
             stride_k_d=k.stride(3),
             stride_v_b=v.stride(0) // align, stride_v_s=v.stride(1) // align, stride_v_h=v.stride(2) // align,
@@ -406,30 +415,14 @@ def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False):
             NUM_KV_HEADS=num_kv_heads, HEAD=call.head_size, BLOCK_SIZE=block_size, ROWS=rows, BLOCKS=blocks,
             MODE=mode, KV_ALIGN=align, UNROTATE=unrotated, F32=interpreted, INT8_KEYS=int8_keys,
             num_warps=warps, num_stages=NUM_STAGES)
-    table = torch.arange(num_seqs * per_seq, dtype=torch.int32, device=k.device).view(num_seqs, per_seq)
+    table = torch.arange(num_seqs * pitch // f, dtype=torch.int32, device=k.device).view(num_seqs, pitch // f)
+    if f > 1:
+        k_out = k_out.view((num_seqs * pitch // f, f * block_size) + shape[2:])
+        v_out = v_out.view(k_out.shape)
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=k.device)
     out = torch.empty(call.out.shape, dtype=dtype, device=k.device) if rotated else call.out
     return dataclasses.replace(call, q=q, k=k_out, v=v_out, ks=ks_out if int8_keys else dummy, vs=dummy,
                                block_table=table, signs=None, mode=KVQuantMode.NONE, out=out)
-
-
-def tile_blocks(dequantized, tile: int):
-    """The scratch of :func:`dequantized_call` read as blocks of up to ``tile`` keys: its identity
-    table puts a sequence's blocks one after another, so ``f`` consecutive scratch blocks of
-    ``block_size`` rows are one block of ``f x block_size`` rows (``[n, bs, H, D]`` viewed as
-    ``[n / f, f x bs, H, D]``, the table ``arange(n / f)`` per sequence), ``f`` the largest power
-    of two that divides the blocks per sequence with ``f x bs <= tile``. The Gluon prefill kernel
-    then copies a tile of keys or values with one TMA box instead of ``tile / bs``. Nothing is
-    copied; ``dequantized`` itself when ``f`` is 1."""
-    k, table = dequantized.k, dequantized.block_table
-    num_seqs, per_seq = table.shape
-    bs = k.shape[1]
-    f = min(max(1, tile // bs), per_seq & -per_seq if per_seq else 1)
-    if f <= 1:
-        return dequantized
-    shape = (k.shape[0] // f, f * bs) + tuple(k.shape[2:])
-    table = torch.arange(num_seqs * (per_seq // f), dtype=table.dtype, device=table.device).view(num_seqs, -1)
-    return dataclasses.replace(dequantized, k=k.view(shape), v=dequantized.v.view(shape), block_table=table)
 
 
 def restore_output(call, dequantized) -> None:

@@ -26,7 +26,7 @@ from .decode_code_units import launch_code_units
 from .decode_split import launch_split
 from .plan import Path, Plan
 from .prefill_2d import launch_2d
-from .prefill_dequant import dequantized_call, restore_output, tile_blocks
+from .prefill_dequant import dequantized_call, restore_output
 from .reduce import reduce_segments
 from .rotate_query import query_scales, rotated_query
 
@@ -94,9 +94,8 @@ def run_plan(call: AttnCall, plan: Plan):
         per = -(-heads // max(1, plan.tiling.dequant_groups))
         for h in range(0, heads, per):  # each group over its 16-bit scratch (mode NONE), freed before the next
             part = head_group(call, h, min(h + per, heads))
-            dequantized = dequantized_call(part, unrotate=plan.tiling.unrotate, int8_keys=plan.tiling.int8_keys)
-            if plan.tiling.tile_blocks:
-                dequantized = tile_blocks(dequantized, plan.tiling.tile)
+            dequantized = dequantized_call(part, unrotate=plan.tiling.unrotate, int8_keys=plan.tiling.int8_keys,
+                                           block_rows=plan.tiling.tile if plan.tiling.tile_blocks else 0)
             _launch(dequantized, plan)
             restore_output(part, dequantized)
         return call.out
