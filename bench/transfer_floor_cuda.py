@@ -18,12 +18,18 @@ message it staged at publish, so the prefill GPU's copy to the host is left out 
   (the driver stages a pageable source itself).
 * ``pinned-P``: as ``pinned`` with the same bytes cut into messages of about ``P`` MiB, so less
   of the last copy waits behind the wire.
+* ``landed-P`` (``--landed``): as ``pinned-P``, then the connector's own integrity and write on the
+  GPU for the whole transfer at once: one ``verify_scatter`` (``kernels.transfer``: each layer's
+  ``mix64`` checked against the sent bytes' and, only if all match, the blocks scattered into
+  random destination blocks of 32 layer caches), done when its verdict is on the host. What a
+  pull would cost with one thread, one device copy a message and one verify + scatter a transfer.
 
-``plain / kind`` is a measured upper bound for a CUDA-cache pull's ratio on this host: the
-connector does all of this and more. Every round checks the GPU buffer of one device kind byte for
-byte against the sent bytes.
+``plain / pinned`` and ``plain / pageable`` bound a CUDA-cache pull's ratio on this host from
+above; ``landed`` shows how close a pull with its integrity passes can get. Every round checks the
+GPU buffer of every device kind (and the destination blocks of ``landed``) byte for byte against
+the sent bytes.
 
-Run: ``python -m bench.transfer_floor_cuda [--blocks 16,64,256] [--pieces 1,2]``; rows as
+Run: ``python -m bench.transfer_floor_cuda [--blocks 16,64,256] [--pieces 1,2] [--landed 1,2]``; rows as
 ``bench.transfer --cuda`` (32 layers of INT8 / INT4 blocks of 8 KV heads x head_size 128 x 16
 tokens: 33 / 17 KiB).
 """
@@ -81,9 +87,41 @@ def sender(conn, total: int, endpoint: str) -> None:
     ctx.term()
 
 
-def receive(kind: str, pull, sizes: list, dst, pinned: list, stream) -> None:
+class Landing:
+    """``landed`` kinds: 32 destination layer caches of ``2 x blocks`` blocks, the sent bytes'
+    per-layer ``mix64`` and the verdict buffer (all on ``device``)."""
+
+    def __init__(self, total: int, block_bytes: int, layers: int, device) -> None:
+        import torch
+        from kernels.transfer import frame_checksums
+        rows = {2 * 16 * 8 * 132: 132, 2 * 16 * 8 * 68: 68}[block_bytes]
+        self.k = total // layers // block_bytes
+        self.frames = [total // layers] * layers
+        self.caches = [torch.zeros(2 * self.k, 2, 16, 8, rows, dtype=torch.uint8, device=device) for _ in range(layers)]
+        self.ids = torch.randperm(2 * self.k, generator=torch.Generator().manual_seed(3))[:self.k].to(device)
+        self.expected = torch.empty(layers, dtype=torch.int64, device=device)
+        frame_checksums(torch.from_numpy(payload(total)).to(device), self.expected, frame_nbytes=self.frames)
+        self.ok = torch.empty(layers + 1, dtype=torch.int32, device=device)
+
+    def land(self, staging) -> None:
+        """Verify every layer of ``staging`` and scatter it (queued on the current stream), then wait
+        for the verdict."""
+        from kernels.transfer import verify_scatter
+        verify_scatter(staging, self.expected, self.caches, self.ids, ok=self.ok, frame_nbytes=self.frames)
+        if int(self.ok[-1]) != 0:
+            raise RuntimeError(f"landed: {int(self.ok[-1])} of {len(self.caches)} layers failed their checksum")
+
+    def check(self, total: int) -> None:
+        want = payload(total).reshape(len(self.caches), self.k, -1)
+        for la, cache in enumerate(self.caches):
+            got = cache[self.ids].reshape(self.k, -1).cpu().numpy()
+            if not np.array_equal(got, want[la]):
+                raise RuntimeError(f"landed: layer {la}'s destination blocks differ from the bytes sent")
+
+
+def receive(kind: str, pull, sizes: list, dst, host, stream, landing=None) -> None:
     """Receive one transfer of ``sizes`` messages as ``kind`` does; returns when its last byte is in
-    host memory (``plain``) or on the GPU (the others)."""
+    host memory (``plain``), on the GPU, or (``landed``) verified and scattered into the caches."""
     import torch
     on_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
     off = 0
@@ -98,14 +136,16 @@ def receive(kind: str, pull, sizes: list, dst, pinned: list, stream) -> None:
             with on_stream:   # a pageable source: the copy returns when the host bytes are read
                 dst[off:off + got].copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8), non_blocking=True)
         else:
-            buf = pinned[i]
-            got = pull.recv_into(buf.numpy())
+            got = pull.recv_into(host[off:off + n].numpy())
             with on_stream:
-                dst[off:off + got].copy_(buf[:got], non_blocking=True)
+                dst[off:off + got].copy_(host[off:off + got], non_blocking=True)
         if got != n:
             raise RuntimeError(f"{kind}: message {i} has {got} bytes, expected {n}")
         off += n
-    if kind != "plain" and stream is not None:
+    if kind.startswith("landed"):
+        with on_stream:
+            landing.land(dst)
+    elif kind != "plain" and stream is not None:
         stream.synchronize()
 
 
@@ -116,6 +156,8 @@ def run_row(total: int, block_bytes: int, args) -> dict:
     kinds = {"plain": native, "pinned": native, "pageable": native}
     for p in args.pieces:
         kinds[f"pinned-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
+    for p in getattr(args, "landed", []):
+        kinds[f"landed-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -128,27 +170,33 @@ def run_row(total: int, block_bytes: int, args) -> dict:
     conn.recv()
     cuda = args.device == "cuda"
     dst = torch.empty(total, dtype=torch.uint8, device=args.device)
-    most = max(max(s) for s in kinds.values())
-    pinned = [torch.empty(most, dtype=torch.uint8) for _ in range(max(map(len, kinds.values())))]
-    pinned = [b.pin_memory() for b in pinned] if cuda else pinned
+    host = torch.empty(total, dtype=torch.uint8)   # each message received into its own slice
+    host = host.pin_memory() if cuda else host
     stream = torch.cuda.Stream() if cuda else None
     want = torch.from_numpy(payload(total)).to(args.device)
+    landing = Landing(total, block_bytes, args.layers, args.device) if any(k.startswith("landed") for k in kinds) \
+        else None
     t = {k: [] for k in kinds}
     names = list(kinds)
     try:
         for rnd in range(args.rounds):
             for kind in (names if rnd % 2 else names[::-1]):
                 dst.zero_()
+                if landing is not None and kind.startswith("landed"):
+                    for c in landing.caches:
+                        c.zero_()
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 conn.send(kinds[kind])
-                receive(kind, pull, kinds[kind], dst, pinned, stream)
+                receive(kind, pull, kinds[kind], dst, host, stream, landing)
                 dt = time.perf_counter() - t0
                 if rnd:
                     t[kind].append(dt)
                 if kind != "plain" and not torch.equal(dst, want):
                     raise RuntimeError(f"round {rnd} {kind}: the GPU buffer differs from the bytes sent")
+                if kind.startswith("landed"):
+                    landing.check(total)
     finally:
         conn.send(None)
         proc.join(30)
@@ -164,11 +212,14 @@ def main() -> int:
     ap.add_argument("--modes", default="int8_per_token_head,int4_per_token_head")
     ap.add_argument("--chunk-mb", type=float, default=8.0, help="the burst's message size, as bench.transfer")
     ap.add_argument("--pieces", default="1,2", help="comma-separated MiB: pinned kinds cut into messages this size")
+    ap.add_argument("--landed", default="", help="comma-separated MiB: landed kinds (verify + scatter) in messages "
+                    "this size")
     ap.add_argument("--rounds", type=int, default=10, help="rounds (the first is a warm-up)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a CPU tensor as the destination (unpinned buffers; a smoke test of the probe)")
     args = ap.parse_args()
     args.pieces = [float(p) for p in args.pieces.split(",") if p]
+    args.landed = [float(p) for p in args.landed.split(",") if p]
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.transfer_floor_cuda: no CUDA device (--device cpu runs the probe's steps on the CPU)")
@@ -177,7 +228,7 @@ def main() -> int:
     for m in modes:
         if m not in rows:
             raise SystemExit(f"bench.transfer_floor_cuda: unknown mode {m!r} (known: {', '.join(rows)})")
-    kinds = ["pinned", "pageable"] + [f"pinned-{p:g}" for p in args.pieces]
+    kinds = ["pinned", "pageable"] + [f"pinned-{p:g}" for p in args.pieces] + [f"landed-{p:g}" for p in args.landed]
     print(f"# bench.transfer_floor_cuda: {os.cpu_count()} cores, {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU destination'}, "
           f"pyzmq {zmq.__version__}, {args.layers} layers, median of {args.rounds - 1} rounds (+1 warm-up), "
           f"kinds interleaved; ms (plain / kind)", flush=True)

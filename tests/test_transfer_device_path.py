@@ -504,7 +504,8 @@ def test_verdict_buffer_layout_with_the_kernels(bad):
 def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
     """bench.transfer_floor_cuda: the plain kind's messages are bench.transfer's burst (whole blocks up to
     the chunk size), the pieces kinds cut the same bytes finer, and a CPU-destination run receives every
-    kind end to end, checking the destination byte for byte each round."""
+    kind end to end, checking the destination byte for byte each round (``landed``: verified and
+    scattered by the connector's kernels, a corrupted layer failing with nothing written)."""
     import argparse
     from bench import transfer_floor_cuda as F
     assert F.burst_sizes(32 * 16 * 17408, 17408, 8 << 20) == [481 * 17408, 32 * 16 * 17408 - 481 * 17408]
@@ -513,7 +514,13 @@ def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
         sizes = F.piece_sizes(total, piece)
         assert sum(sizes) == total and max(sizes) - min(sizes[:-1] or sizes) == 0
         assert abs(len(sizes) - total / piece) <= 1
-    args = argparse.Namespace(chunk_mb=0.25, pieces=[0.1], rounds=3, device="cpu")
+    args = argparse.Namespace(chunk_mb=0.25, pieces=[0.1], landed=[0.2], rounds=2, device="cpu", layers=4)
     r = F.run_row(40 * 17408, 17408, args)
-    assert r["msgs"] == {"plain": 3, "pinned": 3, "pageable": 3, "pinned-0.1": 7}
-    assert all(r[k] > 0 for k in ("plain", "pinned", "pageable", "pinned-0.1"))
+    assert r["msgs"] == {"plain": 3, "pinned": 3, "pageable": 3, "pinned-0.1": 7, "landed-0.2": 3}
+    assert all(r[k] > 0 for k in ("plain", "pinned", "pageable", "pinned-0.1", "landed-0.2"))
+    landing = F.Landing(8 * 17408, 17408, 4, "cpu")   # a corrupted byte: typed failure, destination untouched
+    staging = torch.from_numpy(F.payload(8 * 17408).copy())
+    staging[5 * 17408 + 3] ^= 1
+    with pytest.raises(RuntimeError, match="1 of 4 layers failed their checksum"):
+        landing.land(staging)
+    assert all(int(c.count_nonzero()) == 0 for c in landing.caches)
