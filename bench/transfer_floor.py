@@ -150,8 +150,9 @@ def write(dst_rows, ids, frame, digest: int, hashed: bool) -> None:
 ROWS = ((64, "auto (bf16)"), (33, "int8_per_token_head"), (17, "int4_per_token_head"))
 
 
-def run_row(args) -> dict:
-    """One row: spawn a sender, time ``rounds`` interleaved rounds; medians in seconds."""
+def spawn_pair(target, arg):
+    """A PULL socket bound on loopback and a spawned sender process running ``target(conn, arg,
+    endpoint)`` that has answered "ready": ``(ctx, pull, conn, proc)``."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -159,9 +160,15 @@ def run_row(args) -> dict:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     mpc = mp.get_context("spawn")
     conn, child = mpc.Pipe()
-    proc = mpc.Process(target=sender, args=(child, args, f"tcp://127.0.0.1:{port}"), daemon=True)
+    proc = mpc.Process(target=target, args=(child, arg, f"tcp://127.0.0.1:{port}"), daemon=True)
     proc.start()
     conn.recv()
+    return ctx, pull, conn, proc
+
+
+def run_row(args) -> dict:
+    """One row: spawn a sender, time ``rounds`` interleaved rounds; medians in seconds."""
+    ctx, pull, conn, proc = spawn_pair(sender, args)
     dst = caches(2, args.layers, 2 * args.blocks, args.block_kib << 10)
     src = caches(1, args.layers, 2 * args.blocks, args.block_kib << 10)
     msgs = messages(args)

@@ -37,7 +37,6 @@ tokens: 33 / 17 KiB).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -45,6 +44,8 @@ from contextlib import nullcontext
 
 import numpy as np
 import zmq
+
+from bench.transfer_floor import spawn_pair
 
 ROWS = (("int8_per_token_head", 2 * 16 * 8 * 132), ("int4_per_token_head", 2 * 16 * 8 * 68))
 
@@ -158,16 +159,7 @@ def run_row(total: int, block_bytes: int, args) -> dict:
         kinds[f"pinned-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
     for p in getattr(args, "landed", []):
         kinds[f"landed-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.setsockopt(zmq.RCVHWM, 1000)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    mpc = mp.get_context("spawn")
-    conn, child = mpc.Pipe()
-    proc = mpc.Process(target=sender, args=(child, total, f"tcp://127.0.0.1:{port}"), daemon=True)
-    proc.start()
-    conn.recv()
+    ctx, pull, conn, proc = spawn_pair(sender, total)
     cuda = args.device == "cuda"
     dst = torch.empty(total, dtype=torch.uint8, device=args.device)
     host = torch.empty(total, dtype=torch.uint8)   # each message received into its own slice
