@@ -832,16 +832,20 @@ def test_cuda_scratch_as_tile_blocks_writes_what_16_slot_blocks_write(mode, head
         assert torch.equal(outs[0], outs[1]), (plan, (outs[0].float() - outs[1].float()).abs().max())
 
 
-def test_sm90_plan_reads_the_scratch_as_tile_blocks_when_asked():
-    """``Tuning.tile_blocks_prefill``: on an H200 (fake facts) a chunk over a quantized cache that
-    takes the Gluon kernel reads its scratch as blocks of the kernel's tile (``Tiling.tile_blocks``,
-    said in ``why``); a bf16 cache has no scratch, so nothing changes there."""
-    from kernels.attention.prefill_wgmma import TILINGS
-    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.NONE):
-        c = make_case(mode, torch.bfloat16, [600, 600], [3000, 600], num_q_heads=8, num_kv_heads=2, head_size=128)
-        off = _plan(c)
-        on = _plan(c, tuning=Tuning(tile_blocks_prefill=True))
-        assert on.tiling.wgmma and not off.tiling.tile_blocks, (off, on)
-        assert on.tiling.tile_blocks == (mode != KVQuantMode.NONE), on
-        assert (f"the scratch read as {TILINGS[128][0]}-slot blocks" in on.why) == on.tiling.tile_blocks, on.why
-        assert on.tiling == dataclasses.replace(off.tiling, tile_blocks=on.tiling.tile_blocks)
+def test_sm90_plan_reads_the_scratch_as_tile_blocks():
+    """``Tuning.tile_blocks_prefill`` (default on): on an H200 (fake facts) a chunk over a quantized
+    cache that takes the Gluon kernel at head 64 or 128 reads its scratch as blocks of the
+    kernel's tile (``Tiling.tile_blocks``, said in ``why``); head 256 (measured no faster), a bf16
+    cache (no scratch) and ``tile_blocks_prefill=False`` keep 16-slot blocks."""
+    from kernels.attention.prefill_wgmma import TILE_BLOCK_HEADS, TILINGS
+    assert TILE_BLOCK_HEADS == (64, 128)
+    for head, k_len in ((64, 3000), (128, 3000), (256, 8000)):
+        for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.NONE):
+            c = make_case(mode, torch.bfloat16, [600, 600], [k_len, 600], num_q_heads=8, num_kv_heads=2,
+                          head_size=head)
+            on, off = _plan(c), _plan(c, tuning=Tuning(tile_blocks_prefill=False))
+            assert on.tiling.wgmma and not off.tiling.tile_blocks, (off, on)
+            assert on.tiling.tile_blocks == (mode != KVQuantMode.NONE and head != 256), on
+            said = f"the scratch read as {TILINGS[head][0]}-slot blocks" in on.why
+            assert said == on.tiling.tile_blocks, on.why
+            assert on.tiling == dataclasses.replace(off.tiling, tile_blocks=on.tiling.tile_blocks)

@@ -148,8 +148,9 @@ class Tuning:
     (``prefill_wgmma``) where it applies (off: the Triton 2D kernel); ``int8_key_prefill`` (opt-in:
     the query's int8 rounding measured up to 1.02e-2 relative L2 on SmolLM2's activations): over INT4
     rows kept rotated it reads the keys as int8 codes with an int8-quantized query
-    (``Tiling.int8_keys``; off: fp16 keys). ``tile_blocks_prefill``: that kernel reads a
-    dequantized scratch as blocks of a tile's keys (``Tiling.tile_blocks``; off: 16-slot blocks).
+    (``Tiling.int8_keys``; off: fp16 keys). ``tile_blocks_prefill``: at the head sizes of
+    ``prefill_wgmma.TILE_BLOCK_HEADS`` that kernel reads a dequantized scratch as blocks of a
+    tile's keys (``Tiling.tile_blocks``; off: 16-slot blocks).
     ``rotate_q_once``:
     the 2D INT4 kernel reads the query rotated once per call by the rotation kernel (off: each
     program rotates its own query tile). ``dequant_max_bytes``: the largest scratch the 2D path
@@ -166,7 +167,7 @@ class Tuning:
     gluon_edges: bool = True
     wgmma_prefill: bool = True
     int8_key_prefill: bool = False
-    tile_blocks_prefill: bool = False
+    tile_blocks_prefill: bool = True
     rotate_q_once: bool = False
     dequant_max_bytes: int = 1 << 30
     overlap_mixed: bool = True
@@ -467,7 +468,7 @@ def _prefill_tiling(call: AttnCall, facts: DeviceFacts, tuning: Tuning, why: lis
         dtype = D.scratch_dtype(interpreted=False) if dequant else call.k.dtype  # the probe runs on the GPU
         int8_keys = dequant and tuning.int8_key_prefill and D.int8_keys_apply(call, unrotate) \
             and call.head_size in W.INT8_KEY_HEADS
-        tile_blocks = dequant and tuning.tile_blocks_prefill
+        tile_blocks = dequant and tuning.tile_blocks_prefill and call.head_size in W.TILE_BLOCK_HEADS
         block_rows = W.TILINGS[call.head_size][0] if tile_blocks and not not_ok else call.k.shape[1]
         if not not_ok and facts.index is not None and not W.probe(
                 _device(facts), call.head_size, dtype, call.group, block_rows, call.causal, int8_keys):

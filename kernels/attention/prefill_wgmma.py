@@ -32,6 +32,12 @@ TILINGS = {64: (128, 4, 2048), 128: (128, 3, 0), 256: (64, 2, 0)}
 # head 64 0.84-0.88x (the scores' conversion costs more than the int8 MMAs save). docs/BENCHMARKS.md,
 # "Prefill over a quantized cache".
 INT8_KEY_HEADS = (256,)
+# head sizes at which a dequantized scratch is read as blocks of a tile's keys (``Tiling.tile_blocks``:
+# one TMA box a tile instead of one per 16-slot block). H200, two runs, INT8 / INT4 against the
+# 16-slot scratch: head 64 1.02-1.07x, head 128 0.97-1.06x (2,048-token chunks 1.01-1.05x); head 256
+# (64-key tiles, 4 blocks a tile) 0.95-1.07x, 1.01x on average: left off. docs/BENCHMARKS.md,
+# "Prefill over a quantized cache".
+TILE_BLOCK_HEADS = (64, 128)
 BLOCK_M = 128                   # query rows per program (two consumer warpgroups of 64)
 NUM_WARPS = 4                   # the default partition (a consumer); the other consumer and the producer are workers
 MAX_REGS = 168                  # per thread at launch: 12 warps x 32 x 168 <= 65,536 (the partitions then
