@@ -304,19 +304,20 @@ def describe(plan: Plan) -> str:
 
 
 def tile_blocks_tuning(plan: Plan):
-    """``--tile-blocks``: the plan with its dequantized scratch read as tile-sized blocks
-    (``Tiling.tile_blocks``) where it dequantizes first and does not already; else None."""
+    """``--tile-blocks``: where the plan dequantizes first, the plan with ``Tiling.tile_blocks``
+    flipped (its scratch read as tile-sized blocks where it reads 16-slot ones, and the other way
+    round); else None."""
     t = plan.tiling
-    if not t.dequant_first or t.tile_blocks:
+    if not t.dequant_first:
         return None
-    return Tuning(path=plan.path, tiling=dataclasses.replace(t, tile_blocks=True))
+    return Tuning(path=plan.path, tiling=dataclasses.replace(t, tile_blocks=not t.tile_blocks))
 
 
 def bench(p, device, modes, heads, sweep, log, rep_ms=REP_MS, tilings=SWEEP_TILINGS, flush="read",
           refs=None, tile_blocks=False) -> tuple:
     """Time every row; ``refs`` (a list): append ``(shape, bf16 TFLOP/s cold, sdpa_reference(...))``
     for each prefill row (``--sdpa``); ``tile_blocks``: also the default plan with
-    ``Tiling.tile_blocks`` flipped on, where it dequantizes first."""
+    ``Tiling.tile_blocks`` flipped, where it dequantizes first."""
     copy = copy_gbps(device)
     tflops = matmul_tflops(device)
     log(f"copy {copy:.0f} GB/s (read + write), bf16 matmul {tflops:.0f} TFLOP/s")
@@ -422,7 +423,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sdpa", action="store_true",
                         help="also time torch SDPA (cuDNN / flash; CPU: math) on contiguous K / V of the prefill rows")
     parser.add_argument("--tile-blocks", action="store_true",
-                        help="also time each quantized row's default plan with its scratch read as tile-sized blocks")
+                        help="also time each quantized row's default plan with Tiling.tile_blocks flipped (scratch "
+                        "read as tile-sized blocks or as 16-slot ones)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     p = dict(SMOKE if args.smoke else FULL)

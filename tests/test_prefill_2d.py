@@ -849,3 +849,14 @@ def test_sm90_plan_reads_the_scratch_as_tile_blocks():
             said = f"the scratch read as {TILINGS[head][0]}-slot blocks" in on.why
             assert said == on.tiling.tile_blocks, on.why
             assert on.tiling == dataclasses.replace(off.tiling, tile_blocks=on.tiling.tile_blocks)
+
+
+def test_bench_tile_blocks_flag_flips_the_default_plans_scratch_blocks():
+    """``bench.attention_prefill --tile-blocks``: for a plan that dequantizes first, the same plan
+    with ``Tiling.tile_blocks`` flipped either way (the A/B of the two scratch layouts); none for a
+    plan without a scratch."""
+    on = Tiling(128, 128, wgmma=True, dequant_first=True, tile_blocks=True)
+    for t in (on, dataclasses.replace(on, tile_blocks=False)):
+        flipped = AP.tile_blocks_tuning(Plan(Path.PREFILL_2D, t))
+        assert flipped.path == Path.PREFILL_2D and flipped.tiling == dataclasses.replace(t, tile_blocks=not t.tile_blocks)
+    assert AP.tile_blocks_tuning(Plan(Path.PREFILL_2D, Tiling(128, 128, wgmma=True))) is None
