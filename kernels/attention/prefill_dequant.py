@@ -362,7 +362,8 @@ def dequantized_call(call, unrotate: bool = False, int8_keys: bool = False, bloc
     padded to a multiple of ``f = block_rows / block_size`` and the scratch returned viewed as
     blocks of ``block_rows`` slots (``[n, bs, H, D]`` as ``[n / f, f x bs, H, D]``, its identity
     table ``arange(n / f)``): its rows lie one after another, so nothing moves, and the Gluon
-    prefill kernel copies a tile of keys or values with one TMA box instead of ``f``.
+    prefill kernel copies a tile of keys or values with one TMA box instead of ``f``. The padding
+    (fewer than ``f`` blocks a sequence, never written or read) is not in :func:`scratch_bytes`.
     Launches :func:`_dequant_blocks_kernel` (and the query's rotation) on the current stream
     (no host sync)."""
     k, v, ks, vs = call.k, call.v, call.ks, call.vs
