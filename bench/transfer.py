@@ -71,6 +71,7 @@ import time
 import torch
 import zmq
 
+from bench.transfer_floor_cuda import burst_sizes
 from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 
@@ -308,8 +309,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
     total = layers * nblocks * geo.block_bytes
-    msg = min(total, max(geo.block_bytes, chunk_bytes // geo.block_bytes * geo.block_bytes))
-    sizes = [msg] * (total // msg) + ([total % msg] if total % msg else [])
+    sizes = burst_sizes(total, geo.block_bytes, chunk_bytes)
     src_ids = [list(range(nblocks)) if contiguous else torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                for _ in range(repeats + 1)]
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
