@@ -89,19 +89,23 @@ def sender(conn, total: int, endpoint: str) -> None:
 
 
 class Landing:
-    """``landed`` kinds: 32 destination layer caches of ``2 x blocks`` blocks, the sent bytes'
-    per-layer ``mix64`` and the verdict buffer (all on ``device``)."""
+    """``landed`` kinds: ``layers`` destination caches of ``2 x blocks`` blocks (rows of 8 KV heads x
+    16 slots, K and V), the sent bytes' per-layer ``mix64`` and the verdict buffer, all on the
+    device of ``sent`` ([total] uint8, the bytes the sender sends)."""
 
-    def __init__(self, total: int, block_bytes: int, layers: int, device) -> None:
+    def __init__(self, sent, block_bytes: int, layers: int) -> None:
         import torch
         from kernels.transfer import frame_checksums
-        rows = {2 * 16 * 8 * 132: 132, 2 * 16 * 8 * 68: 68}[block_bytes]
+        device, total = sent.device, sent.numel()
+        self.sent = sent
         self.k = total // layers // block_bytes
         self.frames = [total // layers] * layers
-        self.caches = [torch.zeros(2 * self.k, 2, 16, 8, rows, dtype=torch.uint8, device=device) for _ in range(layers)]
+        row_bytes = block_bytes // (2 * 16 * 8)
+        self.caches = [torch.zeros(2 * self.k, 2, 16, 8, row_bytes, dtype=torch.uint8, device=device)
+                       for _ in range(layers)]
         self.ids = torch.randperm(2 * self.k, generator=torch.Generator().manual_seed(3))[:self.k].to(device)
         self.expected = torch.empty(layers, dtype=torch.int64, device=device)
-        frame_checksums(torch.from_numpy(payload(total)).to(device), self.expected, frame_nbytes=self.frames)
+        frame_checksums(sent, self.expected, frame_nbytes=self.frames)
         self.ok = torch.empty(layers + 1, dtype=torch.int32, device=device)
 
     def land(self, staging) -> None:
@@ -112,11 +116,12 @@ class Landing:
         if int(self.ok[-1]) != 0:
             raise RuntimeError(f"landed: {int(self.ok[-1])} of {len(self.caches)} layers failed their checksum")
 
-    def check(self, total: int) -> None:
-        want = payload(total).reshape(len(self.caches), self.k, -1)
+    def check(self) -> None:
+        """Each layer's destination blocks hold that layer's bytes as sent."""
+        import torch
+        want = self.sent.view(len(self.caches), self.k, -1)
         for la, cache in enumerate(self.caches):
-            got = cache[self.ids].reshape(self.k, -1).cpu().numpy()
-            if not np.array_equal(got, want[la]):
+            if not torch.equal(cache[self.ids].reshape(self.k, -1), want[la]):
                 raise RuntimeError(f"landed: layer {la}'s destination blocks differ from the bytes sent")
 
 
@@ -157,7 +162,7 @@ def run_row(total: int, block_bytes: int, args) -> dict:
     kinds = {"plain": native, "pinned": native, "pageable": native}
     for p in args.pieces:
         kinds[f"pinned-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
-    for p in getattr(args, "landed", []):
+    for p in args.landed:
         kinds[f"landed-{p:g}"] = piece_sizes(total, int(p * (1 << 20)))
     ctx, pull, conn, proc = spawn_pair(sender, total)
     cuda = args.device == "cuda"
@@ -166,8 +171,7 @@ def run_row(total: int, block_bytes: int, args) -> dict:
     host = host.pin_memory() if cuda else host
     stream = torch.cuda.Stream() if cuda else None
     want = torch.from_numpy(payload(total)).to(args.device)
-    landing = Landing(total, block_bytes, args.layers, args.device) if any(k.startswith("landed") for k in kinds) \
-        else None
+    landing = Landing(want, block_bytes, args.layers) if args.landed else None
     t = {k: [] for k in kinds}
     names = list(kinds)
     try:
@@ -188,7 +192,7 @@ def run_row(total: int, block_bytes: int, args) -> dict:
                 if kind != "plain" and not torch.equal(dst, want):
                     raise RuntimeError(f"round {rnd} {kind}: the GPU buffer differs from the bytes sent")
                 if kind.startswith("landed"):
-                    landing.check(total)
+                    landing.check()
     finally:
         conn.send(None)
         proc.join(30)
@@ -221,7 +225,8 @@ def main() -> int:
         if m not in rows:
             raise SystemExit(f"bench.transfer_floor_cuda: unknown mode {m!r} (known: {', '.join(rows)})")
     kinds = ["pinned", "pageable"] + [f"pinned-{p:g}" for p in args.pieces] + [f"landed-{p:g}" for p in args.landed]
-    print(f"# bench.transfer_floor_cuda: {os.cpu_count()} cores, {torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU destination'}, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU destination"
+    print(f"# bench.transfer_floor_cuda: {os.cpu_count()} cores, {where}, "
           f"pyzmq {zmq.__version__}, {args.layers} layers, median of {args.rounds - 1} rounds (+1 warm-up), "
           f"kinds interleaved; ms (plain / kind)", flush=True)
     print("| mode | blocks | MiB | plain ms (msgs) | " + " | ".join(kinds) + " |")

@@ -518,8 +518,9 @@ def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
     r = F.run_row(40 * 17408, 17408, args)
     assert r["msgs"] == {"plain": 3, "pinned": 3, "pageable": 3, "pinned-0.1": 7, "landed-0.2": 3}
     assert all(r[k] > 0 for k in ("plain", "pinned", "pageable", "pinned-0.1", "landed-0.2"))
-    landing = F.Landing(8 * 17408, 17408, 4, "cpu")   # a corrupted byte: typed failure, destination untouched
-    staging = torch.from_numpy(F.payload(8 * 17408).copy())
+    sent = torch.from_numpy(F.payload(8 * 17408))
+    landing = F.Landing(sent, 17408, 4)   # a corrupted byte: typed failure, destination untouched
+    staging = sent.clone()
     staging[5 * 17408 + 3] ^= 1
     with pytest.raises(RuntimeError, match="1 of 4 layers failed their checksum"):
         landing.land(staging)
