@@ -265,12 +265,14 @@ class DecodeEndpoint:
         copies and kernels, host copy excluded), ``launch_cpu`` (the landing thread's CPU seconds
         in all of its work on messages: less than ``host_copy + launch`` by the time it was
         blocked), ``device_wait`` (waiting for the device to end the oldest of ``max_inflight``
-        messages, to reuse its pinned buffer); ``landed`` counts them."""
+        messages, to reuse its pinned buffer); ``landed`` counts them, ``passes`` the verify +
+        scatter passes that covered them (several messages a pass when they waited together)."""
         out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
         if self._lander is not None:
             st = self._lander.stage_s
             out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
-                       launch_cpu=st["launch_cpu"], device_wait=st["wait"], landed=st["messages"])
+                       launch_cpu=st["launch_cpu"], device_wait=st["wait"], landed=st["messages"],
+                       passes=st["groups"])
         return out
 
     def close(self) -> None:
@@ -558,7 +560,8 @@ class DecodeEndpoint:
             p.dst_dev = torch.as_tensor(p.dst_block_ids, dtype=torch.int64)
         job = LandJob(p, h, None if received is not None else list(payloads),
                       None if received is None else received[:sum(h.nbytes)], owned and received is not None,
-                      self.caches[h.layer:h.layer + h.nlay], p.dst_dev[h.first:h.first + h.nblk], local)
+                      self.caches[h.layer:h.layer + h.nlay], p.dst_dev[h.first:h.first + h.nblk], local,
+                      layers=self.caches, pull_ids=p.dst_dev)
         p.jobs.add(job.future)
         self._rx_kept = received is not None and owned    # the lander hands the buffer back
         self._lander.submit(job)

@@ -5,19 +5,20 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
 ``kernels``; ``kernels.transfer.FRAME_OPS`` is the implementation, injected like the writer of
 ``kvconnector/convert.py``). Then the host runs no pass over the payload at all:
 
-- prefill (:func:`gather_message`): one kernel gathers the blocks of a message's layers into a
-  device buffer and computes its ``mix64``; one device-to-host copy puts the payload in a pinned
-  buffer that is sent with zero copy, the checksum follows it in an 8-byte copy. Both are queued
-  on the endpoint's copy stream, so message k+1 is gathered and copied while k is on the wire.
-- decode (:func:`land_message`, run by the endpoint's landing thread, :mod:`kvconnector.landing`):
-  the payload frames are copied piece by piece into one pinned buffer (:class:`HostFill`, on the
-  copy workers; the landing thread starts the next message's copies before it lands this one),
-  the host-to-device copy of the pieces copied so far queued right behind them (or, received
-  straight into pinned memory already, copied to the device at once); then one kernel pass
-  verifies every frame against the header and a scatter kernel writes the blocks only if all
-  matched (it reads the mismatch count on the device). The host reads the count once the copy stream passes that point
-  (:meth:`DeviceWrite.error`) and fails the pull with a :class:`CorruptFrameError`; the
-  destination blocks of that message were not written.
+- prefill (:func:`gather_messages`): one kernel gathers the blocks of a group of consecutive
+  messages into a device buffer and computes each message's ``mix64``; one device-to-host copy
+  per message puts its payload in a pinned buffer that is sent with zero copy, the checksums
+  follow in one small copy. All is queued on the endpoint's copy stream, so the next group is
+  gathered and copied while this one is on the wire.
+- decode (run by the endpoint's landing thread, :mod:`kvconnector.landing`): each message's
+  payload is copied to its place in a device staging buffer (:func:`stage_payload`: received
+  straight into pinned memory, one host-to-device copy; else copied piece by piece into one pinned
+  buffer first, :class:`HostFill`, the device copy of each piece queued right behind it); the
+  messages of a pull that arrived together are staged back to back, and one kernel pass verifies
+  every frame of them against their headers and a scatter kernel writes their blocks only if all
+  matched (:func:`verify_group`; it reads the mismatch count on the device). The host reads the
+  count once the copy stream passes that point (:meth:`DeviceWrite.error`) and fails the pull with
+  a :class:`CorruptFrameError`; the destination blocks of those messages were not written.
 
 On CPU caches the same kernels run through Triton's interpreter on host memory (how the path
 is tested without a GPU), nothing queued on a stream: the prefill's gather runs on one gather
@@ -47,7 +48,7 @@ _cpu_gathers_lock = threading.Lock()
 
 
 def _cpu_gather_thread() -> ThreadPoolExecutor:
-    """The one thread that runs CPU-cache gathers (:func:`gather_message`): through Triton's
+    """The one thread that runs CPU-cache gathers (:func:`gather_messages`): through Triton's
     interpreter a message takes seconds, which on the prefill's I/O thread would leave its peer
     without an answer to its heartbeats for as long."""
     global _cpu_gathers
@@ -126,127 +127,164 @@ class DeviceGather:
         return self.frames, [int(v) & _MASK for v in self.sums.tolist()]
 
 
-def gather_message(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: range, host: torch.Tensor,
-                   copy_stream) -> DeviceGather:
-    """Queue the gather + ``mix64`` of one message (one frame) and its copy into ``host``.
+def gather_messages(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: range, hosts: list,
+                    copy_stream) -> list:
+    """Queue one gather + ``mix64`` of consecutive messages (one frame each) whose payloads
+    concatenate to the layer-major payload of ``caches`` x ``block_ids``, then each message's copy
+    into its host buffer; one :class:`DeviceGather` per message, each ready once its own copy has
+    landed (the first message can leave while the later ones are still copied).
 
     Parameters
     ----------
-    caches : list of packed per-layer caches, the message's layers in order (read only)
+    caches : list of packed per-layer caches, the messages' layers in order (read only)
     block_ids : [k] int64 on the caches' device, source blocks in transfer order
     heads : range of local heads to send
-    host : [nlay·k·2·N·h·P] uint8, CPU (pinned for CUDA caches), written once the event fires
-    copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write ``host``
+    hosts : list of [n_i] uint8, CPU (pinned for CUDA caches), the messages' payloads in order
+        (``sum(n_i) = nlay·k·2·N·h·P``), each written once its event fires
+    copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write the payloads
         directly, on one gather thread of the process: :func:`_cpu_gather_thread`)
         Already ordered after the writes of the blocks (it waited for the event recorded at
         publish): nothing else queued on other streams since, e.g. the next forward pass, holds
         the gather back.
     """
     hd = (heads.start, heads.stop)
+    sizes = [h.numel() for h in hosts]
+    split = sizes if len(sizes) > 1 else None
     if copy_stream is None:   # on the gather thread, so the caller's thread keeps serving its socket
-        sums = torch.empty(1, dtype=torch.int64)
-        job = _cpu_gather_thread().submit(ops.gather, caches, block_ids, out=host, checksums=sums, heads=hd)
-        return DeviceGather(None, [host.numpy()], sums, job)
+        sums = torch.empty(len(hosts), dtype=torch.int64)
+
+        def run():
+            out = hosts[0] if split is None else torch.empty(sum(sizes), dtype=torch.uint8)
+            ops.gather(caches, block_ids, out=out, checksums=sums, heads=hd, frame_nbytes=split)
+            if split is not None:
+                off = 0
+                for h, n in zip(hosts, sizes):
+                    h.copy_(out[off:off + n])
+                    off += n
+        job = _cpu_gather_thread().submit(run)
+        return [DeviceGather(None, [h.numpy()], sums[j:j + 1], job) for j, h in enumerate(hosts)]
     device = caches[0].device
+    out, off = [], 0
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
-        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        dev_sums = torch.empty(1, dtype=torch.int64, device=device)
-        ops.gather(caches, block_ids, out=dev, checksums=dev_sums, heads=hd)
-        host.copy_(dev, non_blocking=True)
-        sums = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        dev = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dev_sums = torch.empty(len(hosts), dtype=torch.int64, device=device)
+        ops.gather(caches, block_ids, out=dev, checksums=dev_sums, heads=hd, frame_nbytes=split)
+        sums = torch.empty(len(hosts), dtype=torch.int64, pin_memory=True)
         sums.copy_(dev_sums, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)   # the I/O thread sleeps in result() instead of spinning
-        event.record(copy_stream)
-    return DeviceGather(event, [host.numpy()], sums)
+        for j, (h, n) in enumerate(zip(hosts, sizes)):
+            h.copy_(dev[off:off + n], non_blocking=True)
+            off += n
+            event = torch.cuda.Event(blocking=True)   # the I/O thread sleeps in result() instead of spinning
+            event.record(copy_stream)
+            out.append(DeviceGather(event, [h.numpy()], sums[j:j + 1]))
+    return out
 
 
 class DeviceWrite:
-    """A received message queued for verify + scatter; :meth:`error` once :meth:`done`."""
+    """A received message, or a group of them staged back to back, queued for verify + scatter;
+    :meth:`error` once the device work queued with it has ended.
 
-    def __init__(self, on_device: bool, h: Header, ok: torch.Tensor, sums: torch.Tensor) -> None:
-        self.on_device, self.h, self.ok, self.sums = on_device, h, ok, sums
+    ``headers``: the message's :class:`Header`, or the group's, in staging order (their frames
+    are the verified frames, in that order); ``ok`` / ``sums``: the verdict and computed checksums
+    (host tensors, readable once the device work ended)."""
+
+    def __init__(self, on_device: bool, headers, ok: torch.Tensor, sums: torch.Tensor) -> None:
+        self.on_device, self.ok, self.sums = on_device, ok, sums
+        self.headers = [headers] if isinstance(headers, Header) else list(headers)
 
     def error(self) -> CorruptFrameError | None:
-        """The checksum mismatch of the first bad frame (nothing of the message was written), or None;
-        read once the device work queued with it has ended."""
+        """The checksum mismatch of the first bad frame (nothing of the message, or of its group,
+        was written), or None."""
         ok = self.ok.tolist()
         if ok[-1] == 0:
             return None
         i = ok.index(0)
         got = int(self.sums[i]) & _MASK
-        h = self.h
+        for h in self.headers:   # the message holding frame i, and its frame index there
+            if i < len(h.nbytes):
+                break
+            i -= len(h.nbytes)
+        where = "the GPU" if self.on_device else "the host"
+        grouped = f" (verified with {len(self.headers) - 1} other message(s) of the pull, none written)" \
+            if len(self.headers) > 1 else ""
         return CorruptFrameError(f"BLOCKS {h.tid!r} layer {h.layer} payload frame {i} checksum ({h.algorithm}, "
-                                 f"verified on {'the GPU' if self.on_device else 'the host'}): "
-                                 f"expected {h.checksums[i]:#018x}, got {got:#018x}")
+                                 f"verified on {where}): expected {h.checksums[i]:#018x}, got {got:#018x}{grouped}")
 
 
-def land_message(ops: FrameOps, h: Header, host: torch.Tensor, caches: list, block_ids: torch.Tensor,
-                 heads: range, copy_stream, *, fill: HostFill | None = None, timings: dict | None = None,
-                 aux: AuxBuffers | None = None, ready=None, current: bool = False) -> DeviceWrite:
-    """Queue the copy of one received message to the device and its verify + scatter.
+def stage_payload(host: torch.Tensor, staging: torch.Tensor, *, fill: HostFill | None = None,
+                  timings: dict | None = None) -> None:
+    """Copy one received message's payload into its place in a group's staging buffer.
 
     Parameters
     ----------
-    h : Header
-        The BLOCKS header (frame byte counts already checked against the frames received).
-    host : [sum(h.nbytes)] uint8, CPU (pinned for CUDA caches)
-        The payload back to back: received into it already (``fill`` None), or filled by ``fill``;
-        must stay untouched until the device has read it (:class:`DeviceWrite` event).
-    caches : list of packed per-layer caches ``h.layer .. h.layer + h.nlay - 1`` (written only on a match)
-    block_ids : [h.nblk] int64 on the caches' device, destination blocks of positions ``h.first ..``
-    heads : range of local heads the message carries
+    host : [n] uint8, CPU (pinned for CUDA caches)
+        The payload back to back: received into it already (``fill`` None) or filled by ``fill``;
+        untouched until the device has read it (the group's event).
+    staging : [n] uint8, on the caches' device (CPU caches: host memory)
+        The message's slice of the group's staging buffer; CUDA: the copy is queued on the
+        current stream (the landing thread's copy stream), the host-to-device copy of each
+        piece right behind its host copy (:meth:`HostFill.run`).
+    """
+    if fill is not None:
+        fill.run(staging if staging.is_cuda else None, timings)
+        if staging.is_cuda:
+            return
+    staging.copy_(host, non_blocking=staging.is_cuda)
+
+
+def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: list, block_ids: torch.Tensor,
+                 heads: range, copy_stream, *, aux: AuxBuffers | None = None, ready=None,
+                 current: bool = False) -> DeviceWrite:
+    """Queue verify + scatter of messages staged back to back in ``staging`` (one, or a group whose
+    payloads concatenate to one layer-major payload: consecutive position runs of one layer, or
+    consecutive layers of the same run); the scatter writes nothing unless every frame of every
+    message matched.
+
+    Parameters
+    ----------
+    headers : list of Header
+        The BLOCKS headers in staging order (frame byte counts already checked against the
+        frames received); their frames, in order, are the frames verified.
+    staging : [sum of every header's nbytes] uint8, on the caches' device (CPU caches: host memory)
+    caches : list of the packed per-layer caches the group covers (written only on a match)
+    block_ids : [nblk] int64 on the caches' device, destination blocks of the group's positions
+    heads : range of local heads the messages carry
     copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
-    fill : HostFill, optional
-        The copies of the payload frames into ``host`` (submitted to the copy workers when it was
-        made: the landing thread starts the next message's before it lands this one; without
-        workers run here), the host-to-device copy of what is in queued as soon as it is in
-        (:meth:`HostFill.run`).
-    timings : dict, optional
-        ``timings["copy"]`` gains the seconds spent waiting for (or running) host copies.
     aux : AuxBuffers, optional (CUDA caches)
-        Where the header's checksums go to the device from and the verdict comes back to, in one
-        copy each way (made here when None or holding fewer frames); like ``host``, untouched
-        until the device work ended and :meth:`DeviceWrite.error` was read.
+        Where the headers' checksums go to the device from and the verdict comes back to, in one
+        copy each way (made here when None or holding fewer frames); untouched until the device
+        work ended and :meth:`DeviceWrite.error` was read.
     ready : torch.cuda.Event, optional
         What the device work waits for (the pull's: work queued before it started, e.g. reads of
-        the destination blocks' old contents, and the copy of ``block_ids``); None: the work
-        queued so far on the current stream (nothing, when ``current``).
+        the destination blocks' old contents, and the copy of ``block_ids``).
     current : bool
         ``copy_stream`` is already the calling thread's current stream and ``caches``' device its
         current device (the landing thread sets both once): every torch call releases and retakes
-        the GIL, so the per-message stream switch is left out.
+        the GIL, so the per-call stream switch is left out.
     """
-    nf = len(h.nbytes)
-    hd = (heads.start, heads.stop)
+    nbytes = [n for h in headers for n in h.nbytes]
+    expected = [_signed(c) for h in headers for c in h.checksums]
+    nf, hd = len(nbytes), (heads.start, heads.stop)
     if copy_stream is None:
-        expected = torch.tensor([_signed(v) for v in h.checksums], dtype=torch.int64)
-        if fill is not None:
-            fill.run(None, timings)
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
-        ops.verify_scatter(host, expected, caches, block_ids, ok=ok, checksums=sums, heads=hd,
-                           frame_nbytes=h.nbytes)
-        return DeviceWrite(False, h, ok, sums)
+        ops.verify_scatter(staging, torch.tensor(expected, dtype=torch.int64), caches, block_ids, ok=ok,
+                           checksums=sums, heads=hd, frame_nbytes=nbytes)
+        return DeviceWrite(False, headers, ok, sums)
     device = caches[0].device
     if aux is None or aux.max_frames < nf:
         aux = AuxBuffers(nf, device)
     v = aux.views(nf)
-    aux.host_np[:nf] = [_signed(c) for c in h.checksums]
+    aux.host_np[:nf] = expected
     if ready is not None:
         copy_stream.wait_event(ready)
     elif not current:
         copy_stream.wait_stream(torch.cuda.current_stream(device))
     with contextlib.nullcontext() if current else torch.cuda.stream(copy_stream):
-        # allocated on the copy stream: reuse is ordered after these reads
         v.dev_expected.copy_(v.host_expected, non_blocking=True)
-        if fill is None:
-            staging = host.to(device, non_blocking=True)
-        else:
-            staging = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-            fill.run(staging, timings)
         ops.verify_scatter(staging, v.dev_expected, caches, block_ids, ok=v.dev_ok, checksums=v.dev_sums,
-                           heads=hd, frame_nbytes=h.nbytes)
+                           heads=hd, frame_nbytes=nbytes)
         v.host_back.copy_(v.dev_back, non_blocking=True)
-    return DeviceWrite(True, h, v.host_ok, v.host_sums)
+    return DeviceWrite(True, headers, v.host_ok, v.host_sums)
 
 
 class _AuxViews(NamedTuple):
@@ -286,7 +324,7 @@ class AuxBuffers:
 
 
 def aux_words(num_frames: int) -> int:
-    """int64 words of :func:`land_message`'s ``aux`` for a message of ``num_frames`` frames."""
+    """int64 words of :func:`verify_group`'s ``aux`` for a message of ``num_frames`` frames."""
     return 2 * num_frames + (num_frames + 2) // 2
 
 

@@ -3,51 +3,60 @@
 The I/O thread receives a ``mix64`` BLOCKS message (into a pooled pinned buffer with
 ``recv_into``, the default for CUDA caches; or zero copy: ZeroMQ's own frames), checks its header
 against the pull and hands it to the endpoint's :class:`Lander`, then goes straight back to the
-socket for the next message. The lander's launcher thread (first in first out, so
-the device work of messages stays in arrival order on the copy stream) works on each message in
-two phases, and starts the next message before it finishes this one, so the copy workers copy
-message k+1 while the launcher queues message k's device work:
+socket for the next message. The lander's launcher thread (first in first out, so the device work
+of messages stays in arrival order on the copy stream) works on each message in two phases, and
+starts the next message before it stages this one, so the copy workers copy message k+1 while
+the launcher queues message k's device copy:
 
 1. start: takes a pinned buffer from the pool and submits the copies of the frames into it, in
    pieces of ``piece_bytes``, to the endpoint's copy workers (NumPy copies, which release the
    GIL; one piece each). Before that, while ``max_inflight`` messages hold pinned buffers
-   (started, or landed and still read by the device), it finishes the started ones and then
-   waits for the device to end the oldest (its buffer is back in the pool then), so a buffer is
-   never refilled before the device copy that reads it ended, and never more than
-   ``max_inflight`` are held;
-2. finish (once ``lookahead`` later messages are started, or none is waiting): waits for the
-   pieces in order, queuing the host-to-device copy of the pieces in on the copy stream as soon
-   as they are in, so the DMA of one piece overlaps the host copy of the next, and the pieces
-   copied while an earlier message was landed go in one copy (a payload already in pinned
-   memory, received into the pool or written by NIXL, is only copied to the device); then queues
-   verify + scatter (:func:`kvconnector.device_frames.land_message`: the scatter writes nothing
-   unless every frame matched) and records a blocking event.
+   (started, staged, or verified and still read by the device), it stages the started ones,
+   queues the open group's verify + scatter, and waits for the device to end the oldest group
+   (its buffers are back in the pool then), so a buffer is never refilled before the device copy
+   that reads it ended, and never more than ``max_inflight`` are held;
+2. stage (once ``lookahead`` later messages are started, or none is waiting): queues the copy of
+   the message into the open group's device staging buffer (a payload already in pinned memory,
+   received into the pool or written by NIXL, in one copy; otherwise piece by piece right behind
+   the workers' host copies, :func:`kvconnector.device_frames.stage_payload`).
 
-Without copy workers the launcher copies the pieces itself in the finish phase, right after the
+A group is the messages of one pull staged back to back whose payloads concatenate to one
+layer-major payload (consecutive position runs of one layer, or consecutive layers of one run),
+up to ``group_bytes`` and ``AUX_FRAMES`` frames. It is closed, its verify + scatter queued
+(:func:`kvconnector.device_frames.verify_group`: the scatter writes nothing unless every frame of
+the group matched) and a blocking event recorded, as soon as no further message is waiting, the
+next one does not extend it, or it is full. So a landing thread that keeps up verifies each
+message alone, and one that falls behind (small messages arriving faster than a verify +
+scatter launches: three Triton launches, ~0.1 ms of host time) verifies what piled up in one
+pass, paying the launches once for the group instead of once a message.
+
+Without copy workers the launcher copies the pieces itself in the stage phase, right after the
 start: there is nothing to overlap.
 
 Every torch call releases and retakes the GIL, a hand-off that waits on the process's other
 Python threads (the I/O thread, the watcher, copy workers), so the launcher makes few per
 message: it makes the copy stream its current stream and the caches' device its current device
 once, reuses pooled checksum buffers whose views were made once (:class:`AuxBuffers`), and makes
-the copy stream wait for a pull's start event once, not once per message.
+the copy stream wait for a pull's start event once, not once per group.
 
-Its watcher thread sleeps on the oldest queued message's event (the thread sleeps, it does not
-spin) and, once the device has ended it, completes it and every later message already ended:
-their pinned buffers go back to the pool, then one ``report`` hands them to the I/O thread,
-which marks the blocks landed, or fails the pull with the :class:`CorruptFrameError` of the
-first mismatching frame. So the last message of a pull is reported as soon as the device has
-written it, and the launcher never waits on an event unless it needs a buffer back.
+Its watcher thread sleeps on the oldest queued group's event (the thread sleeps, it does not
+spin) and, once the device has ended it, completes it and every later group already ended:
+their pinned buffers go back to the pool, then one ``report`` hands their messages to the I/O
+thread, which marks the blocks landed, or fails the pull with the :class:`CorruptFrameError` of
+the first mismatching frame (every message of that group reports it: none was written). So the
+last message of a pull is reported as soon as the device has written it, and the launcher never
+waits on an event unless it needs a buffer back.
 
 A message of a pull that is no longer pending (failed, aborted) is dropped before its copy, or,
-once started, before its device work (its buffer goes back once the workers' copies into it
-ended). A message whose landing fails fails its pull with that error, nothing of it written.
-:meth:`Lander.close` lands what is queued and started first. Every message carries a future in
-its pull's ``jobs``, set once the lander is done with it (written, failed or dropped), which
-:meth:`DecodeEndpoint._fail` waits for (bounded) before it reports blocks.
+once staged, its group's verify + scatter is not queued (its buffers go back once the device copies
+that read them ended). A message whose landing fails fails its pull with that error, nothing of
+its group written. :meth:`Lander.close` lands what is queued and started first. Every message
+carries a future in its pull's ``jobs``, set once the lander is done with it (written, failed or
+dropped), which :meth:`DecodeEndpoint._fail` waits for (bounded) before it reports blocks.
 
-On CPU caches there is no stream: the kernels run in the call, and no event is recorded
-(``_record`` is the seam tests replace with fake events to drive the in-flight logic on CPU).
+On CPU caches there is no stream: the group's staging buffer is host memory, the kernels run in
+the call, and no event is recorded (``_record`` is the seam tests replace with fake events to
+drive the in-flight logic on CPU).
 """
 
 from __future__ import annotations
@@ -62,16 +71,17 @@ from typing import Callable
 
 import torch
 
-from .device_frames import AuxBuffers, HostFill, land_message
+from .device_frames import AuxBuffers, HostFill, stage_payload, verify_group
 from .trace import Trace
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
 MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
-MAX_INFLIGHT = 4          # messages holding pinned buffers (copies started, or the device may still be reading
+MAX_INFLIGHT = 8          # messages holding pinned buffers (copies started, or the device may still be reading
 #                           them) before the lander waits
-LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher lands an earlier one
-AUX_FRAMES = 16           # frames per message the pooled checksum/verdict buffers hold (more: one made per message)
+LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
+GROUP_BYTES = 8 << 20     # a group's device staging buffer: messages verified + scattered in one pass (module doc)
+AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
 
 
 def _record(stream):
@@ -89,26 +99,68 @@ class LandJob:
 
     ``frames``: the payload frames (ZeroMQ frames or buffers) to copy into a pooled pinned buffer,
     or None when ``host`` ([sum(h.nbytes)] uint8, pinned for CUDA caches) already holds the payload;
-    ``owned``: ``host`` came from the pool and goes back to it once the device has read it.
+    ``owned``: ``host`` came from the pool and goes back to it once the device has read it;
+    ``caches`` / ``ids``: the message's layers and destination blocks; ``layers`` / ``pull_ids``
+    (optional): every layer of the endpoint and the pull's destination blocks (``[n]`` int64, the
+    tensor ``ids`` is a slice of), which let it share a group with the pull's next messages.
     """
 
-    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "write", "event", "aux",
-                 "ready", "fill", "queued_at")
+    __slots__ = ("p", "h", "frames", "host", "owned", "caches", "ids", "heads", "future", "fill", "queued_at",
+                 "ready", "layers", "pull_ids")
 
-    def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range) -> None:
+    def __init__(self, p, h, frames, host, owned: bool, caches: list, ids: torch.Tensor, heads: range, *,
+                 layers: list | None = None, pull_ids: torch.Tensor | None = None) -> None:
         self.p, self.h, self.frames, self.host, self.owned = p, h, frames, host, owned
         self.caches, self.ids, self.heads = caches, ids, heads
+        self.layers, self.pull_ids = layers, pull_ids
         self.future: Future = Future()
-        self.write = self.event = self.aux = self.fill = None
+        self.fill = None
         self.queued_at = 0.0     # perf_counter when its device work was queued (the trace's "device" span)
         self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
 
 
+class _Group:
+    """Messages of one pull staged back to back in one device buffer, verified + scattered in one
+    pass: positions ``first .. first + nblk`` of layers ``layer .. layer + nlay`` (layer-major)."""
+
+    __slots__ = ("jobs", "staging", "used", "frames", "layer", "nlay", "first", "nblk", "aux", "write", "event",
+                 "live")
+
+    def __init__(self, job: LandJob, staging: torch.Tensor) -> None:
+        h = job.h
+        self.jobs, self.staging, self.used, self.frames = [], staging, 0, 0
+        self.layer, self.nlay, self.first, self.nblk = h.layer, h.nlay, h.first, h.nblk
+        self.aux = self.write = self.event = None
+        self.live = True      # False: the pull died before the verify + scatter was queued (none queued)
+
+    def extends(self, job: LandJob) -> bool:
+        """Whether ``job`` continues this group's payload (same pull and heads, room left)."""
+        h, j0 = job.h, self.jobs[0]
+        if job.p is not j0.p or job.pull_ids is None or job.heads != j0.heads:
+            return False
+        if self.frames + len(h.nbytes) > AUX_FRAMES or self.used + sum(h.nbytes) > self.staging.numel():
+            return False
+        if self.nlay == 1 and h.nlay == 1 and h.layer == self.layer and h.first == self.first + self.nblk:
+            return True     # the next run of positions of the same layer
+        return h.first == self.first and h.nblk == self.nblk and h.layer == self.layer + self.nlay   # next layers
+
+    def add(self, job: LandJob) -> None:
+        h = job.h
+        if self.jobs:
+            if h.layer == self.layer:
+                self.nblk += h.nblk
+            else:
+                self.nlay += h.nlay
+        self.jobs.append(job)
+        self.used += sum(h.nbytes)
+        self.frames += len(h.nbytes)
+
+
 class Lander:
-    """The landing threads of one decode endpoint (module doc): a launcher that copies and queues
-    messages, and a watcher that sleeps on the oldest queued message's event and completes
-    messages as the device ends them (so the launcher is never held up by an event unless a
-    pinned buffer must be reused).
+    """The landing threads of one decode endpoint (module doc): a launcher that copies, stages and
+    queues messages in groups, and a watcher that sleeps on the oldest queued group's event and
+    completes groups as the device ends them (so the launcher is never held up by an event unless
+    a pinned buffer must be reused).
 
     Parameters
     ----------
@@ -124,36 +176,42 @@ class Lander:
         ``piece_bytes`` and at least ``MIN_PIECE_BYTES`` each, so all of them copy at once); None:
         the launcher copies them (and ``lookahead`` is 0).
     max_inflight : int
-        Messages that may hold pinned buffers at once: started, or landed and not yet ended.
+        Messages that may hold pinned buffers at once: started, staged, or verified and not yet ended.
     lookahead : int
-        Messages started (buffers taken, copies submitted) beyond the one being landed.
+        Messages started (buffers taken, copies submitted) beyond the one being staged.
+    group_bytes : int
+        Device staging bytes of a group (0: every message verified alone).
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
-        frame did not match, nothing written; other: the landing failed).
+        frame of its group did not match, nothing of the group written; other: the landing failed).
     alive : callable(LandJob) -> bool
         False when the message's pull is no longer pending (the message is dropped unwritten).
     trace : Trace, optional
         The endpoint's :class:`~kvconnector.trace.Trace`: ``land_start``, ``land`` and ``device``
-        spans per message while it is enabled (:mod:`kvconnector.trace`).
+        spans per message and a ``verify`` span per group (named by its first message, with its
+        ``messages``) while it is enabled (:mod:`kvconnector.trace`).
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
                  piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0, lookahead: int = LOOKAHEAD,
-                 name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
+                 group_bytes: int = GROUP_BYTES, name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
         self.trace = trace
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
+        self.group_bytes = max(0, group_bytes)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
         # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
         # messages (wall time; "launch_cpu" the CPU time this thread used in it, so the difference is
         # time spent blocked: on host copies, the GIL, driver locks), "copy" the part of "launch"
-        # spent waiting for (or running) host copies
-        self.stage_s = {"copy": 0.0, "launch": 0.0, "launch_cpu": 0.0, "wait": 0.0, "messages": 0}
+        # spent waiting for (or running) host copies; "groups" the verify + scatter passes queued
+        self.stage_s = {"copy": 0.0, "launch": 0.0, "launch_cpu": 0.0, "wait": 0.0, "messages": 0, "groups": 0}
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._started: deque = deque()     # host copies submitted, device work not queued yet (launcher only)
-        self._inflight: deque = deque()    # launched, not yet completed; appended by the launcher only,
-        self._cv = threading.Condition()   # popped by the watcher only
+        self._started: deque = deque()     # host copies submitted, not staged yet (launcher only)
+        self._group: _Group | None = None  # staged, verify + scatter not queued yet (launcher only)
+        self._inflight: deque = deque()    # groups queued, not yet completed; appended by the launcher only,
+        self._held = 0                     # popped by the watcher only; _held: their messages
+        self._cv = threading.Condition()
         self._closing = False
         self._aux_free: list = []          # AuxBuffers of AUX_FRAMES frames (CUDA caches)
         self._waited = None                # the last pull event the copy stream was made to wait for
@@ -177,20 +235,23 @@ class Lander:
 
     # ---- launcher thread -------------------------------------------------------------
     def _launcher(self) -> None:
-        if self.stream is not None:   # once for this thread: no stream switch per message (land_message current)
+        if self.stream is not None:   # once for this thread: no stream switch per message (verify_group current)
             torch.cuda.set_device(self.stream.device)
             torch.cuda.set_stream(self.stream)
         started = self._started
         while True:
-            try:   # with messages started, land the oldest rather than wait for a new one
-                job = self._q.get_nowait() if started else self._q.get(timeout=1.0)
+            try:   # with messages started or staged, go on with them rather than wait for a new one
+                job = self._q.get_nowait() if started or self._group else self._q.get(timeout=1.0)
             except queue.Empty:
                 if started:
-                    self._finish(started.popleft())
+                    self._stage(started.popleft())
+                else:
+                    self._close_group()    # nothing more waiting: verify what is staged
                 continue
             if job is None:
                 while started:
-                    self._finish(started.popleft())
+                    self._stage(started.popleft())
+                self._close_group()
                 return
             try:
                 if not self.alive(job):
@@ -203,24 +264,26 @@ class Lander:
                 continue
             started.append(job)
             while len(started) > self.lookahead:
-                self._finish(started.popleft())
+                self._stage(started.popleft())
 
     def _make_room(self) -> None:
-        """Return once fewer than ``max_inflight`` messages hold pinned buffers: land started
-        messages (their buffers are then the device's only), then wait for the device to end the
-        oldest landed one."""
-        while self._started and len(self._inflight) + len(self._started) >= self.max_inflight:
-            self._finish(self._started.popleft())
+        """Return once fewer than ``max_inflight`` messages hold pinned buffers: stage the started
+        messages and queue the open group's verify + scatter (their buffers are then the device's
+        only), then wait for the device to end the oldest group."""
+        if len(self._started) + (len(self._group.jobs) if self._group else 0) + self._held >= self.max_inflight:
+            while self._started:
+                self._stage(self._started.popleft())
+            self._close_group()
         t0 = time.perf_counter()
-        with self._cv:   # only the watcher shrinks _inflight: the bound holds once this wait is over
-            while len(self._inflight) >= self.max_inflight:
+        with self._cv:   # only the watcher shrinks _held: the bound holds once this wait is over
+            while self._held >= self.max_inflight:
                 self._cv.wait(1.0)
         self.stage_s["wait"] += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def _launch_time(self, step: str, job: LandJob):
+    def _launch_time(self, step: str, job: LandJob, **args):
         """Add the wall and CPU seconds of the block to ``stage_s`` "launch" and "launch_cpu"; a
-        ``step`` span of ``job`` in the trace."""
+        ``step`` span of ``job`` (and ``args``) in the trace."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
@@ -228,42 +291,42 @@ class Lander:
             t1 = time.perf_counter()
             self.stage_s["launch"] += t1 - t0
             self.stage_s["launch_cpu"] += time.thread_time() - c0
-            job.queued_at = t1
             if self.trace is not None and self.trace.enabled:
-                self.trace.span(step, t0, t1, tid=job.h.tid, seq=job.h.seq)
+                self.trace.span(step, t0, t1, tid=job.h.tid, seq=job.h.seq, **args)
 
     def _start(self, job: LandJob) -> None:
-        """Take the message's pinned buffers and submit its host copies to the copy workers."""
+        """Take the message's pinned buffer and submit its host copies to the copy workers."""
         with self._launch_time("land_start", job):
             total = sum(job.h.nbytes)
             if job.host is None:
                 job.host, job.owned = self.pool.acquire(total), True
-            if self.stream is not None and len(job.h.nbytes) <= AUX_FRAMES:
-                try:
-                    job.aux = self._aux_free.pop()
-                except IndexError:
-                    job.aux = AuxBuffers(AUX_FRAMES, self.stream.device)
             if job.frames is not None:
                 piece = self.piece_bytes
                 if self.executor is not None and self.workers > 1:   # one piece per worker: the whole message at once
                     piece = min(piece, max(MIN_PIECE_BYTES, -(-total // self.workers)))
                 job.fill = HostFill(job.host, job.frames, job.h.nbytes, piece, self.executor)
 
-    def _finish(self, job: LandJob) -> None:
-        """Wait for the message's host copies, queue its device copies, verify + scatter and event;
-        hand it to the watcher (or drop it: its pull died meanwhile; or fail it)."""
+    def _stage(self, job: LandJob) -> None:
+        """Queue the message's copy into the open group's staging buffer (closing that group
+        first when the message does not extend it); drop it if its pull died meanwhile, fail it
+        (alone) if staging fails."""
+        if not self.alive(job):
+            self._close_group()   # before _drop, which may wait for this message's copies
+            self._drop(job)
+            return
+        g = self._group
+        if g is not None and not g.extends(job):
+            self._close_group()
+            g = None
+        total = sum(job.h.nbytes)
         try:
-            if not self.alive(job):
-                self._drop(job)
-                return
             with self._launch_time("land", job):
                 try:
-                    ready = job.ready if job.ready is not self._waited else None   # the stream waited already
-                    job.write = land_message(self.ops, job.h, job.host, job.caches, job.ids, job.heads,
-                                             self.stream, fill=job.fill, timings=self.stage_s, aux=job.aux,
-                                             ready=ready, current=True)
-                    self._waited = job.ready
-                    job.event = _record(self.stream)
+                    if g is None:
+                        size = max(total, self.group_bytes if job.pull_ids is not None else 0)
+                        device = "cpu" if self.stream is None else self.stream.device
+                        g = _Group(job, torch.empty(size, dtype=torch.uint8, device=device))   # on the copy stream
+                    stage_payload(job.host, g.staging[g.used:g.used + total], fill=job.fill, timings=self.stage_s)
                 except BaseException:
                     if self.stream is not None:
                         self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
@@ -274,8 +337,52 @@ class Lander:
             self._fail(job, e)
             return
         job.frames = job.fill = None    # ZeroMQ's buffers go back now
+        g.add(job)
+        self._group = g
+
+    def _close_group(self) -> None:
+        """Queue the open group's verify + scatter and its event and hand it to the watcher (its
+        pull died meanwhile: only the event, its messages are dropped once the copies ended)."""
+        g, self._group = self._group, None
+        if g is None:
+            return
+        j0 = g.jobs[0]
+        g.live = all(self.alive(j) for j in g.jobs)
+        try:
+            with self._launch_time("verify", j0, messages=len(g.jobs)):
+                try:
+                    if g.live:
+                        if self.stream is not None:
+                            try:
+                                g.aux = self._aux_free.pop() if g.frames <= AUX_FRAMES else None
+                            except IndexError:
+                                g.aux = AuxBuffers(AUX_FRAMES, self.stream.device)
+                        if len(g.jobs) == 1:
+                            caches, ids = j0.caches, j0.ids
+                        else:
+                            caches = j0.layers[g.layer:g.layer + g.nlay]
+                            ids = j0.pull_ids[g.first:g.first + g.nblk]
+                        ready = j0.ready if j0.ready is not self._waited else None   # the stream waited already
+                        g.write = verify_group(self.ops, [j.h for j in g.jobs], g.staging[:g.used], caches, ids,
+                                               j0.heads, self.stream, aux=g.aux, ready=ready, current=True)
+                        self._waited = j0.ready
+                        self.stage_s["groups"] += 1
+                    g.event = _record(self.stream)
+                except BaseException:
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                    raise
+        except Exception as e:
+            self._release_aux(g)
+            for j in g.jobs:
+                self._fail(j, e)
+            return
+        now = time.perf_counter()
+        for j in g.jobs:
+            j.queued_at = now
         with self._cv:
-            self._inflight.append(job)
+            self._inflight.append(g)
+            self._held += len(g.jobs)
             self._cv.notify_all()
 
     # ---- watcher thread --------------------------------------------------------------
@@ -291,38 +398,48 @@ class Lander:
             try:
                 if oldest.event is not None:
                     oldest.event.synchronize()   # blocking event: this thread sleeps
-            except Exception as e:   # a device error: this message fails its pull
+            except Exception as e:   # a device error: this group fails its pull
                 err = e
-            with self._cv:   # the oldest and every later message the device has ended too
+            with self._cv:   # the oldest and every later group the device has ended too
                 done = [oldest]
-                for job in list(self._inflight)[1:]:
+                for g in list(self._inflight)[1:]:
                     try:
-                        if job.event is not None and not job.event.query():
+                        if g.event is not None and not g.event.query():
                             break
                     except Exception:   # its error surfaces when it is the oldest (synchronize)
                         break
-                    done.append(job)
+                    done.append(g)
             out = []
             if self.trace is not None and self.trace.enabled:
                 now = time.perf_counter()
-                for job in done:
-                    self.trace.span("device", job.queued_at, now, tid=job.h.tid, seq=job.h.seq)
-            for job in done:
-                e = err if job is oldest else None
-                if e is None:
+                for g in done:
+                    for job in g.jobs:
+                        self.trace.span("device", job.queued_at, now, tid=job.h.tid, seq=job.h.seq)
+            for g in done:
+                e = err if g is oldest else None
+                if e is None and g.live:
                     try:
-                        e = job.write.error()
+                        e = g.write.error()
                     except Exception as x:
                         e = x
-                dropped = self._drop(job)    # buffer back to the pool before the launcher may need it
-                out.append((job, e if e is not None else dropped))
+                self._release_aux(g)
+                for job in g.jobs:     # buffers back to the pool before the launcher may need them
+                    dropped = self._drop(job)
+                    if g.live or dropped is not None:
+                        out.append((job, e if e is not None else dropped))
             with self._cv:
-                for _ in done:
+                for g in done:
                     self._inflight.popleft()
+                    self._held -= len(g.jobs)
                 self._cv.notify_all()
             self._send(out)
 
     # ---- either thread ---------------------------------------------------------------
+    def _release_aux(self, g: _Group) -> None:
+        if g.aux is not None:
+            aux, g.aux = g.aux, None
+            self._aux_free.append(aux)
+
     def _drop(self, job: LandJob) -> Exception | None:
         """The device no longer reads this message's buffers: once no copy worker writes them
         either, hand them back and settle its future. Returns what handing the buffer back raised,
@@ -332,9 +449,6 @@ class Lander:
             fill.wait()
         job.frames = None
         err = None
-        if job.aux is not None:
-            aux, job.aux = job.aux, None
-            self._aux_free.append(aux)
         if job.owned and job.host is not None:
             host, job.host = job.host, None
             try:

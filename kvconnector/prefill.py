@@ -267,7 +267,8 @@ class PrefillEndpoint:
         """Seconds the I/O thread spent so far per stage of sending (``bench.transfer --threads``):
         ``stage`` (queue gathers and device-to-host copies, or gather and hash on the host),
         ``copy_wait`` (wait for a message's bytes to be in host memory; CPU caches without staging
-        threads: gather and hash them), ``send`` (hand it to ZeroMQ); ``sent`` counts the messages."""
+        threads: gather and hash them), ``send`` (hand it to ZeroMQ); ``sent`` counts the messages,
+        ``gathers`` (device kernels) the gather launches that staged them (one a group)."""
         return dict(self._stage_s)
 
     def close(self) -> None:

@@ -19,16 +19,21 @@ A gathered frame is built and hashed piece by piece (``HASH_PIECE_BYTES``, sized
 the core's L2 cache): each piece is copied, then fed to a streaming xxh3_64 while it is still
 hot, so the checksum costs a cache read instead of a second pass over memory.
 
-With ``mix64`` negotiated and the device kernels given (``frame_ops``), a chunk is instead
-gathered and checksummed by one kernel and copied to pinned memory on the copy stream
-(:mod:`kvconnector.device_frames`); the host never reads the payload.
+With ``mix64`` negotiated and the device kernels given (``frame_ops``), chunks are instead
+gathered and checksummed on the GPU in groups: one kernel launch covers consecutive messages
+that continue one layer-major payload (the next runs of positions of one layer, or the next
+layers of one run; up to ``GROUP_BYTES``), each message then copied to its own pinned buffer on
+the copy stream (:func:`kvconnector.device_frames.gather_messages`); the host never reads the
+payload, and the two Triton launches a gather costs (~20-35 µs each from Python) are paid once a
+group, so messages can be small (the decode side then copies one to the GPU while the next is on
+the wire) without the host work per message outgrowing the wire time.
 
 Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
 the first message of a pull leaves as soon as its own copy has landed, with nothing staged
-behind it, since the socket is idle until then; later staging stops once the oldest chunk has
-landed in host memory, so a message leaves after one or two launches, not ``ahead``; the
-prefill endpoint may have staged the first message at publish already, :meth:`Stream.prestage`).
+behind it, since the socket is idle until then; later the next group is gathered once no more
+than one group's messages are left staged; the prefill endpoint may have staged the first
+message at publish already, :meth:`Stream.prestage`).
 When a layer takes several messages, their runs of positions are of nearly equal size (no small
 tail message that pays a message's fixed work for a few blocks). On hosts with spare cores (see
 :func:`stage_threads`) the staging runs on a small shared thread pool (numpy copies and xxh3
@@ -48,7 +53,7 @@ import torch
 
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
-from .device_frames import gather_message
+from .device_frames import gather_messages
 from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header
 from .trace import Trace
 
@@ -56,6 +61,7 @@ from .trace import Trace
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
 HASH_PIECE_BYTES = 512 << 10  # gather + hash in pieces this big (hot in L2), see module doc
 PACK_BYTES = 4 << 20         # whole layers smaller than this share a message (up to this size)
+GROUP_BYTES = 8 << 20        # device kernels: consecutive messages gathered + checksummed by one launch (module doc)
 INFLIGHT_BYTES = 24 << 20     # gathered bytes per stream queued in ZeroMQ before staging waits
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -228,8 +234,10 @@ class Stream:
         # chunks staged ahead: one per staging thread (a CUDA chunk's device copies are queued by the
         # thread that prepares it, so without threads nothing is gained by staging ahead)
         self.ahead = 1 + (stage_threads() if self._executor else 0)
-        if frame_ops is not None:   # queued device work: keep later chunks gathering while one is sent
-            self.ahead = max(self.ahead, 4)
+        if frame_ops is not None:   # queued device work: keep the next group gathering while one is sent
+            per_msg = self.layers_per_msg * min(self.chunk_blocks, n) * per_block
+            self._refill = max(1, GROUP_BYTES // max(1, per_msg))    # messages a group holds
+            self.ahead = max(self.ahead, 4, 2 * self._refill)
         self._retry = None
         self.last_payload_bytes = 0
         self._chunks: dict = {}          # first position -> chunk plan (see _chunk)
@@ -379,15 +387,45 @@ class Stream:
         self._hook("checksum")
         return frames, [checksum(f, self.algorithm) for f in frames]
 
-    def _stage(self) -> None:
+    def _group(self, head: tuple, limit: int | None) -> tuple[list, tuple]:
+        """``head`` (layer, nlay, first, count), the message popped from the plan, and the planned
+        messages after it that one gather can stage with it: they continue one layer-major payload
+        (the next runs of positions of the same single layer, or the next layers of the same run),
+        their layers are written, and the group stays within ``GROUP_BYTES`` (and ``limit``
+        messages). Returns the group's messages and the (layer, nlay, first, count) it covers."""
+        group, n = [head], len(self.block_ids)
+        g_layer, g_nlay, g_first, g_nblk = head
+        size = g_nlay * slice_bytes(self.geo, g_nblk, self.local_heads)
+        while self._plan and (limit is None or len(group) < limit):
+            la, nl, f = self._plan[0]
+            k = min(self.chunk_blocks, n - f)
+            more = nl * slice_bytes(self.geo, k, self.local_heads)
+            if size + more > GROUP_BYTES or not self._layer_ready():
+                break
+            if g_nlay == 1 and nl == 1 and la == g_layer and f == g_first + g_nblk:
+                g_nblk += k      # the next run of the same layer
+            elif f == g_first and k == g_nblk and la == g_layer + g_nlay:
+                g_nlay += nl     # the next layers of the same run
+            else:
+                break
+            self._plan.popleft()
+            group.append((la, nl, f, k))
+            size += more
+        return group, (g_layer, g_nlay, g_first, g_nblk)
+
+    def _stage(self, limit: int | None = None) -> None:
         layer, nlay, first = self._plan.popleft()
         k = min(self.chunk_blocks, len(self.block_ids) - first)
         if self.frame_ops is not None:   # gather + mix64 on the device, queued (device_frames)
             self._hook("gather")
-            buf = self.pool.acquire(nlay * slice_bytes(self.geo, k, self.local_heads), pin=self.copy_stream is not None)
-            job = gather_message(self.frame_ops, self.caches[layer:layer + nlay], self._ids_dev[first:first + k],
-                                 self.local_heads, buf, self.copy_stream)
-            self._staged.append((layer, nlay, first, k, job, buf, None))
+            group, (g_layer, g_nlay, g_first, g_nblk) = self._group((layer, nlay, first, k), limit)
+            pin = self.copy_stream is not None
+            bufs = [self.pool.acquire(nl * slice_bytes(self.geo, kk, self.local_heads), pin=pin) for _, nl, _, kk in group]
+            jobs = gather_messages(self.frame_ops, self.caches[g_layer:g_layer + g_nlay],
+                                   self._ids_dev[g_first:g_first + g_nblk], self.local_heads, bufs, self.copy_stream)
+            for (la, nl, f, kk), job, buf in zip(group, jobs, bufs):
+                self._staged.append((la, nl, f, kk, job, buf, None))
+            self._timings["gathers"] = self._timings.get("gathers", 0) + 1
             return
         if self.copy_stream is None:
             frames, gather = self._cpu_payload(layer, nlay, first)
@@ -408,7 +446,7 @@ class Stream:
         if self._staged or self._seq or not self._plan or not self._layer_ready():
             return 0
         t0 = time.perf_counter()
-        self._stage()
+        self._stage(limit=1)
         if self._trace is not None and self._trace.enabled:
             self._trace.span("prestage", t0, time.perf_counter(), tid=self.tid, seq=0)
         buf = self._staged[0][5]
@@ -429,8 +467,8 @@ class Stream:
             return None
         t0 = time.perf_counter()
         while len(self._staged) < self.ahead and self._plan and self._may_stage() and self._layer_ready():
-            if self.frame_ops is not None and self._staged and (self._seq == 0 or self._staged[0][4].done()):
-                break       # the first chunk, or the oldest in host memory: send it before queuing more
+            if self.frame_ops is not None and self._staged and (self._seq == 0 or len(self._staged) > self._refill):
+                break       # the first message: send it first; later, a group ahead of the one being sent
             self._stage()   # keep later chunks staging
         t1 = time.perf_counter()
         self._timings["stage"] = self._timings.get("stage", 0.0) + t1 - t0

@@ -9,8 +9,9 @@ threads that handle a transfer record one span per message and step:
 - decode: ``request`` (from :meth:`~kvconnector.DecodeEndpoint.pull` to its PULL handed to
   ZeroMQ), ``receive`` (taking a whole message off the socket, the copy into pinned memory
   included with ``recv_into``), ``handle`` (checks, hand-off to the landing thread or the host
-  write), ``land_start`` / ``land`` (the landing thread: host copies submitted; device copy,
-  verify and scatter queued), ``device`` (from queued to seen done by the watcher thread),
+  write), ``land_start`` / ``land`` (the landing thread: host copies submitted; device copy
+  queued), ``verify`` (one per verify + scatter pass, named by its first message, with the
+  ``messages`` it covers), ``device`` (from its pass queued to seen done by the watcher thread),
   ``pull`` (a whole pull, from :meth:`~kvconnector.DecodeEndpoint.pull` to its last block landed).
 
 Times are ``time.perf_counter()`` seconds, which on Linux is ``CLOCK_MONOTONIC``: spans of two

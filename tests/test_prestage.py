@@ -1,7 +1,7 @@
 """Staging at publish: with the device kernels (``frame_ops``) and ``mix64`` offered, the prefill
 endpoint stages each published transfer's first message (gather + checksum, copy to pinned
 memory) before any pull asks for it, within ``prestage_bytes``; a pull of every head in ``mix64``
-sends that message and stages the rest as usual, byte-exact, with no message staged twice. A
+sends that message and stages the rest as usual, byte-exact, with no message gathered twice. A
 prestaged message that no pull takes (another head range, xxh3_64 peer, lease released or
 expired) is dropped and its bytes counted back; the lease still ends only once nothing reads its
 blocks. The default is on for CUDA caches and off for CPU caches, whose kernels would run on
@@ -29,14 +29,18 @@ SRC, DST = [7, 2, 5, 0], [1, 6, 3, 4]
 
 
 class Gathers:
-    """A fault hook that raises nothing: counts the ``gather`` stages (one per staged message)."""
+    """The kernels, counting the messages gathered (one checksum each; a gather launch may cover
+    several consecutive messages)."""
 
     def __init__(self) -> None:
         self.n = 0
 
-    def __call__(self, stage: str) -> None:
-        if stage == "gather":
-            self.n += 1
+    def gather(self, caches, block_ids, *, checksums, **kw) -> None:
+        self.n += checksums.numel()
+        FRAME_OPS.gather(caches, block_ids, checksums=checksums, **kw)
+
+    def warmup(self, device) -> None:
+        FRAME_OPS.warmup(device)
 
 
 def _rig(device, chunk_bytes, **pre_kw):
@@ -46,9 +50,9 @@ def _rig(device, chunk_bytes, **pre_kw):
     src = [c.to(device) for c in filled_caches(desc, 0)]
     dst = [c.to(device) for c in filled_caches(desc, 1)]
     released = []
-    pre = PrefillEndpoint(src, desc, chunk_bytes=chunk_bytes, frame_ops=FRAME_OPS,
+    hook = Gathers()
+    pre = PrefillEndpoint(src, desc, chunk_bytes=chunk_bytes, frame_ops=hook,
                           on_release=lambda t, ids, why: released.append((t, why)), **pre_kw)
-    hook = pre._fault_hook = Gathers()
     return desc, src, dst, pre, hook, released
 
 
@@ -74,7 +78,7 @@ def test_first_message_staged_at_publish(device, chunk):
         _exact(src, dst, device)
         sent = pre.stage_times()["sent"]
         assert sent == (1 if chunk > 1 else desc.num_layers * len(SRC))
-        assert hook.n == sent                           # no message staged twice
+        assert hook.n == sent                           # no message gathered twice
         assert pre.stats()["prestaged_bytes"] == 0
         spans = pre.trace.take()
         pre_t = [t0 for name, _, t0, _, a in spans if name == "prestage" and a["tid"] == "t"]
@@ -108,9 +112,9 @@ def test_prestage_default_follows_the_caches(device):
     """On by default for CUDA caches (staging queues device work), off for CPU caches (the kernels
     would run on the I/O thread at publish, holding up handshakes and other pulls meanwhile)."""
     desc = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=8)
-    with PrefillEndpoint([c.to(device) for c in filled_caches(desc, 0)], desc, frame_ops=FRAME_OPS) as pre:
+    hook = Gathers()
+    with PrefillEndpoint([c.to(device) for c in filled_caches(desc, 0)], desc, frame_ops=hook) as pre:
         assert pre.prestage_bytes == (PRESTAGE_BYTES if device == "cuda" else 0)
-        hook = pre._fault_hook = Gathers()
         pre.publish("t", SRC)
         assert until(lambda: hook.n > 0, 1.0) == (device == "cuda")
 

@@ -2,9 +2,9 @@
 
 Covers: with tracing on at both ends of a ``mix64`` pull (the device path's threads, here with
 the plain-PyTorch frame ops on CPU caches), every message has its prefill spans (stage,
-copy_wait, send) and its decode spans (receive, land_start, land, device) in causal order on
-the shared clock, and the pull one span of its bytes; the Chrome trace file holds every span
-with its thread named; tracing off records nothing; the trace keeps only the newest spans.
+copy_wait, send) and its decode spans (receive, land_start, land, the verify pass that covered
+it, device) in causal order on the shared clock, and the pull one span of its bytes; the Chrome
+trace file holds every span with its thread named; tracing off records nothing; the trace keeps only the newest spans.
 
 Run: python -m pytest tests/test_trace.py -q
 """
@@ -52,11 +52,15 @@ def test_a_traced_pull_has_every_message_in_causal_order(tmp_path):
     keys = {("t", seq) for seq in range(n)}
     stage, wait, send = _by(sent, "stage"), _by(sent, "copy_wait"), _by(sent, "send")
     start, land, device = _by(got, "land_start"), _by(got, "land"), _by(got, "device")
+    verify = {(a["tid"], a["seq"]): (t0, t1, a["messages"]) for name, _, t0, t1, a in got if name == "verify"}
     for spans in (stage, wait, send, start, land, device):
         assert set(spans) == keys
+    assert set(verify) <= keys and sum(m for _, _, m in verify.values()) == n    # one span per verify pass
     for k in keys:
         assert stage[k][1] <= wait[k][0] <= wait[k][1] <= send[k][0] <= send[k][1]
-        assert send[k][0] <= start[k][0] <= start[k][1] <= land[k][0] <= land[k][1] == device[k][0] <= device[k][1]
+        assert send[k][0] <= start[k][0] <= start[k][1] <= land[k][0] <= land[k][1] <= device[k][0] <= device[k][1]
+        first = max(v for v in verify if v[1] <= k[1])     # the pass that covered message k
+        assert land[k][1] <= verify[first][0] <= verify[first][1] <= device[k][0]
     payload = [a["bytes"] for name, _, _, _, a in got if name == "receive" and a["bytes"]]
     assert len(payload) == n and sum(payload) == res.nbytes == sum(a["bytes"] for _, _, _, _, a in
                                                                      (s for s in sent if s[0] == "copy_wait"))

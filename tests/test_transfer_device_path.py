@@ -176,8 +176,10 @@ def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device, recv_in
                 handle.result(timeout=30)
             _sync(device)
             assert torch.equal(_b(dst[1]), _b(before[1]))          # the bad message's layer: untouched
-            if script is _good_then_corrupt:                       # the good message before it landed
-                assert torch.equal(_b(dst[0])[[2, 3]], _b(src[0])[[0, 1]].to(device))
+            if script is _good_then_corrupt:   # the good message before it landed, or was verified with
+                got = _b(dst[0])[[2, 3]]         # the bad one (one group) and left untouched with it
+                assert torch.equal(got, _b(src[0])[[0, 1]].to(device)) or torch.equal(got, _b(before[0])[[2, 3]])
+                assert torch.equal(_b(dst[0])[[0, 1]], _b(before[0])[[0, 1]])
             else:
                 assert torch.equal(_b(dst[0]), _b(before[0]))
             assert until(lambda: MsgType.ABORT in fake.received, 3)
@@ -353,12 +355,12 @@ def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
     so a backlog never makes it allocate pinned memory message by message; once the landing
     thread goes on, every message lands byte-exact, the pool holds nothing and keeps its bound."""
     gate = threading.Event()
-    real = landing_mod.land_message
+    real = landing_mod.verify_group
 
     def held(*args, **kwargs):
         gate.wait(30)
         return real(*args, **kwargs)
-    monkeypatch.setattr(landing_mod, "land_message", held)
+    monkeypatch.setattr(landing_mod, "verify_group", held)
     n = RECV_BUFFERS + 4
     desc = make_desc(num_layers=n, num_blocks=4)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
@@ -450,6 +452,7 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
             DecodeEndpoint(dst, desc, frame_ops=ops, copy_threads=0) as dec:
         pool = dec._pinned = dec._lander.pool = _WatchedPool(events)
         dec._lander.max_inflight = 2
+        dec._lander.group_bytes = 0      # every message verified alone (one event each)
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", list(range(40)))
         handle = dec.pull("t", list(range(40, 80)), deadline_s=30)
@@ -525,3 +528,47 @@ def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
     with pytest.raises(RuntimeError, match="1 of 4 layers failed their checksum"):
         landing.land(staging)
     assert all(int(c.count_nonzero()) == 0 for c in landing.caches)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_messages_are_gathered_and_verified_in_groups(device):
+    """A pull of one message per block and layer (4 layers x 4 blocks: 16 messages): the prefill
+    gathers each layer's four messages with one launch (4 launches, each message its own checksum),
+    and the decode side, its landing thread held until every message has arrived, verifies them
+    in one pass per layer (4 passes for 16 messages); every block lands byte-exact."""
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=16, num_layers=4,
+                     num_blocks=12)
+    src = [c.to(device) for c in filled_caches(desc, 0)]
+    dst = [c.to(device) for c in filled_caches(desc, 1)]
+    ops, gate, launches = _ops(device), threading.Event(), {"gather": [], "verify": []}
+
+    def gather(caches, block_ids, *, checksums, **kw):
+        launches["gather"].append(checksums.numel())
+        ops.gather(caches, block_ids, checksums=checksums, **kw)
+
+    def verify(staging, expected, caches, block_ids, **kw):
+        launches["verify"].append(expected.numel())
+        ops.verify_scatter(staging, expected, caches, block_ids, **kw)
+    pre_ops = SimpleNamespace(gather=gather, warmup=lambda d: None)
+    dec_ops = SimpleNamespace(verify_scatter=verify, warmup=lambda d: None)
+    src_ids, dst_ids = [7, 2, 9, 0], [1, 11, 4, 6]
+    with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=pre_ops, prestage_bytes=0) as pre, \
+            DecodeEndpoint(dst, desc, frame_ops=dec_ops) as dec:
+        dec._lander.max_inflight = 64     # no group cut short by the buffer bound
+        alive = dec._lander.alive
+        dec._lander.alive = lambda job: gate.wait(30) and alive(job)   # takes nothing before the gate opens
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", src_ids)
+        handle = dec.pull("t", dst_ids, deadline_s=30)
+        try:
+            assert until(lambda: dec.metrics.c["blocks_messages"] == 16)
+        finally:
+            gate.set()
+        handle.result(timeout=30)
+        _sync(device)
+        assert launches["gather"] == [4, 4, 4, 4] and pre.stage_times()["sent"] == 16
+        assert launches["verify"] == [4, 4, 4, 4]
+        assert dec.stage_times()["passes"] == 4 and dec.stage_times()["landed"] == 16
+        for s, d in zip(src, dst):
+            assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
+        assert not pre.errors and not dec.errors
