@@ -87,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7, help="transfers timed per row (median reported)")
     p.add_argument("--chunk-mb", type=float, default=8.0, help="target payload MiB per message")
+    p.add_argument("--burst-mb", type=float, default=None, help="MiB per message of the pyzmq bursts (default: "
+                   "--chunk-mb), so a connector at small messages is compared with the burst at any size")
     p.add_argument("--contiguous", action="store_true", help="publish consecutive source blocks "
                    "(zero-copy send) instead of a random permutation (gather copy)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (caches on the GPU, pinned host staging)")
@@ -299,17 +301,18 @@ def _burst(sender, pull, sizes, total: int, cmd: str) -> float:
 
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
               kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None,
-              trace: str | None = None, prestage_bytes: int | None = None) -> dict:
+              trace: str | None = None, prestage_bytes: int | None = None, burst_bytes: int | None = None) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte.
     ``threads``: also sum each thread group's CPU time over the timed connector pulls
     (``out["threads"]``: (decode side, prefill side) dicts of seconds). ``trace``: write the
-    last pull's spans of both processes to this Chrome trace file (``out["spans"]``: how many)."""
+    last pull's spans of both processes to this Chrome trace file (``out["spans"]``: how many).
+    ``burst_bytes``: the bursts' message size (default ``chunk_bytes``)."""
     from kvconnector import DecodeEndpoint
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
     total = layers * nblocks * geo.block_bytes
-    sizes = burst_sizes(total, geo.block_bytes, chunk_bytes)
+    sizes = burst_sizes(total, geo.block_bytes, chunk_bytes if burst_bytes is None else burst_bytes)
     src_ids = [list(range(nblocks)) if contiguous else torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                for _ in range(repeats + 1)]
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
@@ -378,8 +381,8 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
         if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
             raise RuntimeError("transferred blocks differ from the source")
     out = {k: statistics.median(v) for k, v in t.items()}
-    out.update(nbytes=total, messages=num_messages / (repeats + 1), checksum=algorithm, threads=per_thread,
-               stages=stages, spans=spans if trace is not None else 0)
+    out.update(nbytes=total, messages=num_messages / (repeats + 1), burst_messages=len(sizes), checksum=algorithm,
+               threads=per_thread, stages=stages, spans=spans if trace is not None else 0)
     return out
 
 
@@ -480,7 +483,8 @@ def run(args) -> int:
     where = "sender on a thread (one process)" if args.in_process else "sender in a spawned process"
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
-          f"chunk={args.chunk_mb} MiB, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
+          f"chunk={args.chunk_mb} MiB, bursts in {args.chunk_mb if args.burst_mb is None else args.burst_mb} MiB "
+          f"messages, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
           f"{', NIXL data plane' if args.data_plane == 'nixl' else ''}"
@@ -500,7 +504,8 @@ def run(args) -> int:
                 trace = None if args.trace is None else os.path.join(args.trace, f"{mode_str}-{nblocks}.json")
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
                               args.kernels, args.data_plane, args.threads, args.recv_into, trace,
-                              None if args.prestage_mb is None else int(args.prestage_mb * 2**20))
+                              None if args.prestage_mb is None else int(args.prestage_mb * 2**20),
+                              None if args.burst_mb is None else int(args.burst_mb * (1 << 20)))
                 ratios.append(r["zmq"] / r["conn"])
                 hot_ratios.append(r["hot"] / r["conn"])
                 n = r["nbytes"]

@@ -149,6 +149,24 @@ def test_bench_transfer_times_the_burst_from_its_own_request(monkeypatch):
     assert r["nbytes"] == 2 * 4 * geo.block_bytes
 
 
+def test_bench_transfer_burst_message_size_is_its_own():
+    """``burst_bytes`` sets the bursts' message size apart from the connector's: one 1 MiB-chunk
+    pull of 2 x 4 INT4 blocks is one connector message, and the burst of the same bytes in
+    one-block messages is eight."""
+    import bench.transfer as bt
+    from layouts import CacheGeometry, KVQuantMode
+    sender = bt.Sender(in_process=True)
+    geo = CacheGeometry(KVQuantMode.INT4_PER_TOKEN_HEAD, 64, 2, 16)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        same = bt.bench_row(sender, geo, 2, 4, 1, 1 << 20, False, "cpu", gen)
+        small = bt.bench_row(sender, geo, 2, 4, 1, 1 << 20, False, "cpu", gen, burst_bytes=geo.block_bytes)
+    finally:
+        sender.close()
+    assert (same["messages"], same["burst_messages"]) == (1, 1)
+    assert (small["messages"], small["burst_messages"]) == (1, 8)
+
+
 @pytest.mark.parametrize("order", [[], ["--contiguous"]])
 def test_probe_transfer_floor_moves_the_bytes(order):
     # two layers, 70 INT4-sized blocks: two messages per layer at 1 MiB (60 + 10 blocks); the probe
