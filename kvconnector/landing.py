@@ -72,6 +72,7 @@ from typing import Callable
 import torch
 
 from .device_frames import AuxBuffers, HostFill, stage_payload, verify_group
+from .protocol import continue_payload
 from .trace import Trace
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
@@ -121,39 +122,30 @@ class LandJob:
 
 class _Group:
     """Messages of one pull staged back to back in one device buffer, verified + scattered in one
-    pass: positions ``first .. first + nblk`` of layers ``layer .. layer + nlay`` (layer-major)."""
+    pass; ``run``: the (layer, nlay, first, nblk) they cover (one layer-major payload)."""
 
-    __slots__ = ("jobs", "staging", "used", "frames", "layer", "nlay", "first", "nblk", "aux", "write", "event",
-                 "live")
+    __slots__ = ("jobs", "staging", "used", "frames", "run", "aux", "write", "event", "live")
 
-    def __init__(self, job: LandJob, staging: torch.Tensor) -> None:
-        h = job.h
-        self.jobs, self.staging, self.used, self.frames = [], staging, 0, 0
-        self.layer, self.nlay, self.first, self.nblk = h.layer, h.nlay, h.first, h.nblk
+    def __init__(self, staging: torch.Tensor) -> None:
+        self.jobs, self.staging, self.used, self.frames, self.run = [], staging, 0, 0, None
         self.aux = self.write = self.event = None
         self.live = True      # False: the pull died before the verify + scatter was queued (none queued)
 
-    def extends(self, job: LandJob) -> bool:
-        """Whether ``job`` continues this group's payload (same pull and heads, room left)."""
+    def extended(self, job: LandJob) -> tuple | None:
+        """The run the group covers with ``job`` added (it continues the group's payload: same
+        pull and heads, room left), else None."""
         h, j0 = job.h, self.jobs[0]
         if job.p is not j0.p or job.pull_ids is None or job.heads != j0.heads:
-            return False
+            return None
         if self.frames + len(h.nbytes) > AUX_FRAMES or self.used + sum(h.nbytes) > self.staging.numel():
-            return False
-        if self.nlay == 1 and h.nlay == 1 and h.layer == self.layer and h.first == self.first + self.nblk:
-            return True     # the next run of positions of the same layer
-        return h.first == self.first and h.nblk == self.nblk and h.layer == self.layer + self.nlay   # next layers
+            return None
+        return continue_payload(self.run, h.layer, h.nlay, h.first, h.nblk)
 
-    def add(self, job: LandJob) -> None:
-        h = job.h
-        if self.jobs:
-            if h.layer == self.layer:
-                self.nblk += h.nblk
-            else:
-                self.nlay += h.nlay
+    def add(self, job: LandJob, run: tuple) -> None:
         self.jobs.append(job)
-        self.used += sum(h.nbytes)
-        self.frames += len(h.nbytes)
+        self.run = run
+        self.used += sum(job.h.nbytes)
+        self.frames += len(job.h.nbytes)
 
 
 class Lander:
@@ -314,18 +306,19 @@ class Lander:
             self._close_group()   # before _drop, which may wait for this message's copies
             self._drop(job)
             return
-        g = self._group
-        if g is not None and not g.extends(job):
+        h, g = job.h, self._group
+        run = (h.layer, h.nlay, h.first, h.nblk) if g is None else g.extended(job)
+        if run is None:
             self._close_group()
-            g = None
-        total = sum(job.h.nbytes)
+            g, run = None, (h.layer, h.nlay, h.first, h.nblk)
+        total = sum(h.nbytes)
         try:
             with self._launch_time("land", job):
                 try:
                     if g is None:
                         size = max(total, self.group_bytes if job.pull_ids is not None else 0)
                         device = "cpu" if self.stream is None else self.stream.device
-                        g = _Group(job, torch.empty(size, dtype=torch.uint8, device=device))   # on the copy stream
+                        g = _Group(torch.empty(size, dtype=torch.uint8, device=device))   # on the copy stream
                     stage_payload(job.host, g.staging[g.used:g.used + total], fill=job.fill, timings=self.stage_s)
                 except BaseException:
                     if self.stream is not None:
@@ -337,7 +330,7 @@ class Lander:
             self._fail(job, e)
             return
         job.frames = job.fill = None    # ZeroMQ's buffers go back now
-        g.add(job)
+        g.add(job, run)
         self._group = g
 
     def _close_group(self) -> None:
@@ -360,8 +353,8 @@ class Lander:
                         if len(g.jobs) == 1:
                             caches, ids = j0.caches, j0.ids
                         else:
-                            caches = j0.layers[g.layer:g.layer + g.nlay]
-                            ids = j0.pull_ids[g.first:g.first + g.nblk]
+                            layer, nlay, first, nblk = g.run
+                            caches, ids = j0.layers[layer:layer + nlay], j0.pull_ids[first:first + nblk]
                         ready = j0.ready if j0.ready is not self._waited else None   # the stream waited already
                         g.write = verify_group(self.ops, [j.h for j in g.jobs], g.staging[:g.used], caches, ids,
                                                j0.heads, self.stream, aux=g.aux, ready=ready, current=True)

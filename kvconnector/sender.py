@@ -54,7 +54,7 @@ import torch
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
 from .device_frames import gather_messages
-from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header
+from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, continue_payload, encode_header
 from .trace import Trace
 
 
@@ -393,25 +393,19 @@ class Stream:
         (the next runs of positions of the same single layer, or the next layers of the same run),
         their layers are written, and the group stays within ``GROUP_BYTES`` (and ``limit``
         messages). Returns the group's messages and the (layer, nlay, first, count) it covers."""
-        group, n = [head], len(self.block_ids)
-        g_layer, g_nlay, g_first, g_nblk = head
-        size = g_nlay * slice_bytes(self.geo, g_nblk, self.local_heads)
+        group, run, n = [head], head, len(self.block_ids)
+        size = head[1] * slice_bytes(self.geo, head[3], self.local_heads)
         while self._plan and (limit is None or len(group) < limit):
             la, nl, f = self._plan[0]
             k = min(self.chunk_blocks, n - f)
             more = nl * slice_bytes(self.geo, k, self.local_heads)
-            if size + more > GROUP_BYTES or not self._layer_ready():
-                break
-            if g_nlay == 1 and nl == 1 and la == g_layer and f == g_first + g_nblk:
-                g_nblk += k      # the next run of the same layer
-            elif f == g_first and k == g_nblk and la == g_layer + g_nlay:
-                g_nlay += nl     # the next layers of the same run
-            else:
+            nxt = continue_payload(run, la, nl, f, k)
+            if nxt is None or size + more > GROUP_BYTES or not self._layer_ready():
                 break
             self._plan.popleft()
             group.append((la, nl, f, k))
-            size += more
-        return group, (g_layer, g_nlay, g_first, g_nblk)
+            run, size = nxt, size + more
+        return group, run
 
     def _stage(self, limit: int | None = None) -> None:
         layer, nlay, first = self._plan.popleft()
