@@ -266,13 +266,15 @@ class DecodeEndpoint:
         in all of its work on messages: less than ``host_copy + launch`` by the time it was
         blocked), ``device_wait`` (waiting for the device to end the oldest of ``max_inflight``
         messages, to reuse its pinned buffer); ``landed`` counts them, ``passes`` the verify +
-        scatter passes that covered them (several messages a pass when they waited together)."""
+        scatter passes that covered them (several messages a pass when they waited together),
+        ``backlog`` the payload frames received zero copy because ``RECV_BUFFERS`` pinned buffers
+        were held (the landing thread then copies them)."""
         out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
         if self._lander is not None:
             st = self._lander.stage_s
             out.update(host_copy=st.get("copy", 0.0), launch=st["launch"] - st.get("copy", 0.0),
                        launch_cpu=st["launch_cpu"], device_wait=st["wait"], landed=st["messages"],
-                       passes=st["groups"])
+                       passes=st["groups"], backlog=self.metrics.c["frames_received_zero_copy_backlog"])
         return out
 
     def close(self) -> None:
@@ -397,8 +399,8 @@ class DecodeEndpoint:
     def _handle(self, frames, rx) -> None:
         self._last_seen = time.monotonic()
         self.metrics.add("messages_received")
-        try:
-            h = decode_header(frames[0].buffer)
+        try:   # received into a pooled buffer: its header was decoded (and checked) to choose that buffer
+            h = rx[1] if rx is not None else decode_header(frames[0].buffer)
         except (ProtocolVersionError, CorruptFrameError) as e:
             self.errors.append(e)
             self.metrics.ignore("corrupt_header")
