@@ -18,6 +18,7 @@ Run: python -m pytest tests/test_fuzz.py
 
 import os
 import random
+import re
 import struct
 import time
 import tracemalloc
@@ -339,18 +340,24 @@ def test_live_prefill_endpoint_under_mutated_messages():
         _typed_only(pre.errors)
 
 
-def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch):
+@pytest.mark.parametrize("frame_ops", [False, True], ids=["host-path", "device-path"])
+def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch, frame_ops):
     """``kvconnector.testing.live_fuzz`` (mutated BLOCKS / PULL / ACK copies between real
-    endpoints): 600 pulls end byte exact or typed with nothing misplaced. With the placement
-    checksum neutralized (0 on both sides) and every BLOCKS copy moved one position on, the
-    same checks report blocks holding another position's bytes: the tool can fail."""
+    endpoints, on the host path or the device path with its grouped gathers and verify passes):
+    600 pulls end byte exact or typed with nothing misplaced. With the placement checksum
+    neutralized (0 on both sides) and every BLOCKS copy moved one position on, the same checks
+    report blocks holding another position's bytes: the tool can fail."""
     from kvconnector import protocol
     from kvconnector.testing import live_fuzz
     from kvconnector.testing.faultproxy import reheader
 
     logs = []
-    assert live_fuzz.run(120, seed=3, rate=0.3, log=logs.append, max_pulls=600) == 0, logs[-5:]
+    assert live_fuzz.run(120, seed=3, rate=0.3, log=logs.append, max_pulls=600, frame_ops=frame_ops) == 0, logs[-5:]
     assert "ok" in logs[-1] and "CorruptFrameError" in logs[-1], logs[-1]
+    if frame_ops:   # messages were verified in passes of several, and gathered in groups
+        passes, landed = (int(x) for x in re.search(r"(\d+) messages staged, (\d+) verify", logs[-2]).groups()[::-1])
+        gathers, sent = (int(x) for x in re.search(r"(\d+) gather launches for (\d+) messages", logs[-2]).groups())
+        assert passes < landed and gathers < sent, logs[-2]
 
     def one_on(rng, target, frames, rounds):
         if target != "blocks":
@@ -359,5 +366,5 @@ def test_live_fuzz_tool_finds_nothing_and_has_power(monkeypatch):
 
     monkeypatch.setattr(protocol, "placement_checksum", lambda h: 0)
     logs = []
-    assert live_fuzz.run(120, seed=3, rate=1.0, log=logs.append, max_pulls=20, mutate=one_on) > 0
+    assert live_fuzz.run(120, seed=3, rate=1.0, log=logs.append, max_pulls=20, mutate=one_on, frame_ops=frame_ops) > 0
     assert any("not the source bytes, yet the pull succeeded" in m for m in logs), logs[-3:]

@@ -6,12 +6,15 @@ deadlock when the bound is reached; a started message whose pull died is dropped
 device work and its buffer goes back only once its copies ended; a corrupted frame in a
 pipelined message fails it with CorruptFrameError and writes nothing of it, while the messages
 around it land byte-exact; ``close`` lands what is queued. ``HostFill.run`` queues one device
-copy for the pieces the workers copied ahead, one per piece for those it copies itself.
+copy for the pieces the workers copied ahead, one per piece for those it copies itself. Messages
+of one pull waiting together are verified + scattered in one pass where their payloads continue
+one another (a mismatch leaves the whole pass unwritten); a pass whose pull died before it was
+queued is dropped unverified, its buffers handed back only after its device copies.
 
 The copy workers are a thread pool wrapped to log (and, where a test needs it, hold back) each
-piece's copy; the device kernels are their plain-PyTorch twin (``torch_frame_ops``, checked
-against the kernels in test_transfer_device_path.py); device events are faked through the
-``_record`` seam.
+piece's copy; the device kernels are their plain-PyTorch twin (``kvconnector.testing.frame_ops``,
+checked against the kernels in test_transfer_device_path.py); device events are faked through
+the ``_record`` seam.
 
 Run: python -m pytest tests/test_landing.py -q
 """
@@ -31,8 +34,8 @@ from kvconnector.device_frames import HostFill
 from kvconnector.landing import Lander, LandJob
 from kvconnector.protocol import MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
+from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
 from layouts import CorruptFrameError, KVQuantMode
-from torch_frame_ops import TORCH_FRAME_OPS
 
 pytestmark = pytest.mark.timeout(60)
 DESC = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=2, num_blocks=16)
@@ -377,3 +380,46 @@ def test_messages_waiting_together_are_verified_in_one_pass(corrupt):
         assert got[id(jobs[4])] is None and got[id(jobs[5])] is None           # the passes around it land
         assert torch.equal(_b(dst[1])[[dst_ids[0]]], _b(src[1])[[src_ids[0]]])
     assert torch.equal(_b(dst[0])[[1]], _b(src[0])[[11]])
+
+
+def test_group_of_a_pull_that_died_before_its_verify_is_dropped_unwritten(monkeypatch):
+    """Two staged messages of one pull whose pull dies before their verify + scatter is queued:
+    nothing is verified or written, nothing reported, both futures are set and both pinned buffers
+    are back in the pool once the group's (fake) event has passed, not before."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    before = [c.clone() for c in dst]
+    src_ids, ids = [3, 9, 1, 12], torch.tensor([2, 4, 6, 8])
+    reports, verified, events = [], [], []
+    dead, hold = threading.Event(), threading.Event()
+    monkeypatch.setattr(landing_mod, "_record", lambda stream: events.append(GatedEvent()) or events[-1])
+    pool = PinnedPool()
+    lander = Lander(SimpleNamespace(verify_scatter=lambda *a, **k: verified.append(1)), None, pool,
+                    reports.extend, lambda job: hold.wait(20) and not dead.is_set())
+    close = lander._close_group
+
+    def close_after_death():       # the pull dies between the last stage and the verify
+        if lander._group is not None:
+            dead.set()
+        close()
+    lander._close_group = close_after_death
+    jobs = []
+    for first in (0, 2):
+        h, payload = _pull_msg(src, 0, 1, first, 2, src_ids)
+        jobs.append(LandJob(SimpleNamespace(), h, [payload.numpy().tobytes()], None, False, dst[:1],
+                            ids[first:first + 2], range(2), layers=dst, pull_ids=ids))
+    jobs[1].p = jobs[0].p          # one pull
+    try:
+        for job in jobs:
+            lander.submit(job)
+        hold.set()                 # both queued before the launcher takes the first: one group
+        assert until(lambda: len(events) == 1)
+        time.sleep(0.1)
+        assert pool.outstanding == 2 and not any(j.future.done() for j in jobs)   # the device may still read them
+        events[0].gate.set()
+        assert until(lambda: all(j.future.done() for j in jobs) and pool.outstanding == 0)
+    finally:
+        for ev in events:
+            ev.gate.set()
+        lander.close()
+    assert len(events) == 1 and not verified and not reports
+    assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))

@@ -16,9 +16,9 @@ import torch
 
 from connector_fakes import filled_caches, make_desc
 from kvconnector import DecodeEndpoint, PrefillEndpoint
+from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
 from kvconnector.trace import Trace, write_chrome
 from layouts import KVQuantMode
-from torch_frame_ops import TORCH_FRAME_OPS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ kernels (xxh3_64 is used, still byte-exact), and a faulty peer: a corrupted byte
 frame fails the pull with CorruptFrameError naming the device check, truncated / oversized
 frames are named (received zero copy, or into fixed buffers), and no destination byte changes. Pulls of many
 messages of mixed sizes, all received before any write completes, use the plain-PyTorch twin of
-the kernels on CPU (``torch_frame_ops``: the interpreter would take minutes at these sizes); a
+the kernels on CPU (``kvconnector.testing.frame_ops``: the interpreter would take minutes at these sizes); a
 failure while completing a device write fails the pull at once instead of by its deadline; the
 landing thread keeps at most ``max_inflight`` messages on the device and refills a pinned buffer
 only after the device copy that read it ended (fake gated events on CPU).
@@ -33,8 +33,8 @@ from kvconnector.decode import RECV_BUFFERS, RECV_INTO
 from kvconnector.device_frames import DeviceWrite, _ok_view, aux_words
 from kvconnector.protocol import CHECKSUM, MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
+from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
 from layouts import CorruptFrameError, KVQuantMode, TransferError
-from torch_frame_ops import TORCH_FRAME_OPS
 
 pytestmark = pytest.mark.timeout(120)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -375,7 +375,7 @@ def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
                     and time.monotonic() - t0 < 20:
                 time.sleep(0.01)
             assert c["frames_received_into"] == RECV_BUFFERS
-            assert c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS
+            assert c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS == dec.stage_times()["backlog"]
             assert dec._pinned.outstanding == RECV_BUFFERS
         finally:
             gate.set()   # the landing thread goes on (also when an assertion failed: the endpoints close)

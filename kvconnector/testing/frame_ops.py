@@ -1,8 +1,9 @@
-"""A plain-PyTorch ``FrameOps`` (``kvconnector.device_frames``) for CPU tests: the same contract
-as ``kernels.transfer.FRAME_OPS`` (gather + ``mix64``, verify then scatter only if every frame
+"""A plain-PyTorch ``FrameOps`` (``kvconnector.device_frames``): the same contract as
+``kernels.transfer.FRAME_OPS`` (gather + ``mix64``, verify then scatter only if every frame
 matched), with ``torch`` indexing for the bytes and the NumPy reference ``layouts.checksum`` for
-the sums. Not a test module; it lets connector tests drive the device path at realistic message
-counts and sizes in seconds, where the interpreted kernels would take minutes.
+the sums. It drives the connector's device path on CPU caches at realistic message counts and
+sizes in seconds, where the interpreted kernels would take minutes: the connector tests and
+``kvconnector.testing.live_fuzz --frame-ops`` use it; tests check it against the kernels.
 """
 
 from __future__ import annotations

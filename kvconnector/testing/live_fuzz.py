@@ -11,8 +11,13 @@ the pull reports landed holds the source bytes, no other block changed, and both
 recorded only typed errors. The decoder-level fuzzer (``kvconnector.testing.fuzz``) checks
 what one message decodes to; this checks what a sequence of them does to a cache.
 
-Run: ``python -m kvconnector.testing.live_fuzz --seconds 600`` (``--seed``, ``--rate``);
-prints pulls, outcomes and failures; exit code 1 on any failure.
+``--frame-ops``: both endpoints take the device path (``mix64``; the plain-PyTorch frame ops of
+:mod:`kvconnector.testing.frame_ops` on these CPU caches): gathers covering several messages,
+the landing thread's verify + scatter passes over the messages waiting together, mutated copies
+among them.
+
+Run: ``python -m kvconnector.testing.live_fuzz --seconds 600`` (``--seed``, ``--rate``,
+``--frame-ops``); prints pulls, outcomes and failures; exit code 1 on any failure.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..decode import DecodeEndpoint
 from ..prefill import PrefillEndpoint
 from ..protocol import MsgType
 from .faultproxy import FaultProxy
+from .frame_ops import TORCH_FRAME_OPS
 from .fuzz import mutate_case
 
 GEO = CacheGeometry(KVQuantMode.INT4_PER_TOKEN_HEAD, 16, 2, 2, torch.bfloat16)   # 96-byte blocks
@@ -86,17 +92,20 @@ def check_pull(src, dst, before, src_ids, dst_ids, err, failed) -> list:
     return problems
 
 
-def run(seconds: float, seed: int, rate: float, log=print, max_pulls: int | None = None, mutate=mutate_case) -> int:
+def run(seconds: float, seed: int, rate: float, log=print, max_pulls: int | None = None, mutate=mutate_case,
+        frame_ops: bool = False) -> int:
     """Pull for ``seconds`` (or ``max_pulls`` pulls, whichever ends first); returns the number of
-    failures (each logged). ``mutate``: the edit applied to the copies (:func:`mutating_policy`)."""
+    failures (each logged). ``mutate``: the edit applied to the copies (:func:`mutating_policy`);
+    ``frame_ops``: both endpoints on the device path (module doc)."""
     rng = random.Random(seed)
     desc = LayoutDescriptor.from_geometry(GEO, num_layers=LAYERS, num_blocks=BLOCKS)
     src, dst = _caches(seed), _caches(seed + 1)
     mutated, outcomes, failures = Counter(), Counter(), 0
-    with PrefillEndpoint(src, desc, lease_s=2.0, chunk_bytes=1) as pre:   # a message per layer and block
+    ops = TORCH_FRAME_OPS if frame_ops else None
+    with PrefillEndpoint(src, desc, lease_s=2.0, chunk_bytes=1, frame_ops=ops) as pre:   # a message per layer and block
         proxy = FaultProxy(pre.endpoint, mutating_policy(rng, rate, mutated, mutate))
         try:
-            with DecodeEndpoint(dst, desc, peer_timeout_s=2.0) as dec:
+            with DecodeEndpoint(dst, desc, peer_timeout_s=2.0, frame_ops=ops) as dec:
                 dec.connect(proxy.endpoint, timeout_s=5)
                 end, k, seen = time.monotonic() + seconds, 0, [0, 0]
                 while time.monotonic() < end and (max_pulls is None or k < max_pulls):
@@ -118,8 +127,12 @@ def run(seconds: float, seed: int, rate: float, log=print, max_pulls: int | None
                 for e in _untyped((dec, pre), seen):
                     failures += 1
                     log(f"FAILURE inside an endpoint: {e}")
+                landed = dec.stage_times() if frame_ops else None
         finally:
             proxy.close()
+    if landed is not None:
+        log(f"device path: {landed['landed']} messages staged, {landed['passes']} verify + scatter passes; "
+            f"{pre.stage_times().get('gathers', 0)} gather launches for {pre.stage_times()['sent']} messages sent")
     log(f"pulls {sum(outcomes.values())}: {dict(outcomes)}; mutated copies sent {dict(mutated)}; failures {failures}")
     return failures
 
@@ -129,8 +142,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate", type=float, default=0.3, help="chance of a mutated copy before each BLOCKS / PULL / ACK")
+    ap.add_argument("--frame-ops", action="store_true", help="both endpoints on the device path (mix64, "
+                    "plain-PyTorch frame ops)")
     a = ap.parse_args(argv)
-    return 1 if run(a.seconds, a.seed, a.rate, log=lambda m: print(m, flush=True)) else 0
+    return 1 if run(a.seconds, a.seed, a.rate, log=lambda m: print(m, flush=True), frame_ops=a.frame_ops) else 0
 
 
 if __name__ == "__main__":
