@@ -14,6 +14,9 @@ incomplete block in ``failed_block_ids``. Source blocks return to the free pool 
 At the end: leases, streams and pending pulls must be zero, every block back in its free
 pool, and RSS / open fds / threads back near their post-warm-up baseline.
 
+``--frame-ops``: both endpoints on the device path (``mix64``; gathers covering several messages,
+verify + scatter passes over the messages waiting together, on these CPU caches).
+
 Run: ``python -m kvconnector.testing.soak --seconds 240`` (prints a markdown table; exit 1 on any lost or
 corrupted block, untyped error, or resource not returned).
 """
@@ -35,6 +38,7 @@ import xxhash
 from kvconnector import DecodeEndpoint, PrefillEndpoint
 from layouts import CacheGeometry, KVCacheError, KVQuantMode, LayoutDescriptor
 from kvconnector.testing.faultproxy import FaultProxy, random_policy
+from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
 
 
 def rss_mb() -> float:
@@ -80,13 +84,14 @@ class Soak:
         self.leased: dict[str, list] = {}
         self.faults, self.stats = Counter(), Counter()
         self.lock = threading.Lock()
+        ops = TORCH_FRAME_OPS if a.frame_ops else None
         self.pre = PrefillEndpoint(self.src, self.desc, chunk_bytes=a.chunk_bytes, lease_s=a.lease_s,
-                                   heartbeat_s=0.1, peer_timeout_s=1.0, on_release=self._released)
+                                   heartbeat_s=0.1, peer_timeout_s=1.0, on_release=self._released, frame_ops=ops)
         self.decs, self.proxies, self.dst_pools, self.dsts = [], [], [], []
         for i in range(a.decoders):
             dst = [geo.new_cache(a.blocks) for _ in range(a.layers)]
             proxy = FaultProxy(self.pre.endpoint, random_policy(a.fault_rate, a.seed + i, self.faults))
-            dec = DecodeEndpoint(dst, self.desc, heartbeat_s=0.1, peer_timeout_s=0.5)
+            dec = DecodeEndpoint(dst, self.desc, heartbeat_s=0.1, peer_timeout_s=0.5, frame_ops=ops)
             dec.connect(proxy.endpoint, timeout_s=5)
             self.decs.append(dec), self.proxies.append(proxy), self.dsts.append(dst)
             self.dst_pools.append(Pool(a.blocks))
@@ -259,6 +264,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rss-slack-mb", type=float, default=32.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--frame-ops", action="store_true", help="both endpoints on the device path (mix64, the "
+                   "plain-PyTorch frame ops of kvconnector.testing.frame_ops on these CPU caches)")
     return p
 
 
