@@ -58,9 +58,10 @@ from .trace import Trace
 from .transport import CurveKeys, IOLoop, make_socket
 
 INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a hand-off costs more)
-RECV_BUFFERS = 8           # recv_into: pooled pinned buffers held at once (received or landing, not yet landed);
-#                            while as many are held, messages arrive zero copy (ZeroMQ's own memory), so a backlog
-#                            behind a slow device never makes the I/O thread allocate pinned memory message by message
+RECV_BYTES = 64 << 20      # recv_into: pooled pinned bytes held at once (received or landing, not yet landed; 8
+#                            messages of 8 MiB, 64 of 1 MiB); while as many are held, messages arrive zero copy
+#                            (ZeroMQ's own memory), so a backlog behind a slow device never makes the I/O thread
+#                            allocate pinned memory message by message
 # pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into``: mix64 frames straight into a
 # pooled pinned buffer, one memcpy inside libzmq with the GIL released, on the I/O thread); without it
 # they arrive as zero-copy zmq Frames and the landing thread has the copy workers copy them into that
@@ -267,7 +268,7 @@ class DecodeEndpoint:
         blocked), ``device_wait`` (waiting for the device to end the oldest of ``max_inflight``
         messages, to reuse its pinned buffer); ``landed`` counts them, ``passes`` the verify +
         scatter passes that covered them (several messages a pass when they waited together),
-        ``backlog`` the payload frames received zero copy because ``RECV_BUFFERS`` pinned buffers
+        ``backlog`` the payload frames received zero copy because ``RECV_BYTES`` of pinned buffers
         were held (the landing thread then copies them)."""
         out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
         if self._lander is not None:
@@ -313,7 +314,7 @@ class DecodeEndpoint:
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
         buffer that receives its payload frames back to back (views, one per frame); else None
-        (received zero copy), also while ``RECV_BUFFERS`` pooled buffers are held."""
+        (received zero copy), also while ``RECV_BYTES`` of pooled buffers are held."""
         try:
             h = decode_header(frame.buffer)
         except Exception:
@@ -321,7 +322,7 @@ class DecodeEndpoint:
         total = sum(h.nbytes) if h.type == MsgType.BLOCKS else 0
         if h.algorithm != MIX64 or h.tid not in self._pending or not 0 < total <= self.max_frame_bytes:
             return None
-        if self._pinned.outstanding >= RECV_BUFFERS:
+        if self._pinned.outstanding_bytes >= RECV_BYTES:
             self.metrics.add("frames_received_zero_copy_backlog", len(h.nbytes))
             return None
         buf = self._pinned.acquire(total)

@@ -10,11 +10,11 @@ the launcher queues message k's device copy:
 
 1. start: takes a pinned buffer from the pool and submits the copies of the frames into it, in
    pieces of ``piece_bytes``, to the endpoint's copy workers (NumPy copies, which release the
-   GIL; one piece each). Before that, while ``max_inflight`` messages hold pinned buffers
-   (started, staged, or verified and still read by the device), it stages the started ones,
-   queues the open group's verify + scatter, and waits for the device to end the oldest group
-   (its buffers are back in the pool then), so a buffer is never refilled before the device copy
-   that reads it ended, and never more than ``max_inflight`` are held;
+   GIL; one piece each). Before that, while ``max_inflight`` messages or ``max_inflight_bytes``
+   of payload hold pinned buffers (started, staged, or verified and still read by the device),
+   it stages the started ones, queues the open group's verify + scatter, and waits for the
+   device to end the oldest group (its buffers are back in the pool then), so a buffer is never
+   refilled before the device copy that reads it ended, and no more than those bounds are held;
 2. stage (once ``lookahead`` later messages are started, or none is waiting): queues the copy of
    the message into the open group's device staging buffer (a payload already in pinned memory,
    received into the pool or written by NIXL, in one copy; otherwise piece by piece right behind
@@ -78,8 +78,8 @@ from .trace import Trace
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
 MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
-MAX_INFLIGHT = 8          # messages holding pinned buffers (copies started, or the device may still be reading
-#                           them) before the lander waits
+MAX_INFLIGHT = 64         # messages holding pinned buffers (copies started, or the device may still be reading
+MAX_INFLIGHT_BYTES = 64 << 20   # them), and their payload bytes, before the lander waits
 LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
 GROUP_BYTES = 8 << 20     # a group's device staging buffer: messages verified + scattered in one pass (module doc)
 AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
@@ -167,8 +167,9 @@ class Lander:
         endpoint's copy workers, ``workers`` of them: a message is cut in as many pieces, at most
         ``piece_bytes`` and at least ``MIN_PIECE_BYTES`` each, so all of them copy at once); None:
         the launcher copies them (and ``lookahead`` is 0).
-    max_inflight : int
-        Messages that may hold pinned buffers at once: started, staged, or verified and not yet ended.
+    max_inflight, max_inflight_bytes : int
+        Messages, and their payload bytes, that may hold pinned buffers at once: started, staged,
+        or verified and not yet ended (one message at least, whatever its size).
     lookahead : int
         Messages started (buffers taken, copies submitted) beyond the one being staged.
     group_bytes : int
@@ -185,12 +186,14 @@ class Lander:
     """
 
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
-                 piece_bytes: int = PIECE_BYTES, executor=None, workers: int = 0, lookahead: int = LOOKAHEAD,
-                 group_bytes: int = GROUP_BYTES, name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
+                 max_inflight_bytes: int = MAX_INFLIGHT_BYTES, piece_bytes: int = PIECE_BYTES, executor=None,
+                 workers: int = 0, lookahead: int = LOOKAHEAD, group_bytes: int = GROUP_BYTES,
+                 name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
         self.trace = trace
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
+        self.max_inflight_bytes = max(1, max_inflight_bytes)
         self.group_bytes = max(0, group_bytes)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
         # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
@@ -202,7 +205,7 @@ class Lander:
         self._started: deque = deque()     # host copies submitted, not staged yet (launcher only)
         self._group: _Group | None = None  # staged, verify + scatter not queued yet (launcher only)
         self._inflight: deque = deque()    # groups queued, not yet completed; appended by the launcher only,
-        self._held = 0                     # popped by the watcher only; _held: their messages
+        self._held = self._held_bytes = 0  # popped by the watcher only; _held(_bytes): their messages (bytes)
         self._cv = threading.Condition()
         self._closing = False
         self._aux_free: list = []          # AuxBuffers of AUX_FRAMES frames (CUDA caches)
@@ -249,7 +252,7 @@ class Lander:
                 if not self.alive(job):
                     self._drop(job)
                     continue
-                self._make_room()
+                self._make_room(sum(job.h.nbytes))
                 self._start(job)
             except Exception as e:
                 self._fail(job, e)
@@ -258,19 +261,28 @@ class Lander:
             while len(started) > self.lookahead:
                 self._stage(started.popleft())
 
-    def _make_room(self) -> None:
-        """Return once fewer than ``max_inflight`` messages hold pinned buffers: stage the started
+    def _make_room(self, nbytes: int) -> None:
+        """Return once a message of ``nbytes`` fits the bounds (``max_inflight`` messages,
+        ``max_inflight_bytes``) beside the messages holding pinned buffers: stage the started
         messages and queue the open group's verify + scatter (their buffers are then the device's
-        only), then wait for the device to end the oldest group."""
-        if len(self._started) + (len(self._group.jobs) if self._group else 0) + self._held >= self.max_inflight:
+        only), then wait for the device to end the oldest groups."""
+        group = self._group.jobs if self._group else []
+        mine = list(self._started) + group
+        if self._full(len(mine), sum(sum(j.h.nbytes) for j in mine), nbytes):
             while self._started:
                 self._stage(self._started.popleft())
             self._close_group()
         t0 = time.perf_counter()
         with self._cv:   # only the watcher shrinks _held: the bound holds once this wait is over
-            while self._held >= self.max_inflight:
+            while self._full(0, 0, nbytes):
                 self._cv.wait(1.0)
         self.stage_s["wait"] += time.perf_counter() - t0
+
+    def _full(self, n: int, held_bytes: int, nbytes: int) -> bool:
+        """Whether one more message of ``nbytes`` would pass a bound, with ``n`` messages of
+        ``held_bytes`` held besides the queued groups' (none held: it always fits)."""
+        n, held_bytes = n + self._held, held_bytes + self._held_bytes
+        return n >= self.max_inflight or (n > 0 and held_bytes + nbytes > self.max_inflight_bytes)
 
     @contextlib.contextmanager
     def _launch_time(self, step: str, job: LandJob, **args):
@@ -376,6 +388,7 @@ class Lander:
         with self._cv:
             self._inflight.append(g)
             self._held += len(g.jobs)
+            self._held_bytes += g.used
             self._cv.notify_all()
 
     # ---- watcher thread --------------------------------------------------------------
@@ -424,6 +437,7 @@ class Lander:
                 for g in done:
                     self._inflight.popleft()
                     self._held -= len(g.jobs)
+                    self._held_bytes -= g.used
                 self._cv.notify_all()
             self._send(out)
 

@@ -28,27 +28,33 @@ class PinnedPool:
         self._lock = threading.Lock()
         self.max_buffers = max_buffers
         self.outstanding = 0     # buffers acquired and not yet released
+        self.outstanding_bytes = 0   # their pinned bytes (whole buffers, not the views handed out)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A pinned ``[nbytes]`` uint8 tensor (the smallest free one that fits, else a new one)."""
+        size = -(-max(nbytes, 1) // _ROUND) * _ROUND
         with self._lock:
             self.outstanding += 1
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 i = min(fits, key=lambda j: self._free[j].numel())
-                return self._free.pop(i)[:nbytes]
-        size = -(-max(nbytes, 1) // _ROUND) * _ROUND
+                buf = self._free.pop(i)
+                self.outstanding_bytes += buf.numel()
+                return buf[:nbytes]
+            self.outstanding_bytes += size
         try:   # pageable without a GPU (a CPU-only build cannot pin), so the logic also runs in CI
             return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())[:nbytes]
         except BaseException:
             with self._lock:
                 self.outstanding -= 1
+                self.outstanding_bytes -= size
             raise
 
     def release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
         with self._lock:
             self.outstanding -= 1
+            self.outstanding_bytes -= base.numel()
             self._free.append(base)
             if len(self._free) > self.max_buffers:   # drop the smallest, by position: list.remove
                 # would compare tensors with ``==`` (elementwise; raises for buffers of other sizes)

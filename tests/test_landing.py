@@ -109,7 +109,7 @@ class _Landing:
     """A Lander on CPU caches with logging workers and ops: ``log`` gets ("copy", i) per piece
     submitted and ("verify", i) per verify + scatter call; ``results[i]`` the reported error (or None)."""
 
-    def __init__(self, msgs, dst, *, pool=None, max_inflight=4, lookahead=1, alive=None):
+    def __init__(self, msgs, dst, *, pool=None, max_inflight=4, lookahead=1, alive=None, **lander_kw):
         self.msgs, self.log, self.results = msgs, [], {}
         self.all_reported = threading.Event()
         self.workers = _Workers(msgs, self.log)
@@ -117,7 +117,7 @@ class _Landing:
         self.hold = threading.Event()       # the launcher waits in its first alive() call until set
         ops = SimpleNamespace(verify_scatter=self._verify)
         self.lander = Lander(ops, None, self.pool, self._report, self._alive, max_inflight=max_inflight,
-                             piece_bytes=300, executor=self.workers, workers=2, lookahead=lookahead)
+                             piece_bytes=300, executor=self.workers, workers=2, lookahead=lookahead, **lander_kw)
         self._alive_fn = alive or (lambda job: True)
         self.jobs = [m.job(dst, SimpleNamespace(idx=i)) for i, m in enumerate(msgs)]
 
@@ -199,8 +199,10 @@ class _BoundedPool(PinnedPool):
         super().release(buf)
 
 
-def test_pool_bound_holds_without_deadlock(monkeypatch):
-    """With ``max_inflight`` 2, lookahead 1 and every device event held: the launcher lands two
+@pytest.mark.parametrize("bound", ["messages", "bytes"])
+def test_pool_bound_holds_without_deadlock(monkeypatch, bound):
+    """With room for two messages in flight (``max_inflight`` 2, or ``max_inflight_bytes`` of two
+    and a half messages), lookahead 1 and every device event held: the launcher lands two
     messages and then waits (the third is neither started nor launched: two buffers are the
     device's); releasing the first event lets the third start, in the first one's buffer. At no
     point do messages hold more than two buffers, and no buffer goes back before its event passed."""
@@ -213,7 +215,9 @@ def test_pool_bound_holds_without_deadlock(monkeypatch):
     src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
     msgs = _messages(src, 6)
     pool = _BoundedPool(events, bound=2)
-    t = _Landing(msgs, dst, pool=pool, max_inflight=2)
+    room = dict(max_inflight=2) if bound == "messages" else \
+        dict(max_inflight=64, max_inflight_bytes=sum(msgs[0].h.nbytes) * 5 // 2)
+    t = _Landing(msgs, dst, pool=pool, **room)
     try:
         t.submit_all()
         assert until(lambda: len(events) == 2), "two messages landed"

@@ -25,11 +25,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kvconnector.decode as decode_mod
 import kvconnector.landing as landing_mod
 from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc, until
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
-from kvconnector.decode import RECV_BUFFERS, RECV_INTO
+from kvconnector.decode import RECV_INTO
 from kvconnector.device_frames import DeviceWrite, _ok_view, aux_words
 from kvconnector.protocol import CHECKSUM, MIX64, Header, MsgType
 from kvconnector.staging import PinnedPool
@@ -312,10 +313,10 @@ def test_torch_frame_ops_match_the_kernels():
 @pytest.mark.parametrize("recv_into,copy_threads", [(True, None), (False, 0), (False, 2)],
                          ids=["recv_into", "zero-copy-landing-thread-copies", "zero-copy-2-copy-workers"])
 def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
-    """A pull of more messages than the decode side's pinned pool keeps, of two sizes (each layer
-    as a 32-block and an 8-block message, like 256-block INT8 pulls of a Llama-8B layer set at
-    8 MiB chunks), all received while the I/O thread is held, so every buffer is handed back in
-    one tick: every message lands, byte-exact, and the pull completes; both ways of filling the
+    """A pull of more messages than the decode side's pinned pool keeps (each layer as two
+    20-block messages of 0.66 MiB, the 40 blocks a layer split evenly under a 32-block chunk),
+    all received while the I/O thread is held, so every buffer is handed back in one tick: every
+    message lands, byte-exact, and the pull completes; both ways of filling the
     pinned buffers (``recv_into``, or zero-copy frames copied by the landing thread in ten pieces,
     or by two copy workers, half a message each)."""
     if recv_into and not RECV_INTO:
@@ -339,8 +340,8 @@ def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
         assert res.nbytes == 8 * 40 * desc.block_bytes
         assert dec.metrics.c["blocks_messages"] == 16 > dec._pinned.max_buffers
         into, backlog = dec.metrics.c["frames_received_into"], dec.metrics.c["frames_received_zero_copy_backlog"]
-        if recv_into:   # into pinned buffers while fewer than RECV_BUFFERS were held, zero copy beyond
-            assert into >= RECV_BUFFERS and into + backlog == 16
+        if recv_into:   # into pinned buffers while they hold less than RECV_BYTES: 16 MiB here, all of them
+            assert into == 16 and backlog == 0
         else:
             assert into == backlog == 0
         for s, d in zip(src, dst):
@@ -349,11 +350,12 @@ def test_many_mixed_size_messages_in_flight(device, recv_into, copy_threads):
 
 
 @pytest.mark.skipif(not RECV_INTO, reason="pyzmq without Socket.recv_into")
-def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
+def test_receive_backlog_holds_at_most_recv_bytes_of_pinned_buffers(monkeypatch):
     """With ``recv_into``, while the landing thread is held (a slow device, say) the I/O thread
-    receives into at most RECV_BUFFERS pooled pinned buffers and takes later messages zero copy,
-    so a backlog never makes it allocate pinned memory message by message; once the landing
-    thread goes on, every message lands byte-exact, the pool holds nothing and keeps its bound."""
+    receives into pooled pinned buffers until they hold RECV_BYTES (here 8 MiB: eight 1 MiB
+    buffers, the pool's smallest) and takes later messages zero copy, so a backlog never makes it
+    allocate pinned memory message by message; once the landing thread goes on, every message
+    lands byte-exact, the pool holds nothing and keeps its bound."""
     gate = threading.Event()
     real = landing_mod.verify_group
 
@@ -361,7 +363,9 @@ def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
         gate.wait(30)
         return real(*args, **kwargs)
     monkeypatch.setattr(landing_mod, "verify_group", held)
-    n = RECV_BUFFERS + 4
+    monkeypatch.setattr(decode_mod, "RECV_BYTES", 8 << 20)
+    into = 8
+    n = into + 4
     desc = make_desc(num_layers=n, num_blocks=4)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
     with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
@@ -374,9 +378,9 @@ def test_receive_backlog_holds_at_most_recv_buffers_pinned_buffers(monkeypatch):
             while c["frames_received_into"] + c["frames_received_zero_copy_backlog"] < 2 * n \
                     and time.monotonic() - t0 < 20:
                 time.sleep(0.01)
-            assert c["frames_received_into"] == RECV_BUFFERS
-            assert c["frames_received_zero_copy_backlog"] == 2 * n - RECV_BUFFERS == dec.stage_times()["backlog"]
-            assert dec._pinned.outstanding == RECV_BUFFERS
+            assert c["frames_received_into"] == into
+            assert c["frames_received_zero_copy_backlog"] == 2 * n - into == dec.stage_times()["backlog"]
+            assert dec._pinned.outstanding == into and dec._pinned.outstanding_bytes == 8 << 20
         finally:
             gate.set()   # the landing thread goes on (also when an assertion failed: the endpoints close)
         res = handle.result(timeout=30)
