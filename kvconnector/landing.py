@@ -78,8 +78,10 @@ from .trace import Trace
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
 #                           copy of the next and the copy workers share a message, large enough to amortize each call
 MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no finer than this
-MAX_INFLIGHT = 64         # messages holding pinned buffers (copies started, or the device may still be reading
-MAX_INFLIGHT_BYTES = 64 << 20   # them), and their payload bytes, before the lander waits
+# messages holding pinned buffers (copies started, or the device may still be reading them), and their
+# payload bytes, before the lander waits
+MAX_INFLIGHT = 64
+MAX_INFLIGHT_BYTES = 64 << 20
 LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
 GROUP_BYTES = 8 << 20     # a group's device staging buffer: messages verified + scattered in one pass (module doc)
 AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
