@@ -43,6 +43,8 @@ from layouts import CorruptFrameError
 from .protocol import Header
 
 _MASK = (1 << 64) - 1
+GROUP_BYTES = 8 << 20     # payload bytes one device pass covers: a prefill gather of consecutive messages, a
+#                           decode verify + scatter of the messages waiting together (kvconnector.sender, .landing)
 _cpu_gathers: ThreadPoolExecutor | None = None
 _cpu_gathers_lock = threading.Lock()
 

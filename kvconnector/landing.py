@@ -71,7 +71,7 @@ from typing import Callable
 
 import torch
 
-from .device_frames import AuxBuffers, HostFill, stage_payload, verify_group
+from .device_frames import GROUP_BYTES, AuxBuffers, HostFill, stage_payload, verify_group
 from .protocol import continue_payload
 from .trace import Trace
 
@@ -83,7 +83,6 @@ MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no f
 MAX_INFLIGHT = 64
 MAX_INFLIGHT_BYTES = 64 << 20
 LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
-GROUP_BYTES = 8 << 20     # a group's device staging buffer: messages verified + scattered in one pass (module doc)
 AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
 
 

@@ -53,7 +53,7 @@ import torch
 
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
-from .device_frames import gather_messages
+from .device_frames import GROUP_BYTES, gather_messages
 from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, continue_payload, encode_header
 from .trace import Trace
 
@@ -61,7 +61,6 @@ from .trace import Trace
 MIN_FRAME_BYTES = 256 << 10  # below this mean run size, gathering beats per-run frames
 HASH_PIECE_BYTES = 512 << 10  # gather + hash in pieces this big (hot in L2), see module doc
 PACK_BYTES = 4 << 20         # whole layers smaller than this share a message (up to this size)
-GROUP_BYTES = 8 << 20        # device kernels: consecutive messages gathered + checksummed by one launch (module doc)
 INFLIGHT_BYTES = 24 << 20     # gathered bytes per stream queued in ZeroMQ before staging waits
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
