@@ -267,9 +267,9 @@ class Lander:
         ``max_inflight_bytes``) beside the messages holding pinned buffers: stage the started
         messages and queue the open group's verify + scatter (their buffers are then the device's
         only), then wait for the device to end the oldest groups."""
-        group = self._group.jobs if self._group else []
-        mine = list(self._started) + group
-        if self._full(len(mine), sum(sum(j.h.nbytes) for j in mine), nbytes):
+        g, started = self._group, self._started
+        n = len(started) + (len(g.jobs) if g else 0)
+        if self._full(n, sum(sum(j.h.nbytes) for j in started) + (g.used if g else 0), nbytes):
             while self._started:
                 self._stage(self._started.popleft())
             self._close_group()
