@@ -6,9 +6,9 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
 ``kvconnector/convert.py``). Then the host runs no pass over the payload at all:
 
 - prefill (:func:`gather_messages`): one kernel gathers the blocks of a group of consecutive
-  messages into a device buffer and computes each message's ``mix64``; one device-to-host copy
-  per message puts its payload in a pinned buffer that is sent with zero copy, the checksums
-  follow in one small copy. All is queued on the endpoint's copy stream, so the next group is
+  messages (one stretch of the pull's layer-major payload, across layers too) into a device
+  buffer and computes each message's ``mix64``; one device-to-host copy per message puts its
+  payload in a pinned buffer that is sent with zero copy, the checksums follow in one small copy. All is queued on the endpoint's copy stream, so the next group is
   gathered and copied while this one is on the wire.
 - decode (run by the endpoint's landing thread, :mod:`kvconnector.landing`): each message's
   payload is copied to its place in a device staging buffer (:func:`stage_payload`: received
@@ -66,11 +66,14 @@ class FrameOps(Protocol):
     ``mix64`` values stored as the bits of int64."""
 
     def gather(self, caches: list, block_ids: torch.Tensor, *, out: torch.Tensor, checksums: torch.Tensor,
-               heads: tuple | None = None, frame_nbytes=None) -> None: ...
+               heads: tuple | None = None, frame_nbytes=None, start: int | None = None) -> None: ...
 
     def verify_scatter(self, staging: torch.Tensor, expected: torch.Tensor, caches: list,
                        block_ids: torch.Tensor, *, ok: torch.Tensor, checksums: torch.Tensor | None = None,
-                       heads: tuple | None = None, frame_nbytes=None) -> None: ...
+                       heads: tuple | None = None, frame_nbytes=None, start: int | None = None) -> None: ...
+
+    # ``start`` (both): the buffer holds whole (layer, position) cells of the layer-major payload
+    # of ``caches`` x ``block_ids`` from cell ``layer·k + position`` on; None: the whole payload.
 
     def warmup(self, device) -> None:
         """Compile the kernels for ``device`` (endpoints call it at construction, when present)."""
@@ -130,24 +133,28 @@ class DeviceGather:
 
 
 def gather_messages(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads: range, hosts: list,
-                    copy_stream) -> list:
+                    copy_stream, *, start: int | None = None) -> list:
     """Queue one gather + ``mix64`` of consecutive messages (one frame each) whose payloads
-    concatenate to the layer-major payload of ``caches`` x ``block_ids``, then each message's copy
-    into its host buffer; one :class:`DeviceGather` per message, each ready once its own copy has
-    landed (the first message can leave while the later ones are still copied).
+    concatenate to the layer-major payload of ``caches`` x ``block_ids`` (or, with ``start``, to the
+    stretch of it from that cell on), then each message's copy into its host buffer; one
+    :class:`DeviceGather` per message, each ready once its own copy has landed (the first message
+    can leave while the later ones are still copied).
 
     Parameters
     ----------
-    caches : list of packed per-layer caches, the messages' layers in order (read only)
+    caches : list of packed per-layer caches (read only): the messages' layers in order, or, with
+        ``start``, every layer of the pull
     block_ids : [k] int64 on the caches' device, source blocks in transfer order
     heads : range of local heads to send
     hosts : list of [n_i] uint8, CPU (pinned for CUDA caches), the messages' payloads in order
-        (``sum(n_i) = nlay·k·2·N·h·P``), each written once its event fires
+        (``sum(n_i) = nlay·k·2·N·h·P``, or whole cells from ``start``), each written once its event fires
     copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write the payloads
         directly, on one gather thread of the process: :func:`_cpu_gather_thread`)
         Already ordered after the writes of the blocks (it waited for the event recorded at
         publish): nothing else queued on other streams since, e.g. the next forward pass, holds
         the gather back.
+    start : int, optional
+        The payload cell (``layer·k + position``) the first message starts at.
     """
     hd = (heads.start, heads.stop)
     sizes = [h.numel() for h in hosts]
@@ -157,7 +164,7 @@ def gather_messages(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads:
 
         def run():
             out = hosts[0] if split is None else torch.empty(sum(sizes), dtype=torch.uint8)
-            ops.gather(caches, block_ids, out=out, checksums=sums, heads=hd, frame_nbytes=split)
+            ops.gather(caches, block_ids, out=out, checksums=sums, heads=hd, frame_nbytes=split, start=start)
             if split is not None:
                 off = 0
                 for h, n in zip(hosts, sizes):
@@ -170,7 +177,7 @@ def gather_messages(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads:
     with torch.cuda.stream(copy_stream):   # allocated on this stream: reuse is ordered after these copies
         dev = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         dev_sums = torch.empty(len(hosts), dtype=torch.int64, device=device)
-        ops.gather(caches, block_ids, out=dev, checksums=dev_sums, heads=hd, frame_nbytes=split)
+        ops.gather(caches, block_ids, out=dev, checksums=dev_sums, heads=hd, frame_nbytes=split, start=start)
         sums = torch.empty(len(hosts), dtype=torch.int64, pin_memory=True)
         sums.copy_(dev_sums, non_blocking=True)
         for j, (h, n) in enumerate(zip(hosts, sizes)):
@@ -236,11 +243,11 @@ def stage_payload(host: torch.Tensor, staging: torch.Tensor, *, fill: HostFill |
 
 def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: list, block_ids: torch.Tensor,
                  heads: range, copy_stream, *, aux: AuxBuffers | None = None, ready=None,
-                 current: bool = False) -> DeviceWrite:
+                 current: bool = False, start: int | None = None) -> DeviceWrite:
     """Queue verify + scatter of messages staged back to back in ``staging`` (one, or a group whose
-    payloads concatenate to one layer-major payload: consecutive position runs of one layer, or
-    consecutive layers of the same run); the scatter writes nothing unless every frame of every
-    message matched.
+    payloads follow each other in the pull's layer-major payload,
+    :func:`~kvconnector.protocol.payload_cells`); the scatter writes nothing unless every frame of
+    every message matched.
 
     Parameters
     ----------
@@ -248,8 +255,10 @@ def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: li
         The BLOCKS headers in staging order (frame byte counts already checked against the
         frames received); their frames, in order, are the frames verified.
     staging : [sum of every header's nbytes] uint8, on the caches' device (CPU caches: host memory)
-    caches : list of the packed per-layer caches the group covers (written only on a match)
-    block_ids : [nblk] int64 on the caches' device, destination blocks of the group's positions
+    caches : list of the packed per-layer caches the message covers, or with ``start`` every layer
+        of the pull (written only on a match, only the cells staged)
+    block_ids : [nblk] int64 on the caches' device, destination blocks of the message's positions
+        (with ``start``: of the whole pull)
     heads : range of local heads the messages carry
     copy_stream : torch.cuda.Stream, or None for CPU caches (everything completes in the call)
     aux : AuxBuffers, optional (CUDA caches)
@@ -263,6 +272,8 @@ def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: li
         ``copy_stream`` is already the calling thread's current stream and ``caches``' device its
         current device (the landing thread sets both once): every torch call releases and retakes
         the GIL, so the per-call stream switch is left out.
+    start : int, optional
+        The payload cell (``layer·nblk + position``) ``staging`` starts at.
     """
     nbytes = [n for h in headers for n in h.nbytes]
     expected = [_signed(c) for h in headers for c in h.checksums]
@@ -270,7 +281,7 @@ def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: li
     if copy_stream is None:
         ok, sums = torch.empty(nf + 1, dtype=torch.int32), torch.empty(nf, dtype=torch.int64)
         ops.verify_scatter(staging, torch.tensor(expected, dtype=torch.int64), caches, block_ids, ok=ok,
-                           checksums=sums, heads=hd, frame_nbytes=nbytes)
+                           checksums=sums, heads=hd, frame_nbytes=nbytes, start=start)
         return DeviceWrite(False, headers, ok, sums)
     device = caches[0].device
     if aux is None or aux.max_frames < nf:
@@ -284,7 +295,7 @@ def verify_group(ops: FrameOps, headers: list, staging: torch.Tensor, caches: li
     with contextlib.nullcontext() if current else torch.cuda.stream(copy_stream):
         v.dev_expected.copy_(v.host_expected, non_blocking=True)
         ops.verify_scatter(staging, v.dev_expected, caches, block_ids, ok=v.dev_ok, checksums=v.dev_sums,
-                           heads=hd, frame_nbytes=nbytes)
+                           heads=hd, frame_nbytes=nbytes, start=start)
         v.host_back.copy_(v.dev_back, non_blocking=True)
     return DeviceWrite(True, headers, v.host_ok, v.host_sums)
 

@@ -20,15 +20,16 @@ the launcher queues message k's device copy:
    received into the pool or written by NIXL, in one copy; otherwise piece by piece right behind
    the workers' host copies, :func:`kvconnector.device_frames.stage_payload`).
 
-A group is the messages of one pull staged back to back whose payloads concatenate to one
-layer-major payload (consecutive position runs of one layer, or consecutive layers of one run),
-up to ``group_bytes`` and ``AUX_FRAMES`` frames. It is closed, its verify + scatter queued
-(:func:`kvconnector.device_frames.verify_group`: the scatter writes nothing unless every frame of
-the group matched) and a blocking event recorded, as soon as no further message is waiting, the
-next one does not extend it, or it is full. So a landing thread that keeps up verifies each
-message alone, and one that falls behind (small messages arriving faster than a verify +
-scatter launches: three Triton launches, ~0.1 ms of host time) verifies what piled up in one
-pass, paying the launches once for the group instead of once a message.
+A group is the messages of one pull staged back to back whose payloads follow each other in the
+pull's layer-major payload (:func:`kvconnector.protocol.payload_cells`: the next positions of a
+layer, the next layers, across layer boundaries too), up to ``group_bytes`` and ``AUX_FRAMES``
+frames. It is closed, its verify + scatter queued (:func:`kvconnector.device_frames.verify_group`:
+the scatter writes nothing unless every frame of the group matched) and a blocking event
+recorded, as soon as no further message is waiting, the next one does not extend it, or it is
+full. So a landing thread that keeps up verifies each message alone, and one that falls behind
+(small messages arriving faster than a verify + scatter launches: three Triton launches, ~0.1 ms
+of host time) verifies what piled up in one pass, paying the launches once for the group instead
+of once a message.
 
 Without copy workers the launcher copies the pieces itself in the stage phase, right after the
 start: there is nothing to overlap.
@@ -72,7 +73,7 @@ from typing import Callable
 import torch
 
 from .device_frames import GROUP_BYTES, AuxBuffers, HostFill, stage_payload, verify_group
-from .protocol import continue_payload
+from .protocol import payload_cells
 from .trace import Trace
 
 PIECE_BYTES = 2 << 20     # host copy -> device copy granularity: small enough that the DMA of a piece overlaps the
@@ -121,30 +122,41 @@ class LandJob:
         self.ready = getattr(p, "ready", None)   # CUDA: the event of the pull's start (DecodeEndpoint.pull)
 
 
+def _cells(job: LandJob) -> tuple | None:
+    """The pull's payload cells ``[a, b)`` the message carries (:func:`payload_cells`), or None
+    when it cannot share a group (no pull-wide tensors given, or not one stretch)."""
+    if job.pull_ids is None or job.layers is None:
+        return None
+    h = job.h
+    return payload_cells(h.layer, h.nlay, h.first, h.nblk, job.pull_ids.numel())
+
+
 class _Group:
     """Messages of one pull staged back to back in one device buffer, verified + scattered in one
-    pass; ``run``: the (layer, nlay, first, nblk) they cover (one layer-major payload)."""
+    pass; ``span``: the payload cells ``[a, b)`` of the pull they cover, or None for a message
+    verified alone on its own layers and blocks."""
 
-    __slots__ = ("jobs", "staging", "used", "frames", "run", "aux", "write", "event", "live")
+    __slots__ = ("jobs", "staging", "used", "frames", "span", "aux", "write", "event", "live")
 
     def __init__(self, staging: torch.Tensor) -> None:
-        self.jobs, self.staging, self.used, self.frames, self.run = [], staging, 0, 0, None
+        self.jobs, self.staging, self.used, self.frames, self.span = [], staging, 0, 0, None
         self.aux = self.write = self.event = None
         self.live = True      # False: the pull died before the verify + scatter was queued (none queued)
 
     def extended(self, job: LandJob) -> tuple | None:
-        """The run the group covers with ``job`` added (it continues the group's payload: same
+        """The span the group covers with ``job`` added (its payload follows the group's: same
         pull and heads, room left), else None."""
         h, j0 = job.h, self.jobs[0]
-        if job.p is not j0.p or job.pull_ids is None or job.heads != j0.heads:
+        if self.span is None or job.p is not j0.p or job.heads != j0.heads:
             return None
         if self.frames + len(h.nbytes) > AUX_FRAMES or self.used + sum(h.nbytes) > self.staging.numel():
             return None
-        return continue_payload(self.run, h.layer, h.nlay, h.first, h.nblk)
+        cells = _cells(job)
+        return None if cells is None or cells[0] != self.span[1] else (self.span[0], cells[1])
 
-    def add(self, job: LandJob, run: tuple) -> None:
+    def add(self, job: LandJob, span: tuple | None) -> None:
         self.jobs.append(job)
-        self.run = run
+        self.span = span
         self.used += sum(job.h.nbytes)
         self.frames += len(job.h.nbytes)
 
@@ -320,16 +332,16 @@ class Lander:
             self._drop(job)
             return
         h, g = job.h, self._group
-        run = (h.layer, h.nlay, h.first, h.nblk) if g is None else g.extended(job)
-        if run is None:
+        span = None if g is None else g.extended(job)
+        if span is None:
             self._close_group()
-            g, run = None, (h.layer, h.nlay, h.first, h.nblk)
+            g, span = None, _cells(job)
         total = sum(h.nbytes)
         try:
             with self._launch_time("land", job):
                 try:
                     if g is None:
-                        size = max(total, self.group_bytes if job.pull_ids is not None else 0)
+                        size = max(total, self.group_bytes if span is not None else 0)
                         device = "cpu" if self.stream is None else self.stream.device
                         g = _Group(torch.empty(size, dtype=torch.uint8, device=device))   # on the copy stream
                     stage_payload(job.host, g.staging[g.used:g.used + total], fill=job.fill, timings=self.stage_s)
@@ -343,7 +355,7 @@ class Lander:
             self._fail(job, e)
             return
         job.frames = job.fill = None    # ZeroMQ's buffers go back now
-        g.add(job, run)
+        g.add(job, span)
         self._group = g
 
     def _close_group(self) -> None:
@@ -363,14 +375,12 @@ class Lander:
                                 g.aux = self._aux_free.pop() if g.frames <= AUX_FRAMES else None
                             except IndexError:
                                 g.aux = AuxBuffers(AUX_FRAMES, self.stream.device)
-                        if len(g.jobs) == 1:
-                            caches, ids = j0.caches, j0.ids
-                        else:
-                            layer, nlay, first, nblk = g.run
-                            caches, ids = j0.layers[layer:layer + nlay], j0.pull_ids[first:first + nblk]
+                        caches, ids, start = ((j0.caches, j0.ids, None) if g.span is None
+                                              else (j0.layers, j0.pull_ids, g.span[0]))
                         ready = j0.ready if j0.ready is not self._waited else None   # the stream waited already
                         g.write = verify_group(self.ops, [j.h for j in g.jobs], g.staging[:g.used], caches, ids,
-                                               j0.heads, self.stream, aux=g.aux, ready=ready, current=True)
+                                               j0.heads, self.stream, aux=g.aux, ready=ready, current=True,
+                                               start=start)
                         self._waited = j0.ready
                         self.stage_s["groups"] += 1
                     g.event = _record(self.stream)

@@ -344,17 +344,16 @@ def blocks_tid(buf) -> str | None:
     return tid if isinstance(tid, str) and 0 < len(tid) <= MAX_TID_CHARS else None
 
 
-def continue_payload(run: tuple, layer: int, nlay: int, first: int, nblk: int) -> tuple | None:
-    """The ``(layer, nlay, first, nblk)`` that messages covering ``run`` (the same tuple) and then
-    a message of layers ``layer .. layer + nlay - 1`` x positions ``first .. first + nblk - 1``
-    cover together, when their payloads back to back are that one layer-major payload ("BLOCKS"):
-    the next positions of the same single layer, or the next layers of the same positions; None
-    when they are not."""
-    r_layer, r_nlay, r_first, r_nblk = run
-    if r_nlay == 1 and nlay == 1 and layer == r_layer and first == r_first + r_nblk:
-        return r_layer, 1, r_first, r_nblk + nblk
-    if first == r_first and nblk == r_nblk and layer == r_layer + r_nlay:
-        return r_layer, r_nlay + nlay, r_first, r_nblk
+def payload_cells(layer: int, nlay: int, first: int, nblk: int, n: int) -> tuple[int, int] | None:
+    """The cells ``[a, b)`` of a pull of ``n`` blocks (cell ``layer·n + position``, layer-major:
+    the order of the pull's whole payload, "BLOCKS") that a message of layers ``layer ..
+    layer + nlay - 1`` x positions ``first .. first + nblk - 1`` carries, when its payload is one
+    stretch of that whole payload (one layer, or every position); None when it is not. Messages
+    whose stretches follow each other (``a`` of the next = ``b`` of the one before) concatenate to
+    one stretch, whatever layers they cross: one device pass can gather or verify them together."""
+    if nlay == 1 or (first == 0 and nblk == n):
+        a = layer * n + first
+        return a, a + (nlay - 1) * n + nblk
     return None
 
 

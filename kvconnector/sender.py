@@ -21,9 +21,9 @@ hot, so the checksum costs a cache read instead of a second pass over memory.
 
 With ``mix64`` negotiated and the device kernels given (``frame_ops``), chunks are instead
 gathered and checksummed on the GPU in groups: one kernel launch covers consecutive messages
-that continue one layer-major payload (the next runs of positions of one layer, or the next
-layers of one run; up to ``GROUP_BYTES``), each message then copied to its own pinned buffer on
-the copy stream (:func:`kvconnector.device_frames.gather_messages`); the host never reads the
+(their payloads follow each other in the pull's layer-major payload, whatever layers they cross:
+:func:`~kvconnector.protocol.payload_cells`; up to ``GROUP_BYTES``), each message then copied to
+its own pinned buffer on the copy stream (:func:`kvconnector.device_frames.gather_messages`); the host never reads the
 payload, and the two Triton launches a gather costs (~20-35 µs each from Python) are paid once a
 group, so messages can be small (the decode side then copies one to the GPU while the next is on
 the wire) without the host work per message outgrowing the wire time.
@@ -54,7 +54,7 @@ import torch
 from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
 from .device_frames import GROUP_BYTES, gather_messages
-from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, continue_payload, encode_header
+from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header, payload_cells
 from .trace import Trace
 
 
@@ -386,36 +386,38 @@ class Stream:
         self._hook("checksum")
         return frames, [checksum(f, self.algorithm) for f in frames]
 
-    def _group(self, head: tuple, limit: int | None) -> tuple[list, tuple]:
+    def _group(self, head: tuple, limit: int | None) -> tuple[list, int]:
         """``head`` (layer, nlay, first, count), the message popped from the plan, and the planned
-        messages after it that one gather can stage with it: they continue one layer-major payload
-        (the next runs of positions of the same single layer, or the next layers of the same run),
-        their layers are written, and the group stays within ``GROUP_BYTES`` (and ``limit``
-        messages). Returns the group's messages and the (layer, nlay, first, count) it covers."""
-        group, run, n = [head], head, len(self.block_ids)
-        size = head[1] * slice_bytes(self.geo, head[3], self.local_heads)
+        messages after it that one gather can stage with it: each one's payload follows the one
+        before in the pull's layer-major payload (:func:`~kvconnector.protocol.payload_cells`; the
+        plan's order, across layers too), their layers are written, and the group stays within
+        ``GROUP_BYTES`` (and ``limit`` messages). Returns the group's messages and the payload cell
+        it starts at."""
+        n = len(self.block_ids)
+        group, span = [head], payload_cells(*head, n)   # never None: several layers only with every position
+        size = head[1] * head[3] * self._per_block
         while self._plan and (limit is None or len(group) < limit):
             la, nl, f = self._plan[0]
             k = min(self.chunk_blocks, n - f)
-            more = nl * slice_bytes(self.geo, k, self.local_heads)
-            nxt = continue_payload(run, la, nl, f, k)
-            if nxt is None or size + more > GROUP_BYTES or not self._layer_ready():
+            more = nl * k * self._per_block
+            nxt = payload_cells(la, nl, f, k, n)
+            if nxt is None or nxt[0] != span[1] or size + more > GROUP_BYTES or not self._layer_ready():
                 break
             self._plan.popleft()
             group.append((la, nl, f, k))
-            run, size = nxt, size + more
-        return group, run
+            span, size = (span[0], nxt[1]), size + more
+        return group, span[0]
 
     def _stage(self, limit: int | None = None) -> None:
         layer, nlay, first = self._plan.popleft()
         k = min(self.chunk_blocks, len(self.block_ids) - first)
         if self.frame_ops is not None:   # gather + mix64 on the device, queued (device_frames)
             self._hook("gather")
-            group, (g_layer, g_nlay, g_first, g_nblk) = self._group((layer, nlay, first, k), limit)
+            group, start = self._group((layer, nlay, first, k), limit)
             pin = self.copy_stream is not None
-            bufs = [self.pool.acquire(nl * slice_bytes(self.geo, kk, self.local_heads), pin=pin) for _, nl, _, kk in group]
-            jobs = gather_messages(self.frame_ops, self.caches[g_layer:g_layer + g_nlay],
-                                   self._ids_dev[g_first:g_first + g_nblk], self.local_heads, bufs, self.copy_stream)
+            bufs = [self.pool.acquire(nl * kk * self._per_block, pin=pin) for _, nl, _, kk in group]
+            jobs = gather_messages(self.frame_ops, self.caches, self._ids_dev, self.local_heads, bufs,
+                                   self.copy_stream, start=start)
             for (la, nl, f, kk), job, buf in zip(group, jobs, bufs):
                 self._staged.append((la, nl, f, kk, job, buf, None))
             self._timings["gathers"] = self._timings.get("gathers", 0) + 1

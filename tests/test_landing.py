@@ -338,22 +338,23 @@ def _pull_msg(src, layer, nlay, first, nblk, src_ids, corrupt=False):
 @pytest.mark.parametrize("corrupt", [None, 1], ids=["all-match", "middle-corrupt"])
 def test_messages_waiting_together_are_verified_in_one_pass(corrupt):
     """Messages of one pull queued together are staged back to back and verified + scattered in
-    one call when they continue one layer-major payload: three runs of positions of layer 0, then
-    layer 1 over the same positions, in one pass; a message of another pull, and one that does not
-    continue the payload, each in their own. Every block lands byte-exact; with one flipped byte in
-    the second message, its whole pass is reported with that CorruptFrameError (naming it) and
-    writes nothing, while the passes around it land."""
+    one call when their payloads follow each other in the pull's layer-major payload: three runs of
+    positions of layer 0, then the first run of layer 1 (across the layer boundary), in one pass
+    over every layer and the pull's blocks from cell 0; a message of another pull, and the next
+    run of the first pull after it, each in their own. Every block lands byte-exact; with one
+    flipped byte in the second message, its whole pass is reported with that CorruptFrameError
+    (naming it) and writes nothing, while the passes around it land."""
     src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
     before = [c.clone() for c in dst]
     src_ids, dst_ids = [3, 9, 1, 12, 7, 0, 5, 14], [2, 4, 6, 8, 10, 11, 13, 15]
     pull_a, pull_b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
     dst_a = torch.tensor(dst_ids)
-    plan = [(pull_a, 0, 1, 0, 2), (pull_a, 0, 1, 2, 2), (pull_a, 0, 1, 4, 4), (pull_a, 1, 1, 0, 8),
-            (pull_b, 0, 1, 0, 1), (pull_a, 1, 1, 0, 1)]     # the last: pull a again, does not continue b
+    plan = [(pull_a, 0, 1, 0, 2), (pull_a, 0, 1, 2, 2), (pull_a, 0, 1, 4, 4), (pull_a, 1, 1, 0, 3),
+            (pull_b, 0, 1, 0, 1), (pull_a, 1, 1, 3, 1)]     # the last: pull a again, does not continue b
     calls, reports, hold = [], [], threading.Event()
 
     def verify(staging, expected, caches, block_ids, **kw):
-        calls.append((len(caches), block_ids.tolist(), expected.numel()))
+        calls.append((len(caches), block_ids.tolist(), expected.numel(), kw.get("start")))
         TORCH_FRAME_OPS.verify_scatter(staging, expected, caches, block_ids, **kw)
     lander = Lander(SimpleNamespace(verify_scatter=verify), None, PinnedPool(), reports.extend,
                     lambda job: hold.wait(20))
@@ -368,21 +369,22 @@ def test_messages_waiting_together_are_verified_in_one_pass(corrupt):
         lander.submit(job)
     hold.set()
     lander.close()
-    assert calls == [(2, dst_ids, 4), (1, [1], 1), (1, [2], 1)]     # three passes, the first over 4 messages
+    assert calls == [(2, dst_ids, 4, 0), (2, [1], 1, 0), (2, dst_ids, 1, 11)]   # 3 passes, the first of 4 messages
     got = {id(job): err for job, err in reports}
     assert len(got) == len(jobs) and all(job.future.done() for job in jobs)
     if corrupt is None:
         assert all(e is None for e in got.values())
-        for layer in range(2):
-            assert torch.equal(_b(dst[layer])[dst_ids], _b(src[layer])[src_ids])
+        assert torch.equal(_b(dst[0])[dst_ids], _b(src[0])[src_ids])
+        assert torch.equal(_b(dst[1])[dst_ids[:4]], _b(src[1])[src_ids[:4]])
+        assert torch.equal(_b(dst[1])[dst_ids[4:]], _b(before[1])[dst_ids[4:]])      # not sent
     else:
         errs = [got[id(j)] for j in jobs[:4]]
         assert all(isinstance(e, CorruptFrameError) for e in errs)
         assert "layer 0 payload frame 0 checksum (mix64" in str(errs[0]) and "3 other message(s)" in str(errs[0])
         assert torch.equal(_b(dst[0])[dst_ids], _b(before[0])[dst_ids])       # nothing of the pass written
-        assert torch.equal(_b(dst[1])[dst_ids[1:]], _b(before[1])[dst_ids[1:]])
+        assert torch.equal(_b(dst[1])[dst_ids[:3]], _b(before[1])[dst_ids[:3]])
         assert got[id(jobs[4])] is None and got[id(jobs[5])] is None           # the passes around it land
-        assert torch.equal(_b(dst[1])[[dst_ids[0]]], _b(src[1])[[src_ids[0]]])
+        assert torch.equal(_b(dst[1])[[dst_ids[3]]], _b(src[1])[[src_ids[3]]])
     assert torch.equal(_b(dst[0])[[1]], _b(src[0])[[11]])
 
 

@@ -15,8 +15,8 @@ import torch
 
 from kvconnector.blocks import gather_blocks, runs, scatter_blocks, slice_bytes
 from kvconnector.protocol import (MAX_HEADER_BYTES, PROTOCOL_HISTORY, PROTOCOL_VERSION, ErrorCode, Header,
-                                  MsgType, checksum, continue_payload, decode_header, encode_header,
-                                  encode_message, placement_checksum, verify_payloads)
+                                  MsgType, checksum, decode_header, encode_header, encode_message,
+                                  payload_cells, placement_checksum, verify_payloads)
 from layouts import CacheGeometry, CorruptFrameError, KVQuantMode, LayoutError, ProtocolVersionError
 
 pytestmark = pytest.mark.timeout(60)
@@ -201,24 +201,26 @@ def test_runs_groups_consecutive_ids():
     assert runs([4, 5, 6, 1, 2, 9]) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
 
 
-def test_continue_payload_only_where_the_payloads_concatenate_layer_major():
-    """Runs (layer, nlay, first, nblk) grow by the next positions of one single layer, or by the
-    next layers of the same positions, and by nothing else; checked against the byte layout: the
-    payloads back to back equal the payload of the run returned."""
-    rows = torch.arange(4 * 8).view(4, 8)        # one "block" per (layer, position)
+def test_payload_cells_are_the_stretch_of_the_pulls_payload_a_message_carries():
+    """A message's cells [a, b) (layer·n + position) are where its payload sits in the pull's whole
+    layer-major payload, checked against the byte layout: one layer or every position is one
+    stretch, several layers of some positions are not; messages whose stretches follow each
+    other (across layers too) concatenate to the stretch they cover together."""
+    n = 8
+    rows = torch.arange(4 * n).view(4, n)        # one "block" per (layer, position)
+    whole = rows.reshape(-1)
 
     def payload(layer, nlay, first, nblk):
         return rows[layer:layer + nlay, first:first + nblk].reshape(-1)
-    cases = {((1, 1, 2, 3), (1, 1, 5, 2)): (1, 1, 2, 5),       # next positions of layer 1
-             ((1, 1, 0, 8), (2, 2, 0, 8)): (1, 3, 0, 8),       # next layers, all positions
-             ((0, 2, 3, 4), (2, 1, 3, 4)): (0, 3, 3, 4),       # next layer, the same positions
-             ((1, 2, 2, 3), (1, 2, 5, 2)): None,                # positions of two layers: not contiguous
-             ((1, 1, 2, 3), (1, 1, 6, 2)): None,                # a gap
-             ((1, 1, 2, 3), (2, 1, 2, 4)): None,                # next layer, other positions
-             ((1, 1, 2, 3), (3, 1, 2, 3)): None,                # a layer skipped
-             ((1, 1, 2, 3), (0, 1, 2, 3)): None}                # the layer before
-    for (run, msg), want in cases.items():
-        got = continue_payload(run, *msg)
-        assert got == want, (run, msg)
+    cases = {(1, 1, 2, 3): (10, 13), (1, 1, 0, 8): (8, 16), (1, 2, 0, 8): (8, 24), (0, 4, 0, 8): (0, 32),
+             (3, 1, 7, 1): (31, 32), (1, 2, 2, 3): None, (0, 2, 0, 7): None, (2, 2, 1, 7): None}
+    for msg, want in cases.items():
+        got = payload_cells(*msg, n)
+        assert got == want, msg
         if got is not None:
-            assert torch.equal(torch.cat([payload(*run), payload(*msg)]), payload(*got))
+            assert torch.equal(whole[got[0]:got[1]], payload(*msg))
+    # consecutive messages of a plan that splits layers in runs: one stretch across the layer boundary
+    plan = [(1, 1, 0, 3), (1, 1, 3, 3), (1, 1, 6, 2), (2, 1, 0, 3), (2, 1, 3, 3)]
+    spans = [payload_cells(*m, n) for m in plan]
+    assert all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:]))
+    assert torch.equal(torch.cat([payload(*m) for m in plan]), whole[spans[0][0]:spans[-1][1]])

@@ -27,6 +27,7 @@ import torch
 
 import kvconnector.decode as decode_mod
 import kvconnector.landing as landing_mod
+import kvconnector.sender as sender_mod
 from connector_fakes import FakePrefill, GatedEvent, filled_caches, make_desc, until
 from kernels.transfer import FRAME_OPS
 from kvconnector import DecodeEndpoint, PrefillEndpoint
@@ -254,8 +255,9 @@ def _ops(device):
 def test_slow_cpu_gather_does_not_read_as_a_dead_peer():
     """CPU caches: the prefill runs each message's gather + mix64 on its gather thread, not on its
     I/O thread, so a gather slower than the decode side's peer timeout (here 1.2 s of busy Python
-    per message, which holds the GIL between switches as Triton's interpreter does) leaves the
-    prefill answering heartbeats: the pull lands byte-exact, no ``peer silent``."""
+    per gather, which holds the GIL between switches as Triton's interpreter does; the pull's four
+    one-block messages in one gather) leaves the prefill answering heartbeats: the pull lands
+    byte-exact, no ``peer silent``."""
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, num_kv_heads=2, block_size=4, num_layers=2,
                      num_blocks=10)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
@@ -280,7 +282,7 @@ def test_slow_cpu_gather_does_not_read_as_a_dead_peer():
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
         assert not pre.errors and not dec.errors
-    assert len(gathers) >= 2 and all(name.startswith("kvc-frames") for name in gathers), gathers
+    assert len(gathers) == 1 and gathers[0].startswith("kvc-frames"), gathers
 
 
 def test_torch_frame_ops_match_the_kernels():
@@ -357,12 +359,6 @@ def test_receive_backlog_holds_at_most_recv_bytes_of_pinned_buffers(monkeypatch)
     allocate pinned memory message by message; once the landing thread goes on, every message
     lands byte-exact, the pool holds nothing and keeps its bound."""
     gate = threading.Event()
-    real = landing_mod.verify_group
-
-    def held(*args, **kwargs):
-        gate.wait(30)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(landing_mod, "verify_group", held)
     monkeypatch.setattr(decode_mod, "RECV_BYTES", 8 << 20)
     into = 8
     n = into + 4
@@ -370,6 +366,8 @@ def test_receive_backlog_holds_at_most_recv_bytes_of_pinned_buffers(monkeypatch)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
     with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=TORCH_FRAME_OPS) as pre, \
             DecodeEndpoint(dst, desc, frame_ops=TORCH_FRAME_OPS, recv_into=True) as dec:
+        alive = dec._lander.alive
+        dec._lander.alive = lambda job: gate.wait(30) and alive(job)   # takes nothing before the gate opens
         dec.connect(pre.endpoint, timeout_s=5)
         pre.publish("t", [2, 0])
         handle = dec.pull("t", [1, 3], deadline_s=30)   # one message per layer and block: 2n messages
@@ -535,11 +533,12 @@ def test_transfer_floor_probe_splits_like_the_burst_and_lands_every_byte():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_small_messages_are_gathered_and_verified_in_groups(device):
-    """A pull of one message per block and layer (4 layers x 4 blocks: 16 messages): the prefill
-    gathers each layer's four messages with one launch (4 launches, each message its own checksum),
-    and the decode side, its landing thread held until every message has arrived, verifies them
-    in one pass per layer (4 passes for 16 messages); every block lands byte-exact."""
+def test_small_messages_are_gathered_and_verified_in_groups(device, monkeypatch):
+    """A pull of one message per block and layer (4 layers x 4 blocks: 16 messages), both sides'
+    groups bounded at 6 messages' bytes: the prefill gathers them with 3 launches (6, 6 and 4
+    messages, across layer boundaries, each message its own checksum), and the decode side, its
+    landing thread held until every message has arrived, verifies them in as many passes; every
+    block lands byte-exact."""
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=16, num_layers=4,
                      num_blocks=12)
     src = [c.to(device) for c in filled_caches(desc, 0)]
@@ -556,9 +555,11 @@ def test_small_messages_are_gathered_and_verified_in_groups(device):
     pre_ops = SimpleNamespace(gather=gather, warmup=lambda d: None)
     dec_ops = SimpleNamespace(verify_scatter=verify, warmup=lambda d: None)
     src_ids, dst_ids = [7, 2, 9, 0], [1, 11, 4, 6]
+    monkeypatch.setattr(sender_mod, "GROUP_BYTES", 6 * desc.block_bytes)
     with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=pre_ops, prestage_bytes=0) as pre, \
             DecodeEndpoint(dst, desc, frame_ops=dec_ops) as dec:
         dec._lander.max_inflight = 64     # no group cut short by the buffer bound
+        dec._lander.group_bytes = 6 * desc.block_bytes
         alive = dec._lander.alive
         dec._lander.alive = lambda job: gate.wait(30) and alive(job)   # takes nothing before the gate opens
         dec.connect(pre.endpoint, timeout_s=5)
@@ -570,9 +571,9 @@ def test_small_messages_are_gathered_and_verified_in_groups(device):
             gate.set()
         handle.result(timeout=30)
         _sync(device)
-        assert launches["gather"] == [4, 4, 4, 4] and pre.stage_times()["sent"] == 16
-        assert launches["verify"] == [4, 4, 4, 4]
-        assert dec.stage_times()["passes"] == 4 and dec.stage_times()["landed"] == 16
+        assert launches["gather"] == [6, 6, 4] and pre.stage_times()["sent"] == 16
+        assert launches["verify"] == [6, 6, 4]
+        assert dec.stage_times()["passes"] == 3 and dec.stage_times()["landed"] == 16
         for s, d in zip(src, dst):
             assert torch.equal(_b(d)[dst_ids], _b(s)[src_ids])
         assert not pre.errors and not dec.errors

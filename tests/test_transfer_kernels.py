@@ -132,6 +132,45 @@ def test_mismatch_leaves_destination_untouched(device, fault):
         assert torch.equal(got.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [None, (1, 3)], ids=["all-heads", "heads-1-3"])
+@pytest.mark.parametrize("mode,head_size", [MODES[1], MODES[3]], ids=["int8", "int4"])
+def test_a_stretch_from_any_cell_gathers_and_scatters_across_layers(mode, head_size, heads, device):
+    """``start``: the buffer holds whole cells of the payload of every layer x every block from a
+    cell inside a layer, across the next layer boundaries (consecutive messages of a pull in one
+    pass); the kernels and the plain-PyTorch ops agree with the oracle's bytes and checksums."""
+    from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
+    desc, geo, src, dst, hr = _setup(mode, head_size, device, heads)
+    ids, dst_ids = [7, 2, 3, 0], [5, 0, 6, 1]
+    whole = _payload(geo, src, ids, hr)                   # 3 layers x 4 blocks, layer-major
+    blk = whole.numel() // 12
+    start, cells = 3, 7                                   # layer 0 position 3 .. layer 2 position 1
+    want = whole[start * blk:(start + cells) * blk]
+    frames = [blk, 5 * blk, blk]
+    ref = [mix64(want[:blk].numpy()), mix64(want[blk:6 * blk].numpy()), mix64(want[6 * blk:].numpy())]
+    for gather, scatter in [(gather_frames, verify_scatter),
+                            (TORCH_FRAME_OPS.gather, TORCH_FRAME_OPS.verify_scatter)]:
+        if device == "cuda" and gather is TORCH_FRAME_OPS.gather:
+            continue
+        out = torch.zeros(want.numel(), dtype=torch.uint8, device=device)
+        sums = torch.empty(3, dtype=torch.int64, device=device)
+        gather(src, torch.tensor(ids, device=device), out=out, checksums=sums, heads=heads, frame_nbytes=frames,
+               start=start)
+        assert torch.equal(out.cpu(), want)
+        assert _u64(sums) == ref
+        got = [c.clone() for c in dst]
+        expect = [c.cpu().clone() for c in dst]        # the oracle: cells 3 .. 9 written, nothing else
+        for cell in range(start, start + cells):
+            layer, pos = divmod(cell, 4)
+            scatter_blocks(expect[layer], geo, [dst_ids[pos]], whole[cell * blk:(cell + 1) * blk], hr)
+        ok = torch.full((4,), -1, dtype=torch.int32, device=device)
+        scatter(out, sums, got, torch.tensor(dst_ids, device=device), ok=ok, heads=heads, frame_nbytes=frames,
+                start=start)
+        assert ok.cpu().tolist() == [1, 1, 1, 0]
+        for g, w in zip(got, expect):
+            assert torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
 def test_arguments_are_checked():
     desc, geo, src, dst, hr = _setup(KVQuantMode.INT8_PER_TOKEN_HEAD, 32, "cpu", None)
     ids = torch.tensor([0, 1])
@@ -144,6 +183,13 @@ def test_arguments_are_checked():
     with pytest.raises(LayoutError, match="frame_nbytes: expected"):
         gather_frames(src[:2], ids, out=torch.empty(n, dtype=torch.uint8), checksums=torch.empty(2, dtype=torch.int64),
                       frame_nbytes=[n, 1])
+    for start, nbytes in [(3, 2 * geo.block_bytes), (1, 2 * geo.block_bytes - 1), (-1, geo.block_bytes), (4, 0)]:
+        with pytest.raises(LayoutError, match="out: expected whole cells"):   # past the end, part of a cell
+            gather_frames(src[:2], ids, out=torch.empty(nbytes, dtype=torch.uint8),
+                          checksums=torch.empty(1, dtype=torch.int64), start=start)
+    with pytest.raises(LayoutError, match="staging: expected whole cells"):
+        verify_scatter(torch.empty(3 * geo.block_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64),
+                       dst[:2], ids, ok=torch.empty(2, dtype=torch.int32), start=2)
     with pytest.raises(LayoutError, match="block_ids: expected"):
         gather_frames(src[:2], ids.int(), out=torch.empty(n, dtype=torch.uint8), checksums=torch.empty(1, dtype=torch.int64))
     with pytest.raises(LayoutError, match=r"caches\[1\]"):

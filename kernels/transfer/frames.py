@@ -18,7 +18,10 @@ Addressing: every layer is its own tensor, so the kernels take one base pointer 
 layer's bytes) and a table of byte offsets of each layer from it; a payload byte ``go`` is
 block ``g = go // blk_out`` (layer ``g // k``, position ``g % k``), row ``r // row_out`` of that
 block slice, byte ``r % row_out`` of the row group; in the cache, the same byte sits at
-``layer_off + block_id·block_stride + row·row_cache + head_off + within``. Byte-granular
+``layer_off + block_id·block_stride + row·row_cache + head_off + within``. A buffer may hold a
+stretch of that payload that starts at any (layer, position) cell (``start``: consecutive
+messages of a pull, whatever layers they cross): the launcher passes the offset table from the
+start's layer on and the kernels add the start's byte offset in that layer to ``go``. Byte-granular
 addressing keeps one kernel for every mode, head slice and row size (``P`` need not be a
 multiple of 8); the GPU does this far faster than a socket moves the bytes.
 """
@@ -58,7 +61,8 @@ def _fmix(z):
 
 @triton.jit
 def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride):
-    """Byte offset (int64, from the base pointer) in the cache of payload byte ``go`` (int32)."""
+    """Byte offset (int64, from the base pointer) in the cache of payload byte ``go`` (int32,
+    counted from position 0 of the layer at ``layer_off_ptr``)."""
     g = go // blk_out
     r = go - g * blk_out
     li = g // k
@@ -73,20 +77,21 @@ def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_ca
 # Every launch differs in block counts, frame sizes and buffer offsets: specializing on them
 # (divisibility by 16, value 1, pointer alignment) would compile a new variant in the middle of
 # a transfer, on an endpoint's I/O thread. One variant per constexpr set, compiled by warmup().
-_SUMS_INTS = ["k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "tiles_per_frame"]
+_SUMS_INTS = ["k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "tiles_per_frame", "skip"]
 _SUMS_PTRS = ["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "frame_off_ptr", "frame_len_ptr", "partial_ptr"]
 
 
 @dual_jit(do_not_specialize=_SUMS_INTS, do_not_specialize_on_alignment=_SUMS_PTRS)
 def _frame_sums_kernel(
     cache_ptr,          # uint8 bytes of the first layer (GATHER only; base of the offsets)
-    layer_off_ptr,      # [nlay] int64 byte offset of each layer's cache from cache_ptr
+    layer_off_ptr,      # [nlay] int64 byte offset of each layer's cache from cache_ptr, from buf's first layer
     ids_ptr,            # [k] int64 block ids, in transfer order
     buf_ptr,            # [total] uint8 message buffer: written (GATHER) or read
     frame_off_ptr,      # [num_frames] int64 byte offset of each frame in buf
     frame_len_ptr,      # [num_frames] int64 byte count of each frame
     partial_ptr,        # [num_frames, tiles_per_frame] int64 word sums (uint64 bits), written
     k, blk_out, row_out, row_cache, head_off, block_stride, tiles_per_frame,
+    skip,               # payload bytes of that first layer before buf's first byte (GATHER)
     TILE_WORDS: tl.constexpr, GATHER: tl.constexpr,
 ):
     """Grid ``(num_frames, tiles_per_frame)``: program (f, t) takes words
@@ -102,7 +107,7 @@ def _frame_sums_kernel(
     m = o < flen
     go = foff + o
     if GATHER:
-        src = _cache_offsets(go, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off,
+        src = _cache_offsets(go + skip, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off,
                              block_stride)
         x = tl.load(cache_ptr + src, mask=m, other=0)
         tl.store(buf_ptr + go, x, mask=m)
@@ -147,15 +152,16 @@ def _finish_kernel(
         tl.store(ok_ptr + num_frames, bad)
 
 
-@dual_jit(do_not_specialize=["total", "k", "blk_out", "row_out", "row_cache", "head_off", "block_stride"],
+@dual_jit(do_not_specialize=["total", "k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "skip"],
           do_not_specialize_on_alignment=["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "bad_ptr"])
 def _scatter_kernel(
     cache_ptr,          # uint8 bytes of the first destination layer (base of the offsets)
-    layer_off_ptr,      # [nlay] int64
+    layer_off_ptr,      # [nlay] int64, from buf's first layer
     ids_ptr,            # [k] int64 destination block ids
     buf_ptr,            # [total] uint8 verified message
     bad_ptr,            # [1] int32 mismatching frames (from _finish_kernel): nothing is written unless 0
     total, k, blk_out, row_out, row_cache, head_off, block_stride,
+    skip,               # payload bytes of that first layer before buf's first byte
     TILE: tl.constexpr,
 ):
     """Grid ``(cdiv(total, TILE),)``: program i writes message bytes ``i·TILE ..``."""
@@ -163,7 +169,7 @@ def _scatter_kernel(
     bad = tl.full([TILE], 0, tl.int32) + tl.load(bad_ptr)        # as a tile: the interpreter refuses a scalar in a mask
     m = (o < total) & (bad == 0)
     x = tl.load(buf_ptr + o, mask=m, other=0)
-    dst = _cache_offsets(o, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride)
+    dst = _cache_offsets(o + skip, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride)
     tl.store(cache_ptr + dst, x, mask=m)
 
 
@@ -206,13 +212,15 @@ _layer_sets: dict = {}        # (data_ptrs, heads) -> _LayerSet of the last tens
 def _layer_set(caches, heads, what: str) -> _LayerSet:
     """The checked geometry of ``caches`` (a non-empty list) and ``heads``: made once per list of
     tensor objects and head range, so the connector's per-message launches skip the per-layer
-    checks (each a few torch attribute calls; 70 µs for 32 layers). A hit needs the same objects
-    at the same addresses; a cache reshaped in place (``resize_``, ``as_strided_``) afterwards is
-    not noticed, which the connector never does to its caches."""
-    key = (tuple(c.data_ptr() for c in caches), heads)
+    checks (each a few torch attribute calls; 70 µs for 32 layers) and make no torch call per layer
+    (a hit compares object identities only). A cache moved or reshaped in place afterwards
+    (``set_``, ``resize_``, ``as_strided_``) is not noticed, which the connector never does to its
+    caches."""
+    key = (tuple(map(id, caches)), heads)
     s = _layer_sets.get(key)
     if s is not None and len(s.refs) == len(caches) and all(r() is c for r, c in zip(s.refs, caches)):
         return s
+    ptrs = tuple(c.data_ptr() for c in caches)
     c0 = caches[0]
     shape0, stride0, dtype0, device0 = c0.shape, c0.stride(), c0.dtype, c0.device
     for i, c in enumerate(caches):
@@ -229,12 +237,12 @@ def _layer_set(caches, heads, what: str) -> _LayerSet:
         raise LayoutError(f"heads: expected a range inside [0, {h_all}), got [{lo}, {hi})")
     row_bytes = p * es
     row_out = (hi - lo) * row_bytes
-    okey = (device0, key[0])
+    okey = (device0, ptrs)
     offs = _offset_tables.get(okey)
     if offs is None:
         if len(_offset_tables) > 256:
             _offset_tables.clear()
-        host = torch.tensor([ptr - key[0][0] for ptr in key[0]], dtype=torch.int64)
+        host = torch.tensor([ptr - ptrs[0] for ptr in ptrs], dtype=torch.int64)
         offs = _offset_tables[okey] = _to_device(host, device0)
     if len(_layer_sets) > 256:
         _layer_sets.clear()
@@ -244,10 +252,16 @@ def _layer_set(caches, heads, what: str) -> _LayerSet:
 
 
 class _Layers:
-    """The byte geometry the kernels need for one launch: the caches' (:func:`_layer_set`) and
-    the block ids'."""
+    """The byte geometry the kernels need for one launch over a buffer of ``nbytes`` bytes: the
+    caches' (:func:`_layer_set`), the block ids', and where the buffer starts in their payload.
 
-    def __init__(self, caches, heads, block_ids: torch.Tensor, what: str) -> None:
+    ``start`` None: the buffer is the whole layer-major payload of ``caches`` x ``block_ids``;
+    else it holds whole (layer, position) cells of it from cell ``start`` (``layer·k + position``)
+    on. ``offsets`` then begins at the start's layer and ``skip`` is the payload bytes of that
+    layer before it."""
+
+    def __init__(self, caches, heads, block_ids: torch.Tensor, what: str, nbytes: int, name: str,
+                 start: int | None = None) -> None:
         if not caches:
             raise LayoutError(f"{what}: expected at least one layer, got none")
         s = _layer_set(caches, None if heads is None else (heads[0], heads[1]), what)
@@ -258,7 +272,19 @@ class _Layers:
         self.row_bytes, self.row_out, self.row_cache, self.head_off = s.row_bytes, s.row_out, s.row_cache, s.head_off
         self.blk_out, self.block_stride, self.offsets = s.blk_out, s.block_stride, s.offsets
         self.k = int(block_ids.numel())
-        self.total = len(caches) * self.k * self.blk_out
+        cells = len(caches) * self.k
+        self.total, self.skip = cells * self.blk_out, 0
+        if start is not None:
+            n_cells = nbytes // self.blk_out if self.blk_out else 0
+            if not (0 <= start < cells and n_cells > 0 and n_cells * self.blk_out == nbytes
+                    and start + n_cells <= cells):
+                raise LayoutError(f"{name}: expected whole cells of {self.blk_out} bytes from cell {start} within "
+                                  f"{cells} cells ({len(caches)} layers x {self.k} blocks), got {nbytes} bytes")
+            layer0, pos0 = divmod(start, self.k)
+            self.offsets, self.skip, self.total = s.offsets[layer0:], pos0 * self.blk_out, nbytes
+            if self.skip + nbytes >= 1 << 31:
+                raise LayoutError(f"{name}: expected fewer than 2**31 bytes from the start of layer {layer0} "
+                                  f"(int32 addressing), got {self.skip + nbytes}")
         self.base = c0.view(torch.uint8)     # int8 / fp8 caches too: bytes must not sign-extend in the hash
 
 
@@ -299,7 +325,7 @@ def _check_out(t: torch.Tensor, n: int, dtype, device, name: str) -> None:
 
 
 def gather_frames(caches, block_ids: torch.Tensor, *, out: torch.Tensor, checksums: torch.Tensor,
-                  heads: tuple | None = None, frame_nbytes=None) -> None:
+                  heads: tuple | None = None, frame_nbytes=None, start: int | None = None) -> None:
     """Gather the rows of ``block_ids`` from each layer of ``caches`` into ``out`` and write each
     frame's ``mix64`` into ``checksums``; queued on the current stream, no synchronization.
 
@@ -309,23 +335,27 @@ def gather_frames(caches, block_ids: torch.Tensor, *, out: torch.Tensor, checksu
     block_ids : [k] int64, same device
         Source blocks, in transfer order (used unchecked: callers validated them).
     out : [nlay·k·2·N·h·P] uint8, same device, written
-        The payload, layer-major (docs/PROTOCOL.md "BLOCKS").
+        The payload, layer-major (docs/PROTOCOL.md "BLOCKS"); with ``start``, only whole
+        (layer, position) cells of it from that cell on.
     checksums : [num_frames] int64, same device, written
         ``mix64`` of each frame, as the bits of a uint64.
     heads : (lo, hi), optional
         Local head range to send (default all heads).
     frame_nbytes : list of int, optional
         How ``out`` splits into frames (default one frame).
+    start : int, optional
+        The payload cell ``out`` starts at, ``layer·k + position`` (consecutive messages of a pull
+        in one launch, whatever layers they cross); default: ``out`` is the whole payload.
     """
-    g = _Layers(caches, heads, block_ids, "caches")
-    dev = caches[0].device
+    dev = caches[0].device if caches else None
+    g = _Layers(caches, heads, block_ids, "caches", out.numel(), "out", start)
     _check_out(out, g.total, torch.uint8, dev, "out")
     f_off, f_len, nf, tiles = _frames(frame_nbytes, g.total, dev)
     _check_out(checksums, nf, torch.int64, dev, "checksums")
     partial = torch.empty(nf * tiles, dtype=torch.int64, device=dev)
     _frame_sums_kernel[(nf, tiles)](
         g.base, g.offsets, block_ids, out, f_off, f_len, partial,
-        g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, tiles,
+        g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, tiles, g.skip,
         TILE_WORDS=TILE_WORDS, GATHER=True)
     _finish_kernel[(1,)](partial, f_len, checksums, checksums, partial, nf, tiles,
                          BLOCK=FINISH_BLOCK, VERIFY=False)
@@ -339,14 +369,14 @@ def frame_checksums(buf: torch.Tensor, checksums: torch.Tensor, frame_nbytes=Non
     _check_out(checksums, nf, torch.int64, dev, "checksums")
     partial = torch.empty(nf * tiles, dtype=torch.int64, device=dev)
     _frame_sums_kernel[(nf, tiles)](buf, f_off, f_off, buf, f_off, f_len, partial,
-                                    1, 1, 1, 1, 0, 0, tiles, TILE_WORDS=TILE_WORDS, GATHER=False)
+                                    1, 1, 1, 1, 0, 0, tiles, 0, TILE_WORDS=TILE_WORDS, GATHER=False)
     _finish_kernel[(1,)](partial, f_len, checksums, checksums, partial, nf, tiles,
                          BLOCK=FINISH_BLOCK, VERIFY=False)
 
 
 def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_ids: torch.Tensor, *,
                    ok: torch.Tensor, checksums: torch.Tensor | None = None, heads: tuple | None = None,
-                   frame_nbytes=None) -> None:
+                   frame_nbytes=None, start: int | None = None) -> None:
     """Check every frame of a received message against ``expected`` and, only if all match,
     write its rows into ``block_ids`` of ``caches``; queued on the current stream (verify and
     scatter are ordered on it, so no host round trip sits between them).
@@ -354,7 +384,8 @@ def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_
     Parameters
     ----------
     staging : [nlay·k·2·N·h·P] uint8, on the caches' device
-        The message's payload frames, concatenated.
+        The message's payload frames, concatenated; with ``start``, whole (layer, position) cells
+        of the payload from that cell on.
     expected : [num_frames] int64, same device
         The header's checksums (uint64 bits).
     caches : list of [num_blocks, 2, N, H, P] packed caches, written in place (only on success)
@@ -369,9 +400,11 @@ def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_
         Local heads the message carries (default all); the other heads are not written.
     frame_nbytes : list of int, optional
         Frame byte counts (default one frame).
+    start : int, optional
+        The payload cell ``staging`` starts at, ``layer·k + position`` (as :func:`gather_frames`).
     """
-    g = _Layers(caches, heads, block_ids, "caches")
-    dev = caches[0].device
+    dev = caches[0].device if caches else None
+    g = _Layers(caches, heads, block_ids, "caches", staging.numel(), "staging", start)
     _check_out(staging, g.total, torch.uint8, dev, "staging")
     f_off, f_len, nf, tiles = _frames(frame_nbytes, g.total, dev)
     _check_out(expected, nf, torch.int64, dev, "expected")
@@ -381,11 +414,11 @@ def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_
     _check_out(checksums, nf, torch.int64, dev, "checksums")
     partial = torch.empty(nf * tiles, dtype=torch.int64, device=dev)
     _frame_sums_kernel[(nf, tiles)](staging, f_off, f_off, staging, f_off, f_len, partial,
-                                    1, 1, 1, 1, 0, 0, tiles, TILE_WORDS=TILE_WORDS, GATHER=False)
+                                    1, 1, 1, 1, 0, 0, tiles, 0, TILE_WORDS=TILE_WORDS, GATHER=False)
     _finish_kernel[(1,)](partial, f_len, checksums, expected, ok, nf, tiles, BLOCK=FINISH_BLOCK, VERIFY=True)
     _scatter_kernel[(cdiv(g.total, SCATTER_BYTES),)](
         g.base, g.offsets, block_ids, staging, ok[nf:],
-        g.total, g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, TILE=SCATTER_BYTES)
+        g.total, g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, g.skip, TILE=SCATTER_BYTES)
 
 
 _warm: set = set()

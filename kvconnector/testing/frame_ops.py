@@ -19,10 +19,30 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _rows(caches, block_ids: torch.Tensor, heads) -> list:
-    """Per layer, the ``[k, 2, N, h, P]`` uint8 rows of ``block_ids`` (heads ``heads``), views where possible."""
-    lo, hi = (0, caches[0].shape[3]) if heads is None else heads
-    return [c.view(torch.uint8)[block_ids][:, :, :, lo:hi] for c in caches]
+def _cell_bytes(cache, heads) -> int:
+    lo, hi = (0, cache.shape[3]) if heads is None else heads
+    return 2 * cache.shape[2] * (hi - lo) * cache.shape[4] * cache.element_size()
+
+
+def _pieces(caches, k: int, nbytes: int, heads, start) -> list:
+    """``(layer index, first position, end position)`` of the payload of ``caches`` x ``k`` blocks
+    that ``nbytes`` bytes from cell ``start`` (``layer·k + position``; None: the whole payload)
+    cover, in layer-major order."""
+    if start is None:
+        return [(i, 0, k) for i in range(len(caches))]
+    cells, out = nbytes // _cell_bytes(caches[0], heads), []
+    while cells > 0:
+        layer, pos = divmod(start, k)
+        n = min(cells, k - pos)
+        out.append((layer, pos, pos + n))
+        start, cells = start + n, cells - n
+    return out
+
+
+def _rows(cache, ids: torch.Tensor, heads) -> torch.Tensor:
+    """The ``[k, 2, N, h, P]`` uint8 rows of ``ids`` (heads ``heads``) of one layer."""
+    lo, hi = (0, cache.shape[3]) if heads is None else heads
+    return cache.view(torch.uint8)[ids][:, :, :, lo:hi]
 
 
 def _sums(buf: torch.Tensor, frame_nbytes) -> list:
@@ -34,13 +54,14 @@ def _sums(buf: torch.Tensor, frame_nbytes) -> list:
     return out
 
 
-def gather(caches, block_ids, *, out, checksums, heads=None, frame_nbytes=None) -> None:
-    torch.cat([r.reshape(-1) for r in _rows(caches, block_ids, heads)], out=out)
+def gather(caches, block_ids, *, out, checksums, heads=None, frame_nbytes=None, start=None) -> None:
+    pieces = _pieces(caches, block_ids.numel(), out.numel(), heads, start)
+    torch.cat([_rows(caches[i], block_ids[a:b], heads).reshape(-1) for i, a, b in pieces], out=out)
     checksums.copy_(torch.tensor(_sums(out, frame_nbytes), dtype=torch.int64))
 
 
 def verify_scatter(staging, expected, caches, block_ids, *, ok, checksums=None, heads=None,
-                   frame_nbytes=None) -> None:
+                   frame_nbytes=None, start=None) -> None:
     sums = torch.tensor(_sums(staging, frame_nbytes), dtype=torch.int64)
     good = (sums == expected).to(torch.int32)
     ok[:-1].copy_(good)
@@ -50,11 +71,11 @@ def verify_scatter(staging, expected, caches, block_ids, *, ok, checksums=None, 
     if int(ok[-1]):
         return
     lo, hi = (0, caches[0].shape[3]) if heads is None else heads
-    k = block_ids.numel()
-    per_layer = staging.numel() // len(caches)
-    for i, c in enumerate(caches):
-        rows = staging[i * per_layer:(i + 1) * per_layer].view(k, 2, c.shape[2], hi - lo, -1)
-        c.view(torch.uint8)[block_ids, :, :, lo:hi] = rows
+    per_cell, off = _cell_bytes(caches[0], heads), 0
+    for i, a, b in _pieces(caches, block_ids.numel(), staging.numel(), heads, start):
+        c, n = caches[i], (b - a) * per_cell
+        c.view(torch.uint8)[block_ids[a:b], :, :, lo:hi] = staging[off:off + n].view(b - a, 2, c.shape[2], hi - lo, -1)
+        off += n
 
 
 TORCH_FRAME_OPS = SimpleNamespace(gather=gather, verify_scatter=verify_scatter)
