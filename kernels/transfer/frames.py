@@ -20,8 +20,8 @@ block ``g = go // blk_out`` (layer ``g // k``, position ``g % k``), row ``r // r
 block slice, byte ``r % row_out`` of the row group; in the cache, the same byte sits at
 ``layer_off + block_id·block_stride + row·row_cache + head_off + within``. A buffer may hold a
 stretch of that payload that starts at any (layer, position) cell (``start``: consecutive
-messages of a pull, whatever layers they cross): the launcher passes the offset table from the
-start's layer on and the kernels add the start's byte offset in that layer to ``go``. Byte-granular
+messages of a pull, whatever layers they cross): the kernels add ``start`` to ``g``, so only
+offsets inside the buffer are int32 arithmetic. Byte-granular
 addressing keeps one kernel for every mode, head slice and row size (``P`` need not be a
 multiple of 8); the GPU does this far faster than a socket moves the bytes.
 """
@@ -60,11 +60,13 @@ def _fmix(z):
 
 
 @triton.jit
-def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride):
-    """Byte offset (int64, from the base pointer) in the cache of payload byte ``go`` (int32,
-    counted from position 0 of the layer at ``layer_off_ptr``)."""
+def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride,
+                   first_cell):
+    """Byte offset (int64, from the base pointer) in the cache of byte ``go`` (int32) of a buffer
+    that starts at payload cell ``first_cell``."""
     g = go // blk_out
     r = go - g * blk_out
+    g += first_cell
     li = g // k
     pos = g - li * k
     row = r // row_out
@@ -77,21 +79,21 @@ def _cache_offsets(go, mask, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_ca
 # Every launch differs in block counts, frame sizes and buffer offsets: specializing on them
 # (divisibility by 16, value 1, pointer alignment) would compile a new variant in the middle of
 # a transfer, on an endpoint's I/O thread. One variant per constexpr set, compiled by warmup().
-_SUMS_INTS = ["k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "tiles_per_frame", "skip"]
+_SUMS_INTS = ["k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "tiles_per_frame", "first_cell"]
 _SUMS_PTRS = ["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "frame_off_ptr", "frame_len_ptr", "partial_ptr"]
 
 
 @dual_jit(do_not_specialize=_SUMS_INTS, do_not_specialize_on_alignment=_SUMS_PTRS)
 def _frame_sums_kernel(
     cache_ptr,          # uint8 bytes of the first layer (GATHER only; base of the offsets)
-    layer_off_ptr,      # [nlay] int64 byte offset of each layer's cache from cache_ptr, from buf's first layer
+    layer_off_ptr,      # [nlay] int64 byte offset of each layer's cache from cache_ptr
     ids_ptr,            # [k] int64 block ids, in transfer order
     buf_ptr,            # [total] uint8 message buffer: written (GATHER) or read
     frame_off_ptr,      # [num_frames] int64 byte offset of each frame in buf
     frame_len_ptr,      # [num_frames] int64 byte count of each frame
     partial_ptr,        # [num_frames, tiles_per_frame] int64 word sums (uint64 bits), written
     k, blk_out, row_out, row_cache, head_off, block_stride, tiles_per_frame,
-    skip,               # payload bytes of that first layer before buf's first byte (GATHER)
+    first_cell,         # payload cell (layer·k + position) buf starts at (GATHER)
     TILE_WORDS: tl.constexpr, GATHER: tl.constexpr,
 ):
     """Grid ``(num_frames, tiles_per_frame)``: program (f, t) takes words
@@ -107,8 +109,8 @@ def _frame_sums_kernel(
     m = o < flen
     go = foff + o
     if GATHER:
-        src = _cache_offsets(go + skip, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off,
-                             block_stride)
+        src = _cache_offsets(go, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off,
+                             block_stride, first_cell)
         x = tl.load(cache_ptr + src, mask=m, other=0)
         tl.store(buf_ptr + go, x, mask=m)
     else:
@@ -152,16 +154,17 @@ def _finish_kernel(
         tl.store(ok_ptr + num_frames, bad)
 
 
-@dual_jit(do_not_specialize=["total", "k", "blk_out", "row_out", "row_cache", "head_off", "block_stride", "skip"],
+@dual_jit(do_not_specialize=["total", "k", "blk_out", "row_out", "row_cache", "head_off", "block_stride",
+                              "first_cell"],
           do_not_specialize_on_alignment=["cache_ptr", "layer_off_ptr", "ids_ptr", "buf_ptr", "bad_ptr"])
 def _scatter_kernel(
     cache_ptr,          # uint8 bytes of the first destination layer (base of the offsets)
-    layer_off_ptr,      # [nlay] int64, from buf's first layer
+    layer_off_ptr,      # [nlay] int64
     ids_ptr,            # [k] int64 destination block ids
     buf_ptr,            # [total] uint8 verified message
     bad_ptr,            # [1] int32 mismatching frames (from _finish_kernel): nothing is written unless 0
     total, k, blk_out, row_out, row_cache, head_off, block_stride,
-    skip,               # payload bytes of that first layer before buf's first byte
+    first_cell,         # payload cell (layer·k + position) buf starts at
     TILE: tl.constexpr,
 ):
     """Grid ``(cdiv(total, TILE),)``: program i writes message bytes ``i·TILE ..``."""
@@ -169,7 +172,8 @@ def _scatter_kernel(
     bad = tl.full([TILE], 0, tl.int32) + tl.load(bad_ptr)        # as a tile: the interpreter refuses a scalar in a mask
     m = (o < total) & (bad == 0)
     x = tl.load(buf_ptr + o, mask=m, other=0)
-    dst = _cache_offsets(o + skip, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride)
+    dst = _cache_offsets(o, m, ids_ptr, layer_off_ptr, k, blk_out, row_out, row_cache, head_off, block_stride,
+                         first_cell)
     tl.store(cache_ptr + dst, x, mask=m)
 
 
@@ -256,9 +260,8 @@ class _Layers:
     caches' (:func:`_layer_set`), the block ids', and where the buffer starts in their payload.
 
     ``start`` None: the buffer is the whole layer-major payload of ``caches`` x ``block_ids``;
-    else it holds whole (layer, position) cells of it from cell ``start`` (``layer·k + position``)
-    on. ``offsets`` then begins at the start's layer and ``skip`` is the payload bytes of that
-    layer before it."""
+    else it holds whole (layer, position) cells of it from cell ``start`` (``layer·k + position``,
+    kept as ``first_cell``) on."""
 
     def __init__(self, caches, heads, block_ids: torch.Tensor, what: str, nbytes: int, name: str,
                  start: int | None = None) -> None:
@@ -273,18 +276,14 @@ class _Layers:
         self.blk_out, self.block_stride, self.offsets = s.blk_out, s.block_stride, s.offsets
         self.k = int(block_ids.numel())
         cells = len(caches) * self.k
-        self.total, self.skip = cells * self.blk_out, 0
+        self.total, self.first_cell = cells * self.blk_out, 0
         if start is not None:
             n_cells = nbytes // self.blk_out if self.blk_out else 0
             if not (0 <= start < cells and n_cells > 0 and n_cells * self.blk_out == nbytes
                     and start + n_cells <= cells):
                 raise LayoutError(f"{name}: expected whole cells of {self.blk_out} bytes from cell {start} within "
                                   f"{cells} cells ({len(caches)} layers x {self.k} blocks), got {nbytes} bytes")
-            layer0, pos0 = divmod(start, self.k)
-            self.offsets, self.skip, self.total = s.offsets[layer0:], pos0 * self.blk_out, nbytes
-            if self.skip + nbytes >= 1 << 31:
-                raise LayoutError(f"{name}: expected fewer than 2**31 bytes from the start of layer {layer0} "
-                                  f"(int32 addressing), got {self.skip + nbytes}")
+            self.first_cell, self.total = start, nbytes
         self.base = c0.view(torch.uint8)     # int8 / fp8 caches too: bytes must not sign-extend in the hash
 
 
@@ -355,7 +354,7 @@ def gather_frames(caches, block_ids: torch.Tensor, *, out: torch.Tensor, checksu
     partial = torch.empty(nf * tiles, dtype=torch.int64, device=dev)
     _frame_sums_kernel[(nf, tiles)](
         g.base, g.offsets, block_ids, out, f_off, f_len, partial,
-        g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, tiles, g.skip,
+        g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, tiles, g.first_cell,
         TILE_WORDS=TILE_WORDS, GATHER=True)
     _finish_kernel[(1,)](partial, f_len, checksums, checksums, partial, nf, tiles,
                          BLOCK=FINISH_BLOCK, VERIFY=False)
@@ -418,7 +417,8 @@ def verify_scatter(staging: torch.Tensor, expected: torch.Tensor, caches, block_
     _finish_kernel[(1,)](partial, f_len, checksums, expected, ok, nf, tiles, BLOCK=FINISH_BLOCK, VERIFY=True)
     _scatter_kernel[(cdiv(g.total, SCATTER_BYTES),)](
         g.base, g.offsets, block_ids, staging, ok[nf:],
-        g.total, g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, g.skip, TILE=SCATTER_BYTES)
+        g.total, g.k, g.blk_out, g.row_out, g.row_cache, g.head_off, g.block_stride, g.first_cell,
+        TILE=SCATTER_BYTES)
 
 
 _warm: set = set()
