@@ -43,6 +43,10 @@ forward writing each layer); exposed = from the last layer announced to the last
 For comparison the same pull with every layer announced at once (no layer-wise overlap).
 ``--cuda`` measures it for 32k tokens.
 
+``--chunk-mb 1,2,8``: the connector's message size, one row per size (each shape's sizes one
+after another, each with its own bursts: of its own size, or ``--burst-mb``), so message sizes
+are compared in one run; the layer-wise measurement runs at each size too.
+
 ``--prestage-mb``: a row publishes all of its transfers before its first pull, as a serving
 engine publishes a prompt's blocks before the decode worker's pull arrives; with ``--kernels``
 the prefill endpoint then stages each transfer's first message at publish (up to this many MiB
@@ -78,6 +82,17 @@ from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
 
+def _sizes(text: str) -> list[float]:
+    """``--chunk-mb``: comma-separated positive MiB."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(not v > 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive MiB, got {text!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated cache modes")
     p.add_argument("--blocks", default="16,64,256", help="comma-separated blocks per transfer")
@@ -86,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7, help="transfers timed per row (median reported)")
-    p.add_argument("--chunk-mb", type=float, default=8.0, help="target payload MiB per message")
+    p.add_argument("--chunk-mb", type=_sizes, default=[8.0], help="target payload MiB per message of the "
+                   "connector; comma-separated: one row per size, each shape's sizes one after another")
     p.add_argument("--burst-mb", type=float, default=None, help="MiB per message of the pyzmq bursts (default: "
                    "--chunk-mb), so a connector at small messages is compared with the burst at any size")
     p.add_argument("--contiguous", action="store_true", help="publish consecutive source blocks "
@@ -116,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", action="store_true", help="also print the connector pulls' host CPU time per "
                    "thread of both processes (Linux /proc)")
     p.add_argument("--trace", metavar="DIR", help="write the last timed pull of each row as a Chrome trace of both "
-                   "processes' per-message spans (kvconnector.trace) to DIR/<mode>-<blocks>.json")
+                   "processes' per-message spans (kvconnector.trace) to DIR/<mode>-<blocks>[-<chunk>mib].json")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (CI)")
 
 
@@ -476,14 +492,15 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(0)
     if args.trace is not None:
         os.makedirs(args.trace, exist_ok=True)
-    chunk = int(args.chunk_mb * (1 << 20))
+    chunks = [(c, int(c * (1 << 20))) for c in args.chunk_mb]
+    sizes_txt = ",".join(f"{c:g}" for c, _ in chunks)
     order = "contiguous" if args.contiguous else "scattered"
     from kvconnector.decode import default_copy_threads
     from kvconnector.sender import stage_threads
     where = "sender on a thread (one process)" if args.in_process else "sender in a spawned process"
     print(f"# bench-transfer: device={device} layers={args.layers} kv_heads={args.kv_heads} "
           f"head_size={args.head_size} block_size={args.block_size} src blocks {order} "
-          f"chunk={args.chunk_mb} MiB, bursts in {args.chunk_mb if args.burst_mb is None else args.burst_mb} MiB "
+          f"chunk={sizes_txt} MiB, bursts in {sizes_txt if args.burst_mb is None else f'{args.burst_mb:g}'} MiB "
           f"messages, {where}, median of {args.repeats}; {os.cpu_count()} cores, "
           f"stage threads {stage_threads()}, copy threads {default_copy_threads()}"
           f"{', device kernels' if args.kernels else ''}"
@@ -492,16 +509,18 @@ def run(args) -> int:
           f"{_prestage_note(args.prestage_mb, device) if args.kernels else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
-    print("| mode | blocks | MiB | msgs | checksum | connector ms | GB/s | CPU ms/MiB | pyzmq ms | GB/s | CPU ms/MiB "
-          "| ratio | pyzmq one buffer ms | ratio to it |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | blocks | MiB | chunk MiB | msgs | burst msgs | checksum | connector ms | GB/s | CPU ms/MiB "
+          "| pyzmq ms | GB/s | CPU ms/MiB | ratio | pyzmq one buffer ms | ratio to it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios, hot_ratios, threads_out = [], [], []
     sender = Sender(args.in_process)
     try:
         for mode_str in args.modes.split(","):
             geo = CacheGeometry(get_kv_quant_mode(mode_str), args.head_size, args.kv_heads, args.block_size)
-            for nblocks in (int(b) for b in args.blocks.split(",")):
-                trace = None if args.trace is None else os.path.join(args.trace, f"{mode_str}-{nblocks}.json")
+            for nblocks, (c_mb, chunk) in ((int(b), c) for b in args.blocks.split(",") for c in chunks):
+                row = f"{mode_str} {nblocks} blocks" + (f" {c_mb:g} MiB messages" if len(chunks) > 1 else "")
+                name = f"{mode_str}-{nblocks}" + (f"-{c_mb:g}mib" if len(chunks) > 1 else "")
+                trace = None if args.trace is None else os.path.join(args.trace, f"{name}.json")
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
                               args.kernels, args.data_plane, args.threads, args.recv_into, trace,
                               None if args.prestage_mb is None else int(args.prestage_mb * 2**20),
@@ -510,18 +529,19 @@ def run(args) -> int:
                 hot_ratios.append(r["hot"] / r["conn"])
                 n = r["nbytes"]
                 mib = n / 2**20
-                print(f"| {mode_str} | {nblocks} | {mib:.1f} | {r['messages']:.0f} | {r['checksum']} "
-                      f"| {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} | {r['conn_cpu'] * 1e3 / mib:.2f} "
-                      f"| {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} | {r['zmq_cpu'] * 1e3 / mib:.2f} "
-                      f"| {ratios[-1]:.2f} | {r['hot'] * 1e3:.2f} | {hot_ratios[-1]:.2f} |", flush=True)
+                print(f"| {mode_str} | {nblocks} | {mib:.1f} | {c_mb:g} | {r['messages']:.0f} | {r['burst_messages']} "
+                      f"| {r['checksum']} | {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} "
+                      f"| {r['conn_cpu'] * 1e3 / mib:.2f} | {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} "
+                      f"| {r['zmq_cpu'] * 1e3 / mib:.2f} | {ratios[-1]:.2f} | {r['hot'] * 1e3:.2f} "
+                      f"| {hot_ratios[-1]:.2f} |", flush=True)
                 if trace is not None:
-                    threads_out.append(f"# {mode_str} {nblocks} blocks, last pull traced: {trace} ({r['spans']} spans)")
+                    threads_out.append(f"# {row}, last pull traced: {trace} ({r['spans']} spans)")
                 if args.threads:   # summed over the timed pulls, per MiB moved
                     moved = mib * args.repeats
-                    threads_out.append(f"# {mode_str} {nblocks} blocks, connector CPU ms/MiB by thread; "
+                    threads_out.append(f"# {row}, connector CPU ms/MiB by thread; "
                                        + _thread_line("decode process", r["threads"][0], moved) + "; "
                                        + _thread_line("prefill process", r["threads"][1], moved))
-                    threads_out.append(_stage_line(f"# {mode_str} {nblocks} blocks, connector I/O and landing "
+                    threads_out.append(_stage_line(f"# {row}, connector I/O and landing "
                                                    f"threads, ms per pull by stage", r["stages"], args.repeats))
         for line in threads_out:
             print(line)
@@ -530,14 +550,16 @@ def run(args) -> int:
         if args.layerwise_tokens:
             geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,
                                 args.block_size)
-            r = bench_layerwise(sender, geo, args.layers, args.layerwise_tokens, args.layer_ms, args.repeats, chunk,
-                                device, gen, args.kernels)
+            lw = [(c_mb, bench_layerwise(sender, geo, args.layers, args.layerwise_tokens, args.layer_ms,
+                                         args.repeats, chunk, device, gen, args.kernels)) for c_mb, chunk in chunks]
+            r = lw[0][1]
             print(f"\n# layer-wise pull: int4, {args.layerwise_tokens} tokens, {args.layers} layers, "
                   f"{r['nbytes'] / 2**20:.0f} MiB, {r['checksum']}, one layer announced every {args.layer_ms} ms")
-            print("| announced | exposed ms (last layer announced -> last block landed) |")
-            print("|---|---|")
-            print(f"| layer by layer | {r['layerwise'] * 1e3:.1f} |")
-            print(f"| all layers at once | {r['at_once'] * 1e3:.1f} |")
+            print("| chunk MiB | exposed ms, layer by layer (last layer announced -> last block landed) "
+                  "| exposed ms, all layers announced at once |")
+            print("|---|---|---|")
+            for c_mb, r in lw:
+                print(f"| {c_mb:g} | {r['layerwise'] * 1e3:.1f} | {r['at_once'] * 1e3:.1f} |")
     finally:
         sender.close()
     return 0

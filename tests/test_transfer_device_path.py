@@ -191,23 +191,31 @@ def test_faulty_mix64_peer_never_writes_bad_bytes(script, match, device, recv_in
 
 def test_bench_transfer_kernels_quick_runs(tmp_path):
     """``bench.transfer --kernels`` with the layer-wise measurement (the ``--cuda`` preset's paths) runs
-    end to end and checks its bytes; ``--trace`` writes each row's last pull with both sides' spans."""
+    end to end and checks its bytes, at two message sizes (one row each, one-block messages: four
+    messages of two layers x two blocks, gathered in one launch); ``--trace`` writes each row's
+    last pull with both sides' spans."""
     import json
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "bench.transfer", "--quick", "--kernels", "--in-process",
-                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads", "--trace", str(tmp_path)],
-                         capture_output=True, text=True, timeout=110)
+                          "--layerwise-tokens", "32", "--layer-ms", "2", "--threads", "--trace", str(tmp_path),
+                          "--chunk-mb", "0.001,1"], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| mix64 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
+    rows = [ln.split("|")[1:7] for ln in out.stdout.splitlines() if "| mix64 |" in ln]
+    want = [["2", "0.0", "0.001", "4", "4"], ["2", "0.0", "1", "1", "1"]] * 2    # blocks, MiB, chunk, msgs, burst msgs
+    assert [[c.strip() for c in r[1:]] for r in rows] == want
+    assert "ratio connector/pyzmq" in out.stdout
     assert "connector CPU ms/MiB by thread; decode process: " in out.stdout and "kvc-decode" in out.stdout
     stages = [ln for ln in out.stdout.splitlines() if "ms per pull by stage" in ln]
-    assert stages and all("decode: receive" in ln and "host_copy" in ln and "landed 1" in ln
-                          and "prefill: stage" in ln and "sent 1" in ln for ln in stages), stages
+    assert len(stages) == 4 and all("decode: receive" in ln and "host_copy" in ln and "prefill: stage" in ln
+                                    for ln in stages), stages
+    assert all(("landed 4" in ln and "sent 4" in ln and "gathers 1" in ln) == (" 0.001 MiB messages" in ln)
+               for ln in stages), stages
     for ln in stages:   # the landing thread's CPU time in its work on messages is at most its wall time
         ms = {k: float(v) for k, v in re.findall(r"(host_copy|launch|launch_cpu) ([0-9.]+)", ln.split("; prefill")[0])}
         assert 0 < ms["launch_cpu"] <= ms["host_copy"] + ms["launch"] + 0.05, ln
-    assert "| layer by layer |" in out.stdout and "| all layers at once |" in out.stdout
+    assert re.search(r"^\| 0\.001 \| [0-9.]+ \| [0-9.]+ \|$", out.stdout, re.M)     # the layer-wise rows
+    assert re.search(r"^\| 1 \| [0-9.]+ \| [0-9.]+ \|$", out.stdout, re.M)
     traced = re.findall(r"last pull traced: (\S+) \((\d+) spans\)", out.stdout)
     assert len(traced) == len(stages) and sorted(p for p, _ in traced) == sorted(map(str, tmp_path.iterdir()))
     for path, n in traced:
