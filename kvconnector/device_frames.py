@@ -8,8 +8,9 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
 - prefill (:func:`gather_messages`): one kernel gathers the blocks of a group of consecutive
   messages (one stretch of the pull's layer-major payload, across layers too) into a device
   buffer and computes each message's ``mix64``; one device-to-host copy per message puts its
-  payload in a pinned buffer that is sent with zero copy, the checksums follow in one small copy. All is queued on the endpoint's copy stream, so the next group is
-  gathered and copied while this one is on the wire.
+  payload in a pinned buffer that is sent with zero copy, the checksums follow in one small copy.
+  All is queued on the endpoint's copy stream, so the next group is gathered and copied while
+  this one is on the wire.
 - decode (run by the endpoint's landing thread, :mod:`kvconnector.landing`): each message's
   payload is copied to its place in a device staging buffer (:func:`stage_payload`: received
   straight into pinned memory, one host-to-device copy; else copied piece by piece into one pinned
@@ -147,7 +148,8 @@ def gather_messages(ops: FrameOps, caches: list, block_ids: torch.Tensor, heads:
     block_ids : [k] int64 on the caches' device, source blocks in transfer order
     heads : range of local heads to send
     hosts : list of [n_i] uint8, CPU (pinned for CUDA caches), the messages' payloads in order
-        (``sum(n_i) = nlay·k·2·N·h·P``, or whole cells from ``start``), each written once its event fires
+        (``sum(n_i) = nlay·k·2·N·h·P``, or whole cells from ``start``), each written once its
+        event fires
     copy_stream : torch.cuda.Stream, or None for CPU caches (the kernels then write the payloads
         directly, on one gather thread of the process: :func:`_cpu_gather_thread`)
         Already ordered after the writes of the blocks (it waited for the event recorded at

@@ -23,10 +23,10 @@ With ``mix64`` negotiated and the device kernels given (``frame_ops``), chunks a
 gathered and checksummed on the GPU in groups: one kernel launch covers consecutive messages
 (their payloads follow each other in the pull's layer-major payload, whatever layers they cross:
 :func:`~kvconnector.protocol.payload_cells`; up to ``GROUP_BYTES``), each message then copied to
-its own pinned buffer on the copy stream (:func:`kvconnector.device_frames.gather_messages`); the host never reads the
-payload, and the two Triton launches a gather costs (~20-35 µs each from Python) are paid once a
-group, so messages can be small (the decode side then copies one to the GPU while the next is on
-the wire) without the host work per message outgrowing the wire time.
+its own pinned buffer on the copy stream (:func:`kvconnector.device_frames.gather_messages`); the
+host never reads the payload, and the two Triton launches a gather costs (~20-35 µs each from
+Python) are paid once a group, so messages can be small (the decode side then copies one to the
+GPU while the next is on the wire) without the host work per message outgrowing the wire time.
 
 Staging (gather or device-to-host copy, then the checksum of every frame) runs ahead of the
 socket: up to ``ahead`` chunks are prepared while earlier ones are being sent (device kernels:
