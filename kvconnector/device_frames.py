@@ -15,7 +15,7 @@ gave the endpoint the device kernels as :class:`FrameOps` (``kvconnector`` does 
   payload is copied to its place in a device staging buffer (:func:`stage_payload`: received
   straight into pinned memory, one host-to-device copy; else copied piece by piece into one pinned
   buffer first, :class:`HostFill`, the device copy of each piece queued right behind it); the
-  messages of a pull that arrived together are staged back to back, and one kernel pass verifies
+  consecutive messages of a pull are staged back to back, and one kernel pass verifies
   every frame of them against their headers and a scatter kernel writes their blocks only if all
   matched (:func:`verify_group`; it reads the mismatch count on the device). The host reads the
   count once the copy stream passes that point (:meth:`DeviceWrite.error`) and fails the pull with
@@ -45,7 +45,7 @@ from .protocol import Header
 
 _MASK = (1 << 64) - 1
 GROUP_BYTES = 8 << 20     # payload bytes one device pass covers: a prefill gather of consecutive messages, a
-#                           decode verify + scatter of the messages waiting together (kvconnector.sender, .landing)
+#                           decode verify + scatter of consecutive messages (kvconnector.sender, .landing)
 _cpu_gathers: ThreadPoolExecutor | None = None
 _cpu_gathers_lock = threading.Lock()
 

@@ -25,11 +25,12 @@ pull's layer-major payload (:func:`kvconnector.protocol.payload_cells`: the next
 layer, the next layers, across layer boundaries too), up to ``group_bytes`` and ``AUX_FRAMES``
 frames. It is closed, its verify + scatter queued (:func:`kvconnector.device_frames.verify_group`:
 the scatter writes nothing unless every frame of the group matched) and a blocking event
-recorded, as soon as no further message is waiting, the next one does not extend it, or it is
-full. So a landing thread that keeps up verifies each message alone, and one that falls behind
-(small messages arriving faster than a verify + scatter launches: three Triton launches, ~0.1 ms
-of host time) verifies what piled up in one pass, paying the launches once for the group instead
-of once a message.
+recorded, as soon as the next message does not extend it, it has no room for one more message of
+its last one's size, it holds its stream's ``last`` message, or no message has come for
+``linger_s`` (2 ms: longer than a few MiB take on the wire). So the three Triton launches of a
+verify + scatter (~0.1 ms of host time) are paid once a group, not once a message, also by a
+landing thread that keeps up with the socket; each message's copy to the device is still queued
+as soon as it is in, and the pull's last message closes its group at once.
 
 Without copy workers the launcher copies the pieces itself in the stage phase, right after the
 start: there is nothing to overlap.
@@ -83,6 +84,7 @@ MIN_PIECE_BYTES = 512 << 10   # a message shared by the copy workers is cut no f
 # payload bytes, before the lander waits
 MAX_INFLIGHT = 64
 MAX_INFLIGHT_BYTES = 64 << 20
+LINGER_S = 0.002          # an open group that may still grow waits this long for its next message
 LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
 AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
 
@@ -187,6 +189,9 @@ class Lander:
         Messages started (buffers taken, copies submitted) beyond the one being staged.
     group_bytes : int
         Device staging bytes of a group (0: every message verified alone).
+    linger_s : float
+        How long an open group that may still grow waits for its next message before its
+        verify + scatter is queued (0: as soon as nothing more is waiting).
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame of its group did not match, nothing of the group written; other: the landing failed).
@@ -201,13 +206,13 @@ class Lander:
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
                  max_inflight_bytes: int = MAX_INFLIGHT_BYTES, piece_bytes: int = PIECE_BYTES, executor=None,
                  workers: int = 0, lookahead: int = LOOKAHEAD, group_bytes: int = GROUP_BYTES,
-                 name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
+                 linger_s: float = LINGER_S, name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
         self.trace = trace
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.max_inflight_bytes = max(1, max_inflight_bytes)
-        self.group_bytes = max(0, group_bytes)
+        self.group_bytes, self.linger_s = max(0, group_bytes), max(0.0, linger_s)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
         # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
         # messages (wall time; "launch_cpu" the CPU time this thread used in it, so the difference is
@@ -248,8 +253,9 @@ class Lander:
             torch.cuda.set_stream(self.stream)
         started = self._started
         while True:
-            try:   # with messages started or staged, go on with them rather than wait for a new one
-                job = self._q.get_nowait() if started or self._group else self._q.get(timeout=1.0)
+            try:   # with messages started, go on with them rather than wait for a new one
+                wait = 0.0 if started else 1.0 if self._group is None else self._linger()
+                job = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
             except queue.Empty:
                 if started:
                     self._stage(started.popleft())
@@ -273,6 +279,15 @@ class Lander:
             started.append(job)
             while len(started) > self.lookahead:
                 self._stage(started.popleft())
+
+    def _linger(self) -> float:
+        """Seconds the open group waits for its next message: ``linger_s`` while it may still grow
+        (room for another message of its last one's size, not its stream's last message), else 0."""
+        g = self._group
+        h = g.jobs[-1].h
+        if g.span is None or h.last or g.frames + len(h.nbytes) > AUX_FRAMES:
+            return 0.0
+        return self.linger_s if g.used + sum(h.nbytes) <= g.staging.numel() else 0.0
 
     def _make_room(self, nbytes: int) -> None:
         """Return once a message of ``nbytes`` fits the bounds (``max_inflight`` messages,

@@ -8,8 +8,10 @@ pipelined message fails it with CorruptFrameError and writes nothing of it, whil
 around it land byte-exact; ``close`` lands what is queued. ``HostFill.run`` queues one device
 copy for the pieces the workers copied ahead, one per piece for those it copies itself. Messages
 of one pull waiting together are verified + scattered in one pass where their payloads continue
-one another (a mismatch leaves the whole pass unwritten); a pass whose pull died before it was
-queued is dropped unverified, its buffers handed back only after its device copies.
+one another (a mismatch leaves the whole pass unwritten), also when the landing thread keeps up
+with messages handed over one at a time (the open group waits ``linger_s`` for the next one; the
+stream's ``last`` message closes it at once); a pass whose pull died before it was queued is
+dropped unverified, its buffers handed back only after its device copies.
 
 The copy workers are a thread pool wrapped to log (and, where a test needs it, hold back) each
 piece's copy; the device kernels are their plain-PyTorch twin (``kvconnector.testing.frame_ops``,
@@ -429,3 +431,44 @@ def test_group_of_a_pull_that_died_before_its_verify_is_dropped_unwritten(monkey
         lander.close()
     assert len(events) == 1 and not verified and not reports
     assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))
+
+
+@pytest.mark.parametrize("linger", [0.0, 30.0], ids=["no-linger", "linger"])
+@pytest.mark.parametrize("ends", ["last-flag", "close"])
+def test_a_landing_thread_that_keeps_up_still_verifies_in_groups(linger, ends):
+    """Four messages of one pull (two runs of two layers) handed over one at a time, each once the
+    one before is staged (a landing thread that keeps up with the socket): with no linger each is
+    verified alone; with one the group waits for the next message and the four are verified in one
+    pass, queued as soon as the message marked ``last`` is staged (not after the 30 s linger), or,
+    without the mark, when the lander closes. Every block lands byte-exact either way."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    src_ids, dst_ids = [3, 9, 1, 12], [2, 4, 6, 8]
+    ids, pull = torch.tensor(dst_ids), SimpleNamespace()
+    calls, reports = [], []
+
+    def verify(staging, expected, caches, block_ids, **kw):
+        calls.append(expected.numel())
+        TORCH_FRAME_OPS.verify_scatter(staging, expected, caches, block_ids, **kw)
+    lander = Lander(SimpleNamespace(verify_scatter=verify), None, PinnedPool(), reports.extend, lambda job: True,
+                    linger_s=linger)
+    plan = [(0, 0), (0, 2), (1, 0), (1, 2)]          # (layer, first position), two blocks each
+    try:
+        for i, (layer, first) in enumerate(plan):
+            h, payload = _pull_msg(src, layer, 1, first, 2, src_ids)
+            h.last = ends == "last-flag" and i == len(plan) - 1
+            lander.submit(LandJob(pull, h, [payload.numpy().tobytes()], None, False, dst[layer:layer + 1],
+                                  ids[first:first + 2], range(2), layers=dst, pull_ids=ids))
+            assert until(lambda: lander.stage_s["messages"] == i + 1)
+            if linger == 0:
+                assert until(lambda: lander.stage_s["groups"] == i + 1)     # verified before the next comes
+        if linger and ends == "last-flag":
+            assert until(lambda: len(reports) == 4, timeout_s=10)
+        elif linger:
+            time.sleep(0.1)
+            assert lander.stage_s["groups"] == 0 and not reports            # still open, waiting for more
+    finally:
+        lander.close()
+    assert calls == ([1, 1, 1, 1] if linger == 0 else [4])
+    assert len(reports) == 4 and all(err is None for _, err in reports)
+    for layer in range(2):
+        assert torch.equal(_b(dst[layer])[dst_ids], _b(src[layer])[src_ids])

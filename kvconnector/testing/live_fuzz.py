@@ -13,7 +13,7 @@ what one message decodes to; this checks what a sequence of them does to a cache
 
 ``--frame-ops``: both endpoints take the device path (``mix64``; the plain-PyTorch frame ops of
 :mod:`kvconnector.testing.frame_ops` on these CPU caches): gathers covering several messages,
-the landing thread's verify + scatter passes over the messages waiting together, mutated copies
+the landing thread's verify + scatter passes over groups of consecutive messages, mutated copies
 among them.
 
 Run: ``python -m kvconnector.testing.live_fuzz --seconds 600`` (``--seed``, ``--rate``,

@@ -15,7 +15,7 @@ At the end: leases, streams and pending pulls must be zero, every block back in 
 pool, and RSS / open fds / threads back near their post-warm-up baseline.
 
 ``--frame-ops``: both endpoints on the device path (``mix64``; gathers covering several messages,
-verify + scatter passes over the messages waiting together, on these CPU caches).
+verify + scatter passes over groups of consecutive messages, on these CPU caches).
 
 Run: ``python -m kvconnector.testing.soak --seconds 240`` (prints a markdown table; exit 1 on any lost or
 corrupted block, untyped error, or resource not returned).
