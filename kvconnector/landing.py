@@ -148,13 +148,16 @@ class _Group:
     def extended(self, job: LandJob) -> tuple | None:
         """The span the group covers with ``job`` added (its payload follows the group's: same
         pull and heads, room left), else None."""
-        h, j0 = job.h, self.jobs[0]
-        if self.span is None or job.p is not j0.p or job.heads != j0.heads:
-            return None
-        if self.frames + len(h.nbytes) > AUX_FRAMES or self.used + sum(h.nbytes) > self.staging.numel():
+        j0 = self.jobs[0]
+        if self.span is None or job.p is not j0.p or job.heads != j0.heads or not self.has_room(job.h):
             return None
         cells = _cells(job)
         return None if cells is None or cells[0] != self.span[1] else (self.span[0], cells[1])
+
+    def has_room(self, h) -> bool:
+        """Whether a message with header ``h`` fits beside the group's: its frames in the pooled
+        checksum buffers (``AUX_FRAMES``), its payload in the staging buffer."""
+        return self.frames + len(h.nbytes) <= AUX_FRAMES and self.used + sum(h.nbytes) <= self.staging.numel()
 
     def add(self, job: LandJob, span: tuple | None) -> None:
         self.jobs.append(job)
@@ -285,9 +288,7 @@ class Lander:
         (room for another message of its last one's size, not its stream's last message), else 0."""
         g = self._group
         h = g.jobs[-1].h
-        if g.span is None or h.last or g.frames + len(h.nbytes) > AUX_FRAMES:
-            return 0.0
-        return self.linger_s if g.used + sum(h.nbytes) <= g.staging.numel() else 0.0
+        return self.linger_s if g.span is not None and not h.last and g.has_room(h) else 0.0
 
     def _make_room(self, nbytes: int) -> None:
         """Return once a message of ``nbytes`` fits the bounds (``max_inflight`` messages,
