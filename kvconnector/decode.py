@@ -267,7 +267,7 @@ class DecodeEndpoint:
         in all of its work on messages: less than ``host_copy + launch`` by the time it was
         blocked), ``device_wait`` (waiting for the device to end the oldest of ``max_inflight``
         messages, to reuse its pinned buffer); ``landed`` counts them, ``passes`` the verify +
-        scatter passes that covered them (several messages a pass when they waited together),
+        scatter passes that covered them (consecutive messages of a pull share a pass),
         ``backlog`` the payload frames received zero copy because ``RECV_BYTES`` of pinned buffers
         were held (the landing thread then copies them)."""
         out = {"receive": 0.0 if self._loop is None else self._loop.handled_s}
