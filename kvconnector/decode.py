@@ -61,7 +61,7 @@ INLINE_BYTES = 256 << 10   # smaller messages are written on the I/O thread (a h
 RECV_BYTES = 64 << 20      # recv_into: pooled pinned bytes held at once (received or landing, not yet landed; 8
 #                            messages of 8 MiB, 64 of 1 MiB); while as many are held, messages arrive zero copy
 #                            (ZeroMQ's own memory), so a backlog behind a slow device never makes the I/O thread
-#                            allocate pinned memory message by message
+#                            allocate pinned memory message by message; the pool keeps as many bytes for reuse
 # pyzmq >= 26.4 can receive a frame into a caller's buffer (``recv_into``: mix64 frames straight into a
 # pooled pinned buffer, one memcpy inside libzmq with the GIL released, on the I/O thread); without it
 # they arrive as zero-copy zmq Frames and the landing thread has the copy workers copy them into that
@@ -161,7 +161,7 @@ class DecodeEndpoint:
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
         self._head_block_bytes = slice_bytes(self.geometry, 1, range(1))   # one head of one block
-        self._pinned = PinnedPool() if self.cuda or frame_ops is not None else None
+        self._pinned = PinnedPool(RECV_BYTES) if self.cuda or frame_ops is not None else None
         self._host = HostWrites(self.caches, self.geometry, self._copy_stream, self._pinned)   # xxh3 messages
         n = default_copy_threads() if copy_threads is None else copy_threads
         self._workers = ThreadPoolExecutor(n, thread_name_prefix="kvc-decode-copy") if n else None

@@ -55,6 +55,7 @@ from layouts import CacheGeometry
 from .blocks import as_bytes, block_rows, copy_runs, device_rows, gather_blocks, runs, slice_bytes
 from .device_frames import GROUP_BYTES, gather_messages
 from .protocol import CHECKSUM, Header, MsgType, checksum, checksum_stream, encode_header, payload_cells
+from .staging import FREE_BYTES
 from .trace import Trace
 
 
@@ -96,12 +97,15 @@ class BufferPool:
     """Reusable host byte buffers for gathered payloads (fresh allocations page-fault).
 
     A buffer handed to ZeroMQ with zero copy is reused only once its ``MessageTracker``
-    says the socket no longer reads it.
+    says the socket no longer reads it. Released buffers are kept up to ``max_free_bytes``
+    (:data:`~kvconnector.staging.FREE_BYTES`: as many 1 MiB buffers as 8 MiB ones fit in it).
     """
 
-    def __init__(self, max_buffers: int = 8) -> None:
+    def __init__(self, max_free_bytes: int = FREE_BYTES) -> None:
         self._free: list = []     # [tensor, tracker or None]
-        self.max_buffers = max_buffers
+        self.max_free_bytes = max_free_bytes
+        self.free_bytes = 0       # bytes of the buffers in ``_free``
+        self.allocations = 0      # buffers allocated (not reused) so far
         self._views: dict = {}    # id(cache) -> (cache, numpy byte view); one endpoint's caches
         self._rows: dict = {}     # id(cache) -> (cache, torch row view), CUDA caches
 
@@ -126,17 +130,25 @@ class BufferPool:
         for i, (buf, tracker) in enumerate(self._free):
             if buf.numel() >= nbytes and (tracker is None or tracker.done):
                 del self._free[i]
+                self.free_bytes -= buf.numel()
                 return buf[:nbytes]
+        self.allocations += 1
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def release(self, buf: torch.Tensor, tracker) -> None:
+        """Keep ``buf`` (a view of a pooled buffer, or one) for reuse once ``tracker`` (None: now) is
+        done; over ``max_free_bytes``, the oldest buffers ZeroMQ no longer reads are dropped."""
         base = buf._base if buf._base is not None else buf
         self._free.append([base, tracker])
-        if len(self._free) > self.max_buffers:
-            for i, (_, t) in enumerate(self._free):
-                if t is None or t.done:
-                    del self._free[i]
-                    break
+        self.free_bytes += base.numel()
+        i = 0
+        while self.free_bytes > self.max_free_bytes and i < len(self._free):
+            b, t = self._free[i]
+            if t is None or t.done:
+                del self._free[i]
+                self.free_bytes -= b.numel()
+            else:
+                i += 1
 
 
 class Stream:

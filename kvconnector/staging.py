@@ -19,14 +19,21 @@ from .protocol import Header, check_checksum, check_frames, checksum
 _ROUND = 1 << 20          # pinned buffers are allocated in whole MiB so messages of near sizes share them
 
 
+FREE_BYTES = 64 << 20    # pinned bytes a pool keeps for reuse (8 buffers of 8 MiB messages, 64 of 1 MiB)
+
+
 class PinnedPool:
     """Thread-safe pool of pinned host byte buffers (a pinned allocation costs far more than
-    a reuse). A buffer goes back with :meth:`release` once no device copy reads it any more."""
+    a reuse). A buffer goes back with :meth:`release` once no device copy reads it any more; the
+    free ones are kept up to ``max_free_bytes`` (the smallest dropped first), a byte bound rather
+    than a count, so small messages in flight by the dozen reuse their buffers as 8 MiB ones do."""
 
-    def __init__(self, max_buffers: int = 8) -> None:
+    def __init__(self, max_free_bytes: int = FREE_BYTES) -> None:
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
-        self.max_buffers = max_buffers
+        self.max_free_bytes = max_free_bytes
+        self.free_bytes = 0      # bytes of the buffers in ``_free``
+        self.allocations = 0     # buffers allocated (not reused) so far
         self.outstanding = 0     # buffers acquired and not yet released
         self.outstanding_bytes = 0   # their pinned bytes (whole buffers, not the views handed out)
 
@@ -39,9 +46,11 @@ class PinnedPool:
             if fits:
                 i = min(fits, key=lambda j: self._free[j].numel())
                 buf = self._free.pop(i)
+                self.free_bytes -= buf.numel()
                 self.outstanding_bytes += buf.numel()
                 return buf[:nbytes]
             self.outstanding_bytes += size
+            self.allocations += 1
         try:   # pageable without a GPU (a CPU-only build cannot pin), so the logic also runs in CI
             return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())[:nbytes]
         except BaseException:
@@ -56,9 +65,11 @@ class PinnedPool:
             self.outstanding -= 1
             self.outstanding_bytes -= base.numel()
             self._free.append(base)
-            if len(self._free) > self.max_buffers:   # drop the smallest, by position: list.remove
+            self.free_bytes += base.numel()
+            while self.free_bytes > self.max_free_bytes:   # drop the smallest, by position: list.remove
                 # would compare tensors with ``==`` (elementwise; raises for buffers of other sizes)
-                del self._free[min(range(len(self._free)), key=lambda i: self._free[i].numel())]
+                i = min(range(len(self._free)), key=lambda j: self._free[j].numel())
+                self.free_bytes -= self._free.pop(i).numel()
 
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ matched its checksum.
 Covers: staged bytes equal the frames exactly (several frames, odd sizes, a 17-byte frame);
 a flipped last byte of the second frame, a truncated frame and a missing frame each raise
 CorruptFrameError naming the problem, with every staged buffer handed back to the pool; the pool reuses released buffers (smallest that
-fits) and keeps at most ``max_buffers``, dropping the smallest wherever it sits. Without a GPU the pool's buffers are pageable, so this
+fits) and keeps at most ``max_free_bytes`` of them, dropping the smallest wherever they sit. Without a GPU the pool's buffers are pageable, so this
 runs in CI; the CUDA path through it is ``test_connector.py::test_cuda_caches_byte_exact``.
 
 Run: python -m pytest tests/test_decode_staging.py -q
@@ -60,7 +60,7 @@ def test_bad_message_raises_and_returns_buffers(problem):
 
 
 def test_pool_reuses_smallest_fit_and_is_bounded():
-    pool = PinnedPool(max_buffers=2)
+    pool = PinnedPool(max_free_bytes=4 * MIB)
     a, b = pool.acquire(3 << 20), pool.acquire(1 << 20)
     pa, pb = a.data_ptr(), b.data_ptr()
     pool.release(a)
@@ -70,18 +70,20 @@ def test_pool_reuses_smallest_fit_and_is_bounded():
     d = pool.acquire(2 << 20)          # only the 3 MiB one fits
     assert d.data_ptr() == pa
     assert pool.acquire(5 << 20).data_ptr() not in (pa, pb)   # nothing fits: a new buffer
+    assert pool.allocations == 3
     for t in (c, d, torch.empty(1 << 20, dtype=torch.uint8)):
         pool.release(t)
-    assert len(pool._free) == 2 and min(t.numel() for t in pool._free) >= 1 << 20
+    # 1 + 3 + 1 MiB released into a 4 MiB bound: one 1 MiB buffer dropped
+    assert sorted(t.numel() for t in pool._free) == [1 << 20, 3 << 20] and pool.free_bytes == 4 * MIB
 
 
 def test_pool_over_its_bound_drops_the_smallest_whatever_its_position():
     """More buffers released than the pool keeps, of different sizes, the smallest not first (a
     pull of 8 MiB and 264 KiB messages with many in flight): the smallest is dropped. Tensors in
     the free list are never compared with ``==`` (elementwise: raises for other sizes)."""
-    pool = PinnedPool(max_buffers=2)
+    pool = PinnedPool(max_free_bytes=11 * MIB)
     big, other, small = pool.acquire(8 * MIB), pool.acquire(3 * MIB), pool.acquire(270336)
     keep = {big.data_ptr(), other.data_ptr()}
     for t in (big, other, small):
         pool.release(t)
-    assert len(pool._free) == 2 and {t.data_ptr() for t in pool._free} == keep
+    assert len(pool._free) == 2 and {t.data_ptr() for t in pool._free} == keep and pool.free_bytes == 11 * MIB

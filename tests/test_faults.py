@@ -113,7 +113,8 @@ class Rig:
         while any(t is not None and not t.done for _, t in self.pre._pool._free) and time.monotonic() < end:
             time.sleep(0.02)
         assert all(t is None or t.done for _, t in self.pre._pool._free)
-        assert len(self.pre._pool._free) <= self.pre._pool.max_buffers + 1
+        pool = self.pre._pool
+        assert pool.free_bytes == sum(b.numel() for b, _ in pool._free) <= pool.max_free_bytes
 
     def close(self):
         self.dec.close()
