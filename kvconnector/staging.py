@@ -26,28 +26,35 @@ class PinnedPool:
     """Thread-safe pool of pinned host byte buffers (a pinned allocation costs far more than
     a reuse). A buffer goes back with :meth:`release` once no device copy reads it any more; the
     free ones are kept up to ``max_free_bytes`` (the smallest dropped first), a byte bound rather
-    than a count, so small messages in flight by the dozen reuse their buffers as 8 MiB ones do."""
+    than a count, so small messages in flight by the dozen reuse their buffers as 8 MiB ones do.
+    Buffers are whole MiB, kept by size, so a lookup costs one step per distinct size."""
 
     def __init__(self, max_free_bytes: int = FREE_BYTES) -> None:
-        self._free: list[torch.Tensor] = []
+        self._free: dict[int, list[torch.Tensor]] = {}   # numel -> free buffers of that size
         self._lock = threading.Lock()
         self.max_free_bytes = max_free_bytes
-        self.free_bytes = 0      # bytes of the buffers in ``_free``
+        self.free_bytes = 0      # bytes of the free buffers
         self.allocations = 0     # buffers allocated (not reused) so far
         self.outstanding = 0     # buffers acquired and not yet released
         self.outstanding_bytes = 0   # their pinned bytes (whole buffers, not the views handed out)
+
+    @property
+    def free(self) -> list[torch.Tensor]:
+        """The buffers kept for reuse, smallest first."""
+        with self._lock:
+            return [b for n in sorted(self._free) for b in self._free[n]]
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A pinned ``[nbytes]`` uint8 tensor (the smallest free one that fits, else a new one)."""
         size = -(-max(nbytes, 1) // _ROUND) * _ROUND
         with self._lock:
             self.outstanding += 1
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            fits = [n for n, bufs in self._free.items() if n >= nbytes and bufs]
             if fits:
-                i = min(fits, key=lambda j: self._free[j].numel())
-                buf = self._free.pop(i)
-                self.free_bytes -= buf.numel()
-                self.outstanding_bytes += buf.numel()
+                n = min(fits)
+                buf = self._free[n].pop()
+                self.free_bytes -= n
+                self.outstanding_bytes += n
                 return buf[:nbytes]
             self.outstanding_bytes += size
             self.allocations += 1
@@ -61,15 +68,16 @@ class PinnedPool:
 
     def release(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
+        n = base.numel()
         with self._lock:
             self.outstanding -= 1
-            self.outstanding_bytes -= base.numel()
-            self._free.append(base)
-            self.free_bytes += base.numel()
-            while self.free_bytes > self.max_free_bytes:   # drop the smallest, by position: list.remove
-                # would compare tensors with ``==`` (elementwise; raises for buffers of other sizes)
-                i = min(range(len(self._free)), key=lambda j: self._free[j].numel())
-                self.free_bytes -= self._free.pop(i).numel()
+            self.outstanding_bytes -= n
+            self._free.setdefault(n, []).append(base)
+            self.free_bytes += n
+            while self.free_bytes > self.max_free_bytes:   # drop the smallest
+                small = min(k for k, bufs in self._free.items() if bufs)
+                self._free[small].pop()
+                self.free_bytes -= small
 
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:

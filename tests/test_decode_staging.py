@@ -56,7 +56,7 @@ def test_bad_message_raises_and_returns_buffers(problem):
     with pytest.raises(CorruptFrameError, match=want):
         stage_verified(h, frames, pool)
     # buffers staged before the failure went back (none were taken for a size error)
-    assert len(pool._free) == (2 if problem == "flip" else 0)
+    assert len(pool.free) == (2 if problem == "flip" else 0)
 
 
 def test_pool_reuses_smallest_fit_and_is_bounded():
@@ -74,7 +74,7 @@ def test_pool_reuses_smallest_fit_and_is_bounded():
     for t in (c, d, torch.empty(1 << 20, dtype=torch.uint8)):
         pool.release(t)
     # 1 + 3 + 1 MiB released into a 4 MiB bound: one 1 MiB buffer dropped
-    assert sorted(t.numel() for t in pool._free) == [1 << 20, 3 << 20] and pool.free_bytes == 4 * MIB
+    assert [t.numel() for t in pool.free] == [1 << 20, 3 << 20] and pool.free_bytes == 4 * MIB
 
 
 def test_pool_over_its_bound_drops_the_smallest_whatever_its_position():
@@ -86,4 +86,4 @@ def test_pool_over_its_bound_drops_the_smallest_whatever_its_position():
     keep = {big.data_ptr(), other.data_ptr()}
     for t in (big, other, small):
         pool.release(t)
-    assert len(pool._free) == 2 and {t.data_ptr() for t in pool._free} == keep and pool.free_bytes == 11 * MIB
+    assert len(pool.free) == 2 and {t.data_ptr() for t in pool.free} == keep and pool.free_bytes == 11 * MIB
