@@ -98,7 +98,7 @@ class BufferPool:
 
     A buffer handed to ZeroMQ with zero copy is reused only once its ``MessageTracker``
     says the socket no longer reads it. Released buffers are kept up to ``max_free_bytes``
-    (:data:`~kvconnector.staging.FREE_BYTES`: as many 1 MiB buffers as 8 MiB ones fit in it).
+    (:data:`~kvconnector.staging.FREE_BYTES`: 8 buffers of 8 MiB messages, 64 of 1 MiB).
     """
 
     def __init__(self, max_free_bytes: int = FREE_BYTES) -> None:
