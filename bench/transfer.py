@@ -94,12 +94,13 @@ def _sizes(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated cache modes")
+    p.add_argument("--modes", default=None, help="comma-separated cache modes (default: every mode; --cuda: "
+                   "int8_per_token_head,int4_per_token_head)")
     p.add_argument("--blocks", default="16,64,256", help="comma-separated blocks per transfer")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=None, help="default 8 (--cuda: 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="default 8")
+    p.add_argument("--head-size", type=int, default=None, help="default 128")
+    p.add_argument("--block-size", type=int, default=None, help="default 16")
     p.add_argument("--repeats", type=int, default=7, help="transfers timed per row (median reported)")
     p.add_argument("--chunk-mb", type=_sizes, default=[8.0], help="target payload MiB per message of the "
                    "connector; comma-separated: one row per size, each shape's sizes one after another")
@@ -116,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "verify + scatter on the device, the decode side's landing thread)")
     p.add_argument("--cuda", action="store_true", help="CUDA-cache preset: int8_per_token_head + "
                    "int4_per_token_head, 16/64/256 blocks x 32 layers, 8 KV heads, head size 128, block size 16, "
-                   "caches on the GPU, --kernels")
+                   "caches on the GPU, --kernels (shape options given on the command line are kept)")
     p.add_argument("--layerwise-tokens", type=int, default=None, help="also measure the exposed time of a layer-wise "
                    "INT4 pull of this many tokens (0: off, the default; --cuda: 32768 unless given)")
     p.add_argument("--layer-ms", type=float, default=40.0, help="time between layer announcements in the "
@@ -476,15 +477,19 @@ def _receive_note(recv_into: bool | None, device: str) -> str:
 
 
 def run(args) -> int:
+    shape = dict(modes=",".join(MODES), layers=8, kv_heads=8, head_size=128, block_size=16)
     if args.cuda:
-        args.device, args.kernels, args.modes, args.layers = "cuda", True, "int8_per_token_head,int4_per_token_head", 32
-        args.kv_heads, args.head_size, args.block_size = 8, 128, 16
+        args.device, args.kernels = "cuda", True
+        shape.update(modes="int8_per_token_head,int4_per_token_head", layers=32)
         args.layerwise_tokens = 32768 if args.layerwise_tokens is None else args.layerwise_tokens
     if args.quick:
-        args.modes, args.blocks, args.layers, args.repeats = "auto,int4_per_token_head", "4,16", 2, 2
-        args.kv_heads, args.head_size = 2, 64
+        args.blocks, args.repeats = "4,16", 2
+        shape.update(modes="auto,int4_per_token_head", layers=2, kv_heads=2, head_size=64)
         if args.kernels and args.device == "cpu":   # interpreted kernels: keep the smoke run small
             args.blocks = "2"
+    for k, v in shape.items():   # a preset fills only what the command line left out
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device")

@@ -128,6 +128,18 @@ def test_bench_transfer_quick_runs():
     assert "| int4_per_token_head | 16 |" in out.stdout and "ratio connector/pyzmq" in out.stdout
 
 
+def test_bench_transfer_preset_keeps_the_shape_given():
+    """A preset (``--quick``, like ``--cuda``) fills only the shape options the command line left
+    out: ``--modes`` and ``--layers`` given are the rows measured."""
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "bench-transfer", "--quick", "--modes",
+                          "int4_per_token_head", "--layers", "3"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| auto |", "| int", "| fp8"))]
+    assert rows and all(r.startswith("| int4_per_token_head |") for r in rows), out.stdout
+    assert "layers=3 kv_heads=2 head_size=64" in out.stdout
+
+
 def test_bench_transfer_times_the_burst_from_its_own_request(monkeypatch):
     """The pyzmq ceiling excludes the benchmark's bookkeeping between a pull and the burst (the
     sender's CPU-time and thread reads): with each of those taking 0.25 s, the burst of a few KiB

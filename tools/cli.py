@@ -75,6 +75,8 @@ def _check_bench_transfer(args) -> None:
     from tools.argtypes import cache_mode_list, int_list
 
     for opt, check in (("--modes", cache_mode_list), ("--blocks", int_list)):
+        if getattr(args, opt[2:]) is None:   # left to the benchmark's preset
+            continue
         try:
             check(getattr(args, opt[2:]))
         except argparse.ArgumentTypeError as e:
