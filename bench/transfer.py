@@ -78,19 +78,9 @@ import zmq
 from bench.transfer_floor_cuda import burst_sizes
 from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
+from tools.argtypes import positive_float_list
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
-
-
-def _sizes(text: str) -> list[float]:
-    """``--chunk-mb``: comma-separated positive MiB."""
-    try:
-        out = [float(x) for x in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or any(not v > 0 for v in out):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive MiB, got {text!r}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=int, default=None, help="default 128")
     p.add_argument("--block-size", type=int, default=None, help="default 16")
     p.add_argument("--repeats", type=int, default=7, help="transfers timed per row (median reported)")
-    p.add_argument("--chunk-mb", type=_sizes, default=[8.0], help="target payload MiB per message of the "
+    p.add_argument("--chunk-mb", type=positive_float_list, default=[8.0], help="target payload MiB per message of the "
                    "connector; comma-separated: one row per size, each shape's sizes one after another")
     p.add_argument("--burst-mb", type=float, default=None, help="MiB per message of the pyzmq bursts (default: "
                    "--chunk-mb), so a connector at small messages is compared with the burst at any size")

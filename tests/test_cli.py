@@ -86,6 +86,7 @@ WRONG_USAGES = [
     ("bench-transfer-int3", ["bench-transfer", "--modes", "int3"], "int3"),
     ("bench-transfer-quick-int3", ["bench-transfer", "--quick", "--modes", "int4_per_token_head,int3"], "int3"),
     ("bench-transfer-bad-blocks", ["bench-transfer", "--blocks", "16,x"], "--blocks"),
+    ("bench-transfer-bad-chunk", ["bench-transfer", "--chunk-mb", "1,0"], "--chunk-mb"),
     ("serve-port-in-use", ["serve", "--port", "{busy}", "--layers", "1", "--num-blocks", "4",
                            "--blocks-per-transfer", "2", "--fill", "random"], "{busy}"),
     ("serve-bad-host", ["serve", "--host", "no-such-host.invalid", "--layers", "1", "--num-blocks", "4",

@@ -72,3 +72,8 @@ def int_list(text: str) -> str:
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return text
+
+
+def positive_float_list(text: str) -> list[float]:
+    """Comma-separated numbers, each a :func:`positive_float` (message sizes in MiB, say)."""
+    return [positive_float(p) for p in text.split(",")]

@@ -75,10 +75,11 @@ def _check_bench_transfer(args) -> None:
     from tools.argtypes import cache_mode_list, int_list
 
     for opt, check in (("--modes", cache_mode_list), ("--blocks", int_list)):
-        if getattr(args, opt[2:]) is None:   # left to the benchmark's preset
+        value = getattr(args, opt[2:])
+        if value is None:   # left to the benchmark's preset
             continue
         try:
-            check(getattr(args, opt[2:]))
+            check(value)
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"{opt}: {e}") from None
 
