@@ -30,7 +30,7 @@ class PinnedPool:
     Buffers are whole MiB, kept by size, so a lookup costs one step per distinct size."""
 
     def __init__(self, max_free_bytes: int = FREE_BYTES) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}   # numel -> free buffers of that size
+        self._free: dict[int, list[torch.Tensor]] = {}   # numel -> free buffers of that size (never empty)
         self._lock = threading.Lock()
         self.max_free_bytes = max_free_bytes
         self.free_bytes = 0      # bytes of the free buffers
@@ -49,11 +49,10 @@ class PinnedPool:
         size = -(-max(nbytes, 1) // _ROUND) * _ROUND
         with self._lock:
             self.outstanding += 1
-            fits = [n for n, bufs in self._free.items() if n >= nbytes and bufs]
+            fits = [n for n in self._free if n >= nbytes]
             if fits:
                 n = min(fits)
-                buf = self._free[n].pop()
-                self.free_bytes -= n
+                buf = self._take(n)
                 self.outstanding_bytes += n
                 return buf[:nbytes]
             self.outstanding_bytes += size
@@ -75,9 +74,16 @@ class PinnedPool:
             self._free.setdefault(n, []).append(base)
             self.free_bytes += n
             while self.free_bytes > self.max_free_bytes:   # drop the smallest
-                small = min(k for k, bufs in self._free.items() if bufs)
-                self._free[small].pop()
-                self.free_bytes -= small
+                self._take(min(self._free))
+
+    def _take(self, n: int) -> torch.Tensor:
+        """One free buffer of ``n`` bytes out of the free ones (the lock held)."""
+        bufs = self._free[n]
+        buf = bufs.pop()
+        if not bufs:
+            del self._free[n]
+        self.free_bytes -= n
+        return buf
 
 
 def stage_verified(h: Header, payloads, pool: PinnedPool) -> list[torch.Tensor]:
