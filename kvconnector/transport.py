@@ -86,7 +86,7 @@ def bind(sock: zmq.Socket, host: str = DEFAULT_HOST, port: int = 0) -> tuple[str
 
 
 class IOLoop:
-    """One background thread that owns one socket.
+    """One background thread that owns one socket (and any added with :meth:`add_socket`).
 
     Parameters
     ----------
@@ -129,6 +129,8 @@ class IOLoop:
         self._calls: deque = deque()
         self._stop = False
         self.handled_s = 0.0     # seconds spent receiving and handling messages (bench.transfer --threads)
+        self.socks = [sock]      # the endpoint's socket, then any added with add_socket
+        self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -148,8 +150,14 @@ class IOLoop:
                 except zmq.ZMQError:
                     pass  # pipe full or closing: the loop is awake anyway
 
+    def add_socket(self, sock: zmq.Socket) -> None:
+        """Also receive from ``sock`` (call on the loop thread): its messages go to the same
+        ``on_message`` / ``on_header``; the loop closes it with its own."""
+        self.socks.append(sock)
+        self._poller.register(sock, zmq.POLLIN)
+
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
         timeout_s = 0.0
@@ -162,24 +170,8 @@ class IOLoop:
                 while self._calls:
                     fn, args = self._calls.popleft()
                     self._guard(fn, *args)
-                # drain a bounded batch so ticks (deadlines, sends) keep running under load;
-                # ask EVENTS first: a recv that raises zmq.Again costs more than the check
-                for _ in range(256):
-                    if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break
-                    t0 = time.perf_counter()
-                    try:
-                        frames = self._recv()
-                    except zmq.Again:
-                        break
-                    t1 = time.perf_counter()
-                    self._guard(self._on_message, frames)
-                    t2 = time.perf_counter()
-                    self.handled_s += t2 - t0
-                    if self._trace is not None and self._trace.enabled:
-                        n = sum(len(f) if isinstance(f, zmq.Frame) else f.nbytes for f in frames[1:])
-                        self._trace.span("receive", t0, t1, frames=len(frames), bytes=n)
-                        self._trace.span("handle", t1, t2)
+                for sock in self.socks:
+                    self._drain(sock)
                 timeout_s = self._guard(self._on_tick, time.monotonic())
                 timeout_s = 0.05 if timeout_s is None else min(timeout_s, 0.25)
             except zmq.ZMQError as e:
@@ -188,24 +180,45 @@ class IOLoop:
                 self._guard(self._on_error, TransferError(f"socket error: {e}"))
                 timeout_s = 0.01
 
-    def _recv(self) -> list:
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Handle a bounded batch of ``sock``'s messages, so ticks (deadlines, sends) and the other
+        sockets keep being served under load; EVENTS is asked first: a recv that raises
+        zmq.Again costs more than the check."""
+        for _ in range(256):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            t0 = time.perf_counter()
+            try:
+                frames = self._recv(sock)
+            except zmq.Again:
+                break
+            t1 = time.perf_counter()
+            self._guard(self._on_message, frames)
+            t2 = time.perf_counter()
+            self.handled_s += t2 - t0
+            if self._trace is not None and self._trace.enabled:
+                n = sum(len(f) if isinstance(f, zmq.Frame) else f.nbytes for f in frames[1:])
+                self._trace.span("receive", t0, t1, frames=len(frames), bytes=n)
+                self._trace.span("handle", t1, t2)
+
+    def _recv(self, sock: zmq.Socket) -> list:
         """One whole message (ZeroMQ delivers the frames of a message together, so once its
         first frame is here the others are too)."""
         if self._on_header is None:
-            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        first = self.sock.recv(zmq.NOBLOCK, copy=False)
+            return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        first = sock.recv(zmq.NOBLOCK, copy=False)
         if not first.more:
             return [first]
         bufs = self._guard(self._on_header, first)
         if not bufs:
-            return [first, *self.sock.recv_multipart(copy=False)]
+            return [first, *sock.recv_multipart(copy=False)]
         frames = [first]
-        while self.sock.getsockopt(zmq.RCVMORE):
+        while sock.getsockopt(zmq.RCVMORE):
             if len(frames) > len(bufs):
-                frames.append(self.sock.recv(copy=False))
+                frames.append(sock.recv(copy=False))
                 continue
             buf = bufs[len(frames) - 1]
-            n = self.sock.recv_into(buf)
+            n = sock.recv_into(buf)
             frames.append(buf[:n] if n <= len(buf) else np.broadcast_to(np.uint8(0), (n,)))
         return frames
 
@@ -229,6 +242,6 @@ class IOLoop:
                 except zmq.ZMQError:
                     pass
             self._thread.join(timeout_s)
-        for s in (self.sock, self._wake_rx, self._wake_tx):
+        for s in (*self.socks, self._wake_rx, self._wake_tx):
             s.close(linger=0)
         self.ctx.term()
