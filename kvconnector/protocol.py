@@ -32,6 +32,9 @@ key       type                       meaning
 ``nixl``  map                        HELLO: NIXL agent metadata + receive region (data plane)
 ``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
 ``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
+``lanes`` int >= 0                   HELLO: data connections the decode side can open; HELLO_ACK: how many
+                                     the prefill sends BLOCKS over (this one included)
+``peer``  bytes                      LANE: the ZeroMQ routing id of the decode side's first connection
 ``hxx``   int (u64)                  BLOCKS: checksum of the placement fields (:func:`placement_checksum`, v4)
 ``last``  bool                       BLOCKS: final message of the transfer
 ``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor
@@ -75,6 +78,7 @@ PROTOCOL_HISTORY = {
 MAX_HEADER_BYTES = 1 << 20       # a header is a few hundred bytes; refuse to parse more
 MAX_TID_CHARS = 256
 MAX_LIST_LEN = 1 << 16           # bound on block / frame lists inside one header
+MAX_LANES = 64                   # HELLO / HELLO_ACK ``lanes`` bound
 MAX_PAYLOAD_BYTES = 1 << 31      # one payload frame (also zmq MAXMSGSIZE on the sockets)
 CHECKSUM = "xxh3_64"             # the default algorithm: every peer accepts it, dump files use it
 MIX64 = mix64_ref.NAME            # "mix64": per-word hashes summed, computable in parallel on a GPU
@@ -94,6 +98,7 @@ class MsgType(enum.IntEnum):
     PING = 8        # either way: liveness
     PONG = 9
     DESCRIBE = 10   # D -> P: layout request (no keys); P -> D: reply with ``desc`` + ``xfers``
+    LANE = 11       # D -> P, on an extra connection: send BLOCKS for peer ``peer`` here too (HELLO_ACK ``lanes``)
 
 
 class ErrorCode(str, enum.Enum):
@@ -142,6 +147,8 @@ class Header:
     nixl: dict | None = None
     plane: str = ""
     at: int | None = None
+    lanes: int = 0
+    peer: bytes = b""
     placement: int | None = None     # BLOCKS ``hxx`` as received (encode_header computes its own)
     version: int = PROTOCOL_VERSION
 
@@ -159,7 +166,8 @@ _KEYS = {
     "xxh": ("checksums", list), "last": ("last", bool), "desc": ("desc", dict), "ok": ("ok", bool),
     "code": ("code", str), "msg": ("msg", str), "diffs": ("diffs", list),
     "xfers": ("xfers", list), "sums": ("sums", list), "sum": ("sum", str),
-    "nixl": ("nixl", dict), "plane": ("plane", str), "at": ("at", int),
+    "nixl": ("nixl", dict), "plane": ("plane", str), "at": ("at", int), "lanes": ("lanes", int),
+    "peer": ("peer", bytes),
 }
 # keys each message type must carry
 _REQUIRED = {
@@ -173,6 +181,7 @@ _REQUIRED = {
     MsgType.PING: (),
     MsgType.PONG: (),
     MsgType.DESCRIBE: (),
+    MsgType.LANE: ("peer",),
 }
 _DEFAULTS = Header(MsgType.PING)
 _MAX_TYPE = max(MsgType)
@@ -222,7 +231,8 @@ def encode_header(h: Header) -> bytes:
     out = {"v": h.version, "t": int(h.type), "seq": h.seq}
     optional = tuple(k for k, on in (("msg", h.msg), ("diffs", h.diffs), ("code", h.code),
                                      ("desc", h.desc), ("xfers", h.xfers), ("sums", h.sums),
-                                     ("sum", h.sum), ("nixl", h.nixl), ("plane", h.plane)) if on)
+                                     ("sum", h.sum), ("nixl", h.nixl), ("plane", h.plane),
+                                     ("lanes", h.lanes), ("peer", h.peer)) if on)
     optional += ("at",) if h.at is not None else ()
     for key in dict.fromkeys(_REQUIRED[MsgType(h.type)] + optional):
         attr = _KEYS[key][0]
@@ -325,6 +335,10 @@ def decode_header(buf, versions: tuple = (PROTOCOL_VERSION,)) -> Header:
                 raise CorruptFrameError(
                     f"BLOCKS {h.tid!r} header field 'hxx': expected {want:#018x} (the checksum of tid, layer, "
                     f"nlay, first, nblk, heads, nbytes, xxh, sum, at), got {h.placement:#018x}")
+    if "lanes" in raw:
+        _check_int("lanes", h.lanes, 0, MAX_LANES)
+    if len(h.peer) > 255:   # a ZeroMQ routing id is 1..255 bytes
+        raise _fail("peer", "a routing id of at most 255 bytes", f"{len(h.peer)} bytes")
     if len(h.sums) > 16 or not all(isinstance(x, str) and len(x) <= 64 for x in h.sums):
         raise _fail("sums", "at most 16 algorithm names (str)", h.sums)
     return h

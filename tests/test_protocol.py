@@ -38,10 +38,11 @@ def test_version_has_history():
     Header(MsgType.ABORT, tid="t", code="deadline"),
     Header(MsgType.ERROR, tid="t", code=ErrorCode.UNKNOWN_TRANSFER, msg="gone"),
     Header(MsgType.PING), Header(MsgType.PONG),
+    Header(MsgType.LANE, peer=b"kvc-0123456789ab"),
 ], ids=lambda h: h.type.name)
 def test_header_round_trip(h):
     got = decode_header(encode_header(h))
-    for name in ("type", "seq", "tid", "nblk", "heads", "desc", "ok", "code", "msg", "diffs"):
+    for name in ("type", "seq", "tid", "nblk", "heads", "desc", "ok", "code", "msg", "diffs", "peer"):
         assert getattr(got, name) == getattr(h, name), name
 
 
@@ -105,6 +106,11 @@ def _raw(**over):
     (_raw(heads=[3, 1]), "field 'heads'"),
     (_raw(heads=[0, 1, 2]), "field 'heads'"),
     (_raw(nblk=...), r"missing field\(s\) \['nblk'\]"),
+    (_raw(t=int(MsgType.LANE)), r"LANE header: missing field\(s\) \['peer'\]"),
+    (_raw(t=int(MsgType.LANE), peer="kvc"), "field 'peer'.*expected bytes"),
+    (_raw(t=int(MsgType.LANE), peer=b"x" * 256), "field 'peer'.*at most 255 bytes"),
+    (_raw(lanes=65), "field 'lanes'.*expected int in \\[0, 64\\]"),
+    (_raw(lanes=-1), "field 'lanes'"),
     (_raw(v="1"), "field 'v'"),
     (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[4, 4], xxh=[1], last=True), "field 'xxh'"),
     (_raw(t=int(MsgType.BLOCKS), layer=0, nlay=1, first=0, nbytes=[1 << 40], xxh=[1], last=True), r"nbytes\[0\]"),
@@ -115,7 +121,8 @@ def _raw(**over):
     (_raw(t=int(MsgType.HELLO), desc={}, nbytes=[{"a": 1}, 1 << 62]), r"nbytes\[0\]"),
     (_raw(nbytes=[4], xxh=["x"]), r"xxh\[0\]"),
 ], ids=["garbage", "array", "bad-type", "type-str", "neg-nblk", "str-nblk", "bool-nblk", "int-tid",
-        "long-tid", "heads-reversed", "heads-3", "missing", "version-str", "xxh-count", "hostile-nbytes",
+        "long-tid", "heads-reversed", "heads-3", "missing", "lane-without-peer", "lane-peer-str",
+        "lane-peer-256", "lanes-65", "lanes-negative", "version-str", "xxh-count", "hostile-nbytes",
         "neg-checksum", "zero-nlay", "v1-blocks-without-nlay", "hello-nbytes-map", "pull-xxh-str"])
 def test_decode_rejects_bad_headers(raw, match):
     with pytest.raises(CorruptFrameError, match=match):
