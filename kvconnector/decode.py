@@ -51,8 +51,8 @@ from .device_frames import frame_views, warm
 from .error_log import ErrorLog, raised_at
 from .host_writes import HostWrites
 from .landing import Lander, LandJob
-from .protocol import (CHECKSUM, MIX64, ErrorCode, Header, MsgType, blocks_tid, check_frames, decode_header,
-                       encode_header)
+from .protocol import (CHECKSUM, MAX_LANES, MIX64, ErrorCode, Header, MsgType, blocks_tid, check_frames,
+                       decode_header, encode_header)
 from .staging import PinnedPool, stage_verified
 from .trace import Trace
 from .transport import CurveKeys, IOLoop, make_socket
@@ -67,12 +67,20 @@ RECV_BYTES = 64 << 20      # recv_into: pooled pinned bytes held at once (receiv
 # they arrive as zero-copy zmq Frames and the landing thread has the copy workers copy them into that
 # buffer, which costs the Python threads of the process GIL hand-offs per piece (docs/DESIGN_NOTES.md).
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
+CUDA_LANES = 4      # connections to the prefill that BLOCKS come over, CUDA caches (default_lanes)
 
 
 def default_recv_into(device) -> bool:
     """``DecodeEndpoint``'s ``recv_into`` when none is given: True for caches on a CUDA ``device``
     where pyzmq has ``Socket.recv_into`` (the faster receive there, docs/BENCHMARKS.md), else False."""
     return RECV_INTO and torch.device(device).type == "cuda"
+
+
+def default_lanes(device) -> int:
+    """``DecodeEndpoint``'s ``lanes`` when none is given: ``CUDA_LANES`` connections for caches on a
+    CUDA ``device`` on a host of 8 cores or more (one TCP connection is ZeroMQ's pace on loopback;
+    several carry more, docs/BENCHMARKS.md), else 1."""
+    return CUDA_LANES if torch.device(device).type == "cuda" and (os.cpu_count() or 1) >= 8 else 1
 
 
 def default_copy_threads() -> int:
@@ -119,14 +127,22 @@ class DecodeEndpoint:
         where there are some). Default: :func:`default_recv_into` (True for CUDA caches where
         pyzmq has ``recv_into``, the faster of the two there, docs/BENCHMARKS.md "CUDA caches with
         the device passes"; else False).
+    lanes : int, optional
+        Connections BLOCKS may arrive on, this endpoint's first included (1..64; docs/PROTOCOL.md,
+        "Lanes"): offered in HELLO; the prefill grants at most its own ``lanes``, and the extra
+        connections are opened after the handshake, all received by the I/O thread. Default:
+        :func:`default_lanes`.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 3.0, max_frame_bytes: int = 1 << 30,
                  curve: CurveKeys | None = None, copy_threads: int | None = None, frame_ops=None,
                  checksums: tuple | None = None, data_plane: str = ZMQ, nixl_region_bytes: int = 256 << 20,
-                 recv_into: bool | None = None) -> None:
+                 recv_into: bool | None = None, lanes: int | None = None) -> None:
         check_caches(caches, descriptor)
+        self.lanes = default_lanes(caches[0].device) if lanes is None else lanes
+        count("lanes", self.lanes, 1, MAX_LANES)
+        self._lane_socks: list = []   # extra DEALER connections BLOCKS may arrive on (HELLO_ACK ``lanes``)
         seconds("heartbeat_s", heartbeat_s), seconds("peer_timeout_s", peer_timeout_s)
         count("max_frame_bytes", max_frame_bytes, 1), count("nixl_region_bytes", nixl_region_bytes, 1)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
@@ -186,8 +202,10 @@ class DecodeEndpoint:
         seconds("timeout_s", timeout_s)
         if self._loop is not None:
             raise TransferError("already connected; use a new DecodeEndpoint per prefill peer")
-        ctx = zmq.Context()
+        ctx = zmq.Context(io_threads=self.lanes)    # each lane's TCP connection on a ZeroMQ I/O thread of its own
         sock = make_socket(ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes, curve=self.curve)
+        self._routing_id = b"kvc-" + os.urandom(12)  # lanes name this connection in LANE ``peer``
+        sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
@@ -309,7 +327,25 @@ class DecodeEndpoint:
     def _send_hello(self) -> None:
         offer = list(self.checksums) if self.checksums != (CHECKSUM,) else []
         self._send(Header(MsgType.HELLO, desc=self.descriptor.to_dict(), sums=offer,
-                          nixl=None if self._nixl is None else self._nixl.offer()))
+                          nixl=None if self._nixl is None else self._nixl.offer(),
+                          lanes=self.lanes if self.lanes > 1 and self._nixl is None else 0))
+
+    def _open_lanes(self, granted: int) -> None:
+        """Open the connections the prefill granted beyond the first (HELLO_ACK ``lanes``), once, and
+        say LANE on each after every handshake; a lane that cannot be opened is only recorded: BLOCKS
+        then keep to the others."""
+        try:
+            while len(self._lane_socks) < min(granted, self.lanes) - 1:
+                lane = make_socket(self._loop.ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes,
+                                   curve=self.curve)
+                lane.connect(self.peer_endpoint)
+                self._loop.add_socket(lane)
+                self._lane_socks.append(lane)
+            for lane in self._lane_socks[:max(0, granted - 1)]:
+                lane.send(encode_header(Header(MsgType.LANE, peer=self._routing_id)), zmq.NOBLOCK)
+                self.metrics.add("lanes_opened")
+        except zmq.ZMQError as e:
+            self.errors.append(TransferError(f"opening a lane to {self.peer_endpoint}: {e}"))
 
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
@@ -442,6 +478,8 @@ class DecodeEndpoint:
             self.errors.append(err)
             self.metrics.fail("layout_mismatch")
             self.metrics.handshake_refused(d[0] for d in getattr(err, "differences", ()))
+        if err is None and self.plane == ZMQ and h.lanes > 1:
+            self._open_lanes(h.lanes)
         first = not self._hs_done.is_set()
         self._hs_error = err
         self._hs_done.set()

@@ -195,7 +195,8 @@ class Metrics:
             lat = sorted(self._lat)
             out = {k: self.c.get(k, 0) for k in (
                 "bytes_sent", "bytes_received", "messages_sent", "messages_received",
-                "transfers_started", "transfers_completed", "transfers_failed")}
+                "transfers_started", "transfers_completed", "transfers_failed", "lanes_opened",
+                "messages_sent_on_lanes")}
             out["failures"] = dict(self.failures)
             out["ignored"] = dict(self.ignored)
             out["throughput_gbps"] = self._done_bytes / self._done_s / 1e9 if self._done_s else 0.0

@@ -46,7 +46,8 @@ from .device_frames import warm
 from .error_log import ErrorLog, raised_at
 from .leases import Lease, LeaseTable
 from .metrics import Metrics
-from .protocol import CHECKSUM, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header, encode_header
+from .protocol import (CHECKSUM, MAX_LANES, MIX64, ErrorCode, Header, MsgType, choose_checksum, decode_header,
+                       encode_header)
 from .security import start_authenticator
 from .sender import BufferPool, Stream
 from .trace import Trace
@@ -55,6 +56,7 @@ from .transport import DEFAULT_HOST, CurveKeys, IOLoop, bind, make_socket
 
 NIXL_INFLIGHT = 4   # NIXL writes a stream keeps in flight before it stages more
 PUMP_S = 0.01   # longest send burst before the loop serves incoming messages and expiries again
+LANES = 4   # connections a decode peer may send BLOCKS over (HELLO / HELLO_ACK ``lanes``), its first included
 PRESTAGE_BYTES = 64 << 20   # CUDA caches: pinned bytes of first messages staged at publish, not yet pulled
 
 
@@ -114,6 +116,10 @@ class PrefillEndpoint:
         (:func:`default_prestage_bytes`): ``PRESTAGE_BYTES`` (64 MiB) for CUDA caches, where
         staging only queues device work, and 0 for CPU caches, where the kernels run on the I/O
         thread and would hold it up (a peer's handshake included) for as long as they take.
+    lanes : int
+        The most connections a decode peer may receive its BLOCKS on, its first included
+        (docs/PROTOCOL.md, "Lanes"; 1: one connection per peer). Also the ZeroMQ I/O threads of
+        this endpoint, so the lanes of a peer are served in parallel. Default ``LANES`` (4).
 
     Caches are checked at construction with :func:`kvconnector.blocks.check_caches` (the
     decode side applies the same rules). ``on_release`` is called with reason ``"failed"``
@@ -124,9 +130,11 @@ class PrefillEndpoint:
                  on_release: Callable | None = None, lease_s: float = 30.0, chunk_bytes: int = 8 << 20,
                  heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
                  curve: CurveKeys | None = None, frame_ops=None, checksums: tuple | None = None,
-                 data_plane: str = ZMQ, prestage_bytes: int | None = None) -> None:
+                 data_plane: str = ZMQ, prestage_bytes: int | None = None, lanes: int = LANES) -> None:
         check_caches(caches, descriptor)
         count("port", port, 0, 65535), count("chunk_bytes", chunk_bytes, 1), count("max_frame_bytes", max_frame_bytes, 1)
+        count("lanes", lanes, 1, MAX_LANES)
+        self.lanes = lanes
         seconds("lease_s", lease_s, infinite=True), seconds("heartbeat_s", heartbeat_s)
         seconds("peer_timeout_s", peer_timeout_s)
         if prestage_bytes is not None:
@@ -158,7 +166,7 @@ class PrefillEndpoint:
         self.trace = Trace()                     # per-message spans while trace.enabled (kvconnector.trace)
         self.cuda = caches[0].is_cuda
         self._copy_stream = torch.cuda.Stream(device=caches[0].device) if self.cuda else None
-        ctx = zmq.Context()
+        ctx = zmq.Context(io_threads=lanes)    # a peer's lanes on ZeroMQ I/O threads of their own
         self._zap = start_authenticator(ctx, curve)  # CURVE client allow-list (CurveServerKeys)
         sock = make_socket(ctx, zmq.ROUTER, max_frame_bytes=max_frame_bytes, curve=curve, server=True)
         self.endpoint, self.port = bind(sock, host, port)
@@ -401,20 +409,24 @@ class PrefillEndpoint:
 
     def _dispatch(self, ident: bytes, rest) -> None:
         self.metrics.add("messages_received")
-        peer = self._peers.setdefault(ident, {"ok": False, "seen": 0.0, "heads": None})
-        peer["seen"] = time.monotonic()
         if not rest:
+            self._seen(ident)
             return self.metrics.ignore("empty_message")
         try:
             h = decode_header(rest[0].buffer)
         except ProtocolVersionError as e:
+            self._seen(ident)
             self.errors.append(e)
             self.metrics.fail("protocol_version")
             return self._reply(ident, Header(MsgType.ERROR, code=ErrorCode.BAD_MESSAGE, msg=str(e)))
         except TransferError as e:
+            self._seen(ident)
             self.errors.append(e)
             self.metrics.ignore("corrupt_header")
             return self._reply(ident, Header(MsgType.ERROR, code=ErrorCode.BAD_MESSAGE, msg=str(e)))
+        if h.type == MsgType.LANE:    # a lane is no peer of its own: it only carries BLOCKS to one
+            return self._lane(ident, h)
+        peer = self._seen(ident)
         if h.type == MsgType.HELLO:
             self._hook("hello")
             return self._hello(ident, peer, h)
@@ -443,6 +455,36 @@ class PrefillEndpoint:
                 self.metrics.ignore("duplicate_aborted")
             return None
         self.metrics.ignore(f"unexpected_{h.type.name}")
+
+    def _seen(self, ident: bytes) -> dict:
+        peer = self._peers.setdefault(ident, {"ok": False, "seen": 0.0, "heads": None, "lanes": [], "granted": 1})
+        peer["seen"] = time.monotonic()
+        return peer
+
+    def _lane(self, ident: bytes, h: Header) -> None:
+        """LANE: connection ``ident`` carries BLOCKS for peer ``h.peer`` too, within the lanes its
+        HELLO_ACK granted (else ignored: the peer's streams keep its first connection)."""
+        main = self._peers.get(h.peer)
+        if main is None or not main["ok"] or ident in self._peers or ident in main["lanes"] \
+                or len(main["lanes"]) + 1 >= main["granted"]:
+            return self.metrics.ignore("lane")
+        main["lanes"].append(ident)
+        self.metrics.add("lanes_opened")
+
+    def _route(self, ident: bytes) -> bytes:
+        """The connection a peer's next BLOCKS goes out on: its first one and its lanes in turn."""
+        peer = self._peers.get(ident)
+        lanes = None if peer is None else peer["lanes"]
+        if not lanes:
+            return ident
+        k = peer["rr"] = (peer.get("rr", 0) + 1) % (len(lanes) + 1)
+        return ident if k == 0 else lanes[k - 1]
+
+    def _drop_lane(self, ident: bytes, lane: bytes) -> None:
+        peer = self._peers.get(ident)
+        if peer is not None and lane in peer["lanes"]:
+            peer["lanes"].remove(lane)
+            self.metrics.ignore("lane_unreachable")
 
     def _ack(self, ident: bytes, tid: str) -> None:
         """Peer ``ident`` has every block of its pull of ``tid``: the lease ends once every
@@ -485,8 +527,13 @@ class PrefillEndpoint:
                 peer["nixl"] = self._nixl.add_peer(h.nixl)
             except TransferError as e:   # this peer gets ZeroMQ frames
                 self.errors.append(e)
+        # lanes: extra connections of this peer that BLOCKS go out on too (ZeroMQ frames only); a
+        # handshake starts them over (the peer sends LANE again on each after this HELLO_ACK)
+        peer["granted"] = 1 if peer["nixl"] else max(1, min(h.lanes, self.lanes))
+        peer["lanes"] = []
         self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
-                                  sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else ""))
+                                  sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else "",
+                                  lanes=peer["granted"] if h.lanes else 0))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")
@@ -676,6 +723,7 @@ class PrefillEndpoint:
                     continue
                 if not frames:                     # its buffers are still queued in ZeroMQ
                     continue
+                to = s.ident
                 try:
                     nixl = s.at_base is not None and self._peers.get(s.ident, {}).get("nixl")
                     if nixl:   # payload into the peer's region first; the header follows once it is there
@@ -686,7 +734,10 @@ class PrefillEndpoint:
                         self._flush_nixl(s)
                     else:
                         t0 = time.perf_counter()
-                        s.sent(self._send(s.ident, frames, track=s.last_buffer is not None or s.last_reads_cache))
+                        to = self._route(s.ident)
+                        s.sent(self._send(to, frames, track=s.last_buffer is not None or s.last_reads_cache))
+                        if to != s.ident:
+                            self.metrics.add("messages_sent_on_lanes")
                         t1 = time.perf_counter()
                         self._stage_s["send"] += t1 - t0
                         self._stage_s["sent"] += 1
@@ -695,7 +746,11 @@ class PrefillEndpoint:
                 except zmq.Again:
                     s.push_back(frames)            # peer's queue is full: retry shortly
                     continue
-                except zmq.ZMQError:               # EHOSTUNREACH: the peer disconnected
+                except zmq.ZMQError:               # EHOSTUNREACH: the peer (or that lane) disconnected
+                    if to != s.ident:              # a lane: the message goes out on the peer's others
+                        self._drop_lane(s.ident, to)
+                        s.push_back(frames)
+                        continue
                     self._streams.remove(s)
                     s.cancel()
                     self.metrics.fail("peer_unreachable")

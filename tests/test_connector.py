@@ -459,6 +459,8 @@ def test_hostile_header_does_not_kill_the_endpoint():
     ("prefill", {"prestage_bytes": -1}, "prestage_bytes: expected an integer >= 0"),
     ("decode", {"peer_timeout_s": float("inf")}, "peer_timeout_s: expected a positive number of seconds, got inf"),
     ("decode", {"max_frame_bytes": 0}, "max_frame_bytes: expected an integer >= 1"),
+    ("prefill", {"lanes": 0}, "lanes: expected an integer in [1, 64], got 0"),
+    ("decode", {"lanes": 65}, "lanes: expected an integer in [1, 64], got 65"),
     ("publish", {"lease_s": float("nan")}, "lease_s: expected a positive number of seconds (or inf), got nan"),
     ("publish", {"lease_s": -5}, "lease_s: expected a positive number"),
     ("publish", {"pulls": 0}, "pulls: expected an integer in [1, 1024], got 0"),
@@ -482,3 +484,80 @@ def test_bad_numeric_arguments_are_one_line_errors(side, kw, says):
             calls[side]()
         assert says in str(e.value) and "\n" not in str(e.value)
         assert pre.held() == [] and dec.stats()["pending"] == 0
+
+
+def _until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def _pull_checked(pre, dec, src, dst, tid, src_ids, dst_ids):
+    pre.publish(tid, src_ids)
+    dec.pull(tid, dst_ids, deadline_s=10).result()
+    for s, d in zip(src, dst):
+        for si, di in zip(src_ids, dst_ids):
+            assert torch.equal(_bytes(d)[di], _bytes(s)[si])
+
+
+@pytest.mark.parametrize("path", ["xxh3", "mix64-recv-into"])
+def test_lanes_carry_blocks_byte_exact(path):
+    """A decode side offering 3 lanes to a prefill granting up to 4 opens 2 more connections; the
+    prefill deals a pull's BLOCKS over all three (out of order across them) and every block lands
+    byte exact, through the host path (xxh3) and the device path's receive into pooled buffers."""
+    from kvconnector.testing.frame_ops import TORCH_FRAME_OPS
+    desc = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=40)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    ops = dict(frame_ops=TORCH_FRAME_OPS) if path != "xxh3" else {}
+    with PrefillEndpoint(src, desc, chunk_bytes=1, lanes=4, **ops) as pre, \
+            DecodeEndpoint(dst, desc, lanes=3, recv_into=path != "xxh3", **ops) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        assert dec.checksum == ("xxh3_64" if path == "xxh3" else "mix64")
+        assert _until(lambda: pre.stats()["lanes_opened"] == 2)
+        _pull_checked(pre, dec, src, dst, "t", list(range(20)), list(range(20, 40)))
+        st = pre.stats()
+        assert st["messages_sent"] >= 60 and st["messages_sent_on_lanes"] >= 30   # 60 BLOCKS, 2 of 3 on lanes
+        assert dec.stats()["lanes_opened"] == 2 and not st["ignored"]
+
+
+def test_lanes_are_granted_by_the_smaller_side_and_ignored_for_unknown_peers():
+    """A prefill granting 1 lane gets no LANE (the pull keeps one connection); a LANE naming no
+    handshaken peer is ignored without a reply, and that connection is no peer of the prefill."""
+    desc = make_desc(num_layers=2, num_blocks=8)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=1, lanes=1) as pre, DecodeEndpoint(dst, desc, lanes=4) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        _pull_checked(pre, dec, src, dst, "t", [1, 2, 3], [5, 6, 7])
+        assert pre.stats()["lanes_opened"] == 0 and pre.stats()["messages_sent_on_lanes"] == 0
+        assert dec.stats()["lanes_opened"] == 0
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        try:
+            rogue.connect(pre.endpoint)
+            rogue.send(encode_header(Header(MsgType.LANE, peer=b"kvc-nobody")))
+            assert _until(lambda: pre.stats()["ignored"].get("lane") == 1)
+            assert not rogue.poll(200)
+        finally:
+            rogue.close(0)
+            ctx.term()
+
+
+def test_lanes_come_back_after_the_prefill_restarts():
+    """The prefill restarts on the same port: the decode side re-handshakes (its PING is answered
+    HANDSHAKE_REQUIRED), says LANE again on the connections it kept, and the next pull uses them."""
+    desc = make_desc(num_layers=2, num_blocks=16)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    pre = PrefillEndpoint(src, desc, chunk_bytes=1, lanes=3)
+    port = pre.port
+    with DecodeEndpoint(dst, desc, lanes=3, heartbeat_s=0.05) as dec:
+        try:
+            dec.connect(pre.endpoint, timeout_s=5)
+            _pull_checked(pre, dec, src, dst, "a", [0, 1, 2, 3], [8, 9, 10, 11])
+            pre.close()
+            pre = PrefillEndpoint(src, desc, chunk_bytes=1, lanes=3, port=port)
+            assert _until(lambda: pre.stats()["lanes_opened"] == 2)
+            _pull_checked(pre, dec, src, dst, "b", [4, 5, 6, 7], [12, 13, 14, 15])
+            assert pre.stats()["messages_sent_on_lanes"] >= 4   # 8 BLOCKS, 2 of 3 on lanes
+        finally:
+            pre.close()

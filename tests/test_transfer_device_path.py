@@ -565,7 +565,7 @@ def test_small_messages_are_gathered_and_verified_in_groups(device, monkeypatch)
     src_ids, dst_ids = [7, 2, 9, 0], [1, 11, 4, 6]
     monkeypatch.setattr(sender_mod, "GROUP_BYTES", 6 * desc.block_bytes)
     with PrefillEndpoint(src, desc, chunk_bytes=desc.block_bytes, frame_ops=pre_ops, prestage_bytes=0) as pre, \
-            DecodeEndpoint(dst, desc, frame_ops=dec_ops) as dec:
+            DecodeEndpoint(dst, desc, frame_ops=dec_ops, lanes=1) as dec:   # one connection: messages in order
         dec._lander.max_inflight = 64     # no group cut short by the buffer bound
         dec._lander.group_bytes = 6 * desc.block_bytes
         alive = dec._lander.alive
