@@ -78,7 +78,7 @@ import zmq
 from bench.transfer_floor_cuda import burst_sizes
 from kvconnector.trace import write_chrome
 from layouts import CacheGeometry, LayoutDescriptor, get_kv_quant_mode
-from tools.argtypes import positive_float_list
+from tools.argtypes import positive_float_list, positive_int
 
 MODES = ("auto", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
@@ -96,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "connector; comma-separated: one row per size, each shape's sizes one after another")
     p.add_argument("--burst-mb", type=float, default=None, help="MiB per message of the pyzmq bursts (default: "
                    "--chunk-mb), so a connector at small messages is compared with the burst at any size")
+    p.add_argument("--lanes", type=positive_int, default=None, help="connections the connector's BLOCKS travel "
+                   "over (default: the endpoints', kvconnector.decode.default_lanes)")
+    p.add_argument("--burst-lanes", type=positive_int, default=1, help="also time a pyzmq burst dealt over this many "
+                   "connections (each on a ZeroMQ I/O thread of its own), in the same rounds: the ceiling of lanes")
     p.add_argument("--contiguous", action="store_true", help="publish consecutive source blocks "
                    "(zero-copy send) instead of a random permutation (gather copy)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (caches on the GPU, pinned host staging)")
@@ -204,21 +208,28 @@ def _frame_ops(kernels: bool):
     return FRAME_OPS
 
 
-def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoint, sizes, kernels=False,
-               plane="zmq", prestage_bytes=None) -> None:
-    """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket; then answer
-    "cpu" with this process's CPU seconds, "go" with one burst of ``sizes`` messages (consecutive slices
-    of one buffer of their total) and "go_hot" with the same burst re-sending the first slice."""
+def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoints, sizes, kernels=False,
+               plane="zmq", prestage_bytes=None, lanes=None) -> None:
+    """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket to each of
+    ``push_endpoints``; then answer "cpu" with this process's CPU seconds, "go" with one burst of
+    ``sizes`` messages (consecutive slices of one buffer of their total) on the first socket,
+    "go_hot" with the same burst re-sending the first slice, and "go_lanes" with the "go" burst
+    dealt over every socket in turn (one TCP connection each, on ZeroMQ I/O threads of their own)."""
     from kvconnector import PrefillEndpoint
+    from kvconnector.prefill import LANES
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_dict(desc_dict)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(push_endpoint)
+    ctx = zmq.Context(io_threads=len(push_endpoints))
+    pushes = []
+    for endpoint in push_endpoints:
+        pushes.append(ctx.socket(zmq.PUSH))
+        pushes[-1].setsockopt(zmq.LINGER, 0)
+        pushes[-1].connect(endpoint)
+    push = pushes[0]
     buf = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8).numpy()
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
-                         frame_ops=_frame_ops(kernels), data_plane=plane, prestage_bytes=prestage_bytes) as pre:
+                         frame_ops=_frame_ops(kernels), data_plane=plane, prestage_bytes=prestage_bytes,
+                         **({} if lanes is None else {"lanes": max(lanes, LANES)})) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -232,6 +243,11 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
             elif cmd == "go_hot":
                 for n in sizes:
                     push.send(buf[:n], copy=False)
+            elif cmd == "go_lanes":
+                off = 0
+                for i, n in enumerate(sizes):
+                    pushes[i % len(pushes)].send(buf[off:off + n], copy=False)
+                    off += n
             elif cmd == "cpu":
                 conn.send(time.process_time())
             elif cmd == "threads":
@@ -246,7 +262,8 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
                 conn.send(pre.trace.take())
             else:                                    # "done"
                 break
-    push.close(0)
+    for s in pushes:
+        s.close(0)
     ctx.term()
     conn.send("closed")
 
@@ -290,16 +307,22 @@ class Sender:
 
 
 # ---- the receiving side (this process) ----------------------------------------------------
-def _burst(sender, pull, sizes, total: int, cmd: str) -> float:
-    """Ask the sender for one pyzmq burst (``cmd``: "go" or "go_hot") and receive it; seconds from
-    the request to its last byte in."""
+def _burst(sender, pulls, sizes, total: int, cmd: str) -> float:
+    """Ask the sender for one pyzmq burst (``cmd``: "go" or "go_hot" on the first of ``pulls``,
+    "go_lanes" over all of them) and receive it; seconds from the request to its last byte in."""
+    poller = zmq.Poller()
+    for p in pulls if cmd == "go_lanes" else pulls[:1]:
+        poller.register(p, zmq.POLLIN)
     t0 = time.perf_counter()
     sender.conn.send(cmd)
-    got = 0
-    for _ in sizes:
-        if not pull.poll(60000):
+    got = n = 0
+    while n < len(sizes):
+        ready = poller.poll(60000)
+        if not ready:
             raise TimeoutError("pyzmq baseline: no message within 60 s")
-        got += len(pull.recv(copy=False))
+        for sock, _ in ready:
+            got += len(sock.recv(copy=False))
+            n += 1
     t = time.perf_counter() - t0
     if got != total:
         raise RuntimeError(f"pyzmq baseline: expected {total} bytes, got {got}")
@@ -308,13 +331,16 @@ def _burst(sender, pull, sizes, total: int, cmd: str) -> float:
 
 def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contiguous, device, gen,
               kernels: bool = False, plane: str = "zmq", threads: bool = False, recv_into: bool | None = None,
-              trace: str | None = None, prestage_bytes: int | None = None, burst_bytes: int | None = None) -> dict:
+              trace: str | None = None, prestage_bytes: int | None = None, burst_bytes: int | None = None,
+              lanes: int | None = None, burst_lanes: int = 1) -> dict:
     """Alternate connector pulls and pyzmq bursts of the same bytes (so both see the same
     machine load); medians of wall and CPU time; the last pull is checked byte for byte.
     ``threads``: also sum each thread group's CPU time over the timed connector pulls
     (``out["threads"]``: (decode side, prefill side) dicts of seconds). ``trace``: write the
     last pull's spans of both processes to this Chrome trace file (``out["spans"]``: how many).
-    ``burst_bytes``: the bursts' message size (default ``chunk_bytes``)."""
+    ``burst_bytes``: the bursts' message size (default ``chunk_bytes``). ``lanes``: the connector's
+    connections (default: the endpoints'); ``burst_lanes`` > 1: also a burst dealt over that many
+    connections (``out["lanes"]``), timed in the same rounds."""
     from kvconnector import DecodeEndpoint
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=2 * nblocks)
@@ -323,19 +349,22 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     src_ids = [list(range(nblocks)) if contiguous else torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
                for _ in range(repeats + 1)]
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
-    zctx = zmq.Context()
-    pull = zctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    zctx = zmq.Context(io_threads=burst_lanes)
+    pulls, push_endpoints = [], []
+    for _ in range(burst_lanes):
+        pulls.append(zctx.socket(zmq.PULL))
+        pulls[-1].setsockopt(zmq.LINGER, 0)
+        push_endpoints.append(f"tcp://127.0.0.1:{pulls[-1].bind_to_random_port('tcp://127.0.0.1')}")
     endpoint = sender.ask(("row", desc.to_dict(), seed, device, chunk_bytes,
-                           [(f"t{r}", ids) for r, ids in enumerate(src_ids)], f"tcp://127.0.0.1:{port}", sizes,
-                           kernels, plane, prestage_bytes))
+                           [(f"t{r}", ids) for r, ids in enumerate(src_ids)], push_endpoints, sizes,
+                           kernels, plane, prestage_bytes, lanes))
     dst = synthetic_caches(desc, seed + 1, device)
-    t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": [], "hot": []}
+    t = {"conn": [], "conn_cpu": [], "zmq": [], "zmq_cpu": [], "hot": [], "lanes": []}
     per_thread, stages = ({}, {}), ({}, {})   # (decode, prefill): summed over the timed pulls
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
-                            nixl_region_bytes=max(1 << 20, total), recv_into=recv_into) as dec:
+                            nixl_region_bytes=max(1 << 20, total), recv_into=recv_into,
+                            **({} if lanes is None else {"lanes": lanes})) as dec:
             dec.connect(endpoint, timeout_s=30)
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
@@ -365,29 +394,35 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                     spans = write_chrome(trace, [("prefill", sender.ask("trace_take")), ("decode", dec.trace.take())])
                 if res.nbytes != total:
                     raise RuntimeError(f"connector: expected {total} bytes, got {res.nbytes}")
-                for cmd in ("go", "go_hot") if r % 2 else ("go_hot", "go"):   # each timed from its own request
+                cmds = ("go", "go_hot") + (("go_lanes",) if burst_lanes > 1 else ())
+                for cmd in cmds if r % 2 else cmds[::-1]:   # each timed from its own request
                     if cmd == "go":
                         cz = sender.cpu_s()
-                        zmq_s = _burst(sender, pull, sizes, total, cmd)
+                        zmq_s = _burst(sender, pulls, sizes, total, cmd)
                         c2 = sender.cpu_s()
+                    elif cmd == "go_hot":
+                        hot_s = _burst(sender, pulls, sizes, total, cmd)
                     else:
-                        hot_s = _burst(sender, pull, sizes, total, cmd)
+                        lanes_s = _burst(sender, pulls, sizes, total, cmd)
                 if r:
                     t["conn"].append(t1 - t0)
                     t["conn_cpu"].append(c1 - c0)
                     t["zmq"].append(zmq_s)
                     t["zmq_cpu"].append(c2 - cz)
                     t["hot"].append(hot_s)
+                    if burst_lanes > 1:
+                        t["lanes"].append(lanes_s)
             num_messages = dec.metrics.c["blocks_messages"]     # BLOCKS messages accepted
     finally:
         sender.ask("done")
-        pull.close(0)
+        for p in pulls:
+            p.close(0)
         zctx.term()
     src = synthetic_caches(desc, seed, "cpu")
     for s, d in zip(src, dst):
         if not torch.equal(s[src_ids[-1]].view(torch.uint8), d[dst_ids].view(torch.uint8).cpu()):
             raise RuntimeError("transferred blocks differ from the source")
-    out = {k: statistics.median(v) for k, v in t.items()}
+    out = {k: statistics.median(v) for k, v in t.items() if v}
     out.update(nbytes=total, messages=num_messages / (repeats + 1), burst_messages=len(sizes), checksum=algorithm,
                threads=per_thread, stages=stages, spans=spans if trace is not None else 0)
     return out
@@ -504,10 +539,12 @@ def run(args) -> int:
           f"{_prestage_note(args.prestage_mb, device) if args.kernels else ''}"
           f"{', GPU ' + torch.cuda.get_device_name() if device == 'cuda' else ''}")
     print(f"# command: python -m bench.transfer {' '.join(sys.argv[1:])}")
+    k = args.burst_lanes
     print("| mode | blocks | MiB | chunk MiB | msgs | burst msgs | checksum | connector ms | GB/s | CPU ms/MiB "
-          "| pyzmq ms | GB/s | CPU ms/MiB | ratio | pyzmq one buffer ms | ratio to it |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ratios, hot_ratios, threads_out = [], [], []
+          "| pyzmq ms | GB/s | CPU ms/MiB | ratio | pyzmq one buffer ms | ratio to it |"
+          + (f" pyzmq {k} connections ms | ratio to it |" if k > 1 else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if k > 1 else ""))
+    ratios, hot_ratios, lane_ratios, threads_out = [], [], [], []
     sender = Sender(args.in_process)
     try:
         for mode_str in args.modes.split(","):
@@ -519,7 +556,7 @@ def run(args) -> int:
                 r = bench_row(sender, geo, args.layers, nblocks, args.repeats, chunk, args.contiguous, device, gen,
                               args.kernels, args.data_plane, args.threads, args.recv_into, trace,
                               None if args.prestage_mb is None else int(args.prestage_mb * 2**20),
-                              None if args.burst_mb is None else int(args.burst_mb * (1 << 20)))
+                              None if args.burst_mb is None else int(args.burst_mb * (1 << 20)), args.lanes, k)
                 ratios.append(r["zmq"] / r["conn"])
                 hot_ratios.append(r["hot"] / r["conn"])
                 n = r["nbytes"]
@@ -528,7 +565,10 @@ def run(args) -> int:
                       f"| {r['checksum']} | {r['conn'] * 1e3:.2f} | {n / r['conn'] / 1e9:.2f} "
                       f"| {r['conn_cpu'] * 1e3 / mib:.2f} | {r['zmq'] * 1e3:.2f} | {n / r['zmq'] / 1e9:.2f} "
                       f"| {r['zmq_cpu'] * 1e3 / mib:.2f} | {ratios[-1]:.2f} | {r['hot'] * 1e3:.2f} "
-                      f"| {hot_ratios[-1]:.2f} |", flush=True)
+                      f"| {hot_ratios[-1]:.2f} |"
+                      + (f" {r['lanes'] * 1e3:.2f} | {r['lanes'] / r['conn']:.2f} |" if k > 1 else ""), flush=True)
+                if k > 1:
+                    lane_ratios.append(r["lanes"] / r["conn"])
                 if trace is not None:
                     threads_out.append(f"# {row}, last pull traced: {trace} ({r['spans']} spans)")
                 if args.threads:   # summed over the timed pulls, per MiB moved
@@ -541,7 +581,9 @@ def run(args) -> int:
         for line in threads_out:
             print(line)
         print(f"# ratio connector/pyzmq: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}; "
-              f"to pyzmq re-sending one buffer: median {statistics.median(hot_ratios):.2f}, min {min(hot_ratios):.2f}")
+              f"to pyzmq re-sending one buffer: median {statistics.median(hot_ratios):.2f}, min {min(hot_ratios):.2f}"
+              + (f"; to pyzmq over {k} connections: median {statistics.median(lane_ratios):.2f}, "
+                 f"min {min(lane_ratios):.2f}" if k > 1 else ""))
         if args.layerwise_tokens:
             geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,
                                 args.block_size)
