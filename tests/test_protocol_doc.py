@@ -62,22 +62,40 @@ def header(name, **keys) -> bytes:
     return msgpack.packb({"v": VERSION, "t": T[name], "seq": 0, **keys}, use_bin_type=True)
 
 
-def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0):
-    """HELLO, PULL, verify every BLOCKS message, ACK; return {(layer, position): block bytes}."""
+def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0, lanes=1, on_lanes=None):
+    """HELLO, PULL, verify every BLOCKS message, ACK; return {(layer, position): block bytes}.
+    ``lanes`` > 1: offer that many connections ("Lanes") and take BLOCKS on every one granted;
+    ``on_lanes`` (a list) then gets one entry per BLOCKS message that came on an extra connection."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    socks = [sock]
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
     try:
+        sock.setsockopt(zmq.ROUTING_ID, b"doc-client")
         sock.connect(endpoint)
 
         def recv():
-            assert sock.poll(int(timeout_s * 1000)), "no reply"
-            frames = sock.recv_multipart()
+            ready = dict(poller.poll(int(timeout_s * 1000)))
+            assert ready, "no reply"
+            s = next(s for s in socks if s in ready)
+            frames = s.recv_multipart()
+            if s is not sock and on_lanes is not None:
+                on_lanes.append(1)
             return msgpack.unpackb(frames[0], raw=False), frames[1:]
 
-        sock.send(header("HELLO", desc=desc))
+        sock.send(header("HELLO", desc=desc, **({"lanes": lanes} if lanes > 1 else {})))
         ack, _ = recv()
         assert ack["t"] == T["HELLO_ACK"] and ack["ok"] is True, ack
+        for _ in range(ack.get("lanes", 1) - 1):
+            lane = ctx.socket(zmq.DEALER)
+            lane.setsockopt(zmq.LINGER, 0)
+            lane.connect(endpoint)
+            lane.send(header("LANE", peer=b"doc-client"))
+            socks.append(lane)
+            poller.register(lane, zmq.POLLIN)
+        time.sleep(0.1)   # the LANEs reach the prefill before the PULL (else BLOCKS keep to the first connection)
         sock.send(header("PULL", tid=tid, nblk=nblk, heads=list(heads)))
         h = heads[1] - heads[0]
         per_block = 2 * desc["block_size"] * h * row_bytes(desc)
@@ -102,7 +120,8 @@ def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0):
         sock.send(header("ACK", tid=tid, ok=True))
         return got
     finally:
-        sock.close(0)
+        for s in socks:
+            s.close(0)
         ctx.term()
 
 
@@ -173,3 +192,28 @@ def test_worked_example_and_history_are_current():
     assert run_example() in DOC, "regenerate: python -m kvconnector.testing.wire_example"
     for v in PROTOCOL_HISTORY:
         assert re.search(rf"^- \*\*{v}\*\* — ", DOC, re.M), f"docs/PROTOCOL.md history lacks version {v}"
+
+
+def test_client_from_the_document_pulls_over_lanes():
+    """The same client offering 3 lanes: the prefill grants them, deals the BLOCKS over the three
+    connections and every block still arrives byte exact."""
+    from kvconnector import PrefillEndpoint
+    from layouts import CacheGeometry, KVQuantMode, LayoutDescriptor
+
+    geo = CacheGeometry(KVQuantMode(4), 64, 2, 4, torch.bfloat16)
+    pre_desc = LayoutDescriptor.from_geometry(geo, num_layers=3, num_blocks=10)
+    g = torch.Generator().manual_seed(4)
+    src = [geo.new_cache(10) for _ in range(3)]
+    for c in src:
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    src_ids = [7, 2, 3, 9, 0]
+    on_lanes = []
+    with PrefillEndpoint(src, pre_desc, chunk_bytes=600, lanes=4) as pre:
+        pre.publish("t", src_ids)
+        desc = doc_descriptor(4, 64, block_size=4, num_layers=3, total_heads=2, head_start=0, num_heads=2,
+                              num_blocks=6)
+        got = doc_client_pull(pre.endpoint, desc, "t", len(src_ids), (0, 2), lanes=3, on_lanes=on_lanes)
+        for layer in range(3):
+            for pos, b in enumerate(src_ids):
+                assert got[(layer, pos)] == src[layer].view(torch.uint8)[b].numpy().tobytes()
+    assert len(on_lanes) == 10   # 15 BLOCKS (one per layer and block), 2 of every 3 on the lanes
