@@ -86,17 +86,21 @@ def test_keys_from_config(keys):
         keys_from_config({"secret_file": paths["client"][1]}, "client")
 
 
-def _transfer(pre_curve, dec_curve, timeout_s=5.0):
+def _transfer(pre_curve, dec_curve, timeout_s=5.0, lanes=1):
     desc = make_desc(num_layers=2, num_blocks=6)
     src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
     before = [c.clone() for c in dst]
-    with PrefillEndpoint(src, desc, curve=pre_curve) as pre, DecodeEndpoint(dst, desc, curve=dec_curve) as dec:
+    with PrefillEndpoint(src, desc, curve=pre_curve, chunk_bytes=1) as pre, \
+            DecodeEndpoint(dst, desc, curve=dec_curve, lanes=lanes) as dec:
         assert pre.endpoint.startswith("tcp://127.0.0.1:")  # loopback unless told otherwise
         t0 = time.monotonic()
         try:
             dec.connect(pre.endpoint, timeout_s=timeout_s)
         except TransferTimeoutError as e:
             return e, time.monotonic() - t0, pre, [torch.equal(a, b) for a, b in zip(dst, before)]
+        end = time.monotonic() + 5   # the lanes' own CURVE handshakes, then their LANE messages
+        while pre.stats()["lanes_opened"] < lanes - 1 and time.monotonic() < end:
+            time.sleep(0.01)
         pre.publish("t", [5, 1, 2])
         dec.pull("t", [0, 3, 4], deadline_s=10).result(timeout=10)
         for s, d in zip(src, dst):
@@ -105,11 +109,16 @@ def _transfer(pre_curve, dec_curve, timeout_s=5.0):
         return None, time.monotonic() - t0, pre, None
 
 
-def test_authorized_client_transfers_byte_exact(keys):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_authorized_client_transfers_byte_exact(keys, lanes):
+    """Byte exact under CURVE; with lanes, every extra connection is authenticated like the first
+    and carries BLOCKS."""
     tmp, paths = keys
     srv = server_keys(paths["server"][1], tmp / "authorized")
-    err, _, pre, _ = _transfer(srv, client_keys(paths["client"][1], paths["server"][0]))
-    assert err is None and pre._zap.allowed >= 1 and pre._zap.denied == 0
+    err, _, pre, _ = _transfer(srv, client_keys(paths["client"][1], paths["server"][0]), lanes=lanes)
+    assert err is None and pre._zap.allowed >= lanes and pre._zap.denied == 0
+    st = pre.stats()
+    assert st["lanes_opened"] == lanes - 1 and (st["messages_sent_on_lanes"] > 0) == (lanes > 1)
 
 
 @pytest.mark.parametrize("who", ["unlisted-key", "no-curve", "wrong-server-key"])
