@@ -181,6 +181,7 @@ def test_unknown_data_plane_is_a_one_line_error():
     ({"peer_timeout_s": float("inf")}, "peer_timeout_s: expected a positive number"),
     ({"port": "15500"}, "port: expected an integer in [0, 65535]"), ({"port": 65536}, "port: expected an integer"),
     ({"nixl_region_mb": 0.5}, "nixl_region_mb: expected an integer"),
+    ({"lanes": 0}, "lanes: expected an integer in [1, 64], got 0"),
     ({"host": ""}, "host: expected a non-empty string"), ({"curve": "on"}, "curve: expected a map"),
     ({"data_plane": "rdma"}, "data_plane: expected one of ['zmq', 'nixl'], got 'rdma'"),
 ])
@@ -198,8 +199,8 @@ def test_extra_config_defaults_and_values():
     from kvconnector.integrations.vllm.config import connector_config
     c = connector_config({"port": 15500, "lease_s": 60, "frame_ops": "", "curve": None})
     assert (c["port"], c["lease_s"], c["pull_deadline_s"], c["handshake_s"], c["peer_timeout_s"]) == (15500, 60.0, 10.0, 3.0, 3.0)
-    assert (c["host"], c["advertise_host"], c["frame_ops"], c["curve"], c["data_plane"], c["nixl_region_mb"]) == \
-        ("127.0.0.1", None, None, None, "zmq", 256)
+    assert (c["host"], c["advertise_host"], c["frame_ops"], c["curve"], c["data_plane"], c["nixl_region_mb"],
+            c["lanes"]) == ("127.0.0.1", None, None, None, "zmq", 256, None)
     assert connector_config(c) == c           # checking twice changes nothing (connector, then worker)
 
 
@@ -287,6 +288,26 @@ def test_a_prefill_rank_holding_part_of_the_heads_is_refused_not_half_loaded(tmp
         assert not any(c.any() for c in dec.caches)
         errors = [e["error"] for e in map(json.loads, stats.read_text().splitlines()) if e["event"] == "load_failed"]
         assert len(errors) == 1 and "holds KV heads [0, 2) of 4, this worker needs [0, 4) of 4" in errors[0], errors
+    finally:
+        pre.close()
+        dec.close()
+
+
+def test_lanes_from_the_extra_config_reach_both_endpoints():
+    """``"lanes"`` in kv_connector_extra_config: the decode worker's endpoint offers its count, the
+    prefill grants at most its own, and the pull lands as before."""
+    n = 32
+    pre = make_worker("cpu", n, True, lanes=2)
+    dec = make_worker("cpu", n, False, lanes=3)
+    try:
+        params = prefill_request(pre, n, "r1", [3, 9], 40, seed=2)
+        dec.start_load(ConnectorMeta(loads=[LoadSpec("d1", params, [5, 6], 0)]))
+        recving, failed = wait_results(dec)
+        assert recving == {"d1"} and not failed
+        ep = dec._decoders[pre.prefill.endpoint]
+        assert (ep.lanes, pre.prefill.lanes, ep.stats()["lanes_opened"]) == (3, 2, 1)
+        for src, dst in zip(pre.caches, dec.caches):
+            assert torch.equal(dst[[5, 6]], src[[3, 9]])
     finally:
         pre.close()
         dec.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvconnector.args import count, seconds
 from kvconnector.dataplane import ZMQ, check_plane
+from kvconnector.protocol import MAX_LANES
 
 P = "kv_connector_extra_config: "
 
@@ -53,6 +54,7 @@ SETTINGS = {
     "frame_ops": (_optional_text, None),                # "kernels.transfer.FRAME_OPS"
     "data_plane": (_plane, ZMQ),
     "nixl_region_mb": (lambda x, k: count(P + k, x, 1, 1 << 20), 256),
+    "lanes": (lambda x, k: count(P + k, x, 1, MAX_LANES), None),   # None: the endpoints' defaults
     "curve": (_table, None),
     "model_id": (_optional_text, None),                 # the model both engines compare (default: vLLM's)
 }

@@ -112,7 +112,8 @@ class WorkerSide:
         ``frame_ops`` (optional: the dotted name of the device frame kernels, see
         :func:`frame_ops_from_config`), ``data_plane`` (``"zmq"``, the default, or ``"nixl"``
         where the nixl package is installed on both sides: :mod:`kvconnector.dataplane`) and
-        ``nixl_region_mb`` (decode side, 256: its NIXL receive region).
+        ``nixl_region_mb`` (decode side, 256: its NIXL receive region), ``lanes`` (optional:
+        connections BLOCKS travel over, both sides; default: the endpoints', docs/PROTOCOL.md "Lanes").
     is_producer, is_consumer : bool
     """
 
@@ -161,9 +162,14 @@ class WorkerSide:
                                            on_release=self._on_release, lease_s=self.config["lease_s"],
                                            peer_timeout_s=self.config["peer_timeout_s"],
                                            curve=keys_from_config(self.config["curve"], "server"),
-                                           frame_ops=self.frame_ops, data_plane=self.data_plane)
+                                           frame_ops=self.frame_ops, data_plane=self.data_plane,
+                                           **self._lanes())
             log.info("kvconnector prefill endpoint %s, layout %s, fingerprint %s",
                      self.prefill.endpoint, bmap.name, self.descriptor.fingerprint())
+
+    def _lanes(self) -> dict:
+        """The endpoints' ``lanes`` keyword when the config sets one (else their defaults)."""
+        return {} if self.config["lanes"] is None else {"lanes": self.config["lanes"]}
 
     # ---- prefill side ------------------------------------------------------------------
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: ConnectorMeta) -> None:
@@ -263,7 +269,7 @@ class WorkerSide:
                                 peer_timeout_s=self.config["peer_timeout_s"],
                                 curve=keys_from_config(self.config["curve"], "client"), frame_ops=self.frame_ops,
                                 data_plane=self.data_plane,
-                                nixl_region_bytes=self.config["nixl_region_mb"] << 20)
+                                nixl_region_bytes=self.config["nixl_region_mb"] << 20, **self._lanes())
             try:
                 ep.connect(endpoint, timeout_s=self.config["handshake_s"])
             except BaseException:
