@@ -204,8 +204,6 @@ class DecodeEndpoint:
             raise TransferError("already connected; use a new DecodeEndpoint per prefill peer")
         ctx = zmq.Context(io_threads=self.lanes)    # each lane's TCP connection on a ZeroMQ I/O thread of its own
         sock = make_socket(ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes, curve=self.curve)
-        self._routing_id = b"kvc-" + os.urandom(12)  # lanes name this connection in LANE ``peer``
-        sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as e:
@@ -330,10 +328,12 @@ class DecodeEndpoint:
                           nixl=None if self._nixl is None else self._nixl.offer(),
                           lanes=self.lanes if self.lanes > 1 and self._nixl is None else 0))
 
-    def _open_lanes(self, granted: int) -> None:
+    def _open_lanes(self, granted: int, peer: bytes) -> None:
         """Open the connections the prefill granted beyond the first (HELLO_ACK ``lanes``), once, and
-        say LANE on each after every handshake; a lane that cannot be opened is only recorded: BLOCKS
-        then keep to the others."""
+        say LANE on each after every handshake, naming this side by ``peer``, the routing id the
+        prefill gave its first connection (ZeroMQ's own: a reconnected first connection gets a new
+        one, so the prefill asks for a new handshake and every pending PULL is sent again); a lane
+        that cannot be opened is only recorded: BLOCKS then keep to the others."""
         try:
             while len(self._lane_socks) < min(granted, self.lanes) - 1:
                 lane = make_socket(self._loop.ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes,
@@ -342,7 +342,7 @@ class DecodeEndpoint:
                 self._loop.add_socket(lane)
                 self._lane_socks.append(lane)
             for lane in self._lane_socks[:max(0, granted - 1)]:
-                lane.send(encode_header(Header(MsgType.LANE, peer=self._routing_id)), zmq.NOBLOCK)
+                lane.send(encode_header(Header(MsgType.LANE, peer=peer)), zmq.NOBLOCK)
                 self.metrics.add("lanes_opened")
         except zmq.ZMQError as e:
             self.errors.append(TransferError(f"opening a lane to {self.peer_endpoint}: {e}"))
@@ -478,8 +478,8 @@ class DecodeEndpoint:
             self.errors.append(err)
             self.metrics.fail("layout_mismatch")
             self.metrics.handshake_refused(d[0] for d in getattr(err, "differences", ()))
-        if err is None and self.plane == ZMQ and h.lanes > 1:
-            self._open_lanes(h.lanes)
+        if err is None and self.plane == ZMQ and h.lanes > 1 and h.peer:
+            self._open_lanes(h.lanes, h.peer)
         first = not self._hs_done.is_set()
         self._hs_error = err
         self._hs_done.set()

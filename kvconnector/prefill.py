@@ -533,7 +533,8 @@ class PrefillEndpoint:
         peer["lanes"] = []
         self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
                                   sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else "",
-                                  lanes=peer["granted"] if h.lanes else 0))
+                                  lanes=peer["granted"] if h.lanes else 0,
+                                  peer=ident if peer["granted"] > 1 else b""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")

@@ -34,7 +34,8 @@ key       type                       meaning
 ``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
 ``lanes`` int >= 0                   HELLO: data connections the decode side can open; HELLO_ACK: how many
                                      the prefill sends BLOCKS over (this one included)
-``peer``  bytes                      LANE: the ZeroMQ routing id of the decode side's first connection
+``peer``  bytes                      HELLO_ACK (lanes granted): the routing id the prefill knows the decode
+                                     side's first connection by; LANE: that id
 ``hxx``   int (u64)                  BLOCKS: checksum of the placement fields (:func:`placement_checksum`, v4)
 ``last``  bool                       BLOCKS: final message of the transfer
 ``desc``  map                        HELLO / HELLO_ACK: the sender's LayoutDescriptor

@@ -38,11 +38,12 @@ def test_version_has_history():
     Header(MsgType.ABORT, tid="t", code="deadline"),
     Header(MsgType.ERROR, tid="t", code=ErrorCode.UNKNOWN_TRANSFER, msg="gone"),
     Header(MsgType.PING), Header(MsgType.PONG),
-    Header(MsgType.LANE, peer=b"kvc-0123456789ab"),
-], ids=lambda h: h.type.name)
+    Header(MsgType.LANE, peer=b"\x00k\x8b\x45\x67"),
+    Header(MsgType.HELLO_ACK, desc={"a": 1}, ok=True, lanes=4, peer=b"\x00k\x8b\x45\x67"),
+], ids=lambda h: f"{h.type.name}{'-lanes' if h.lanes else ''}")
 def test_header_round_trip(h):
     got = decode_header(encode_header(h))
-    for name in ("type", "seq", "tid", "nblk", "heads", "desc", "ok", "code", "msg", "diffs", "peer"):
+    for name in ("type", "seq", "tid", "nblk", "heads", "desc", "ok", "code", "msg", "diffs", "peer", "lanes"):
         assert getattr(got, name) == getattr(h, name), name
 
 

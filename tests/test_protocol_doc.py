@@ -73,7 +73,6 @@ def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0, lanes=1, o
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     try:
-        sock.setsockopt(zmq.ROUTING_ID, b"doc-client")
         sock.connect(endpoint)
 
         def recv():
@@ -92,7 +91,7 @@ def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0, lanes=1, o
             lane = ctx.socket(zmq.DEALER)
             lane.setsockopt(zmq.LINGER, 0)
             lane.connect(endpoint)
-            lane.send(header("LANE", peer=b"doc-client"))
+            lane.send(header("LANE", peer=ack["peer"]))
             socks.append(lane)
             poller.register(lane, zmq.POLLIN)
         time.sleep(0.1)   # the LANEs reach the prefill before the PULL (else BLOCKS keep to the first connection)
