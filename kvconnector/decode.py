@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from layouts import (CorruptFrameError, LayoutDescriptor, LayoutError, LayoutMismatchError, PeerError,
                      ProtocolVersionError, TransferError, TransferTimeoutError, check_compatible)
@@ -143,6 +144,7 @@ class DecodeEndpoint:
         self.lanes = default_lanes(caches[0].device) if lanes is None else lanes
         count("lanes", self.lanes, 1, MAX_LANES)
         self._lane_socks: list = []   # extra DEALER connections BLOCKS may arrive on (HELLO_ACK ``lanes``)
+        self._lane_peer, self._lanes_granted = b"", 1
         seconds("heartbeat_s", heartbeat_s), seconds("peer_timeout_s", peer_timeout_s)
         count("max_frame_bytes", max_frame_bytes, 1), count("nixl_region_bytes", nixl_region_bytes, 1)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
@@ -333,19 +335,40 @@ class DecodeEndpoint:
         say LANE on each after every handshake, naming this side by ``peer``, the routing id the
         prefill gave its first connection (ZeroMQ's own: a reconnected first connection gets a new
         one, so the prefill asks for a new handshake and every pending PULL is sent again); a lane
-        that cannot be opened is only recorded: BLOCKS then keep to the others."""
+        that cannot be opened is only recorded: BLOCKS then keep to the others. Each lane's socket
+        events come to :meth:`_lane_event`."""
+        self._lane_peer, self._lanes_granted = peer, min(granted, self.lanes)
         try:
-            while len(self._lane_socks) < min(granted, self.lanes) - 1:
+            while len(self._lane_socks) < self._lanes_granted - 1:
+                k = len(self._lane_socks)
                 lane = make_socket(self._loop.ctx, zmq.DEALER, max_frame_bytes=self.max_frame_bytes,
                                    curve=self.curve)
+                events = lane.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                self._loop.add_socket(events, on_message=lambda frames, k=k: self._lane_event(k, frames))
                 lane.connect(self.peer_endpoint)
                 self._loop.add_socket(lane)
                 self._lane_socks.append(lane)
-            for lane in self._lane_socks[:max(0, granted - 1)]:
-                lane.send(encode_header(Header(MsgType.LANE, peer=peer)), zmq.NOBLOCK)
                 self.metrics.add("lanes_opened")
+            for k in range(self._lanes_granted - 1):
+                self._say_lane(k)
         except zmq.ZMQError as e:
             self.errors.append(TransferError(f"opening a lane to {self.peer_endpoint}: {e}"))
+
+    def _say_lane(self, k: int) -> None:
+        self._lane_socks[k].send(encode_header(Header(MsgType.LANE, peer=self._lane_peer, lanes=k + 1)), zmq.NOBLOCK)
+
+    def _lane_event(self, k: int, frames) -> None:
+        """Lane ``k``'s connection dropped: the BLOCKS on their way over it are lost, so every
+        pending pull is asked for again (the prefill restarts its stream; what already landed comes
+        again as duplicates). It connected (again): the prefill knows it by a new routing id, so
+        it says LANE again."""
+        event = parse_monitor_message([f.bytes for f in frames])["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self.metrics.ignore("lane_disconnected")
+            for p in list(self._pending.values()):
+                self._send_pull(p)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and k < self._lanes_granted - 1:
+            self._say_lane(k)
 
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned

@@ -457,33 +457,36 @@ class PrefillEndpoint:
         self.metrics.ignore(f"unexpected_{h.type.name}")
 
     def _seen(self, ident: bytes) -> dict:
-        peer = self._peers.setdefault(ident, {"ok": False, "seen": 0.0, "heads": None, "lanes": [], "granted": 1})
+        peer = self._peers.setdefault(ident, {"ok": False, "seen": 0.0, "heads": None, "lanes": [], "rr": 0})
         peer["seen"] = time.monotonic()
         return peer
 
     def _lane(self, ident: bytes, h: Header) -> None:
-        """LANE: connection ``ident`` carries BLOCKS for peer ``h.peer`` too, within the lanes its
-        HELLO_ACK granted (else ignored: the peer's streams keep its first connection)."""
+        """LANE: connection ``ident`` is lane ``h.lanes`` (1 .. granted - 1) of peer ``h.peer`` and
+        carries its BLOCKS too, in place of any earlier connection of that lane (a lane that
+        reconnected has a new routing id); ignored for no accepted peer or a lane not granted."""
         main = self._peers.get(h.peer)
-        if main is None or not main["ok"] or ident in self._peers or ident in main["lanes"] \
-                or len(main["lanes"]) + 1 >= main["granted"]:
+        if main is None or not main["ok"] or ident in self._peers or not 1 <= h.lanes <= len(main["lanes"]):
             return self.metrics.ignore("lane")
-        main["lanes"].append(ident)
-        self.metrics.add("lanes_opened")
+        if main["lanes"][h.lanes - 1] != ident:
+            main["lanes"][h.lanes - 1] = ident
+            self.metrics.add("lanes_opened")
 
     def _route(self, ident: bytes) -> bytes:
-        """The connection a peer's next BLOCKS goes out on: its first one and its lanes in turn."""
+        """The connection a peer's next BLOCKS goes out on: its first one and its open lanes in turn."""
         peer = self._peers.get(ident)
-        lanes = None if peer is None else peer["lanes"]
-        if not lanes:
+        if peer is None or not peer["lanes"]:
             return ident
-        k = peer["rr"] = (peer.get("rr", 0) + 1) % (len(lanes) + 1)
-        return ident if k == 0 else lanes[k - 1]
+        ways = [ident, *(lane for lane in peer["lanes"] if lane is not None)]
+        peer["rr"] = (peer["rr"] + 1) % len(ways)
+        return ways[peer["rr"]]
 
     def _drop_lane(self, ident: bytes, lane: bytes) -> None:
+        """A lane the ROUTER can no longer reach (its connection is gone) carries nothing more
+        until a LANE names its new connection."""
         peer = self._peers.get(ident)
         if peer is not None and lane in peer["lanes"]:
-            peer["lanes"].remove(lane)
+            peer["lanes"][peer["lanes"].index(lane)] = None
             self.metrics.ignore("lane_unreachable")
 
     def _ack(self, ident: bytes, tid: str) -> None:
@@ -529,12 +532,11 @@ class PrefillEndpoint:
                 self.errors.append(e)
         # lanes: extra connections of this peer that BLOCKS go out on too (ZeroMQ frames only); a
         # handshake starts them over (the peer sends LANE again on each after this HELLO_ACK)
-        peer["granted"] = 1 if peer["nixl"] else max(1, min(h.lanes, self.lanes))
-        peer["lanes"] = []
+        granted = 1 if peer["nixl"] else max(1, min(h.lanes, self.lanes))
+        peer["lanes"] = [None] * (granted - 1)     # lane k's connection, once its LANE came
         self._reply(ident, Header(MsgType.HELLO_ACK, desc=mine, ok=True, sum=peer["sum"] if h.sums else "",
                                   sums=list(self.checksums) if h.sums else [], plane=NIXL if peer["nixl"] else "",
-                                  lanes=peer["granted"] if h.lanes else 0,
-                                  peer=ident if peer["granted"] > 1 else b""))
+                                  lanes=granted if h.lanes else 0, peer=ident if granted > 1 else b""))
 
     def _pull(self, ident: bytes, peer: dict, h: Header) -> None:
         self._hook("lookup")

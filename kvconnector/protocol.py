@@ -33,7 +33,8 @@ key       type                       meaning
 ``plane`` str                        HELLO_ACK: data plane the prefill uses (absent: zmq)
 ``at``    int >= 0                   PULL: the pull's area in the region; BLOCKS: payload offset
 ``lanes`` int >= 0                   HELLO: data connections the decode side can open; HELLO_ACK: how many
-                                     the prefill sends BLOCKS over (this one included)
+                                     the prefill sends BLOCKS over (this one included); LANE: which
+                                     lane this connection is, 1 .. granted - 1
 ``peer``  bytes                      HELLO_ACK (lanes granted): the routing id the prefill knows the decode
                                      side's first connection by; LANE: that id
 ``hxx``   int (u64)                  BLOCKS: checksum of the placement fields (:func:`placement_checksum`, v4)
@@ -99,7 +100,7 @@ class MsgType(enum.IntEnum):
     PING = 8        # either way: liveness
     PONG = 9
     DESCRIBE = 10   # D -> P: layout request (no keys); P -> D: reply with ``desc`` + ``xfers``
-    LANE = 11       # D -> P, on an extra connection: send BLOCKS for peer ``peer`` here too (HELLO_ACK ``lanes``)
+    LANE = 11       # D -> P, on an extra connection: it is lane ``lanes`` of peer ``peer`` (HELLO_ACK ``lanes``)
 
 
 class ErrorCode(str, enum.Enum):
@@ -182,7 +183,7 @@ _REQUIRED = {
     MsgType.PING: (),
     MsgType.PONG: (),
     MsgType.DESCRIBE: (),
-    MsgType.LANE: ("peer",),
+    MsgType.LANE: ("peer", "lanes"),
 }
 _DEFAULTS = Header(MsgType.PING)
 _MAX_TYPE = max(MsgType)

@@ -130,6 +130,7 @@ class IOLoop:
         self._stop = False
         self.handled_s = 0.0     # seconds spent receiving and handling messages (bench.transfer --threads)
         self.socks = [sock]      # the endpoint's socket, then any added with add_socket
+        self._handlers: dict = {}    # added socket -> its own on_message
         self._poller = zmq.Poller()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -150,10 +151,13 @@ class IOLoop:
                 except zmq.ZMQError:
                     pass  # pipe full or closing: the loop is awake anyway
 
-    def add_socket(self, sock: zmq.Socket) -> None:
-        """Also receive from ``sock`` (call on the loop thread): its messages go to the same
-        ``on_message`` / ``on_header``; the loop closes it with its own."""
+    def add_socket(self, sock: zmq.Socket, on_message: Callable | None = None) -> None:
+        """Also receive from ``sock`` (call on the loop thread): its messages go to ``on_message``
+        (received whole, no ``on_header``), or by default to the loop's own ``on_message`` /
+        ``on_header``; the loop closes it with its own."""
         self.socks.append(sock)
+        if on_message is not None:
+            self._handlers[sock] = on_message
         self._poller.register(sock, zmq.POLLIN)
 
     def _run(self) -> None:
@@ -187,6 +191,14 @@ class IOLoop:
         for _ in range(256):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
+            own = self._handlers.get(sock)
+            if own is not None:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._guard(own, frames)
+                continue
             t0 = time.perf_counter()
             try:
                 frames = self._recv(sock)

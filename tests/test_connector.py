@@ -561,3 +561,85 @@ def test_lanes_come_back_after_the_prefill_restarts():
             assert pre.stats()["messages_sent_on_lanes"] >= 4   # 8 BLOCKS, 2 of 3 on lanes
         finally:
             pre.close()
+
+
+class _Relay:
+    """A TCP relay to ``target`` (host, port): each accepted connection is forwarded on a
+    connection of its own; :meth:`cut` closes the ``i``-th one both ways, as a dropped link."""
+
+    def __init__(self, target):
+        import socket
+        self._socket, self.target, self.conns = socket, target, []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                a, _ = self.listener.accept()
+            except OSError:
+                return
+            b = self._socket.create_connection(self.target)
+            self.conns.append((a, b))
+            for x, y in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(x, y), daemon=True).start()
+
+    @staticmethod
+    def _pipe(x, y):
+        try:
+            while data := x.recv(1 << 16):
+                y.sendall(data)
+        except OSError:
+            pass
+        for s in (x, y):
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
+
+    def cut(self, i):
+        for s in self.conns[i]:
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        for i in range(len(self.conns)):
+            self.cut(i)
+
+
+def test_a_dropped_lane_mid_pull_is_pulled_again_and_reconnected():
+    """A lane's TCP connection drops while a pull streams over it: the decode side sends the PULL
+    again (the BLOCKS on that connection are lost), the prefill restarts the stream, the lane
+    reconnects and says LANE again, and every block lands byte exact long before the deadline."""
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=40)
+    src, dst = filled_caches(desc, 0), filled_caches(desc, 1)
+    with PrefillEndpoint(src, desc, chunk_bytes=1, lanes=3) as pre:
+        relay = _Relay(("127.0.0.1", pre.port))
+        sends = []
+
+        def cut_a_lane(stage):
+            if stage == "send":
+                sends.append(1)
+                if len(sends) == 10:       # BLOCKS are going out over all three connections now
+                    relay.cut(1)           # the second connection accepted: the first lane
+                    time.sleep(0.05)
+        try:
+            with DecodeEndpoint(dst, desc, lanes=3) as dec:
+                dec.connect(relay.endpoint, timeout_s=5)
+                assert _until(lambda: pre.stats()["lanes_opened"] == 2)
+                pre._fault_hook = cut_a_lane
+                t0 = time.monotonic()
+                _pull_checked(pre, dec, src, dst, "t", list(range(20)), list(range(20, 40)))
+                assert time.monotonic() - t0 < 5
+                assert dec.stats()["ignored"].get("lane_disconnected", 0) >= 1
+                def live():   # the prefill's lanes that carry BLOCKS now
+                    return [lane for peer in list(pre._peers.values()) for lane in peer["lanes"] if lane is not None]
+                assert _until(lambda: len(live()) == 2), (pre.stats()["ignored"], dec.stats()["ignored"])
+                assert pre.stats()["lanes_opened"] >= 3   # the lane's new connection replaced the dropped one
+        finally:
+            pre._fault_hook = None
+            relay.close()

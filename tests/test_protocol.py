@@ -38,7 +38,7 @@ def test_version_has_history():
     Header(MsgType.ABORT, tid="t", code="deadline"),
     Header(MsgType.ERROR, tid="t", code=ErrorCode.UNKNOWN_TRANSFER, msg="gone"),
     Header(MsgType.PING), Header(MsgType.PONG),
-    Header(MsgType.LANE, peer=b"\x00k\x8b\x45\x67"),
+    Header(MsgType.LANE, peer=b"\x00k\x8b\x45\x67", lanes=2),
     Header(MsgType.HELLO_ACK, desc={"a": 1}, ok=True, lanes=4, peer=b"\x00k\x8b\x45\x67"),
 ], ids=lambda h: f"{h.type.name}{'-lanes' if h.lanes else ''}")
 def test_header_round_trip(h):
@@ -107,9 +107,9 @@ def _raw(**over):
     (_raw(heads=[3, 1]), "field 'heads'"),
     (_raw(heads=[0, 1, 2]), "field 'heads'"),
     (_raw(nblk=...), r"missing field\(s\) \['nblk'\]"),
-    (_raw(t=int(MsgType.LANE)), r"LANE header: missing field\(s\) \['peer'\]"),
-    (_raw(t=int(MsgType.LANE), peer="kvc"), "field 'peer'.*expected bytes"),
-    (_raw(t=int(MsgType.LANE), peer=b"x" * 256), "field 'peer'.*at most 255 bytes"),
+    (_raw(t=int(MsgType.LANE)), r"LANE header: missing field\(s\) \['peer', 'lanes'\]"),
+    (_raw(t=int(MsgType.LANE), peer="kvc", lanes=1), "field 'peer'.*expected bytes"),
+    (_raw(t=int(MsgType.LANE), peer=b"x" * 256, lanes=1), "field 'peer'.*at most 255 bytes"),
     (_raw(lanes=65), "field 'lanes'.*expected int in \\[0, 64\\]"),
     (_raw(lanes=-1), "field 'lanes'"),
     (_raw(v="1"), "field 'v'"),

@@ -87,11 +87,11 @@ def doc_client_pull(endpoint, desc, tid, nblk, heads, timeout_s=10.0, lanes=1, o
         sock.send(header("HELLO", desc=desc, **({"lanes": lanes} if lanes > 1 else {})))
         ack, _ = recv()
         assert ack["t"] == T["HELLO_ACK"] and ack["ok"] is True, ack
-        for _ in range(ack.get("lanes", 1) - 1):
+        for k in range(1, ack.get("lanes", 1)):
             lane = ctx.socket(zmq.DEALER)
             lane.setsockopt(zmq.LINGER, 0)
             lane.connect(endpoint)
-            lane.send(header("LANE", peer=ack["peer"]))
+            lane.send(header("LANE", peer=ack["peer"], lanes=k))
             socks.append(lane)
             poller.register(lane, zmq.POLLIN)
         time.sleep(0.1)   # the LANEs reach the prefill before the PULL (else BLOCKS keep to the first connection)
