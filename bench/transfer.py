@@ -171,15 +171,17 @@ def _sender(conn) -> None:
             _serve_row(conn, *cmd[1:])
 
 
-def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels) -> None:
+def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels, lanes=None) -> None:
     """Layer-wise rows: ("publish", tid) publishes with no layer written; ("layers", tid, step_s,
     at_once) announces the layers (one every ``step_s``, or all at once after ``num_layers·step_s``)
     and answers the monotonic time of the last announcement; "done" ends."""
     from kvconnector import PrefillEndpoint
+    from kvconnector.prefill import LANES
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_dict(desc_dict)
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
-                         frame_ops=_frame_ops(kernels)) as pre:
+                         frame_ops=_frame_ops(kernels),
+                         **({} if lanes is None else {"lanes": max(lanes, LANES)})) as pre:
         conn.send(pre.endpoint)
         while True:
             cmd = conn.recv()
@@ -447,20 +449,22 @@ def _stage_line(label: str, stages: tuple, repeats: int) -> str:
 
 
 def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chunk_bytes, device, gen,
-                    kernels: bool) -> dict:
+                    kernels: bool, lanes: int | None = None) -> dict:
     """Exposed time (last layer announced -> last block landed) of layer-wise pulls, and of the same
-    pulls with every layer announced at once; medians over ``repeats`` (after one warm-up each)."""
+    pulls with every layer announced at once; medians over ``repeats`` (after one warm-up each).
+    ``lanes``: the connector's connections (default: the endpoints')."""
     from kvconnector import DecodeEndpoint
     from tools.serve import synthetic_caches
     nblocks = -(-tokens // geo.block_size)
     desc = LayoutDescriptor.from_geometry(geo, num_layers=layers, num_blocks=nblocks)
     ids = torch.randperm(nblocks, generator=gen).tolist()
     seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
-    endpoint = sender.ask(("layerwise", desc.to_dict(), seed, device, chunk_bytes, ids, kernels))
+    endpoint = sender.ask(("layerwise", desc.to_dict(), seed, device, chunk_bytes, ids, kernels, lanes))
     dst = synthetic_caches(desc, seed + 1, device)
     out = {"layerwise": [], "at_once": []}
     try:
-        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels)) as dec:
+        with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels),
+                            **({} if lanes is None else {"lanes": lanes})) as dec:
             dec.connect(endpoint, timeout_s=60)
             for r in range(2 * (repeats + 1)):
                 at_once = r % 2 == 1
@@ -588,7 +592,8 @@ def run(args) -> int:
             geo = CacheGeometry(get_kv_quant_mode("int4_per_token_head"), args.head_size, args.kv_heads,
                                 args.block_size)
             lw = [(c_mb, bench_layerwise(sender, geo, args.layers, args.layerwise_tokens, args.layer_ms,
-                                         args.repeats, chunk, device, gen, args.kernels)) for c_mb, chunk in chunks]
+                                         args.repeats, chunk, device, gen, args.kernels, args.lanes))
+                  for c_mb, chunk in chunks]
             r = lw[0][1]
             print(f"\n# layer-wise pull: int4, {args.layerwise_tokens} tokens, {args.layers} layers, "
                   f"{r['nbytes'] / 2**20:.0f} MiB, {r['checksum']}, one layer announced every {args.layer_ms} ms")
