@@ -69,6 +69,7 @@ RECV_BYTES = 64 << 20      # recv_into: pooled pinned bytes held at once (receiv
 # buffer, which costs the Python threads of the process GIL hand-offs per piece (docs/DESIGN_NOTES.md).
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
 CUDA_LANES = 4      # connections to the prefill that BLOCKS come over, CUDA caches (default_lanes)
+LANE_WAIT_S = 1.0   # connect() waits at most this long (within its timeout) for the granted lanes' handshakes
 
 
 def default_recv_into(device) -> bool:
@@ -131,8 +132,9 @@ class DecodeEndpoint:
     lanes : int, optional
         Connections BLOCKS may arrive on, this endpoint's first included (1..64; docs/PROTOCOL.md,
         "Lanes"): offered in HELLO; the prefill grants at most its own ``lanes``, and the extra
-        connections are opened after the handshake, all received by the I/O thread. Default:
-        :func:`default_lanes`.
+        connections are opened after the handshake, all received by the I/O thread;
+        :meth:`connect` returns once they are up too (waiting at most ``LANE_WAIT_S`` for them), so
+        the first pull has them. Default: :func:`default_lanes`.
     """
 
     def __init__(self, caches, descriptor: LayoutDescriptor, *, heartbeat_s: float = 0.5,
@@ -145,6 +147,8 @@ class DecodeEndpoint:
         count("lanes", self.lanes, 1, MAX_LANES)
         self._lane_socks: list = []   # extra DEALER connections BLOCKS may arrive on (HELLO_ACK ``lanes``)
         self._lane_peer, self._lanes_granted = b"", 1
+        self._lanes_said: set = set()           # lanes that said LANE since their connection's handshake
+        self._lanes_up = threading.Event()      # set once every granted lane said LANE (connect waits, bounded)
         seconds("heartbeat_s", heartbeat_s), seconds("peer_timeout_s", peer_timeout_s)
         count("max_frame_bytes", max_frame_bytes, 1), count("nixl_region_bytes", nixl_region_bytes, 1)
         self._nixl = NixlReceiver(nixl_region_bytes) if check_plane(data_plane) == NIXL else None
@@ -219,11 +223,15 @@ class DecodeEndpoint:
                             trace=self.trace)
         self._loop.start()
         self._loop.call_soon(self._send_hello)
+        t0 = time.monotonic()
         if not self._hs_done.wait(timeout_s):
             self.metrics.fail("handshake_timeout")
             raise TransferTimeoutError(f"handshake with {endpoint}: no HELLO_ACK within {timeout_s} s")
         if self._hs_error is not None:
             raise self._hs_error
+        # the granted lanes' own handshakes, so the first pull has them too (a lane slower than this
+        # joins later: BLOCKS keep to the others meanwhile)
+        self._lanes_up.wait(max(0.0, min(LANE_WAIT_S, timeout_s - (time.monotonic() - t0))))
         return self.shared_heads
 
     def pull(self, transfer_id: str, dst_block_ids, *, deadline_s: float = 30.0, heads: range | None = None,
@@ -353,6 +361,7 @@ class DecodeEndpoint:
                 self._say_lane(k)
         except zmq.ZMQError as e:
             self.errors.append(TransferError(f"opening a lane to {self.peer_endpoint}: {e}"))
+            self._lanes_up.set()
 
     def _say_lane(self, k: int) -> None:
         self._lane_socks[k].send(encode_header(Header(MsgType.LANE, peer=self._lane_peer, lanes=k + 1)), zmq.NOBLOCK)
@@ -365,10 +374,14 @@ class DecodeEndpoint:
         event = parse_monitor_message([f.bytes for f in frames])["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.metrics.ignore("lane_disconnected")
+            self._lanes_said.discard(k)
             for p in list(self._pending.values()):
                 self._send_pull(p)
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and k < self._lanes_granted - 1:
             self._say_lane(k)
+            self._lanes_said.add(k)
+            if len(self._lanes_said) >= self._lanes_granted - 1:
+                self._lanes_up.set()
 
     def _receive_into(self, frame) -> list | None:
         """IOLoop ``on_header``: for a ``mix64`` BLOCKS message of a pending pull, a pooled pinned
@@ -501,8 +514,10 @@ class DecodeEndpoint:
             self.errors.append(err)
             self.metrics.fail("layout_mismatch")
             self.metrics.handshake_refused(d[0] for d in getattr(err, "differences", ()))
-        if err is None and self.plane == ZMQ and h.lanes > 1 and h.peer:
+        if err is None and self.plane == ZMQ and h.lanes > 1 and h.peer and self.lanes > 1:
             self._open_lanes(h.lanes, h.peer)
+        else:
+            self._lanes_up.set()      # no lanes: connect() has none to wait for
         first = not self._hs_done.is_set()
         self._hs_error = err
         self._hs_done.set()
