@@ -176,12 +176,11 @@ def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels, l
     at_once) announces the layers (one every ``step_s``, or all at once after ``num_layers·step_s``)
     and answers the monotonic time of the last announcement; "done" ends."""
     from kvconnector import PrefillEndpoint
-    from kvconnector.prefill import LANES
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_dict(desc_dict)
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
                          frame_ops=_frame_ops(kernels),
-                         **({} if lanes is None else {"lanes": max(lanes, LANES)})) as pre:
+                         **_lanes_kw(lanes, prefill=True)) as pre:
         conn.send(pre.endpoint)
         while True:
             cmd = conn.recv()
@@ -203,6 +202,15 @@ def _serve_layerwise(conn, desc_dict, seed, device, chunk_bytes, ids, kernels, l
     conn.send("closed")
 
 
+def _lanes_kw(lanes: int | None, prefill: bool = False) -> dict:
+    """An endpoint's ``lanes`` keyword for ``--lanes`` (none given: the endpoint's default); a prefill
+    grants at least its default, so the decode side's count decides."""
+    if lanes is None:
+        return {}
+    from kvconnector.prefill import LANES
+    return {"lanes": max(lanes, LANES) if prefill else lanes}
+
+
 def _frame_ops(kernels: bool):
     if not kernels:
         return None
@@ -218,7 +226,6 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     "go_hot" with the same burst re-sending the first slice, and "go_lanes" with the "go" burst
     dealt over every socket in turn (one TCP connection each, on ZeroMQ I/O threads of their own)."""
     from kvconnector import PrefillEndpoint
-    from kvconnector.prefill import LANES
     from tools.serve import synthetic_caches
     desc = LayoutDescriptor.from_dict(desc_dict)
     ctx = zmq.Context(io_threads=len(push_endpoints))
@@ -231,7 +238,7 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     buf = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8).numpy()
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
                          frame_ops=_frame_ops(kernels), data_plane=plane, prestage_bytes=prestage_bytes,
-                         **({} if lanes is None else {"lanes": max(lanes, LANES)})) as pre:
+                         **_lanes_kw(lanes, prefill=True)) as pre:
         for tid, ids in transfers:
             pre.publish(tid, ids)
         conn.send(pre.endpoint)
@@ -366,7 +373,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels), data_plane=plane,
                             nixl_region_bytes=max(1 << 20, total), recv_into=recv_into,
-                            **({} if lanes is None else {"lanes": lanes})) as dec:
+                            **_lanes_kw(lanes)) as dec:
             dec.connect(endpoint, timeout_s=30)
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
@@ -464,7 +471,7 @@ def bench_layerwise(sender: Sender, geo, layers, tokens, layer_ms, repeats, chun
     out = {"layerwise": [], "at_once": []}
     try:
         with DecodeEndpoint(dst, desc, frame_ops=_frame_ops(kernels),
-                            **({} if lanes is None else {"lanes": lanes})) as dec:
+                            **_lanes_kw(lanes)) as dec:
             dec.connect(endpoint, timeout_s=60)
             for r in range(2 * (repeats + 1)):
                 at_once = r % 2 == 1

@@ -188,10 +188,10 @@ class IOLoop:
         """Handle a bounded batch of ``sock``'s messages, so ticks (deadlines, sends) and the other
         sockets keep being served under load; EVENTS is asked first: a recv that raises
         zmq.Again costs more than the check."""
+        own = self._handlers.get(sock)
         for _ in range(256):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 break
-            own = self._handlers.get(sock)
             if own is not None:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
