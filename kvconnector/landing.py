@@ -32,6 +32,14 @@ verify + scatter (~0.1 ms of host time) are paid once a group, not once a messag
 landing thread that keeps up with the socket; each message's copy to the device is still queued
 as soon as it is in, and the pull's last message closes its group at once.
 
+A pull of at most ``whole_bytes`` (32 MiB) of payload in more than one message is staged
+*whole*: its first message to come makes a device buffer of the pull's whole payload, each message
+is copied to its own place in it (the payload cells it carries), in whatever order the messages
+come (lanes deliver them out of order), and the pull's last message to come queues one verify +
+scatter of all of them: one pass a pull instead of one a message. A whole pull that gets no message
+for ``linger_s`` is verified as it is, each run of messages that follow each other in the payload
+in a pass of its own, so a bad message still fails its pull at once when the rest does not come.
+
 Without copy workers the launcher copies the pieces itself in the stage phase, right after the
 start: there is nothing to overlap.
 
@@ -87,6 +95,7 @@ MAX_INFLIGHT_BYTES = 64 << 20
 LINGER_S = 0.002          # an open group that may still grow waits this long for its next message
 LOOKAHEAD = 1             # messages whose host copies run on the copy workers while the launcher stages an earlier one
 AUX_FRAMES = 64           # frames per group the pooled checksum/verdict buffers hold (a group holds no more)
+WHOLE_BYTES = 32 << 20    # a pull of at most this many payload bytes is staged whole and verified in one pass
 
 
 def _record(stream):
@@ -133,15 +142,29 @@ def _cells(job: LandJob) -> tuple | None:
     return payload_cells(h.layer, h.nlay, h.first, h.nblk, job.pull_ids.numel())
 
 
+def _whole(job: LandJob, limit: int) -> tuple | None:
+    """``(cells, cell_bytes)``: the pull's payload cells and the bytes of one, when the message's
+    pull is staged whole (its payload at most ``limit`` bytes, more than this message); else None."""
+    cells = _cells(job)
+    if cells is None or cells[1] <= cells[0]:
+        return None
+    size = sum(job.h.nbytes)
+    cell = size // (cells[1] - cells[0])
+    total = len(job.layers) * job.pull_ids.numel()
+    return (total, cell) if size < total * cell <= limit and cell * (cells[1] - cells[0]) == size else None
+
+
 class _Group:
     """Messages of one pull staged back to back in one device buffer, verified + scattered in one
     pass; ``span``: the payload cells ``[a, b)`` of the pull they cover, or None for a message
-    verified alone on its own layers and blocks."""
+    verified alone on its own layers and blocks. A whole pull's group (``cell``: bytes per cell)
+    holds each message at its own place in the pull's payload, in whatever order they come."""
 
-    __slots__ = ("jobs", "staging", "used", "frames", "span", "aux", "write", "event", "live")
+    __slots__ = ("jobs", "staging", "used", "frames", "span", "aux", "write", "event", "live", "cell", "added")
 
     def __init__(self, staging: torch.Tensor) -> None:
         self.jobs, self.staging, self.used, self.frames, self.span = [], staging, 0, 0, None
+        self.cell, self.added = 0, 0.0
         self.aux = self.write = self.event = None
         self.live = True      # False: the pull died before the verify + scatter was queued (none queued)
 
@@ -194,7 +217,11 @@ class Lander:
         Device staging bytes of a group (0: every message verified alone).
     linger_s : float
         How long an open group that may still grow waits for its next message before its
-        verify + scatter is queued (0: as soon as nothing more is waiting).
+        verify + scatter is queued (0: as soon as nothing more is waiting); a whole pull's group
+        too, before the messages it holds are verified by runs.
+    whole_bytes : int, optional
+        Pulls of at most this many payload bytes are staged whole (module doc); 0: never. Default
+        ``WHOLE_BYTES``, read when the lander is made.
     report : callable(list of (LandJob, Exception or None))
         Called on a landing thread with finished messages (None: written; CorruptFrameError: a
         frame of its group did not match, nothing of the group written; other: the landing failed).
@@ -209,13 +236,15 @@ class Lander:
     def __init__(self, ops, stream, pool, report: Callable, alive: Callable, *, max_inflight: int = MAX_INFLIGHT,
                  max_inflight_bytes: int = MAX_INFLIGHT_BYTES, piece_bytes: int = PIECE_BYTES, executor=None,
                  workers: int = 0, lookahead: int = LOOKAHEAD, group_bytes: int = GROUP_BYTES,
-                 linger_s: float = LINGER_S, name: str = "kvc-decode-land", trace: Trace | None = None) -> None:
+                 linger_s: float = LINGER_S, whole_bytes: int | None = None, name: str = "kvc-decode-land",
+                 trace: Trace | None = None) -> None:
         self.ops, self.stream, self.pool, self.report, self.alive = ops, stream, pool, report, alive
         self.trace = trace
         self.executor, self.workers = executor, workers
         self.max_inflight, self.piece_bytes = max(1, max_inflight), max(1, piece_bytes)
         self.max_inflight_bytes = max(1, max_inflight_bytes)
         self.group_bytes, self.linger_s = max(0, group_bytes), max(0.0, linger_s)
+        self.whole_bytes = max(0, WHOLE_BYTES if whole_bytes is None else whole_bytes)
         self.lookahead = 0 if executor is None else max(0, lookahead)   # no workers: nothing to overlap
         # read by bench.transfer (DecodeEndpoint.stage_times): "launch" is all the launcher's work on
         # messages (wall time; "launch_cpu" the CPU time this thread used in it, so the difference is
@@ -225,6 +254,7 @@ class Lander:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._started: deque = deque()     # host copies submitted, not staged yet (launcher only)
         self._group: _Group | None = None  # staged, verify + scatter not queued yet (launcher only)
+        self._wholes: dict = {}            # id(pull) -> its whole-pull group, messages still to come (launcher only)
         self._inflight: deque = deque()    # groups queued, not yet completed; appended by the launcher only,
         self._held = self._held_bytes = 0  # popped by the watcher only; _held(_bytes): their messages (bytes)
         self._cv = threading.Condition()
@@ -258,17 +288,22 @@ class Lander:
         while True:
             try:   # with messages started, go on with them rather than wait for a new one
                 wait = 0.0 if started else 1.0 if self._group is None else self._linger()
+                if self._wholes:
+                    wait = min(wait, max(0.0, min(g.added for g in self._wholes.values()) + self.linger_s
+                                         - time.perf_counter()))
                 job = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
             except queue.Empty:
                 if started:
                     self._stage(started.popleft())
                 else:
                     self._close_group()    # nothing more waiting: verify what is staged
+                    self._sweep_wholes()
                 continue
             if job is None:
                 while started:
                     self._stage(started.popleft())
                 self._close_group()
+                self._sweep_wholes(closing=True)
                 return
             try:
                 if not self.alive(job):
@@ -347,6 +382,9 @@ class Lander:
             self._close_group()   # before _drop, which may wait for this message's copies
             self._drop(job)
             return
+        whole = _whole(job, self.whole_bytes) if self.whole_bytes else None
+        if whole is not None:
+            return self._stage_whole(job, *whole)
         h, g = job.h, self._group
         span = None if g is None else g.extended(job)
         if span is None:
@@ -374,14 +412,77 @@ class Lander:
         g.add(job, span)
         self._group = g
 
-    def _close_group(self) -> None:
-        """Queue the open group's verify + scatter and its event and hand it to the watcher (its
-        pull died meanwhile: only the event, its messages are dropped once the copies ended)."""
-        g, self._group = self._group, None
-        if g is None:
+    def _stage_whole(self, job: LandJob, cells: int, cell: int) -> None:
+        """Queue the message's copy to its place in its pull's whole staging buffer (``cells`` of
+        ``cell`` bytes), made by the pull's first message to come; the pull's last message to come
+        queues the verify + scatter of all of them (headers in payload order)."""
+        g = self._wholes.get(id(job.p))
+        at, size = _cells(job)[0] * cell, sum(job.h.nbytes)
+        try:
+            with self._launch_time("land", job):
+                try:
+                    if g is None:
+                        device = "cpu" if self.stream is None else self.stream.device
+                        g = _Group(torch.empty(cells * cell, dtype=torch.uint8, device=device))
+                        g.span, g.cell = (0, cells), cell
+                        self._wholes[id(job.p)] = g
+                    stage_payload(job.host, g.staging[at:at + size], fill=job.fill, timings=self.stage_s)
+                except BaseException:
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                    raise
+                finally:
+                    self.stage_s["messages"] += 1
+        except Exception as e:
+            self._fail(job, e)     # its pull fails: the sweep hands the group's other messages back
             return
+        job.frames = job.fill = None
+        g.add(job, g.span)
+        g.added = time.perf_counter()
+        if g.used == g.staging.numel():
+            del self._wholes[id(job.p)]
+            g.jobs.sort(key=lambda j: _cells(j)[0])
+            self._queue(g)
+
+    def _sweep_wholes(self, closing: bool = False) -> None:
+        """Whole-pull groups whose pull died go to the watcher unverified (their messages are
+        dropped once the device copies that read them ended); those that got no message for
+        ``linger_s`` (all, when ``closing``) are verified as they are: each run of messages that
+        follow each other in the pull's payload, one pass each (so a bad message of a pull whose
+        other messages do not come still fails it now)."""
+        now = time.perf_counter()
+        for p, g in list(self._wholes.items()):
+            live = all(self.alive(j) for j in g.jobs)
+            if live and not closing and now - g.added < self.linger_s:
+                continue
+            del self._wholes[p]
+            if not live:
+                self._queue(g, dead=True)
+                continue
+            g.jobs.sort(key=lambda j: _cells(j)[0])
+            run = None
+            for j in g.jobs:
+                a, b = _cells(j)
+                if run is not None and run.span[1] == a and run.has_room(j.h):
+                    run.add(j, (run.span[0], b))
+                    continue
+                if run is not None:
+                    self._queue(run)
+                run = _Group(g.staging[a * g.cell:])      # a view: the pull's buffer, from this message on
+                run.add(j, (a, b))
+            self._queue(run)
+
+    def _close_group(self) -> None:
+        """Queue the open group's verify + scatter (:meth:`_queue`)."""
+        g, self._group = self._group, None
+        if g is not None:
+            self._queue(g)
+
+    def _queue(self, g: _Group, dead: bool = False) -> None:
+        """Queue a group's verify + scatter and its event and hand it to the watcher (its pull died
+        meanwhile, or ``dead``: only the event, its messages are dropped once the copies ended)."""
         j0 = g.jobs[0]
-        g.live = all(self.alive(j) for j in g.jobs)
+        g.live = not dead and all(self.alive(j) for j in g.jobs)
         try:
             with self._launch_time("verify", j0, messages=len(g.jobs)):
                 try:

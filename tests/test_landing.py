@@ -359,7 +359,7 @@ def test_messages_waiting_together_are_verified_in_one_pass(corrupt):
         calls.append((len(caches), block_ids.tolist(), expected.numel(), kw.get("start")))
         TORCH_FRAME_OPS.verify_scatter(staging, expected, caches, block_ids, **kw)
     lander = Lander(SimpleNamespace(verify_scatter=verify), None, PinnedPool(), reports.extend,
-                    lambda job: hold.wait(20))
+                    lambda job: hold.wait(20), whole_bytes=0)    # these pulls are never whole: no whole-pull groups
     jobs = []
     for i, (p, layer, nlay, first, nblk) in enumerate(plan):
         s_ids = [11, 2, 4, 6, 8, 10, 13, 15] if p is pull_b else src_ids
@@ -394,6 +394,7 @@ def test_group_of_a_pull_that_died_before_its_verify_is_dropped_unwritten(monkey
     """Two staged messages of one pull whose pull dies before their verify + scatter is queued:
     nothing is verified or written, nothing reported, both futures are set and both pinned buffers
     are back in the pool once the group's (fake) event has passed, not before."""
+    monkeypatch.setattr(landing_mod, "WHOLE_BYTES", 0)   # pulls too large to stage whole: runs of messages
     src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
     before = [c.clone() for c in dst]
     src_ids, ids = [3, 9, 1, 12], torch.tensor([2, 4, 6, 8])
@@ -435,12 +436,13 @@ def test_group_of_a_pull_that_died_before_its_verify_is_dropped_unwritten(monkey
 
 @pytest.mark.parametrize("linger", [0.0, 30.0], ids=["no-linger", "linger"])
 @pytest.mark.parametrize("ends", ["last-flag", "close"])
-def test_a_landing_thread_that_keeps_up_still_verifies_in_groups(linger, ends):
+def test_a_landing_thread_that_keeps_up_still_verifies_in_groups(linger, ends, monkeypatch):
     """Four messages of one pull (two runs of two layers) handed over one at a time, each once the
     one before is staged (a landing thread that keeps up with the socket): with no linger each is
     verified alone; with one the group waits for the next message and the four are verified in one
     pass, queued as soon as the message marked ``last`` is staged (not after the 30 s linger), or,
     without the mark, when the lander closes. Every block lands byte-exact either way."""
+    monkeypatch.setattr(landing_mod, "WHOLE_BYTES", 0)   # pulls too large to stage whole: runs of messages
     src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
     src_ids, dst_ids = [3, 9, 1, 12], [2, 4, 6, 8]
     ids, pull = torch.tensor(dst_ids), SimpleNamespace()
@@ -472,3 +474,85 @@ def test_a_landing_thread_that_keeps_up_still_verifies_in_groups(linger, ends):
     assert len(reports) == 4 and all(err is None for _, err in reports)
     for layer in range(2):
         assert torch.equal(_b(dst[layer])[dst_ids], _b(src[layer])[src_ids])
+
+
+def _whole_pull(plan, corrupt=None, alive=lambda job: True, **kw):
+    """Land the messages ``plan`` [(layer, nlay, first, nblk)] of one pull of 8 blocks x 2 layers,
+    in that order; returns (verify calls (frames, start), reports, src, dst before, dst)."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    before = [c.clone() for c in dst]
+    src_ids, dst_ids = [3, 9, 1, 12, 7, 0, 5, 14], torch.tensor([2, 4, 6, 8, 10, 11, 13, 15])
+    calls, reports, pull = [], [], SimpleNamespace(name="p")
+
+    def verify(staging, expected, caches, block_ids, **k):
+        calls.append((expected.numel(), k.get("start")))
+        TORCH_FRAME_OPS.verify_scatter(staging, expected, caches, block_ids, **k)
+    lander = Lander(SimpleNamespace(verify_scatter=verify), None, PinnedPool(), reports.extend, alive, **kw)
+    jobs = []
+    for i, (layer, nlay, first, nblk) in enumerate(plan):
+        h, payload = _pull_msg(src, layer, nlay, first, nblk, src_ids, corrupt=i == corrupt)
+        jobs.append(LandJob(pull, h, [payload.numpy().tobytes()], None, False, dst[layer:layer + nlay],
+                            dst_ids[first:first + nblk], range(2), layers=dst, pull_ids=dst_ids))
+    for job in jobs:
+        lander.submit(job)
+    assert until(lambda: len(reports) == len(jobs), 10)
+    lander.close()
+    assert all(job.future.done() for job in jobs)
+    return calls, reports, src, before, dst, src_ids, dst_ids.tolist()
+
+
+@pytest.mark.parametrize("corrupt", [None, 2], ids=["all-match", "one-corrupt"])
+def test_a_small_pull_in_any_order_is_staged_whole_and_verified_in_one_pass(corrupt):
+    """The four messages of a pull under ``whole_bytes``, arriving out of order (as lanes deliver
+    them), are each copied to their place in the pull's staging buffer and verified + scattered in
+    one pass once the last is in: every block byte exact; one flipped byte fails all four with
+    that CorruptFrameError and writes nothing."""
+    plan = [(1, 1, 4, 4), (0, 1, 0, 4), (1, 1, 0, 4), (0, 1, 4, 4)]   # cells 12-16, 0-4, 8-12, 4-8
+    calls, reports, src, before, dst, src_ids, dst_ids = _whole_pull(plan, corrupt, linger_s=5.0)
+    assert calls == [(4, 0)]                      # one pass, the four frames in payload order, from cell 0
+    errs = [e for _, e in reports]
+    if corrupt is None:
+        assert errs == [None] * 4
+        for layer in range(2):
+            assert torch.equal(_b(dst[layer])[dst_ids], _b(src[layer])[src_ids])
+    else:
+        assert all(isinstance(e, CorruptFrameError) for e in errs)
+        assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))
+
+
+def test_a_whole_pull_whose_last_message_does_not_come_is_verified_by_runs():
+    """Three of four messages of a small pull (cells 0-4, 4-8 and 12-16), then nothing for
+    ``linger_s``: the two runs that follow each other in the payload are verified in two passes
+    (0-8, 12-16) and land; the missing message's blocks stay untouched."""
+    plan = [(1, 1, 4, 4), (0, 1, 4, 4), (0, 1, 0, 4)]
+    calls, reports, src, before, dst, src_ids, dst_ids = _whole_pull(plan, linger_s=0.01)
+    assert sorted(calls, key=lambda c: c[1]) == [(2, 0), (1, 12)]
+    assert [e for _, e in reports] == [None] * 3
+    assert torch.equal(_b(dst[0])[dst_ids], _b(src[0])[src_ids])
+    assert torch.equal(_b(dst[1])[dst_ids[4:]], _b(src[1])[src_ids[4:]])
+    assert torch.equal(_b(dst[1])[dst_ids[:4]], _b(before[1])[dst_ids[:4]])
+
+
+def test_a_whole_pull_that_died_is_dropped_unwritten():
+    """Messages of a small pull whose pull dies before the rest come: nothing verified or written,
+    every future set (nothing reported: the pull failed already)."""
+    src, dst = filled_caches(DESC, 0), filled_caches(DESC, 1)
+    before = [c.clone() for c in dst]
+    dead, calls, reports = threading.Event(), [], []
+    lander = Lander(SimpleNamespace(verify_scatter=lambda *a, **k: calls.append(1)), None, PinnedPool(),
+                    reports.extend, lambda job: not dead.is_set(), linger_s=5.0)
+    ids = torch.arange(8)
+    jobs = []
+    for layer in range(2):
+        h, payload = _pull_msg(src, layer, 1, 0, 4, list(range(8)))
+        jobs.append(LandJob(SimpleNamespace(), h, [payload.numpy().tobytes()], None, False, dst[layer:layer + 1],
+                            ids[:4], range(2), layers=dst, pull_ids=ids))
+    jobs[1].p = jobs[0].p
+    for job in jobs:
+        lander.submit(job)
+    assert until(lambda: lander.stage_s["messages"] == 2, 10)
+    dead.set()
+    assert until(lambda: all(job.future.done() for job in jobs), 10)    # swept well before the 5 s linger ends
+    lander.close()
+    assert calls == [] and reports == []
+    assert all(torch.equal(_b(d), _b(b)) for d, b in zip(dst, before))

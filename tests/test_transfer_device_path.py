@@ -446,6 +446,7 @@ def test_lander_reuses_a_pinned_buffer_only_after_its_device_copy(monkeypatch):
     exactly the third launch, into the first message's buffer. No buffer goes back to the pool
     before its event has passed, the I/O thread keeps receiving meanwhile, and the pull lands
     byte-exact (16 messages, real sockets, the plain-PyTorch kernels)."""
+    monkeypatch.setattr(landing_mod, "WHOLE_BYTES", 0)   # pulls too large to stage whole: runs of messages
     events = []
 
     def record(stream):
@@ -547,6 +548,7 @@ def test_small_messages_are_gathered_and_verified_in_groups(device, monkeypatch)
     messages, across layer boundaries, each message its own checksum), and the decode side, its
     landing thread held until every message has arrived, verifies them in as many passes; every
     block lands byte-exact."""
+    monkeypatch.setattr(landing_mod, "WHOLE_BYTES", 0)   # pulls too large to stage whole: runs of messages
     desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=16, num_layers=4,
                      num_blocks=12)
     src = [c.to(device) for c in filled_caches(desc, 0)]
