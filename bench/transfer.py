@@ -220,8 +220,8 @@ def _frame_ops(kernels: bool):
 
 def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoints, sizes, kernels=False,
                plane="zmq", prestage_bytes=None, lanes=None) -> None:
-    """One row: publish ``transfers`` on a prefill endpoint, connect a PUSH socket to each of
-    ``push_endpoints``; then answer "cpu" with this process's CPU seconds, "go" with one burst of
+    """One row: a prefill endpoint that publishes ``transfers`` when asked ("publish": once the decode
+    side has connected), a PUSH socket connected to each of ``push_endpoints``; it answers "cpu" with this process's CPU seconds, "go" with one burst of
     ``sizes`` messages (consecutive slices of one buffer of their total) on the first socket,
     "go_hot" with the same burst re-sending the first slice, and "go_lanes" with the "go" burst
     dealt over every socket in turn (one TCP connection each, on ZeroMQ I/O threads of their own)."""
@@ -239,12 +239,14 @@ def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpo
     with PrefillEndpoint(synthetic_caches(desc, seed, device), desc, chunk_bytes=chunk_bytes, lease_s=600,
                          frame_ops=_frame_ops(kernels), data_plane=plane, prestage_bytes=prestage_bytes,
                          **_lanes_kw(lanes, prefill=True)) as pre:
-        for tid, ids in transfers:
-            pre.publish(tid, ids)
         conn.send(pre.endpoint)
         while True:
             cmd = conn.recv()
-            if cmd == "go":
+            if cmd == "publish":     # once the decode side is connected, as a serving engine's workers are
+                for tid, ids in transfers:
+                    pre.publish(tid, ids)
+                conn.send(True)
+            elif cmd == "go":
                 off = 0
                 for n in sizes:
                     push.send(buf[off:off + n], copy=False)
@@ -375,6 +377,7 @@ def bench_row(sender: Sender, geo, layers, nblocks, repeats, chunk_bytes, contig
                             nixl_region_bytes=max(1 << 20, total), recv_into=recv_into,
                             **_lanes_kw(lanes)) as dec:
             dec.connect(endpoint, timeout_s=30)
+            sender.ask("publish")
             algorithm = dec.checksum
             for r in range(repeats + 1):               # first round is warm-up
                 dst_ids = torch.randperm(2 * nblocks, generator=gen)[:nblocks].tolist()
