@@ -221,7 +221,8 @@ def _frame_ops(kernels: bool):
 def _serve_row(conn, desc_dict, seed, device, chunk_bytes, transfers, push_endpoints, sizes, kernels=False,
                plane="zmq", prestage_bytes=None, lanes=None) -> None:
     """One row: a prefill endpoint that publishes ``transfers`` when asked ("publish": once the decode
-    side has connected), a PUSH socket connected to each of ``push_endpoints``; it answers "cpu" with this process's CPU seconds, "go" with one burst of
+    side has connected), a PUSH socket connected to each of ``push_endpoints``; it answers "cpu"
+    with this process's CPU seconds, "go" with one burst of
     ``sizes`` messages (consecutive slices of one buffer of their total) on the first socket,
     "go_hot" with the same burst re-sending the first slice, and "go_lanes" with the "go" burst
     dealt over every socket in turn (one TCP connection each, on ZeroMQ I/O threads of their own)."""

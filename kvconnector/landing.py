@@ -385,20 +385,47 @@ class Lander:
         whole = _whole(job, self.whole_bytes) if self.whole_bytes else None
         if whole is not None:
             return self._stage_whole(job, *whole)
-        h, g = job.h, self._group
+        g = self._group
         span = None if g is None else g.extended(job)
         if span is None:
             self._close_group()
             g, span = None, _cells(job)
-        total = sum(h.nbytes)
+        size = max(sum(job.h.nbytes), self.group_bytes if span is not None else 0)
+        g = self._copy_in(job, g, 0 if g is None else g.used, size)
+        if g is not None:
+            g.add(job, span)
+            self._group = g
+
+    def _stage_whole(self, job: LandJob, cells: int, cell: int) -> None:
+        """Queue the message's copy to its place in its pull's whole staging buffer (``cells`` of
+        ``cell`` bytes), made by the pull's first message to come; the pull's last message to come
+        queues the verify + scatter of all of them (headers in payload order). A failed copy fails
+        the message's pull; the sweep then hands the group's other messages back."""
+        g = self._copy_in(job, self._wholes.get(id(job.p)), _cells(job)[0] * cell, cells * cell)
+        if g is None:
+            return
+        if g.span is None:       # made for this message
+            g.span, g.cell = (0, cells), cell
+            self._wholes[id(job.p)] = g
+        g.add(job, g.span)
+        g.added = time.perf_counter()
+        if g.used == g.staging.numel():
+            del self._wholes[id(job.p)]
+            g.jobs.sort(key=lambda j: _cells(j)[0])
+            self._queue(g)
+
+    def _copy_in(self, job: LandJob, g: _Group | None, at: int, size: int) -> _Group | None:
+        """Queue the copy of the message's payload into group ``g``'s staging buffer at byte ``at``
+        (``g`` None: into a new group of ``size`` bytes); the group, or None when the copy failed
+        (the message failed, alone)."""
+        total = sum(job.h.nbytes)
         try:
             with self._launch_time("land", job):
                 try:
                     if g is None:
-                        size = max(total, self.group_bytes if span is not None else 0)
                         device = "cpu" if self.stream is None else self.stream.device
                         g = _Group(torch.empty(size, dtype=torch.uint8, device=device))   # on the copy stream
-                    stage_payload(job.host, g.staging[g.used:g.used + total], fill=job.fill, timings=self.stage_s)
+                    stage_payload(job.host, g.staging[at:at + total], fill=job.fill, timings=self.stage_s)
                 except BaseException:
                     if self.stream is not None:
                         self.stream.synchronize()   # no device copy may still read the buffer handed back in _drop
@@ -407,42 +434,9 @@ class Lander:
                     self.stage_s["messages"] += 1
         except Exception as e:
             self._fail(job, e)
-            return
+            return None
         job.frames = job.fill = None    # ZeroMQ's buffers go back now
-        g.add(job, span)
-        self._group = g
-
-    def _stage_whole(self, job: LandJob, cells: int, cell: int) -> None:
-        """Queue the message's copy to its place in its pull's whole staging buffer (``cells`` of
-        ``cell`` bytes), made by the pull's first message to come; the pull's last message to come
-        queues the verify + scatter of all of them (headers in payload order)."""
-        g = self._wholes.get(id(job.p))
-        at, size = _cells(job)[0] * cell, sum(job.h.nbytes)
-        try:
-            with self._launch_time("land", job):
-                try:
-                    if g is None:
-                        device = "cpu" if self.stream is None else self.stream.device
-                        g = _Group(torch.empty(cells * cell, dtype=torch.uint8, device=device))
-                        g.span, g.cell = (0, cells), cell
-                        self._wholes[id(job.p)] = g
-                    stage_payload(job.host, g.staging[at:at + size], fill=job.fill, timings=self.stage_s)
-                except BaseException:
-                    if self.stream is not None:
-                        self.stream.synchronize()
-                    raise
-                finally:
-                    self.stage_s["messages"] += 1
-        except Exception as e:
-            self._fail(job, e)     # its pull fails: the sweep hands the group's other messages back
-            return
-        job.frames = job.fill = None
-        g.add(job, g.span)
-        g.added = time.perf_counter()
-        if g.used == g.staging.numel():
-            del self._wholes[id(job.p)]
-            g.jobs.sort(key=lambda j: _cells(j)[0])
-            self._queue(g)
+        return g
 
     def _sweep_wholes(self, closing: bool = False) -> None:
         """Whole-pull groups whose pull died go to the watcher unverified (their messages are
