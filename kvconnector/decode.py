@@ -69,6 +69,8 @@ RECV_BYTES = 64 << 20      # recv_into: pooled pinned bytes held at once (receiv
 # buffer, which costs the Python threads of the process GIL hand-offs per piece (docs/DESIGN_NOTES.md).
 RECV_INTO = hasattr(zmq.Socket, "recv_into")
 CUDA_LANES = 4      # connections to the prefill that BLOCKS come over, CUDA caches (default_lanes)
+PREPARE_S = 5.0     # the I/O thread waits at most this long at a pull's first BLOCKS for pull() to have made its
+#                     device ids and start event (CUDA caches; pull() makes them just after the PULL leaves)
 LANE_WAIT_S = 1.0   # connect() waits at most this long (within its timeout) for the granted lanes' handshakes
 
 
@@ -262,13 +264,25 @@ class DecodeEndpoint:
             raise LayoutError(f"heads: expected a range inside {self.shared_heads}, got {heads}")
         h = PullHandle(transfer_id, ids, self.descriptor.num_layers, (heads.start, heads.stop),
                        time.monotonic() + deadline_s, on_layer)
-        if self.cuda:   # ids on the device, and the event every write of this pull waits for: the ids' copy and
-            #             the work queued so far on the caller's stream (e.g. reads of these blocks' old contents)
+        if not self.cuda:
+            self._loop.call_soon(self._start_pull, h)
+            return h
+        # CUDA: the PULL leaves first; meanwhile this thread copies the ids to the device and records the
+        # event every write of this pull waits for (the ids' copy and the work queued so far on the caller's
+        # stream, e.g. reads of these blocks' old contents). The I/O thread waits for both at the first BLOCKS.
+        h.preparing = threading.Event()
+        self._loop.call_soon(self._start_pull, h)
+        try:
             device = self.caches[0].device
             h.dst_dev = device_ids(ids, device)
             h.ready = torch.cuda.Event()
             h.ready.record(torch.cuda.current_stream(device))
-        self._loop.call_soon(self._start_pull, h)
+        except BaseException as e:
+            h.prepare_error = e
+            self._loop.call_soon(self._abort_prepared, h)
+            raise
+        finally:
+            h.preparing.set()
         return h
 
     def abort(self, transfer_id: str) -> None:
@@ -451,6 +465,13 @@ class DecodeEndpoint:
         ``checksum`` for a checksum mismatch, else ``corrupt_frame``."""
         self._fail(h, err, "checksum" if "checksum" in str(err) else "corrupt_frame")
 
+    def _abort_prepared(self, h: PullHandle) -> None:
+        """pull() raised making ``h``'s device ids or start event after its PULL left: that pull (and
+        no other of the same id) ends, the prefill told to release."""
+        if self._pending.get(h.transfer_id) is h:
+            self._fail(h, PeerError(f"pull {h.transfer_id!r} aborted: preparing it raised "
+                                    f"{type(h.prepare_error).__name__}: {h.prepare_error}"), "aborted")
+
     def _abort(self, tid: str) -> None:
         h = self._pending.get(tid)
         if h is not None:
@@ -546,6 +567,12 @@ class DecodeEndpoint:
         p = self._pending.get(h.tid)
         if p is None:
             return self.metrics.ignore("late")
+        if p.preparing is not None and not p.preparing.wait(PREPARE_S):   # set by pull() just after the PULL
+            return self._fail(p, TransferError(f"pull {p.transfer_id!r}: the caller's thread did not finish "
+                                               f"preparing it (device ids, start event) within {PREPARE_S} s"),
+                              "write_error")
+        if p.prepare_error is not None:   # pull() raised it; the pull is being aborted
+            return self.metrics.ignore("aborted")
         try:
             return self._accept(p, h, payloads, received)
         except Exception as e:

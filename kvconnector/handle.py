@@ -36,7 +36,10 @@ class PullHandle:
                  deadline_at: float, on_layer: Callable | None) -> None:
         self.transfer_id, self.dst_block_ids = transfer_id, tuple(dst_block_ids)
         self.dst_index = np.asarray(self.dst_block_ids, dtype=np.intp)   # for row scatters
-        self.dst_dev = None   # CUDA caches: the destination ids on the device, made at the first write
+        self.dst_dev = None   # CUDA caches: the destination ids on the device (pull(); CPU: at the first write)
+        self.ready = None     # CUDA caches: the event every write of the pull waits for (pull())
+        self.preparing: threading.Event | None = None   # CUDA caches: set once pull() has made both
+        self.prepare_error: BaseException | None = None  # what making them raised (the pull is aborted)
         self.num_layers, self.heads, self.deadline_at = num_layers, tuple(heads), deadline_at
         self.on_layer = on_layer
         n = len(dst_block_ids)

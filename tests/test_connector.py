@@ -116,6 +116,67 @@ def test_cuda_caches_byte_exact(mode, head_size, chunk, copy_threads):
             assert torch.equal(_bytes(d)[5], _bytes(s)[1][:, :, 2:4])
             assert torch.equal(_bytes(d)[0], _bytes(s)[4][:, :, 2:4])
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pull_request_leaves_before_the_ids_are_on_the_device(monkeypatch):
+    """pull() sends the PULL before it copies the destination ids to the device: the prefill has the
+    request while the copy is still held back here, its BLOCKS arrive before the ids exist, and the I/O
+    thread waits for them and lands every byte."""
+    import kvconnector.decode as decode_mod
+    desc = make_desc(KVQuantMode.INT4_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=4, num_layers=3, num_blocks=12)
+    src = [c.cuda() for c in filled_caches(desc, 0)]
+    dst = [c.cuda() for c in filled_caches(desc, 1)]
+    src_ids, dst_ids = [9, 3, 4, 5], [2, 7, 1, 10]
+    seen = []
+    real = decode_mod.device_ids
+    with PrefillEndpoint(src, desc) as pre, DecodeEndpoint(dst, desc) as dec:
+        def held_back(ids, device):
+            deadline = time.monotonic() + 5
+            while pre.stats()["transfers_started"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen.append(pre.stats()["transfers_started"])
+            time.sleep(0.2)             # the BLOCKS are on their way meanwhile
+            return real(ids, device)
+        monkeypatch.setattr(decode_mod, "device_ids", held_back)
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", src_ids)
+        dec.pull("t", dst_ids, deadline_s=10).result(timeout=10)
+        torch.cuda.synchronize()
+        assert seen == [1]
+        for s, d in zip(src, dst):
+            for si, di in zip(src_ids, dst_ids):
+                assert torch.equal(_bytes(d)[di], _bytes(s)[si])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pull_fails_in_the_caller_when_its_ids_cannot_reach_the_device(monkeypatch):
+    """A failure making the pull's device ids raises from pull() itself; the PULL already sent is
+    aborted (the prefill releases its lease) and no destination byte changes."""
+    import kvconnector.decode as decode_mod
+    desc = make_desc(KVQuantMode.INT8_PER_TOKEN_HEAD, 64, num_kv_heads=2, block_size=4, num_layers=2, num_blocks=8)
+    src = [c.cuda() for c in filled_caches(desc, 0)]
+    dst = [c.cuda() for c in filled_caches(desc, 1)]
+    before = [c.clone() for c in dst]
+    released = []
+
+    def broken(ids, device):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+    with PrefillEndpoint(src, desc, on_release=lambda *a: released.append(a)) as pre, \
+            DecodeEndpoint(dst, desc) as dec:
+        dec.connect(pre.endpoint, timeout_s=5)
+        pre.publish("t", [1, 2])
+        monkeypatch.setattr(decode_mod, "device_ids", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            dec.pull("t", [3, 4], deadline_s=10)
+        deadline = time.monotonic() + 5
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert released == [("t", [1, 2], "aborted")]
+        torch.cuda.synchronize()
+        for d, b in zip(dst, before):
+            assert torch.equal(_bytes(d), _bytes(b))
+        assert dec.stats()["pending"] == 0
+
+
 MISMATCHES = [
     ("quant_mode", dict(mode=KVQuantMode.INT8_PER_TOKEN_HEAD)),
     ("head_size", dict(head_size=64)),
