@@ -116,6 +116,7 @@ def test_cuda_caches_byte_exact(mode, head_size, chunk, copy_threads):
             assert torch.equal(_bytes(d)[5], _bytes(s)[1][:, :, 2:4])
             assert torch.equal(_bytes(d)[0], _bytes(s)[4][:, :, 2:4])
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_pull_request_leaves_before_the_ids_are_on_the_device(monkeypatch):
     """pull() sends the PULL before it copies the destination ids to the device: the prefill has the
